@@ -1,0 +1,647 @@
+"""reputd configuration: defaults < YAML file < ``REPUTD_*`` environment variables < explicit overrides.
+
+Store keys keep RocketMQ's MessageStoreConfig names so operators can copy them from broker.conf. The sizes
+that shape files on disk must equal the broker's, or the rebuilt ConsumeQueue/IndexFile will not match it.
+Every value is validated as it is read, so a mistake is reported with the dotted key and where it came from.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import yaml
+
+__all__ = [
+    "BUILTIN_DISPATCHERS",
+    "CQ_STORE_UNIT_SIZE",
+    "DELAY_UNIT_MS",
+    "ENV_IGNORED",
+    "ENV_PREFIX",
+    "Config",
+    "ConfigError",
+    "DispatcherSpec",
+    "LoggingConfig",
+    "MetricsConfig",
+    "OutputConfig",
+    "ReputConfig",
+    "StoreConfig",
+    "default_config",
+    "env_var_name",
+    "load_config",
+    "parse_delay_levels",
+]
+
+ENV_PREFIX = "REPUTD_"
+# Names under the prefix that are not config keys (the CLI may read the config file's path from it),
+# so the typo check must not reject them.
+ENV_IGNORED = frozenset({"REPUTD_CONFIG"})
+
+DELAY_UNIT_MS = {"s": 1000, "m": 60000, "h": 3600000, "d": 86400000}
+CQ_STORE_UNIT_SIZE = 20
+BUILTIN_DISPATCHERS = ("consumequeue", "index")
+ROOT_DIR_PLACEHOLDER = "{storePathRootDir}"
+
+_JAVA_INT_MAX = 2**31 - 1
+_INDEX_HEADER_SIZE = 40
+_HASH_SLOT_SIZE = 4
+_INDEX_ENTRY_SIZE = 20
+_DELAY_TOKEN = re.compile(r"([0-9]+)([smhd])", re.ASCII)
+_PLACEHOLDER = re.compile(r"\{[A-Za-z_]\w*\}", re.ASCII)
+_PLUGIN_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*", re.ASCII)
+_CAMEL_WORD = re.compile(r"(.)([A-Z][a-z]+)")
+_CAMEL_TAIL = re.compile(r"([a-z0-9])([A-Z])")
+
+
+class ConfigError(Exception):
+    """Bad configuration; ``key`` is the dotted key at fault ('' for the whole file) and str() names it."""
+
+    key: str
+    message: str
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(key, message)
+        self.key = key
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}" if self.key else self.message
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """The part of the broker's MessageStoreConfig that locates the CommitLog and shapes the output files."""
+
+    store_path_root_dir: str
+    store_path_commit_log: str
+    mapped_file_size_commit_log: int = 1073741824
+    mapped_file_size_consume_queue: int = 6000000
+    max_hash_slot_num: int = 5000000
+    max_index_num: int = 20000000
+    message_index_enable: bool = True
+    max_msgs_num_batch: int = 64
+    max_message_size: int = 4194304
+    message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+    check_crc_on_recover: bool = True
+    flush_interval_consume_queue: int = 1000
+    flush_consume_queue_least_pages: int = 2
+    flush_consume_queue_thorough_interval: int = 60000
+
+    @property
+    def commit_log_dirs(self) -> tuple[str, ...]:
+        """The CommitLog directories; RocketMQ spreads files over several when the path is comma-separated."""
+        return tuple(part for part in (p.strip() for p in self.store_path_commit_log.split(",")) if part)
+
+    @property
+    def delay_levels_ms(self) -> tuple[int, ...]:
+        """Delay per level in ms, level 1 first; needed to compute the tags code of scheduled messages."""
+        return parse_delay_levels(self.message_delay_level)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConfig:
+    """Where the rebuilt consumequeue/ and index/ trees go; the store root unless configured otherwise."""
+
+    dir: str
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """Prometheus endpoint; loopback by default because the metrics are unauthenticated."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 9108
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherSpec:
+    """One dispatcher to run: a built-in name or an importable ``package.module:Class`` plug-in."""
+
+    name: str
+    options: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ReputConfig:
+    """How the reput loop follows the CommitLog and what it does with damaged data."""
+
+    poll_interval_ms: int = 500
+    batch_bytes: int = 4194304
+    on_corruption: str = "stop"
+    shutdown_timeout_ms: int = 10000
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """Log verbosity and rendering; ``auto`` picks console output on a TTY and JSON otherwise."""
+
+    level: str = "info"
+    format: str = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The complete, validated configuration; ``source`` is the file it was loaded from, if any."""
+
+    store: StoreConfig
+    output: OutputConfig
+    reput: ReputConfig
+    dispatchers: tuple[DispatcherSpec, ...]
+    metrics: MetricsConfig
+    logging: LoggingConfig
+    source: str | None
+
+
+def parse_delay_levels(spec: str) -> tuple[int, ...]:
+    """Delay in ms of each level (level 1 at index 0), parsed as the broker's ScheduleMessageService does."""
+    tokens = spec.split()
+    if not tokens:
+        raise ValueError("no delay levels given")
+    delays = []
+    for token in tokens:
+        match = _DELAY_TOKEN.fullmatch(token)
+        if match is None:
+            raise ValueError(f"bad delay level {token!r}: expected digits followed by one of s, m, h, d")
+        delays.append(int(match[1]) * DELAY_UNIT_MS[match[2]])
+    return tuple(delays)
+
+
+def _camel_to_snake(name: str) -> str:
+    return _CAMEL_TAIL.sub(r"\1_\2", _CAMEL_WORD.sub(r"\1_\2", name)).lower()
+
+
+def env_var_name(section: str, key: str = "") -> str:
+    """Variable overriding ``section.key``; ("store", "maxHashSlotNum") -> REPUTD_STORE_MAX_HASH_SLOT_NUM."""
+    parts = [section.upper()] + ([_camel_to_snake(key).upper()] if key else [])
+    return ENV_PREFIX + "_".join(parts)
+
+
+Check = Callable[[Any], str | None]
+
+
+def _in_range(low: int, high: int | None = None, why: str = "") -> Check:
+    def check(value: int) -> str | None:
+        if value < low:
+            return f"{value} must be >= {low}"
+        if high is not None and value > high:
+            return f"{value} must be <= {high}{why}"
+        return None
+
+    return check
+
+
+def _java_int(low: int) -> Check:
+    return _in_range(low, _JAVA_INT_MAX, " (the broker holds it in a Java int)")
+
+
+def _one_of(*choices: str) -> Check:
+    def check(value: str) -> str | None:
+        return None if value in choices else f"{value!r} is not one of: {', '.join(choices)}"
+
+    return check
+
+
+def _non_empty(value: str) -> str | None:
+    return None if value.strip() else "must not be empty"
+
+
+def _cq_multiple(value: int) -> str | None:
+    if value % CQ_STORE_UNIT_SIZE == 0:
+        return None
+    rounded = -(-value // CQ_STORE_UNIT_SIZE) * CQ_STORE_UNIT_SIZE
+    return (
+        f"{value} is not a multiple of {CQ_STORE_UNIT_SIZE} (the ConsumeQueue unit size); "
+        f"the broker silently rounds it up to {rounded}, so write that"
+    )
+
+
+def _delay_levels(value: str) -> str | None:
+    try:
+        parse_delay_levels(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Key:
+    section: str
+    name: str
+    kind: str
+    checks: tuple[Check, ...] = ()
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def attr(self) -> str:
+        return _camel_to_snake(self.name)
+
+
+_KINDS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "int": (int, "an integer"),
+    "bool": (bool, "a boolean"),
+    "str": (str, "a string"),
+    "path": (str, "a path"),
+    "paths": (str, "a path or comma-separated paths"),
+}
+_STRING_KINDS = frozenset({"str", "path", "paths"})
+
+_SECTION_CLASSES: dict[str, type] = {
+    "store": StoreConfig,
+    "output": OutputConfig,
+    "reput": ReputConfig,
+    "metrics": MetricsConfig,
+    "logging": LoggingConfig,
+}
+
+_KEY_LIST = (
+    _Key("store", "storePathRootDir", "path"),
+    _Key("store", "storePathCommitLog", "paths"),
+    _Key("store", "mappedFileSizeCommitLog", "int", (_java_int(1),)),
+    _Key("store", "mappedFileSizeConsumeQueue", "int", (_java_int(1), _cq_multiple)),
+    _Key("store", "maxHashSlotNum", "int", (_java_int(1),)),
+    _Key("store", "maxIndexNum", "int", (_java_int(2),)),
+    _Key("store", "messageIndexEnable", "bool"),
+    _Key("store", "maxMsgsNumBatch", "int", (_java_int(1),)),
+    _Key("store", "maxMessageSize", "int", (_java_int(1),)),
+    _Key("store", "messageDelayLevel", "str", (_delay_levels,)),
+    _Key("store", "checkCRCOnRecover", "bool"),
+    _Key("store", "flushIntervalConsumeQueue", "int", (_java_int(1),)),
+    _Key("store", "flushConsumeQueueLeastPages", "int", (_java_int(0),)),
+    _Key("store", "flushConsumeQueueThoroughInterval", "int", (_java_int(0),)),
+    _Key("output", "dir", "path"),
+    _Key("reput", "pollIntervalMs", "int", (_in_range(1),)),
+    _Key("reput", "batchBytes", "int", (_in_range(1),)),
+    _Key("reput", "onCorruption", "str", (_one_of("stop", "skip-segment"),)),
+    _Key("reput", "shutdownTimeoutMs", "int", (_in_range(1),)),
+    _Key("metrics", "enabled", "bool"),
+    _Key("metrics", "host", "str", (_non_empty,)),
+    _Key("metrics", "port", "int", (_in_range(1, 65535),)),
+    _Key("logging", "level", "str", (_one_of("debug", "info", "warning", "error"),)),
+    _Key("logging", "format", "str", (_one_of("json", "console", "auto"),)),
+)
+_KEYS: dict[tuple[str, str], _Key] = {(k.section, k.name): k for k in _KEY_LIST}
+_DISPATCHERS_SECTION = "dispatchers"
+_ENV_KEYS: dict[str, _Key] = {env_var_name(k.section, k.name): k for k in _KEY_LIST}
+_DISPATCHERS_ENV = env_var_name(_DISPATCHERS_SECTION)
+
+# Defaults the dataclasses cannot carry because they depend on other values; None means "the store root".
+_DERIVED_DEFAULTS: dict[tuple[str, str], Any] = {
+    ("store", "storePathRootDir"): "./var/store",
+    ("store", "storePathCommitLog"): ROOT_DIR_PLACEHOLDER + "/commitlog",
+    ("output", "dir"): None,
+}
+
+
+def _check_key_table() -> None:
+    for section, cls in _SECTION_CLASSES.items():
+        attrs = {f.name for f in fields(cls)}
+        named = {k.attr for k in _KEY_LIST if k.section == section}
+        if attrs != named:
+            raise RuntimeError(f"config key table out of step with {cls.__name__}: {sorted(attrs ^ named)}")
+    if len(_ENV_KEYS) != len(_KEY_LIST):
+        raise RuntimeError("two config keys map to the same environment variable")
+
+
+_check_key_table()
+
+
+class _Setting(NamedTuple):
+    value: Any
+    base_dir: str
+    origin: str
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, int):
+        return f"an integer ({value})"
+    if isinstance(value, float):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return f"a string ({value!r})"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return type(value).__name__
+
+
+def _error(key: str, message: str, origin: str) -> ConfigError:
+    return ConfigError(key, f"{message} ({origin})" if origin else message)
+
+
+def _validate(key: _Key, value: Any, origin: str) -> Any:
+    expected, label = _KINDS[key.kind]
+    wrong_type = not isinstance(value, expected) or (key.kind == "int" and isinstance(value, bool))
+    if wrong_type:
+        raise _error(key.dotted, f"expected {label}, got {_describe(value)}", origin)
+    if key.kind in ("path", "paths") and not value.strip():
+        raise _error(key.dotted, "must not be empty", origin)
+    for check in key.checks:
+        problem = check(value)
+        if problem:
+            raise _error(key.dotted, problem, origin)
+    return value
+
+
+def _suggest(word: str, candidates: list[str]) -> str:
+    by_snake = {_camel_to_snake(c): c for c in candidates}
+    if word in by_snake:
+        return f"; did you mean {by_snake[word]!r}?"
+    close = difflib.get_close_matches(word, candidates, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: _freeze(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, set | frozenset):
+        return frozenset(value)
+    return value
+
+
+def _parse_dispatchers(raw: Any, origin: str) -> tuple[DispatcherSpec, ...]:
+    if not isinstance(raw, list | tuple) or not raw:
+        raise _error(
+            _DISPATCHERS_SECTION, f"expected a non-empty list of dispatchers, got {_describe(raw)}", origin
+        )
+    specs: list[DispatcherSpec] = []
+    for index, item in enumerate(raw):
+        key = f"{_DISPATCHERS_SECTION}[{index}]"
+        name_key = key
+        options: Any = {}
+        if isinstance(item, Mapping):
+            for extra in item:
+                if extra not in ("name", "options"):
+                    raise _error(
+                        f"{key}.{extra}", "unknown key; a dispatcher entry has 'name' and 'options'", origin
+                    )
+            if "name" not in item:
+                raise _error(f"{key}.name", "missing", origin)
+            name_key = f"{key}.name"
+            name = item["name"]
+            options = {} if item.get("options") is None else item["options"]
+            if not isinstance(options, Mapping):
+                raise _error(f"{key}.options", f"expected a mapping, got {_describe(options)}", origin)
+            if not all(isinstance(k, str) for k in options):
+                raise _error(f"{key}.options", "option names must be strings", origin)
+        elif isinstance(item, str):
+            name = item
+        else:
+            raise _error(
+                key,
+                f"expected a dispatcher name or a mapping with name/options, got {_describe(item)}",
+                origin,
+            )
+        if not isinstance(name, str):
+            raise _error(name_key, f"expected a string, got {_describe(name)}", origin)
+        if name not in BUILTIN_DISPATCHERS and not _PLUGIN_NAME.fullmatch(name):
+            raise _error(
+                name_key,
+                f"{name!r} is neither a built-in dispatcher ({', '.join(BUILTIN_DISPATCHERS)}) "
+                "nor a plug-in class written as package.module:Class",
+                origin,
+            )
+        if name in BUILTIN_DISPATCHERS and any(s.name == name for s in specs):
+            raise _error(name_key, f"{name!r} is listed twice; it would write the same files twice", origin)
+        specs.append(DispatcherSpec(name, _freeze(options)))
+    return tuple(specs)
+
+
+def _split_names(raw: Any) -> Any:
+    """Let an env var or CLI flag give dispatchers as 'consumequeue,index' instead of a YAML list."""
+    if isinstance(raw, str):
+        return [part.strip() for part in raw.split(",")]
+    return raw
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which plain PyYAML silently resolves to the last one."""
+
+
+def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            duplicate = key in seen
+        except TypeError:
+            continue
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
+
+def _read_yaml(source: str) -> Any:
+    try:
+        with open(source, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise ConfigError("", f"cannot read config file {source}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"config file {source} is not UTF-8 text: {exc}") from exc
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
+        problem = ": ".join(p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
+        raise ConfigError("", f"{where}: invalid YAML: {problem or exc}") from exc
+
+
+class _Layers:
+    """Accumulates validated settings; later layers replace earlier ones key by key."""
+
+    def __init__(self, cwd: str) -> None:
+        self.settings: dict[_Key, _Setting] = {}
+        for key in _KEY_LIST:
+            where = (key.section, key.name)
+            if where in _DERIVED_DEFAULTS:
+                default = _DERIVED_DEFAULTS[where]
+            else:
+                default = next(f.default for f in fields(_SECTION_CLASSES[key.section]) if f.name == key.attr)
+            self.settings[key] = _Setting(default, cwd, "")
+        self.dispatchers = tuple(DispatcherSpec(name, MappingProxyType({})) for name in BUILTIN_DISPATCHERS)
+
+    def set(self, key: _Key, value: Any, base_dir: str, origin: str) -> None:
+        self.settings[key] = _Setting(_validate(key, value, origin), base_dir, origin)
+
+    def apply_file(self, data: Any, source: str) -> None:
+        if data is None:
+            return
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                "", f"{source}: the top level must be a mapping of sections, got {_describe(data)}"
+            )
+        origin = f"in {source}"
+        base_dir = os.path.dirname(source)
+        sections = [*_SECTION_CLASSES, _DISPATCHERS_SECTION]
+        for section, body in data.items():
+            if section == _DISPATCHERS_SECTION:
+                self.dispatchers = _parse_dispatchers(body, origin)
+                continue
+            if section not in _SECTION_CLASSES:
+                owner = next((k.section for k in _KEY_LIST if k.name == section), None)
+                hint = (
+                    f"; {section!r} belongs under '{owner}:'" if owner else _suggest(str(section), sections)
+                )
+                raise _error(str(section), f"unknown section{hint}", origin)
+            if body is None:
+                continue
+            if not isinstance(body, Mapping):
+                raise _error(section, f"expected a mapping of keys, got {_describe(body)}", origin)
+            for name, value in body.items():
+                key = _KEYS.get((section, name))
+                if key is None:
+                    known = [k.name for k in _KEY_LIST if k.section == section]
+                    raise _error(f"{section}.{name}", f"unknown key{_suggest(str(name), known)}", origin)
+                self.set(key, value, base_dir, origin)
+
+    def apply_env(self, env: Mapping[str, str], cwd: str) -> None:
+        for var in sorted(env):
+            if not var.startswith(ENV_PREFIX) or var in ENV_IGNORED:
+                continue
+            raw = env[var]
+            origin = f"from {var}"
+            if var == _DISPATCHERS_ENV:
+                self.dispatchers = _parse_dispatchers(_split_names(_parse_env_yaml(var, var, raw)), origin)
+                continue
+            key = _ENV_KEYS.get(var)
+            if key is None:
+                known = [*_ENV_KEYS, _DISPATCHERS_ENV]
+                raise ConfigError(
+                    var, f"environment variable names no configuration key{_suggest(var, known)}"
+                )
+            value = raw if key.kind in _STRING_KINDS else _parse_env_yaml(key.dotted, var, raw)
+            self.set(key, value, cwd, origin)
+
+    def apply_overrides(self, overrides: Mapping[str, Any], cwd: str) -> None:
+        origin = "from overrides"
+        for dotted, value in overrides.items():
+            if value is None:
+                continue
+            if dotted == _DISPATCHERS_SECTION:
+                self.dispatchers = _parse_dispatchers(_split_names(value), origin)
+                continue
+            section, _, name = dotted.partition(".")
+            key = _KEYS.get((section, name))
+            if key is None:
+                known = [k.dotted for k in _KEY_LIST] + [_DISPATCHERS_SECTION]
+                raise ConfigError(dotted, f"unknown override key{_suggest(dotted, known)}")
+            parsed = os.fspath(value) if isinstance(value, os.PathLike) else value
+            if isinstance(value, str) and key.kind not in _STRING_KINDS:
+                parsed = _parse_env_yaml(dotted, "override", value)
+            self.set(key, parsed, cwd, origin)
+
+    def build(self, source: str | None) -> Config:
+        kwargs: dict[str, dict[str, Any]] = {section: {} for section in _SECTION_CLASSES}
+        for key, setting in self.settings.items():
+            kwargs[key.section][key.attr] = setting.value
+        root = self._path(_KEYS[("store", "storePathRootDir")], root=None)
+        kwargs["store"]["store_path_root_dir"] = root
+        commit_log = self._commit_log(_KEYS[("store", "storePathCommitLog")], root)
+        kwargs["store"]["store_path_commit_log"] = commit_log
+        out_key = _KEYS[("output", "dir")]
+        kwargs["output"]["dir"] = root if self.settings[out_key].value is None else self._path(out_key, root)
+        built = {section: cls(**kwargs[section]) for section, cls in _SECTION_CLASSES.items()}
+        self._check_index_size(built["store"])
+        return Config(dispatchers=self.dispatchers, source=source, **built)
+
+    def _check_index_size(self, store: StoreConfig) -> None:
+        size = (
+            _INDEX_HEADER_SIZE
+            + store.max_hash_slot_num * _HASH_SLOT_SIZE
+            + store.max_index_num * _INDEX_ENTRY_SIZE
+        )
+        if size > _JAVA_INT_MAX:
+            key = _KEYS[("store", "maxIndexNum")]
+            raise _error(
+                key.dotted,
+                f"an IndexFile of {store.max_hash_slot_num} slots and {store.max_index_num} entries would be "
+                f"{size} bytes, over the broker's 2 GiB file limit",
+                self.settings[key].origin,
+            )
+
+    def _path(self, key: _Key, root: str | None, text: str | None = None) -> str:
+        setting = self.settings[key]
+        text = setting.value if text is None else text
+        if root is not None:
+            text = text.replace(ROOT_DIR_PLACEHOLDER, root)
+        leftover = _PLACEHOLDER.search(text)
+        if leftover:
+            if root is None:
+                allowed = "; no placeholders are substituted in this key"
+            else:
+                allowed = f"; only {ROOT_DIR_PLACEHOLDER} is substituted"
+            raise _error(key.dotted, f"unknown placeholder {leftover[0]}{allowed}", setting.origin)
+        return os.path.normpath(os.path.join(setting.base_dir, os.path.expanduser(text.strip())))
+
+    def _commit_log(self, key: _Key, root: str) -> str:
+        setting = self.settings[key]
+        dirs: list[str] = []
+        for part in setting.value.split(","):
+            if not part.strip():
+                raise _error(key.dotted, f"empty directory in {setting.value!r}", setting.origin)
+            resolved = self._path(key, root, part)
+            if resolved in dirs:
+                raise _error(key.dotted, f"directory {resolved} is listed twice", setting.origin)
+            dirs.append(resolved)
+        return ",".join(dirs)
+
+
+def _parse_env_yaml(key: str, var: str, raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(key, f"{raw!r} from {var} is not a valid YAML value: {exc}") from exc
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load and validate the configuration.
+
+    ``env`` defaults to ``os.environ``; pass ``{}`` to ignore the environment. ``overrides`` maps dotted keys
+    (``"store.storePathRootDir"``, or ``"dispatchers"``) to values and wins over everything; a None value
+    means "not given", so CLI flags can be passed straight through. Relative paths in the file are resolved
+    against the file's directory, all others (defaults included) against the current directory.
+    """
+    cwd = os.getcwd()
+    layers = _Layers(cwd)
+    source = None
+    if path is not None:
+        source = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        layers.apply_file(_read_yaml(source), source)
+    layers.apply_env(os.environ if env is None else env, cwd)
+    if overrides:
+        layers.apply_overrides(overrides, cwd)
+    return layers.build(source)
+
+
+def default_config() -> Config:
+    """All defaults, ignoring the environment; paths resolve against the current directory."""
+    return load_config(None, env={})

@@ -1,0 +1,370 @@
+"""The CommitLog record format (RocketMQ 4.9.3, plus the 5.x v2 magic and trailing separators).
+
+A segment is a pre-allocated file of `mappedFileSizeCommitLog` bytes holding records back to back; a
+record never spans two files. All integers are big-endian. With B and S the born/store host lengths
+(8 for IPv4 + port, 20 for IPv6 + port, chosen by SYSFLAG bits 4 and 5) and T the topic-length field
+(1 byte for magic v1, 2 for v2):
+
+    offset      size  field
+    0           4     TOTALSIZE                 whole record, this field included
+    4           4     MAGICCODE                 v1 0xDAA320A7, v2 0xDAA320AB, BLANK 0xCBD43194
+    8           4     BODYCRC                   crc32(body) & 0x7FFFFFFF
+    12          4     QUEUEID
+    16          4     FLAG                      opaque user flag
+    20          8     QUEUEOFFSET               unit index in the ConsumeQueue
+    28          8     PHYSICALOFFSET            absolute CommitLog offset of the record
+    36          4     SYSFLAG
+    40          8     BORNTIMESTAMP
+    48          B     BORNHOST                  address + port (int32)
+    48+B        8     STORETIMESTAMP
+    56+B        S     STOREHOST
+    56+B+S      4     RECONSUMETIMES
+    60+B+S      8     PREPARED TRANSACTION OFFSET
+    68+B+S      4     BODYLENGTH (L)
+    72+B+S      L     BODY
+    72+B+S+L    T     TOPICLENGTH (K), signed
+    ...         K     TOPIC (UTF-8)
+    ...         2     PROPERTIESLENGTH (P), signed
+    ...         P     PROPERTIES: name \\x01 value, joined by \\x02
+
+    TOTALSIZE = 74 + B + S + T + L + K + P        (IPv4/IPv4, v1: 91 + L + K + P)
+
+A segment ends with a BLANK record: TOTALSIZE = the bytes left in the file, the BLANK magic, and
+nothing else written (at least 8 bytes), because a writer only appends a record of length n at
+position p when n + 8 <= file size - p. Unwritten space is zeros from pre-allocation, so a TOTALSIZE
+of 0 is where the written data ends; a crash can leave a record torn at that point.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from indexcore.errors import CorruptRecordError
+
+MESSAGE_MAGIC_CODE = -626843481  # 0xDAA320A7
+MESSAGE_MAGIC_CODE_V2 = -626843477  # 0xDAA320AB, [5.x] 2-byte topic length
+BLANK_MAGIC_CODE = -875286124  # 0xCBD43194
+END_FILE_MIN_BLANK_LENGTH = 4 + 4
+
+TOTAL_SIZE_OFFSET = 0
+MAGIC_CODE_OFFSET = 4
+BODY_CRC_OFFSET = 8
+QUEUE_ID_OFFSET = 12
+FLAG_OFFSET = 16
+QUEUE_OFFSET_OFFSET = 20
+PHYSICAL_OFFSET_OFFSET = 28
+SYS_FLAG_OFFSET = 36
+BORN_TIMESTAMP_OFFSET = 40
+BORN_HOST_OFFSET = 48
+
+RECORD_PREFIX = struct.Struct(">ii")  # TOTALSIZE, MAGICCODE
+HOST_V4_LENGTH = 4 + 4
+HOST_V6_LENGTH = 16 + 4
+TOPIC_LENGTH_SIZE_V1 = 1
+TOPIC_LENGTH_SIZE_V2 = 2
+PROPERTIES_LENGTH = struct.Struct(">h")
+TOPIC_LENGTH_V2 = struct.Struct(">h")
+MAX_TOPIC_LENGTH_V1 = 127
+MAX_PROPERTIES_LENGTH = 32767
+DEFAULT_MAX_MESSAGE_SIZE = 4 * 1024 * 1024
+_SIZE_CONSTANT = 74  # TOTALSIZE minus the two hosts, the topic-length field, body, topic and properties
+
+# SYSFLAG bits (MessageSysFlag)
+COMPRESSED_FLAG = 0x1
+MULTI_TAGS_FLAG = 0x2
+TRANSACTION_TYPE_MASK = 0xC
+TRANSACTION_NOT_TYPE = 0x0
+TRANSACTION_PREPARED_TYPE = 0x4
+TRANSACTION_COMMIT_TYPE = 0x8
+TRANSACTION_ROLLBACK_TYPE = 0xC
+BORNHOST_V6_FLAG = 0x10
+STOREHOSTADDRESS_V6_FLAG = 0x20
+
+# Properties (MessageDecoder / MessageConst)
+NAME_VALUE_SEPARATOR = b"\x01"
+PROPERTY_SEPARATOR = b"\x02"
+PROPERTY_KEYS = "KEYS"
+PROPERTY_TAGS = "TAGS"
+PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX = "UNIQ_KEY"
+PROPERTY_DELAY_TIME_LEVEL = "DELAY"
+PROPERTY_REAL_TOPIC = "REAL_TOPIC"
+PROPERTY_REAL_QUEUE_ID = "REAL_QID"
+PROPERTY_WAIT_STORE_MSG_OK = "WAIT"
+PROPERTY_CRC32 = "__CRC32#"  # [5.x] enabledAppendPropCRC
+KEY_SEPARATOR = " "
+CRC32_PROPERTY_DIGITS = 10
+CRC32_RESERVED_LENGTH = len(PROPERTY_CRC32) + 1 + CRC32_PROPERTY_DIGITS + 1  # 20
+
+SCHEDULE_TOPIC = "SCHEDULE_TOPIC_XXXX"
+
+
+def fixed_part_struct(sys_flag: int) -> struct.Struct:
+    """Struct of fields 1 to 15a (up to and including BODYLENGTH) for the record's host kinds."""
+    return _FIXED_PARTS[sys_flag & (BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG)]
+
+
+def _fixed_struct(born_v6: bool, store_v6: bool) -> struct.Struct:
+    born = "16si" if born_v6 else "4si"
+    store = "16si" if store_v6 else "4si"
+    return struct.Struct(f">iiiiiqqiq{born}q{store}iqi")
+
+
+_FIXED_PARTS = {
+    flags: _fixed_struct(bool(flags & BORNHOST_V6_FLAG), bool(flags & STOREHOSTADDRESS_V6_FLAG))
+    for flags in (0, BORNHOST_V6_FLAG, STOREHOSTADDRESS_V6_FLAG, BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG)
+}
+MIN_RECORD_SIZE = _SIZE_CONSTANT + 2 * HOST_V4_LENGTH + TOPIC_LENGTH_SIZE_V1  # 91: empty body, topic, properties
+
+
+def host_length(sys_flag: int, v6_bit: int) -> int:
+    return HOST_V6_LENGTH if sys_flag & v6_bit else HOST_V4_LENGTH
+
+
+def record_size(sys_flag: int, magic: int, body_length: int, topic_length: int, properties_length: int) -> int:
+    """`CommitLog.calMsgLength`: the TOTALSIZE a record with these parts must declare."""
+    t = TOPIC_LENGTH_SIZE_V2 if magic == MESSAGE_MAGIC_CODE_V2 else TOPIC_LENGTH_SIZE_V1
+    return (
+        _SIZE_CONSTANT
+        + host_length(sys_flag, BORNHOST_V6_FLAG)
+        + host_length(sys_flag, STOREHOSTADDRESS_V6_FLAG)
+        + t
+        + max(body_length, 0)
+        + topic_length
+        + max(properties_length, 0)
+    )
+
+
+def body_crc32(body: bytes | memoryview) -> int:
+    """BODYCRC as the broker stores it: CRC-32 (IEEE) with the top bit cleared."""
+    return zlib.crc32(body) & 0x7FFFFFFF
+
+
+def transaction_type(sys_flag: int) -> int:
+    return sys_flag & TRANSACTION_TYPE_MASK
+
+
+# --- topics -------------------------------------------------------------------------------------------
+
+def check_topic(raw: bytes, magic: int = MESSAGE_MAGIC_CODE) -> str:
+    """Decode a stored topic, refusing names that are unsafe as a directory name.
+
+    The topic becomes `consumequeue/{topic}/`, so a stored `../x`, a slash, a NUL or a control character
+    must never reach the file system. Raises CorruptRecordError(field="topic").
+    """
+    if not raw:
+        raise CorruptRecordError("topic", "empty topic")
+    if magic != MESSAGE_MAGIC_CODE_V2 and len(raw) > MAX_TOPIC_LENGTH_V1:
+        raise CorruptRecordError("topic", f"{len(raw)} bytes, over the v1 limit of {MAX_TOPIC_LENGTH_V1}")
+    try:
+        topic = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptRecordError("topic", f"not valid UTF-8: {raw!r}") from None
+    if "/" in topic or "\\" in topic or ".." in topic or topic == ".":
+        raise CorruptRecordError("topic", f"path separator or '..' in topic {topic!r}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in topic):
+        raise CorruptRecordError("topic", f"NUL or control character in topic {topic!r}")
+    return topic
+
+
+# --- properties ---------------------------------------------------------------------------------------
+
+def encode_properties(items: Mapping[str, str] | Iterable[tuple[str, str]], *, trailing_separator: bool = False
+                      ) -> bytes:
+    """`messageProperties2String`: 4.9 writers drop the final separator, 5.x writers keep it."""
+    pairs = items.items() if isinstance(items, Mapping) else items
+    parts = [f"{k}\x01{v}".encode() for k, v in pairs if v is not None]
+    out = PROPERTY_SEPARATOR.join(parts)
+    if trailing_separator and parts:
+        out += PROPERTY_SEPARATOR
+    return out
+
+
+def parse_properties(raw: bytes) -> dict[str, str]:
+    """`string2messageProperties`: segments without a name, a separator or a value are skipped; last wins."""
+    out: dict[str, str] = {}
+    for segment in raw.split(PROPERTY_SEPARATOR):
+        i = segment.find(NAME_VALUE_SEPARATOR)
+        if 0 < i < len(segment) - 1:
+            out[segment[:i].decode("utf-8", "replace")] = segment[i + 1 :].decode("utf-8", "replace")
+    return out
+
+
+def find_property(raw: bytes, name: bytes) -> bytes | None:
+    """The raw value `parse_properties` would give `name`, without splitting the whole string.
+
+    A match counts only at a segment start; the last valid segment wins, so search backwards.
+    """
+    needle = name + NAME_VALUE_SEPARATOR
+    end = len(raw)
+    while True:
+        i = raw.rfind(needle, 0, end)
+        if i < 0:
+            return None
+        if i == 0 or raw[i - 1] == 0x02:
+            start = i + len(needle)
+            stop = raw.find(PROPERTY_SEPARATOR, start)
+            if stop < 0:
+                stop = len(raw)
+            if stop > start:
+                return raw[start:stop]
+        end = i + len(needle) - 1
+        if end <= 0:
+            return None
+
+
+def encode_crc32_property(value: int) -> bytes:
+    """[5.x] `__CRC32#` entry: ten digits, least significant first."""
+    digits = "".join(str((value // 10**i) % 10) for i in range(CRC32_PROPERTY_DIGITS))
+    return f"{PROPERTY_CRC32}\x01{digits}\x02".encode("ascii")
+
+
+def decode_crc32_digits(digits: str) -> int:
+    return int(digits[::-1])
+
+
+# --- hosts --------------------------------------------------------------------------------------------
+
+class Host(NamedTuple):
+    """A born or store host: 4 or 16 address bytes and a port."""
+
+    address: bytes
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> Host:
+        """`192.0.2.1:10911` or `[2001:db8::1]:10911`."""
+        addr, _, port = text.rpartition(":")
+        ip = ipaddress.ip_address(addr.strip("[]"))
+        return cls(ip.packed, int(port))
+
+    @property
+    def is_v6(self) -> bool:
+        return len(self.address) == 16
+
+    def __str__(self) -> str:
+        ip = ipaddress.ip_address(self.address)
+        return f"[{ip}]:{self.port}" if ip.version == 6 else f"{ip}:{self.port}"
+
+
+# --- whole records ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class MessageRecord:
+    """One CommitLog message record, every field as stored. Encoding and decoding do no I/O."""
+
+    topic: str
+    queue_id: int
+    flag: int
+    queue_offset: int
+    physical_offset: int
+    sys_flag: int
+    born_timestamp: int
+    born_host: Host
+    store_timestamp: int
+    store_host: Host
+    reconsume_times: int
+    prepared_transaction_offset: int
+    body: bytes
+    properties: bytes
+    body_crc: int
+    magic: int = MESSAGE_MAGIC_CODE
+
+    @property
+    def topic_bytes(self) -> bytes:
+        return self.topic.encode("utf-8")
+
+    @property
+    def total_size(self) -> int:
+        return record_size(self.sys_flag, self.magic, len(self.body), len(self.topic_bytes), len(self.properties))
+
+    def property_map(self) -> dict[str, str]:
+        return parse_properties(self.properties)
+
+    def encode(self) -> bytes:
+        topic = self.topic_bytes
+        head = fixed_part_struct(self.sys_flag).pack(
+            self.total_size, self.magic, self.body_crc, self.queue_id, self.flag, self.queue_offset,
+            self.physical_offset, self.sys_flag, self.born_timestamp, *self.born_host, self.store_timestamp,
+            *self.store_host, self.reconsume_times, self.prepared_transaction_offset, len(self.body),
+        )
+        if self.magic == MESSAGE_MAGIC_CODE_V2:
+            topic_length = TOPIC_LENGTH_V2.pack(len(topic))
+        else:
+            topic_length = bytes([len(topic)])
+        return b"".join(
+            (head, self.body, topic_length, topic, PROPERTIES_LENGTH.pack(len(self.properties)), self.properties)
+        )
+
+    @classmethod
+    def decode(cls, buf: bytes | memoryview, pos: int = 0, *, check_crc: bool = True,
+               max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> MessageRecord:
+        """Decode the message record at `pos`; CorruptRecordError (offset = `pos`) if it is not one."""
+        try:
+            return _decode(cls, buf, pos, check_crc, max_message_size)
+        except CorruptRecordError as e:
+            raise CorruptRecordError(e.field, e.detail, offset=pos) from None
+
+
+def check_total_size(total: int, available: int, max_message_size: int) -> None:
+    """Bounds on TOTALSIZE before it is trusted: at least a minimal record, at most what is there."""
+    if total < MIN_RECORD_SIZE:
+        raise CorruptRecordError("total_size", f"{total} is below the smallest record ({MIN_RECORD_SIZE})")
+    if total > max_message_size:
+        raise CorruptRecordError("total_size", f"{total} exceeds maxMessageSize {max_message_size}")
+    if total > available:
+        raise CorruptRecordError("total_size", f"{total} runs past the end of the segment ({available} left)")
+
+
+def _decode(cls, buf, pos: int, check_crc: bool, max_message_size: int) -> MessageRecord:
+    if len(buf) - pos < RECORD_PREFIX.size:
+        raise CorruptRecordError("total_size", "fewer than 8 bytes left")
+    total, magic = RECORD_PREFIX.unpack_from(buf, pos)
+    if magic not in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2):
+        raise CorruptRecordError("magic_code", f"0x{magic & 0xFFFFFFFF:08X} is not a message magic code")
+    check_total_size(total, len(buf) - pos, max_message_size)
+    sys_flag = struct.unpack_from(">i", buf, pos + SYS_FLAG_OFFSET)[0]
+    fixed = fixed_part_struct(sys_flag)
+    (_, _, crc, queue_id, flag, queue_offset, phy, _, born_ts, born_addr, born_port, store_ts, store_addr,
+     store_port, reconsume, prepared, body_len) = fixed.unpack_from(buf, pos)
+    end = pos + total
+    p = pos + fixed.size
+    if body_len < 0 or p + body_len > end:
+        raise CorruptRecordError("body_length", f"{body_len} does not fit in the record")
+    body = bytes(buf[p : p + body_len])
+    if check_crc and body_crc32(body) != crc:
+        raise CorruptRecordError("body_crc", f"stored {crc}, computed {body_crc32(body)}")
+    p += body_len
+    if magic == MESSAGE_MAGIC_CODE_V2:
+        if p + 2 > end:
+            raise CorruptRecordError("topic_length", "record ends inside the topic length")
+        topic_len = TOPIC_LENGTH_V2.unpack_from(buf, p)[0]
+        p += 2
+    else:
+        if p + 1 > end:
+            raise CorruptRecordError("topic_length", "record ends inside the topic length")
+        topic_len = struct.unpack_from(">b", buf, p)[0]
+        p += 1
+    if topic_len <= 0 or p + topic_len + 2 > end:
+        raise CorruptRecordError("topic_length", f"{topic_len} does not fit in the record")
+    topic = check_topic(bytes(buf[p : p + topic_len]), magic)
+    p += topic_len
+    props_len = PROPERTIES_LENGTH.unpack_from(buf, p)[0]
+    p += 2
+    if props_len < 0 or p + props_len > end:
+        raise CorruptRecordError("properties_length", f"{props_len} does not fit in the record")
+    props = bytes(buf[p : p + props_len])
+    expected = record_size(sys_flag, magic, body_len, topic_len, props_len)
+    if expected != total:
+        raise CorruptRecordError("total_size", f"declares {total} bytes, its parts add up to {expected}")
+    return cls(topic, queue_id, flag, queue_offset, phy, sys_flag, born_ts, Host(born_addr, born_port),
+               store_ts, Host(store_addr, store_port), reconsume, prepared, body, props, crc, magic)
+
+
+def encode_blank(remaining: int) -> bytes:
+    """The 8 bytes of a BLANK record filling the `remaining` bytes at the end of a segment."""
+    return RECORD_PREFIX.pack(remaining, BLANK_MAGIC_CODE)

@@ -1,0 +1,356 @@
+"""ConsumeQueue: the per-topic, per-queue index of CommitLog positions.
+
+Directory `{root}/consumequeue/{topic}/{queueId}/`, a mapped-file queue of `mappedFileSizeConsumeQueue`
+bytes per file (default 300,000 units = 6,000,000 bytes), named by the start byte offset of the queue's
+logical stream. Unit n (queue offset n) lives at logical byte n * 20. A unit is 20 bytes, big-endian:
+
+    offset  size  field
+    0       8     commit_log_offset   PHYSICALOFFSET of the record
+    8       4     msg_size            TOTALSIZE of the record
+    12      8     tags_code           Java hash of TAGS (sign-extended), or a delay deliver time
+
+    CQ_UNIT_SIZE = 8 + 4 + 8 = 20
+
+A queue whose first unit is not queue offset 0 starts with blank units (0, 0x7FFFFFFF, 0) up to that
+unit inside its first file. The write position is not stored: it is the first unit with
+commit_log_offset < 0 or msg_size <= 0 (blank units count as valid). A crash can leave units the
+checkpoint does not cover; `truncate_to` removes them, and zeroes what it removes, so that a queue
+recovered after a crash is byte-identical to one built in a single run.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from indexcore.dispatch import DispatchBatch
+from indexcore.errors import StoreLayoutError
+from indexcore.mappedfile import MappedFile, list_queue_files, offset_to_file_name
+
+CQ_UNIT = struct.Struct(">qiq")
+CQ_UNIT_SIZE = CQ_UNIT.size
+CQ_UNIT_DTYPE = np.dtype([("commit_log_offset", ">i8"), ("msg_size", ">i4"), ("tags_code", ">i8")])
+BLANK_UNIT_MSG_SIZE = 0x7FFFFFFF
+BLANK_UNIT = CQ_UNIT.pack(0, BLANK_UNIT_MSG_SIZE, 0)
+DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE = 300_000 * CQ_UNIT_SIZE
+RECOVER_FROM_LAST_FILES = 3  # ConsumeQueue.recover starts at the third-newest file
+CONSUME_QUEUE_DIR = "consumequeue"
+
+
+class ConsumeQueueUnit(NamedTuple):
+    commit_log_offset: int
+    msg_size: int
+    tags_code: int
+
+    def encode(self) -> bytes:
+        return CQ_UNIT.pack(*self)
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview, pos: int = 0) -> ConsumeQueueUnit:
+        return cls(*CQ_UNIT.unpack_from(data, pos))
+
+    @property
+    def is_valid(self) -> bool:
+        return self.commit_log_offset >= 0 and self.msg_size > 0
+
+
+@dataclass(slots=True)
+class PutStats:
+    """What a put did: units written, units already present, units appended off their queue offset."""
+
+    written: int = 0
+    already_built: int = 0
+    out_of_order: int = 0
+
+    def add(self, other: PutStats) -> None:
+        self.written += other.written
+        self.already_built += other.already_built
+        self.out_of_order += other.out_of_order
+
+
+def _valid_prefix_units(data: bytes) -> tuple[int, int]:
+    """Number of leading valid units in `data`, and max physical offset (offset + size) of the last one."""
+    units = np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=len(data) // CQ_UNIT_SIZE)
+    invalid = np.flatnonzero((units["commit_log_offset"] < 0) | (units["msg_size"] <= 0))
+    n = int(invalid[0]) if len(invalid) else len(units)
+    if n == 0:
+        return 0, -1
+    last = units[n - 1]
+    return n, int(last["commit_log_offset"]) + int(last["msg_size"])
+
+
+class ConsumeQueue:
+    """One topic/queue: loads and recovers its files, appends units, reads units, truncates."""
+
+    def __init__(self, directory: str, topic: str, queue_id: int,
+                 file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE):
+        if file_size <= 0 or file_size % CQ_UNIT_SIZE:
+            raise ValueError(f"ConsumeQueue file size {file_size} is not a positive multiple of {CQ_UNIT_SIZE}")
+        self.directory = directory
+        self.topic = topic
+        self.queue_id = queue_id
+        self.file_size = file_size
+        self.max_physic_offset = -1
+        self.min_logic_offset = 0
+        self._files: list[int] = []  # start offsets, ascending
+        self._last: MappedFile | None = None
+        self._write_pos = 0  # in the last file
+        self._flushed = 0  # logical offset known to be on disk
+        self._recover()
+
+    # --- load and recovery ----------------------------------------------------------------------
+
+    def _path(self, start: int) -> str:
+        return os.path.join(self.directory, offset_to_file_name(start))
+
+    def _recover(self) -> None:
+        """`ConsumeQueue.recover`: scan from the third-newest file to the first invalid unit."""
+        files = list_queue_files(self.directory, self.file_size)
+        self._files = [start for start, _ in files]
+        if not files:
+            return
+        end = self._files[0]
+        for start, path in files[max(0, len(files) - RECOVER_FROM_LAST_FILES):]:
+            with open(path, "rb") as f:
+                n, max_phy = _valid_prefix_units(f.read())
+            if n:
+                self.max_physic_offset = max_phy
+            end = start + n * CQ_UNIT_SIZE
+            if n * CQ_UNIT_SIZE < self.file_size:
+                break
+        self._truncate_files_after(end)
+        self._flushed = end
+        self.min_logic_offset = self._files[0] if self._files else 0
+
+    def _truncate_files_after(self, end: int) -> None:
+        """`truncateDirtyFiles`: drop files that start past `end`; append to the one holding it."""
+        while self._files and self._files[-1] > end:
+            os.unlink(self._path(self._files.pop()))
+        if self._files:
+            self._open_last(self._files[-1])
+            self._write_pos = end - self._files[-1]
+
+    def _open_last(self, start: int, *, create: bool = False) -> None:
+        if self._last is not None:
+            self._last.flush()
+            self._last.close()
+        self._last = MappedFile(self._path(start), self.file_size, create=create)
+
+    # --- appending --------------------------------------------------------------------------------
+
+    @property
+    def _last_start(self) -> int:
+        return self._files[-1]
+
+    def _file_for(self, expect: int, queue_offset: int) -> None:
+        """`getLastMappedFile` + pre-blank: make sure the last file has room, creating one if needed."""
+        first_create = False
+        if not self._files:
+            os.makedirs(self.directory, exist_ok=True)
+            start = expect - expect % self.file_size
+            self._files.append(start)
+            self._open_last(start, create=True)
+            self._write_pos = 0
+            first_create = True
+        elif self._write_pos >= self.file_size:
+            start = self._last_start + self.file_size
+            self._files.append(start)
+            self._open_last(start, create=True)
+            self._write_pos = 0
+        if first_create and queue_offset != 0:
+            self.min_logic_offset = expect
+            blanks = (expect % self.file_size) // CQ_UNIT_SIZE
+            self._last.write(0, BLANK_UNIT * blanks)
+            self._write_pos = blanks * CQ_UNIT_SIZE
+
+    def put_units(self, queue_offset: np.ndarray, commit_log_offset: np.ndarray, msg_size: np.ndarray,
+                  tags_code: np.ndarray) -> PutStats:
+        """`putMessagePositionInfo` for units in CommitLog order, writing each run of consecutive
+        queue offsets with one copy. Repeats are skipped, as the broker skips them."""
+        stats = PutStats()
+        n = len(queue_offset)
+        if n == 0:
+            return stats
+        qo = queue_offset.astype(np.int64, copy=False)
+        units = np.empty(n, dtype=CQ_UNIT_DTYPE)
+        units["commit_log_offset"] = commit_log_offset
+        units["msg_size"] = msg_size
+        units["tags_code"] = tags_code
+        ends = commit_log_offset.astype(np.int64) + msg_size
+        breaks = np.flatnonzero(np.diff(qo) != 1) + 1
+        i = 0
+        while i < n:
+            if ends[i] <= self.max_physic_offset:
+                stats.already_built += 1
+                i += 1
+                continue
+            q = int(qo[i])
+            expect = q * CQ_UNIT_SIZE
+            self._file_for(expect, q)
+            current = self._last_start + self._write_pos
+            if q != 0 and expect < current:
+                stats.already_built += 1
+                i += 1
+                continue
+            k = np.searchsorted(breaks, i, side="right")
+            streak_end = int(breaks[k]) if k < len(breaks) else n
+            j = min(streak_end, i + (self.file_size - self._write_pos) // CQ_UNIT_SIZE)
+            if q != 0 and expect > current:
+                stats.out_of_order += j - i
+            self._last.write(self._write_pos, units[i:j].tobytes())
+            self._write_pos += (j - i) * CQ_UNIT_SIZE
+            self.max_physic_offset = int(ends[j - 1])
+            stats.written += j - i
+            i = j
+        return stats
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    @property
+    def max_offset(self) -> int:
+        """Queue offset after the last unit (`getMaxOffsetInQueue`)."""
+        return (self._last_start + self._write_pos) // CQ_UNIT_SIZE if self._files else 0
+
+    @property
+    def min_offset(self) -> int:
+        return self.min_logic_offset // CQ_UNIT_SIZE
+
+    def read_units(self, queue_offset: int, max_count: int | None = None) -> list[ConsumeQueueUnit]:
+        """Units from `queue_offset` to the end of the written data of the file holding it."""
+        if not self.min_offset <= queue_offset < self.max_offset:
+            return []
+        logical = queue_offset * CQ_UNIT_SIZE
+        start = logical - logical % self.file_size
+        written_end = self._last_start + self._write_pos if start == self._last_start else start + self.file_size
+        length = written_end - logical
+        if max_count is not None:
+            length = min(length, max_count * CQ_UNIT_SIZE)
+        with open(self._path(start), "rb") as f:
+            data = os.pread(f.fileno(), length, logical - start)
+        return [ConsumeQueueUnit(*u) for u in CQ_UNIT.iter_unpack(data[: len(data) - len(data) % CQ_UNIT_SIZE])]
+
+    # --- truncation, flush, close ----------------------------------------------------------------
+
+    def truncate_to(self, phy_offset: int) -> None:
+        """Remove every unit whose commit_log_offset >= phy_offset (`truncateDirtyLogicFiles`).
+
+        Unlike the broker, removed units are zeroed and a file left empty is deleted, so the queue
+        reads, byte for byte, as if they had never been written.
+        """
+        while self._files:
+            start = self._last_start
+            with open(self._path(start), "rb") as f:
+                units = np.frombuffer(f.read(), dtype=CQ_UNIT_DTYPE)
+            bad = np.flatnonzero((units["commit_log_offset"] < 0) | (units["msg_size"] <= 0)
+                                 | (units["commit_log_offset"] >= phy_offset))
+            keep = int(bad[0]) if len(bad) else len(units)
+            if keep == 0:
+                if self._last is not None:
+                    self._last.close()
+                    self._last = None
+                os.unlink(self._path(self._files.pop()))
+                self.max_physic_offset = -1
+                continue
+            self._open_last(start)
+            self._write_pos = keep * CQ_UNIT_SIZE
+            self._last.write(self._write_pos, bytes(self.file_size - self._write_pos))
+            last = units[keep - 1]
+            self.max_physic_offset = int(last["commit_log_offset"]) + int(last["msg_size"])
+            break
+        if not self._files:
+            self.min_logic_offset = 0
+        self._flushed = min(self._flushed, self.write_offset)
+
+    @property
+    def flushed_offset(self) -> int:
+        return self._flushed
+
+    @property
+    def write_offset(self) -> int:
+        return self._last_start + self._write_pos if self._files else 0
+
+    def flush(self) -> None:
+        if self._last is not None:
+            self._last.flush()
+        self._flushed = self.write_offset
+
+    def close(self) -> None:
+        if self._last is not None:
+            self._last.flush()
+            self._last.close()
+            self._last = None
+
+
+class ConsumeQueueStore:
+    """Every ConsumeQueue under `{root}/consumequeue/`, created on first use."""
+
+    def __init__(self, root: str, file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE):
+        self.root = os.path.join(root, CONSUME_QUEUE_DIR)
+        self.file_size = file_size
+        self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+        self._by_id: dict[tuple[int, str], ConsumeQueue] = {}
+
+    def load(self) -> None:
+        """Open and recover every queue directory that exists (`DefaultMessageStore.loadConsumeQueue`)."""
+        if not os.path.isdir(self.root):
+            return
+        for topic in sorted(os.listdir(self.root)):
+            tdir = os.path.join(self.root, topic)
+            if not os.path.isdir(tdir):
+                raise StoreLayoutError(tdir, "not a topic directory")
+            for qid in sorted(os.listdir(tdir)):
+                if not qid.isdigit():
+                    raise StoreLayoutError(os.path.join(tdir, qid), "queue directory name is not a queue id")
+                self.queue(topic, int(qid))
+
+    def queue(self, topic: str, queue_id: int) -> ConsumeQueue:
+        key = (topic, queue_id)
+        cq = self.queues.get(key)
+        if cq is None:
+            directory = os.path.join(self.root, topic, str(queue_id))
+            if os.path.dirname(os.path.dirname(os.path.abspath(directory))) != os.path.abspath(self.root):
+                raise StoreLayoutError(directory, "topic would leave the consumequeue directory")
+            cq = self.queues[key] = ConsumeQueue(directory, topic, queue_id, self.file_size)
+        return cq
+
+    def dispatch(self, batch: DispatchBatch) -> PutStats:
+        """Write the units of every NOT_TYPE/COMMIT_TYPE record of the batch, queue by queue."""
+        stats = PutStats()
+        idx = np.flatnonzero(batch.consume_queue_mask())
+        if len(idx) == 0:
+            return stats
+        group = (batch.topic_id[idx].astype(np.int64) << 32) | batch.queue_id[idx].astype(np.int64)
+        order = np.argsort(group, kind="stable")
+        idx, group = idx[order], group[order]
+        bounds = np.flatnonzero(np.diff(group)) + 1
+        for part in np.split(idx, bounds):
+            first = int(part[0])
+            cq = self.queue(batch.topic_of(first), int(batch.queue_id[first]))
+            stats.add(cq.put_units(batch.queue_offset[part], batch.phy_offset[part], batch.msg_size[part],
+                                   batch.tags_code[part]))
+        return stats
+
+    def max_physic_offset(self) -> int:
+        """Max over all queues of the end of the last unit: where the broker restarts its reput."""
+        return max((cq.max_physic_offset for cq in self.queues.values()), default=-1)
+
+    def truncate_to(self, phy_offset: int) -> None:
+        for cq in self.queues.values():
+            if cq.max_physic_offset > phy_offset or cq.max_physic_offset == -1:
+                cq.truncate_to(phy_offset)
+
+    def __iter__(self) -> Iterator[ConsumeQueue]:
+        return iter(self.queues.values())
+
+    def flush(self) -> None:
+        for cq in self.queues.values():
+            cq.flush()
+
+    def close(self) -> None:
+        for cq in self.queues.values():
+            cq.close()

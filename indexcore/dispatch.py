@@ -1,0 +1,165 @@
+"""From CommitLog records to dispatch requests, and which dispatcher takes which request.
+
+`DispatchBatch` is the columnar form of the broker's `DispatchRequest`s for the records of one read:
+numeric fields are numpy arrays so dispatchers can group, sort and pack them without a per-record
+Python loop; strings stay in lists. The rules here are `checkMessageAndReturnSize` (tagsCode and the
+delay-level special case), `CommitLogDispatcherBuildConsumeQueue` (which transaction types get a unit)
+and `IndexService.buildIndex` (which keys are indexed, in which order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from indexcore.commitlog import (
+    KEY_SEPARATOR,
+    SCHEDULE_TOPIC,
+    TRANSACTION_COMMIT_TYPE,
+    TRANSACTION_NOT_TYPE,
+    TRANSACTION_ROLLBACK_TYPE,
+    TRANSACTION_TYPE_MASK,
+)
+from indexcore.javahash import hash_many
+
+DEFAULT_MESSAGE_DELAY_LEVEL = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+DELAY_UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+UNKNOWN_LEVEL_DELAY_MS = 1000
+INDEX_KEY_SEPARATOR = "#"
+
+
+class DelayLevelTable:
+    """`ScheduleMessageService.parseDelayLevel`: level n (1-based) -> delay in ms."""
+
+    __slots__ = ("delays_ms",)
+
+    def __init__(self, spec: str = DEFAULT_MESSAGE_DELAY_LEVEL):
+        delays = []
+        for token in spec.split():
+            unit = DELAY_UNIT_MS.get(token[-1:])
+            if unit is None or not token[:-1].isdigit():
+                raise ValueError(f"bad delay level {token!r}: expected digits followed by s, m, h or d")
+            delays.append(int(token[:-1]) * unit)
+        self.delays_ms = tuple(delays)
+
+    @property
+    def max_level(self) -> int:
+        return len(self.delays_ms)
+
+    def deliver_timestamp(self, level: int, store_timestamp: int) -> int:
+        """`computeDeliverTimestamp`: store time plus the level's delay (1 s for a level with no entry)."""
+        if 1 <= level <= len(self.delays_ms):
+            return store_timestamp + self.delays_ms[level - 1]
+        return store_timestamp + UNKNOWN_LEVEL_DELAY_MS
+
+
+def parse_java_int(text: str) -> int | None:
+    """`Integer.parseInt`, or None where Java would throw NumberFormatException."""
+    digits = text[1:] if text[:1] in "+-" else text
+    if not digits or not digits.isdecimal():
+        return None
+    value = int(text)
+    return value if -(2**31) <= value < 2**31 else None
+
+
+def delay_tags_code(level: int, store_timestamp: int, table: DelayLevelTable) -> int | None:
+    """The tagsCode of a `SCHEDULE_TOPIC_XXXX` record with DELAY=level, or None to keep the tag hash."""
+    level = min(level, table.max_level)
+    if level > 0:
+        return table.deliver_timestamp(level, store_timestamp)
+    return None
+
+
+def tags_codes(tags: Sequence[str | None]) -> np.ndarray:
+    """tagsCode for each TAGS value: the Java hash sign-extended to int64; 0 for absent or empty."""
+    codes = np.zeros(len(tags), dtype=np.int64)
+    present = [i for i, t in enumerate(tags) if t]
+    if present:
+        codes[present] = hash_many([tags[i] for i in present]).astype(np.int64)
+    return codes
+
+
+def index_keys_of(topic: str, uniq_key: str | None, keys: str | None) -> list[str]:
+    """`buildIndex` order: `topic#UNIQ_KEY` first, then `topic#token` for each non-empty KEYS token."""
+    out = []
+    if uniq_key is not None:
+        out.append(topic + INDEX_KEY_SEPARATOR + uniq_key)
+    if keys:
+        out.extend(topic + INDEX_KEY_SEPARATOR + k for k in keys.split(KEY_SEPARATOR) if k)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchBatch:
+    """The dispatch requests of consecutive CommitLog records, one array element per record.
+
+    `end_offset` is the CommitLog offset just after the last record of the batch (after a BLANK it
+    is the next segment's start), i.e. the reput_from_offset once the batch has been dispatched.
+    """
+
+    phy_offset: np.ndarray  # int64, PHYSICALOFFSET
+    msg_size: np.ndarray  # int32, TOTALSIZE
+    queue_id: np.ndarray  # int32
+    queue_offset: np.ndarray  # int64, consumeQueueOffset
+    sys_flag: np.ndarray  # int32
+    store_timestamp: np.ndarray  # int64
+    tags_code: np.ndarray  # int64
+    prepared_transaction_offset: np.ndarray  # int64
+    topic_id: np.ndarray  # int32, index into `topics`
+    topics: tuple[str, ...]
+    keys: list[str | None]  # property KEYS
+    uniq_key: list[str | None]  # property UNIQ_KEY
+    start_offset: int
+    end_offset: int
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.phy_offset)
+
+    @classmethod
+    def empty(cls, offset: int) -> DispatchBatch:
+        z64, z32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
+        return cls(z64, z32, z32, z64, z32, z64, z64, z64, z32, (), [], [], offset, offset)
+
+    def topic_of(self, i: int) -> str:
+        return self.topics[self.topic_id[i]]
+
+    def transaction_type(self) -> np.ndarray:
+        return self.sys_flag & TRANSACTION_TYPE_MASK
+
+    def consume_queue_mask(self) -> np.ndarray:
+        """Records that get a ConsumeQueue unit: NOT_TYPE and COMMIT_TYPE."""
+        t = self.transaction_type()
+        return (t == TRANSACTION_NOT_TYPE) | (t == TRANSACTION_COMMIT_TYPE)
+
+    def index_mask(self) -> np.ndarray:
+        """Records whose keys are indexed: everything but ROLLBACK_TYPE (PREPARED is indexed)."""
+        return self.transaction_type() != TRANSACTION_ROLLBACK_TYPE
+
+    def index_keys(self, selected: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """The index keys of the selected records in dispatch order, and the record each belongs to."""
+        keys: list[str] = []
+        owners: list[int] = []
+        topics, topic_id, uniq, raw = self.topics, self.topic_id, self.uniq_key, self.keys
+        for i in np.flatnonzero(selected).tolist():
+            u, k = uniq[i], raw[i]
+            if u is None and not k:
+                continue
+            ks = index_keys_of(topics[topic_id[i]], u, k)
+            keys.extend(ks)
+            owners.extend([i] * len(ks))
+        return keys, np.asarray(owners, dtype=np.int64)
+
+
+__all__ = [
+    "DEFAULT_MESSAGE_DELAY_LEVEL",
+    "SCHEDULE_TOPIC",
+    "DelayLevelTable",
+    "DispatchBatch",
+    "delay_tags_code",
+    "index_keys_of",
+    "parse_java_int",
+    "tags_codes",
+]

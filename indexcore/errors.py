@@ -1,0 +1,49 @@
+"""Typed errors of the store formats.
+
+Expected outcomes (end of written data, a full IndexFile) are return values; these exceptions are for
+broken invariants, and each names the file, the offset and the field at fault so an operator can look.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base of every error raised by indexcore."""
+
+
+class CorruptRecordError(StoreError):
+    """A CommitLog record that can never become valid: bad magic, CRC mismatch, impossible size..."""
+
+    def __init__(self, field: str, detail: str, *, path: str | None = None, offset: int | None = None):
+        self.field = field
+        self.detail = detail
+        self.path = path
+        self.offset = offset
+        super().__init__(str(self))
+
+    def located(self, path: str, offset: int) -> CorruptRecordError:
+        """The same error, placed at an absolute CommitLog offset inside a segment file."""
+        return CorruptRecordError(self.field, self.detail, path=path, offset=offset)
+
+    def __str__(self) -> str:
+        where = f"{self.path or '<buffer>'} @ offset {self.offset if self.offset is not None else '?'}"
+        return f"corrupt record in {where}: field {self.field}: {self.detail}"
+
+    def __reduce__(self):
+        return (_rebuild_corrupt, (self.field, self.detail, self.path, self.offset))
+
+
+def _rebuild_corrupt(field, detail, path, offset):
+    return CorruptRecordError(field, detail, path=path, offset=offset)
+
+
+class StoreLayoutError(StoreError):
+    """A store directory or file that does not have the shape the broker gives it."""
+
+    def __init__(self, path: str, detail: str):
+        self.path = path
+        self.detail = detail
+        super().__init__(f"{path}: {detail}")
+
+    def __reduce__(self):
+        return (StoreLayoutError, (self.path, self.detail))

@@ -1,0 +1,95 @@
+"""The lifecycle shared by every pre-allocated, memory-mapped store file.
+
+A RocketMQ mapped-file queue is a directory of files of one fixed size, each named by the logical byte
+offset of its first byte as 20 zero-padded digits. Files are created at full size (sparse), because
+the broker's loader rejects any other size, and their write position is not stored anywhere: it is
+rediscovered by scanning. A crash leaves whatever the page cache had written; formats built on this
+class define how to find their end again.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+
+from indexcore.errors import StoreLayoutError
+
+FILE_NAME_DIGITS = 20
+_FILE_NAME = re.compile(rf"\d{{{FILE_NAME_DIGITS}}}")
+
+
+def offset_to_file_name(offset: int) -> str:
+    """`UtilAll.offset2FileName`: a start offset as the 20-digit file name."""
+    return f"{offset:0{FILE_NAME_DIGITS}d}"
+
+
+def list_queue_files(directory: str, file_size: int | None = None) -> list[tuple[int, str]]:
+    """The (start offset, path) of every file of a mapped-file queue, in offset order.
+
+    Anything that is not a 20-digit file name is a layout error, as it makes the broker fail to load;
+    with `file_size`, so is a file of another size.
+    """
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if not _FILE_NAME.fullmatch(name):
+            raise StoreLayoutError(path, "not a mapped file: names must be 20-digit start offsets")
+        if file_size is not None:
+            actual = os.path.getsize(path)
+            if actual != file_size:
+                raise StoreLayoutError(path, f"file is {actual} bytes, the configured size is {file_size}")
+        out.append((int(name), path))
+    out.sort()
+    return out
+
+
+class MappedFile:
+    """One fixed-size file mapped read-write; formats add their own entries on top."""
+
+    __slots__ = ("_fd", "_mm", "file_size", "path")
+
+    def __init__(self, path: str, file_size: int, *, create: bool = False, readonly: bool = False):
+        self.path = path
+        self.file_size = file_size
+        flags = os.O_RDONLY if readonly else os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        self._fd = os.open(path, flags, 0o644)
+        try:
+            if create:
+                os.ftruncate(self._fd, file_size)
+            else:
+                actual = os.fstat(self._fd).st_size
+                if actual != file_size:
+                    raise StoreLayoutError(path, f"file is {actual} bytes, the configured size is {file_size}")
+            self._mm = mmap.mmap(self._fd, file_size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        return self._mm
+
+    def write(self, position: int, data: bytes | memoryview) -> None:
+        self._mm[position : position + len(data)] = data
+
+    def flush(self) -> None:
+        """Force the mapping to disk (msync); data written before this call survives a crash."""
+        self._mm.flush()
+
+    def close(self) -> None:
+        if self._mm is not None and not self._mm.closed:
+            self._mm.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> MappedFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

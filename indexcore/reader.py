@@ -1,0 +1,434 @@
+"""Reading a CommitLog directory in batches, as ReputMessageService does, but from outside the broker.
+
+The broker's reader never passes its own in-memory write position; reputd does not know that
+position, so it tells *not written yet* from *corrupt* by what surrounds a bad record (the LevelDB
+log-reader rule): in the newest segment, a zero TOTALSIZE, or a record that fails to decode with only
+zeros after it, is the end of the written data and is read again on the next call. A failure with
+data after it, or in a segment that has a successor, is corruption and is returned as a typed error
+naming the file, offset and field. A record never spans two segments, so every segment can be
+decoded on its own (the Spark backfill relies on it).
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from indexcore.commitlog import (
+    BLANK_MAGIC_CODE,
+    BORNHOST_V6_FLAG,
+    DEFAULT_MAX_MESSAGE_SIZE,
+    END_FILE_MIN_BLANK_LENGTH,
+    MESSAGE_MAGIC_CODE,
+    MESSAGE_MAGIC_CODE_V2,
+    MIN_RECORD_SIZE,
+    PROPERTIES_LENGTH,
+    RECORD_PREFIX,
+    SCHEDULE_TOPIC,
+    STOREHOSTADDRESS_V6_FLAG,
+    SYS_FLAG_OFFSET,
+    TOPIC_LENGTH_V2,
+    MessageRecord,
+    check_topic,
+    find_property,
+    record_size,
+)
+from indexcore.dispatch import DelayLevelTable, DispatchBatch, delay_tags_code, parse_java_int, tags_codes
+from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
+from indexcore.mappedfile import list_queue_files, offset_to_file_name
+
+DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
+_HOST_FLAGS = BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG
+_SYS_FLAG = struct.Struct(">i")
+_MESSAGE_MAGICS = frozenset((MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2))
+_KEYS, _UNIQ_KEY, _TAGS, _DELAY = b"KEYS", b"UNIQ_KEY", b"TAGS", b"DELAY"
+
+
+def _dispatch_struct(born_v6: bool, store_v6: bool) -> struct.Struct:
+    """Fields 1-15a with the host bytes skipped: the dispatch path never needs them."""
+    born = 20 if born_v6 else 8
+    store = 20 if store_v6 else 8
+    return struct.Struct(f">iiiiiqqiq{born}xq{store}xiqi")
+
+
+_DISPATCH_FIELDS = {
+    flags: _dispatch_struct(bool(flags & BORNHOST_V6_FLAG), bool(flags & STOREHOSTADDRESS_V6_FLAG))
+    for flags in (0, BORNHOST_V6_FLAG, STOREHOSTADDRESS_V6_FLAG, _HOST_FLAGS)
+}
+
+
+class Stop(enum.Enum):
+    """Why a segment decode stopped."""
+
+    LIMIT = "limit"  # the batch is full; more records follow
+    BLANK = "blank"  # end-of-segment record: continue at the next segment
+    END = "end"  # zero TOTALSIZE: nothing written here yet
+    ERROR = "error"  # the record here does not decode
+
+
+@dataclass(slots=True)
+class SegmentDecode:
+    batch: DispatchBatch
+    stop: Stop
+    position: int  # in-segment position where decoding stopped
+    error: CorruptRecordError | None = None
+
+
+def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, max_bytes: int,
+                   check_crc: bool = True, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+                   delay_table: DelayLevelTable | None = None) -> SegmentDecode:
+    """Decode records of one mapped segment from `start` into a DispatchBatch.
+
+    Stops before the first record that starts `max_bytes` or more past `start`, at a BLANK, at a zero
+    TOTALSIZE, or at a record that fails to decode (the error is returned, not raised, with the
+    records before it, so they can still be dispatched).
+    """
+    delay_table = delay_table or DelayLevelTable()
+    mv = memoryview(buf)
+    try:
+        return _decode(buf, mv, start, segment_offset, segment_size, max_bytes, check_crc,
+                       max_message_size, delay_table)
+    finally:
+        mv.release()
+
+
+def _decode(buf, mv, start, base, file_size, max_bytes, check_crc, max_size, delay_table) -> SegmentDecode:
+    phy_l, size_l, qid_l, qoff_l, flag_l, ts_l, prep_l, tid_l = [], [], [], [], [], [], [], []
+    tags_l, keys_l, uniq_l, delays = [], [], [], []
+    topic_ids: dict[bytes, int] = {}
+    topics: list[str] = []
+    prefix = RECORD_PREFIX.unpack_from
+    sys_flag_of = _SYS_FLAG.unpack_from
+    crc32 = zlib.crc32
+    stop_at = min(file_size, start + max_bytes)
+    pos = start
+    stop = Stop.LIMIT
+    error = None
+    try:
+        while pos < stop_at:
+            if pos + END_FILE_MIN_BLANK_LENGTH > file_size:
+                raise CorruptRecordError("total_size", "segment ends without a BLANK record")
+            total, magic = prefix(buf, pos)
+            if magic not in _MESSAGE_MAGICS:
+                if magic == BLANK_MAGIC_CODE:
+                    if total != file_size - pos:
+                        raise CorruptRecordError(
+                            "total_size", f"BLANK record declares {total} bytes, {file_size - pos} are left")
+                    stop = Stop.BLANK
+                elif total == 0:
+                    stop = Stop.END
+                else:
+                    raise CorruptRecordError("magic_code",
+                                             f"0x{magic & 0xFFFFFFFF:08X} is not a message magic code")
+                break
+            if total < MIN_RECORD_SIZE or total > max_size or total > file_size - pos:
+                raise CorruptRecordError(
+                    "total_size", f"{total} is outside [{MIN_RECORD_SIZE}, min(maxMessageSize {max_size}, "
+                    f"{file_size - pos} left in segment)]")
+            sys_flag = sys_flag_of(buf, pos + SYS_FLAG_OFFSET)[0]
+            fields = _DISPATCH_FIELDS[sys_flag & _HOST_FLAGS]
+            (_, _, crc, queue_id, _, queue_offset, phy, _, _, store_ts, _, prepared, body_len
+             ) = fields.unpack_from(buf, pos)
+            if phy != base + pos:
+                raise CorruptRecordError("physical_offset", f"record says {phy}, it lies at {base + pos}")
+            end = pos + total
+            p = pos + fields.size
+            if body_len < 0 or p + body_len > end:
+                raise CorruptRecordError("body_length", f"{body_len} does not fit in a {total}-byte record")
+            if check_crc and body_len > 0:
+                actual = crc32(mv[p : p + body_len]) & 0x7FFFFFFF
+                if actual != crc:
+                    raise CorruptRecordError("body_crc", f"stored {crc}, body hashes to {actual}")
+            p += body_len
+            if magic == MESSAGE_MAGIC_CODE:
+                topic_len = buf[p]
+                if topic_len > 127:
+                    topic_len -= 256
+                p += 1
+            else:
+                topic_len = TOPIC_LENGTH_V2.unpack_from(buf, p)[0]
+                p += 2
+            if topic_len <= 0 or p + topic_len + 2 > end:
+                raise CorruptRecordError("topic_length", f"{topic_len} does not fit in the record")
+            topic_raw = buf[p : p + topic_len]
+            tid = topic_ids.get(topic_raw)
+            if tid is None:
+                tid = topic_ids[topic_raw] = len(topics)
+                topics.append(check_topic(topic_raw, magic))
+            p += topic_len
+            props_len = PROPERTIES_LENGTH.unpack_from(buf, p)[0]
+            p += 2
+            if props_len < 0 or p + props_len > end:
+                raise CorruptRecordError("properties_length", f"{props_len} does not fit in the record")
+            if p + props_len != end:
+                expected = record_size(sys_flag, magic, body_len, topic_len, props_len)
+                raise CorruptRecordError("total_size", f"declares {total} bytes, its parts add up to {expected}")
+            if props_len:
+                props = buf[p:end]
+                v = find_property(props, _KEYS)
+                keys_l.append(v.decode("utf-8", "replace") if v is not None else None)
+                v = find_property(props, _UNIQ_KEY)
+                uniq_l.append(v.decode("utf-8", "replace") if v is not None else None)
+                v = find_property(props, _TAGS)
+                tags_l.append(v.decode("utf-8", "replace") if v is not None else None)
+                if topics[tid] == SCHEDULE_TOPIC:
+                    v = find_property(props, _DELAY)
+                    if v is not None:
+                        level = parse_java_int(v.decode("utf-8", "replace"))
+                        if level is None:
+                            raise CorruptRecordError("properties.DELAY", f"{v!r} is not an integer")
+                        delays.append((len(phy_l), level))
+            else:
+                keys_l.append(None)
+                uniq_l.append(None)
+                tags_l.append(None)
+            phy_l.append(phy)
+            size_l.append(total)
+            qid_l.append(queue_id)
+            qoff_l.append(queue_offset)
+            flag_l.append(sys_flag)
+            ts_l.append(store_ts)
+            prep_l.append(prepared)
+            tid_l.append(tid)
+            pos = end
+    except CorruptRecordError as e:
+        stop, error = Stop.ERROR, e.located(None, base + pos)
+        if len(keys_l) > len(phy_l):
+            del keys_l[len(phy_l):], uniq_l[len(phy_l):], tags_l[len(phy_l):]
+            delays = [d for d in delays if d[0] < len(phy_l)]
+
+    store_timestamp = np.array(ts_l, dtype=np.int64)
+    tags_code = tags_codes(tags_l)
+    for i, level in delays:
+        code = delay_tags_code(level, int(store_timestamp[i]), delay_table)
+        if code is not None:
+            tags_code[i] = code
+    batch = DispatchBatch(
+        phy_offset=np.array(phy_l, dtype=np.int64),
+        msg_size=np.array(size_l, dtype=np.int32),
+        queue_id=np.array(qid_l, dtype=np.int32),
+        queue_offset=np.array(qoff_l, dtype=np.int64),
+        sys_flag=np.array(flag_l, dtype=np.int32),
+        store_timestamp=store_timestamp,
+        tags_code=tags_code,
+        prepared_transaction_offset=np.array(prep_l, dtype=np.int64),
+        topic_id=np.array(tid_l, dtype=np.int32),
+        topics=tuple(topics),
+        keys=keys_l,
+        uniq_key=uniq_l,
+        start_offset=base + start,
+        end_offset=base + pos,
+    )
+    return SegmentDecode(batch, stop, pos, error)
+
+
+class ReadStatus(enum.Enum):
+    OK = "ok"  # records were read (possibly none, after a roll); call again from next_offset
+    END = "end"  # nothing more is written at next_offset yet
+    CORRUPT = "corrupt"  # `error` describes what is wrong at next_offset
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """One read: the batch to dispatch, where to read next, and why the read stopped."""
+
+    batch: DispatchBatch
+    next_offset: int
+    status: ReadStatus
+    error: StoreError | None = None
+    pending: CorruptRecordError | None = None  # END at a record that is not complete (a torn tail)
+    rolled: bool = False  # next_offset is the start of the next segment
+    skipped_from: int | None = None  # the requested offset was below the oldest segment
+
+
+class CommitLog:
+    """The segments of a CommitLog, possibly spread over several directories (RocketMQ multi-path).
+
+    `follow=True` is for a CommitLog that a broker is still writing: a newest segment shorter than
+    the configured size is taken to be still being created and is not read yet.
+    """
+
+    def __init__(self, dirs: str | Sequence[str], segment_size: int, *, follow: bool = False):
+        self.dirs = (dirs,) if isinstance(dirs, str) else tuple(dirs)
+        self.segment_size = segment_size
+        self.follow = follow
+        self._segments: list[tuple[int, str]] = []
+        self.refresh()
+
+    def refresh(self) -> list[tuple[int, str]]:
+        """Rescan the directories: segment files appear at the head and vanish at the tail."""
+        for d in self.dirs:
+            if not os.path.isdir(d):
+                raise StoreLayoutError(d, "CommitLog directory does not exist or is not a directory")
+        found = sorted(f for d in self.dirs for f in list_queue_files(d))
+        segments = []
+        for i, (start, path) in enumerate(found):
+            if start % self.segment_size:
+                raise StoreLayoutError(path, f"start offset is not a multiple of the segment size "
+                                             f"{self.segment_size}")
+            size = os.path.getsize(path)
+            if size != self.segment_size:
+                if self.follow and i == len(found) - 1 and size < self.segment_size:
+                    break
+                raise StoreLayoutError(path, f"segment is {size} bytes, mappedFileSizeCommitLog is "
+                                             f"{self.segment_size}")
+            segments.append((start, path))
+        self._segments = segments
+        return segments
+
+    @property
+    def segments(self) -> list[tuple[int, str]]:
+        return self._segments
+
+    @property
+    def min_offset(self) -> int:
+        return self._segments[0][0] if self._segments else 0
+
+    @property
+    def max_offset(self) -> int:
+        """End of the newest segment file: an upper bound on the written data."""
+        return self._segments[-1][0] + self.segment_size if self._segments else 0
+
+    def segment_start(self, offset: int) -> int:
+        return offset - offset % self.segment_size
+
+    def find_segment(self, offset: int) -> str | None:
+        start = self.segment_start(offset)
+        for s, path in self._segments:
+            if s == start:
+                return path
+        return None
+
+    def has_segment_after(self, offset: int) -> bool:
+        return bool(self._segments) and self._segments[-1][0] > self.segment_start(offset)
+
+    def read_record(self, offset: int, *, check_crc: bool = True,
+                    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> MessageRecord:
+        """Decode the whole message record at `offset` (for queries and inspection)."""
+        path = self.find_segment(offset)
+        if path is None:
+            raise StoreLayoutError(offset_to_file_name(self.segment_start(offset)),
+                                   f"no CommitLog segment holds offset {offset}")
+        pos = offset - self.segment_start(offset)
+        with open(path, "rb") as f:
+            head = os.pread(f.fileno(), RECORD_PREFIX.size, pos)
+            if len(head) < RECORD_PREFIX.size:
+                raise CorruptRecordError("total_size", "offset is past the end of the segment",
+                                         path=path, offset=offset)
+            total = RECORD_PREFIX.unpack(head)[0]
+            if not MIN_RECORD_SIZE <= total <= min(max_message_size, self.segment_size - pos):
+                raise CorruptRecordError("total_size", f"{total} is not a plausible record size",
+                                         path=path, offset=offset)
+            data = os.pread(f.fileno(), total, pos)
+        try:
+            rec = MessageRecord.decode(data, 0, check_crc=check_crc, max_message_size=max_message_size)
+        except CorruptRecordError as e:
+            raise e.located(path, offset) from None
+        if rec.physical_offset != offset:
+            raise CorruptRecordError("physical_offset", f"record says {rec.physical_offset}",
+                                     path=path, offset=offset)
+        return rec
+
+
+class CommitLogReader:
+    """Reads a CommitLog in batches from any record boundary, keeping one segment mapped at a time."""
+
+    def __init__(self, commit_log: CommitLog, *, check_crc: bool = True,
+                 max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE, delay_table: DelayLevelTable | None = None,
+                 batch_bytes: int = DEFAULT_BATCH_BYTES):
+        self.commit_log = commit_log
+        self.check_crc = check_crc
+        self.max_message_size = max_message_size
+        self.delay_table = delay_table or DelayLevelTable()
+        self.batch_bytes = batch_bytes
+        self._mapped: tuple[str, mmap.mmap] | None = None
+
+    def _map(self, path: str) -> mmap.mmap:
+        if self._mapped is not None and self._mapped[0] == path:
+            return self._mapped[1]
+        self.close()
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._mapped = (path, mm)
+        return mm
+
+    def close(self) -> None:
+        if self._mapped is not None:
+            self._mapped[1].close()
+            self._mapped = None
+
+    def read(self, offset: int) -> ReadResult:
+        """Read the next batch starting at record boundary `offset`."""
+        log = self.commit_log
+        size = log.segment_size
+        empty = DispatchBatch.empty(offset)
+        path = log.find_segment(offset)
+        if path is None:
+            log.refresh()
+            path = log.find_segment(offset)
+        if path is None:
+            if log.segments and offset < log.min_offset:
+                return ReadResult(DispatchBatch.empty(log.min_offset), log.min_offset, ReadStatus.OK,
+                                  skipped_from=offset)
+            if log.has_segment_after(offset):
+                missing = os.path.join(log.dirs[0], offset_to_file_name(log.segment_start(offset)))
+                return ReadResult(empty, offset, ReadStatus.CORRUPT,
+                                  StoreLayoutError(missing, "segment is missing between two present ones"))
+            return ReadResult(empty, offset, ReadStatus.END)
+        try:
+            mm = self._map(path)
+        except OSError as e:
+            return ReadResult(empty, offset, ReadStatus.CORRUPT, StoreLayoutError(path, f"cannot map: {e}"))
+        seg_start = log.segment_start(offset)
+        result = decode_segment(mm, offset - seg_start, segment_offset=seg_start, segment_size=size,
+                                max_bytes=self.batch_bytes, check_crc=self.check_crc,
+                                max_message_size=self.max_message_size, delay_table=self.delay_table)
+        batch, at = result.batch, seg_start + result.position
+        if result.stop is Stop.LIMIT:
+            return ReadResult(batch, at, ReadStatus.OK)
+        if result.stop is Stop.BLANK:
+            nxt = seg_start + size
+            return ReadResult(_with_end(batch, nxt), nxt, ReadStatus.OK, rolled=True)
+        last = not log.has_segment_after(offset) and not self._successor_appeared(offset)
+        if result.stop is Stop.END:
+            if last:
+                return ReadResult(batch, at, ReadStatus.END)
+            err = CorruptRecordError("total_size", "zero TOTALSIZE before the end of a segment that has a "
+                                     "successor", path=path, offset=at)
+            return ReadResult(batch, at, ReadStatus.CORRUPT, err)
+        err = result.error.located(path, at)
+        if last and _unwritten_after(mm, result.position, size, self.max_message_size):
+            return ReadResult(batch, at, ReadStatus.END, pending=err)
+        return ReadResult(batch, at, ReadStatus.CORRUPT, err)
+
+    def _successor_appeared(self, offset: int) -> bool:
+        self.commit_log.refresh()
+        return self.commit_log.has_segment_after(offset)
+
+
+def _with_end(batch: DispatchBatch, end: int) -> DispatchBatch:
+    return DispatchBatch(batch.phy_offset, batch.msg_size, batch.queue_id, batch.queue_offset, batch.sys_flag,
+                         batch.store_timestamp, batch.tags_code, batch.prepared_transaction_offset,
+                         batch.topic_id, batch.topics, batch.keys, batch.uniq_key, batch.start_offset, end)
+
+
+def _unwritten_after(buf, pos: int, file_size: int, max_message_size: int) -> bool:
+    """Whether a bad record at `pos` is a torn tail: nothing but zeros where the next record would be.
+
+    Looks past the record's declared end when that is plausible, else past its first 8 bytes, over
+    one maximal message: newer data there means the bad record is behind the head, hence corrupt.
+    """
+    total = RECORD_PREFIX.unpack_from(buf, pos)[0] if pos + RECORD_PREFIX.size <= file_size else 0
+    after = pos + total if MIN_RECORD_SIZE <= total <= file_size - pos else pos + RECORD_PREFIX.size
+    probe = buf[after : min(file_size, after + max_message_size + END_FILE_MIN_BLANK_LENGTH)]
+    return probe.count(0) == len(probe)
+
+
+__all__ = ["CommitLog", "CommitLogReader", "ReadResult", "ReadStatus", "SegmentDecode", "Stop", "decode_segment"]
