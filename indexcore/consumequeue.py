@@ -88,13 +88,14 @@ class ConsumeQueue:
     """One topic/queue: loads and recovers its files, appends units, reads units, truncates."""
 
     def __init__(self, directory: str, topic: str, queue_id: int,
-                 file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE):
+                 file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE, *, readonly: bool = False):
         if file_size <= 0 or file_size % CQ_UNIT_SIZE:
             raise ValueError(f"ConsumeQueue file size {file_size} is not a positive multiple of {CQ_UNIT_SIZE}")
         self.directory = directory
         self.topic = topic
         self.queue_id = queue_id
         self.file_size = file_size
+        self.readonly = readonly
         self.max_physic_offset = -1
         self.min_logic_offset = 0
         self._files: list[int] = []  # start offsets, ascending
@@ -128,7 +129,16 @@ class ConsumeQueue:
         self.min_logic_offset = self._files[0] if self._files else 0
 
     def _truncate_files_after(self, end: int) -> None:
-        """`truncateDirtyFiles`: drop files that start past `end`; append to the one holding it."""
+        """`truncateDirtyFiles`: drop files that start past `end`; append to the one holding it.
+
+        A read-only queue only forgets them, so a query never changes the files it reads.
+        """
+        if self.readonly:
+            while self._files and self._files[-1] > end:
+                self._files.pop()
+            if self._files:
+                self._write_pos = end - self._files[-1]
+            return
         while self._files and self._files[-1] > end:
             os.unlink(self._path(self._files.pop()))
         if self._files:
@@ -289,9 +299,11 @@ class ConsumeQueue:
 class ConsumeQueueStore:
     """Every ConsumeQueue under `{root}/consumequeue/`, created on first use."""
 
-    def __init__(self, root: str, file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE):
+    def __init__(self, root: str, file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE, *,
+                 readonly: bool = False):
         self.root = os.path.join(root, CONSUME_QUEUE_DIR)
         self.file_size = file_size
+        self.readonly = readonly
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
         self._by_id: dict[tuple[int, str], ConsumeQueue] = {}
 
@@ -315,7 +327,7 @@ class ConsumeQueueStore:
             directory = os.path.join(self.root, topic, str(queue_id))
             if os.path.dirname(os.path.dirname(os.path.abspath(directory))) != os.path.abspath(self.root):
                 raise StoreLayoutError(directory, "topic would leave the consumequeue directory")
-            cq = self.queues[key] = ConsumeQueue(directory, topic, queue_id, self.file_size)
+            cq = self.queues[key] = ConsumeQueue(directory, topic, queue_id, self.file_size, readonly=self.readonly)
         return cq
 
     def dispatch(self, batch: DispatchBatch) -> PutStats:

@@ -68,7 +68,7 @@ class IndexService:
         self.names: list[str] = []
         self._last: IndexFile | None = None
 
-    def load(self) -> None:
+    def load(self, *, readonly: bool = False) -> None:
         """Open the existing files in name order; a foreign name or a wrong size is a layout error."""
         self.close()
         names = []
@@ -84,7 +84,7 @@ class IndexService:
                 names.append(name)
         self.names = sorted(names)
         if self.names:
-            self._last = IndexFile(self._path(self.names[-1]), self.hash_slot_num, self.index_num)
+            self._last = IndexFile(self._path(self.names[-1]), self.hash_slot_num, self.index_num, readonly=readonly)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)

@@ -51,11 +51,12 @@ def list_queue_files(directory: str, file_size: int | None = None) -> list[tuple
 class MappedFile:
     """One fixed-size file mapped read-write; formats add their own entries on top."""
 
-    __slots__ = ("_fd", "_mm", "file_size", "path")
+    __slots__ = ("_fd", "_mm", "file_size", "path", "readonly")
 
     def __init__(self, path: str, file_size: int, *, create: bool = False, readonly: bool = False):
         self.path = path
         self.file_size = file_size
+        self.readonly = readonly
         flags = os.O_RDONLY if readonly else os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         self._fd = os.open(path, flags, 0o644)
         try:
@@ -79,7 +80,8 @@ class MappedFile:
 
     def flush(self) -> None:
         """Force the mapping to disk (msync); data written before this call survives a crash."""
-        self._mm.flush()
+        if not self.readonly:
+            self._mm.flush()
 
     def close(self) -> None:
         if self._mm is not None and not self._mm.closed:

@@ -1,0 +1,144 @@
+"""Offline rebuild: read the CommitLog once, from its start or an offset, through the dispatchers.
+
+The same path as the live reput loop (reader -> batch -> dispatchers -> flush), run until the end of
+the written data. Rebuilding into an output that already holds files continues it: units and index
+entries already there are skipped by the broker's own dedupe rules. Point the output at an empty
+directory for a from-scratch rebuild.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from daemon.config import Config
+from daemon.dispatchers import Dispatcher, build_dispatchers
+from daemon.logs import get_logger
+from indexcore.dispatch import DelayLevelTable
+from indexcore.errors import CorruptRecordError, StoreError
+from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
+
+
+@dataclass(slots=True)
+class RebuildSummary:
+    start_offset: int
+    end_offset: int = 0
+    messages: int = 0
+    segments: int = 0
+    seconds: float = 0.0
+    files: dict[str, int] = field(default_factory=dict)
+    pending: CorruptRecordError | None = None  # a torn record at the end of the written data
+
+    @property
+    def bytes(self) -> int:
+        return self.end_offset - self.start_offset
+
+    @property
+    def msgs_per_second(self) -> float:
+        return self.messages / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "startOffset": self.start_offset, "endOffset": self.end_offset, "messages": self.messages,
+            "bytes": self.bytes, "segments": self.segments, "seconds": round(self.seconds, 3),
+            "msgsPerSecond": round(self.msgs_per_second), "files": self.files,
+            "pendingTail": str(self.pending) if self.pending else None,
+        }
+
+
+class RebuildFailed(StoreError):
+    """The rebuild stopped at corrupt data; the summary covers what was dispatched before it."""
+
+    def __init__(self, cause: StoreError, summary: RebuildSummary):
+        self.cause = cause
+        self.summary = summary
+        super().__init__(str(cause))
+
+
+def open_commit_log(config: Config) -> CommitLog:
+    return CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
+
+
+def make_reader(config: Config, log: CommitLog) -> CommitLogReader:
+    store = config.store
+    return CommitLogReader(log, check_crc=store.check_crc_on_recover, max_message_size=store.max_message_size,
+                           delay_table=DelayLevelTable(store.message_delay_level), batch_bytes=config.reput.batch_bytes)
+
+
+def rebuild(config: Config, *, from_offset: int | None = None,
+            progress: Callable[[int, int, int], None] | None = None) -> RebuildSummary:
+    """Dispatch every record from `from_offset` (default: the CommitLog's first offset) to the end."""
+    log = get_logger(command="rebuild")
+    commit_log = open_commit_log(config)
+    out = config.output.dir
+    os.makedirs(out, exist_ok=True)
+    offset = commit_log.min_offset if from_offset is None else from_offset
+    summary = RebuildSummary(start_offset=offset)
+    target = commit_log.max_offset
+    dispatchers = build_dispatchers(config, out)
+    reader = make_reader(config, commit_log)
+    log.info("rebuild_started", store=config.store.store_path_commit_log, output=out, from_offset=offset,
+             segments=len(commit_log.segments), dispatchers=[getattr(d, "name", type(d).__name__) for d in dispatchers])
+    started = time.perf_counter()
+    try:
+        while True:
+            result = reader.read(offset)
+            _dispatch(dispatchers, result)
+            summary.messages += len(result.batch)
+            summary.segments += result.rolled
+            offset = result.next_offset
+            summary.end_offset = offset
+            if progress is not None:
+                progress(offset - summary.start_offset, target - summary.start_offset, summary.messages)
+            if result.skipped_from is not None:
+                log.warning("offset_below_oldest_segment", requested=result.skipped_from, resumed_at=offset)
+            if result.status is ReadStatus.END:
+                summary.pending = result.pending
+                break
+            if result.status is ReadStatus.CORRUPT:
+                log.error("corrupt_commitlog", error=str(result.error), offset=offset)
+                raise RebuildFailed(result.error, summary)
+        for d in dispatchers:
+            d.flush()
+    finally:
+        reader.close()
+        for d in dispatchers:
+            d.close()
+        summary.seconds = time.perf_counter() - started
+        summary.files = {getattr(d, "name", type(d).__name__): d.files() for d in dispatchers if hasattr(d, "files")}
+    if summary.pending is not None:
+        log.warning("incomplete_record_at_end", error=str(summary.pending))
+    log.info("rebuild_finished", **summary.as_dict())
+    return summary
+
+
+def _dispatch(dispatchers: list[Dispatcher], result: ReadResult) -> None:
+    if len(result.batch):
+        for d in dispatchers:
+            d.dispatch(result.batch)
+
+
+class ProgressBar:
+    """A one-line progress display on a terminal: bytes done, messages, rate."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.started = time.perf_counter()
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int, messages: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < 0.2:
+            return
+        self.last = now
+        pct = 100.0 * done / total if total > 0 else 100.0
+        rate = messages / max(now - self.started, 1e-9)
+        self.stream.write(f"\r  {min(pct, 100.0):5.1f}%  {messages:,} messages  {rate:,.0f} msgs/s ")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
