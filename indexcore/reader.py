@@ -420,13 +420,18 @@ def _with_end(batch: DispatchBatch, end: int) -> DispatchBatch:
 
 
 def _unwritten_after(buf, pos: int, file_size: int, max_message_size: int) -> bool:
-    """Whether a bad record at `pos` is a torn tail: nothing but zeros where the next record would be.
+    """Whether a bad record at `pos` is a torn tail, i.e. still being copied in.
 
-    Looks past the record's declared end when that is plausible, else past its first 8 bytes, over
-    one maximal message: newer data there means the bad record is behind the head, hence corrupt.
+    A record is copied front to back, so a torn one has not received its last byte yet: that byte
+    is still zero (or TOTALSIZE itself is not plausible yet), and so is everything after it, over
+    one maximal message. A bad record whose last byte is written, or with newer data after it, is
+    corrupt.
     """
     total = RECORD_PREFIX.unpack_from(buf, pos)[0] if pos + RECORD_PREFIX.size <= file_size else 0
-    after = pos + total if MIN_RECORD_SIZE <= total <= file_size - pos else pos + RECORD_PREFIX.size
+    plausible = MIN_RECORD_SIZE <= total <= min(file_size - pos, max_message_size)
+    if plausible and buf[pos + total - 1] != 0:
+        return False
+    after = pos + total if plausible else pos + RECORD_PREFIX.size
     probe = buf[after : min(file_size, after + max_message_size + END_FILE_MIN_BLANK_LENGTH)]
     return probe.count(0) == len(probe)
 

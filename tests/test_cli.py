@@ -1,0 +1,210 @@
+"""The `reputd` command line, run as a subprocess the way an operator runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from indexcore.commitlog import PHYSICAL_OFFSET_OFFSET
+from indexcore.writer import CommitLogWriter, Message
+from tests.conformance import discover, files_under
+
+SEGMENT = 64 * 1024
+REPUTD = [sys.executable, "-m", "daemon.cli"]
+
+
+def run(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    full_env.update(env or {})
+    return subprocess.run([*REPUTD, *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=120,
+                          check=False)
+
+
+def write_config(tmp: Path, **store) -> Path:
+    cfg = {"store": {"storePathRootDir": str(tmp / "store"), "mappedFileSizeCommitLog": SEGMENT,
+                     "mappedFileSizeConsumeQueue": 400, "maxHashSlotNum": 31, "maxIndexNum": 50, **store},
+           "output": {"dir": str(tmp / "out")}, "logging": {"level": "warning"}}
+    path = tmp / "reputd.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def make_store(tmp: Path, topics=("TopicA", "TopicB"), n: int = 300) -> list:
+    clock = iter(range(1_700_000_000_000, 1_800_000_000_000, 250))
+    results = []
+    with CommitLogWriter(str(tmp / "store" / "commitlog"), SEGMENT, clock=lambda: next(clock)) as w:
+        for i in range(n):
+            props = {"TAGS": "TagA", "KEYS": f"order-{i} 订单😀{i % 7}", "UNIQ_KEY": f"{i:032X}"}
+            results.append(w.append(Message(topics[i % len(topics)], i % 3, bytes([i % 256]) * (i % 500), props)))
+    return results
+
+
+@pytest.fixture
+def store(tmp_path):
+    results = make_store(tmp_path)
+    return tmp_path, write_config(tmp_path), results
+
+
+def test_help_for_every_command():
+    """`--help` works for the tool and for every command, exiting 0."""
+    for args in ([], ["rebuild"], ["query"], ["query", "key"], ["query", "queue"], ["query", "msgid"],
+                 ["inspect"], ["produce"]):
+        res = run(*args, "--help")
+        assert res.returncode == 0, res.stderr
+        assert "usage:" in res.stdout
+
+
+def test_usage_error_exits_2():
+    """A missing argument is a usage error: exit 2, no traceback."""
+    res = run("query", "key", "TopicA")
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+
+
+def test_rebuild_then_query_key(store):
+    """rebuild writes consumequeue/ and index/; query key finds a message by a CJK+emoji key."""
+    tmp, config, results = store
+    res = run("rebuild", "--config", str(config), "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["messages"] == len(results)
+    assert summary["endOffset"] == results[-1].phy_offset + results[-1].msg_size
+    assert (tmp / "out" / "consumequeue" / "TopicA" / "0").is_dir()
+    assert list((tmp / "out" / "index").iterdir())
+    res = run("query", "key", "TopicA", "订单😀3", "--config", str(config), "--json")
+    assert res.returncode == 0, res.stderr
+    found = [json.loads(line) for line in res.stdout.splitlines()]
+    expected = [r for i, r in enumerate(results) if i % 2 == 0 and i % 7 == 3]
+    assert [m["commitLogOffset"] for m in found] == sorted((r.phy_offset for r in expected), reverse=True)[:64]
+    for field in ("commitLogOffset", "msgId", "topic", "queueId", "queueOffset", "storeTimestamp", "bornTimestamp",
+                  "tags", "keys", "uniqKey", "sysFlag", "bodySize"):
+        assert field in found[0]
+
+
+def test_query_key_raw_prints_candidate_offsets(store):
+    """--raw prints the index's candidates, newest first, one per line."""
+    tmp, config, results = store
+    assert run("rebuild", "--config", str(config)).returncode == 0
+    res = run("query", "key", "TopicB", "order-5", "--raw", "--config", str(config))
+    assert res.returncode == 0, res.stderr
+    assert [int(x) for x in res.stdout.split()] == [results[5].phy_offset]
+
+
+def test_query_queue_and_msgid(store):
+    """query queue walks a ConsumeQueue; query msgid decodes an offset msgId."""
+    tmp, config, results = store
+    assert run("rebuild", "--config", str(config)).returncode == 0
+    res = run("query", "queue", "TopicA", "1", "0", "--count", "3", "--config", str(config), "--json")
+    assert res.returncode == 0, res.stderr
+    msgs = [json.loads(line) for line in res.stdout.splitlines()]
+    in_queue = [r for r in results if r.topic == "TopicA" and r.queue_id == 1]
+    assert [m["commitLogOffset"] for m in msgs] == [r.phy_offset for r in in_queue[:3]]
+    assert [m["queueOffset"] for m in msgs] == [0, 1, 2]
+    res = run("query", "msgid", results[7].msg_id, "--config", str(config), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["commitLogOffset"] == results[7].phy_offset
+    res = run("query", "queue", "TopicA", "1", "100000", "--config", str(config))
+    assert res.returncode == 0
+    assert "OFFSET_OVERFLOW_BADLY" in res.stderr
+
+
+def test_inspect_every_kind(store):
+    """inspect decodes a CommitLog segment, a ConsumeQueue file, an IndexFile and a checkpoint."""
+    tmp, config, _ = store
+    assert run("rebuild", "--config", str(config)).returncode == 0
+    index_file = next((tmp / "out" / "index").iterdir())
+    for path, kind in ((tmp / "store" / "commitlog" / f"{0:020d}", "commitlog"),
+                       (tmp / "out" / "consumequeue" / "TopicA" / "0" / f"{0:020d}", "consumequeue"),
+                       (index_file, "indexfile")):
+        res = run("inspect", str(path), "--config", str(config), "--json", "--limit", "5")
+        assert res.returncode == 0, res.stderr
+        info = json.loads(res.stdout)
+        assert info["kind"] == kind
+    stores = discover()
+    if stores:
+        res = run("inspect", str(stores[0].store / "checkpoint"), "--json")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["kind"] == "checkpoint"
+
+
+def test_produce_appends_and_resumes(tmp_path):
+    """produce writes messages; a second run appends after them with continuing queue offsets."""
+    config = write_config(tmp_path)
+    assert run("produce", "--config", str(config), "--messages", "50", "--topics", "T1,T2").returncode == 0
+    res = run("produce", "--config", str(config), "--messages", "50", "--topics", "T1,T2", "--seed", "9")
+    assert res.returncode == 0, res.stderr
+    assert run("rebuild", "--config", str(config)).returncode == 0
+    res = run("query", "queue", "T1", "0", "0", "--count", "100", "--config", str(config), "--json")
+    offsets = [json.loads(line)["queueOffset"] for line in res.stdout.splitlines()]
+    per_run = len(range(0, 50 // 2, 4))  # T1 takes every other message, queue 0 every fourth of those
+    assert offsets == list(range(2 * per_run))
+
+
+def test_config_error_names_the_key(tmp_path):
+    """An impossible value exits 2 and names the key; so does a mistyped environment variable."""
+    config = write_config(tmp_path, mappedFileSizeConsumeQueue=1234)
+    res = run("rebuild", "--config", str(config))
+    assert res.returncode == 2
+    assert "store.mappedFileSizeConsumeQueue" in res.stderr
+    res = run("rebuild", "--config", str(write_config(tmp_path)), env={"REPUTD_STORE_MAX_HASH_SLOTS": "3"})
+    assert res.returncode == 2
+    assert "REPUTD_STORE_MAX_HASH_SLOTS" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_missing_commitlog_directory_is_a_clear_error(tmp_path):
+    """A store without a CommitLog directory: exit 1 naming the directory, no traceback."""
+    res = run("rebuild", "--config", str(write_config(tmp_path)))
+    assert res.returncode == 1
+    assert "commitlog" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_corrupt_record_exits_1_naming_file_offset_and_field(store):
+    """A damaged PHYSICALOFFSET stops the rebuild with exit 1 and names file, offset and field."""
+    tmp, config, results = store
+    victim = results[10]
+    segment = tmp / "store" / "commitlog" / f"{victim.phy_offset - victim.phy_offset % SEGMENT:020d}"
+    with open(segment, "r+b") as f:
+        f.seek(victim.phy_offset % SEGMENT + PHYSICAL_OFFSET_OFFSET)
+        f.write((victim.phy_offset + 1).to_bytes(8, "big"))
+    res = run("rebuild", "--config", str(config))
+    assert res.returncode == 1
+    assert str(segment) in res.stderr
+    assert f"offset {victim.phy_offset}" in res.stderr
+    assert "physical_offset" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_hostile_topic_writes_nothing_outside_the_output(tmp_path):
+    """A stored topic `../x` is a corrupt record: exit 1, and no file appears outside the output dir."""
+    with CommitLogWriter(str(tmp_path / "store" / "commitlog"), SEGMENT) as w:
+        w.append(Message("Fine", 0, b"a", {"KEYS": "k"}))
+        w.append(Message("../x", 0, b"b", {"KEYS": "k"}))
+    config = write_config(tmp_path)
+    before = set(files_under(tmp_path.parent))
+    res = run("rebuild", "--config", str(config))
+    assert res.returncode == 1
+    assert "topic" in res.stderr
+    assert "Traceback" not in res.stderr
+    created = set(files_under(tmp_path.parent)) - before
+    out = str((tmp_path / "out").relative_to(tmp_path.parent))
+    assert created and all(p.startswith(out + os.sep) for p in created)
+    assert not (tmp_path / "out" / "consumequeue" / ".." / "x").exists()
+
+
+def test_cli_rebuild_of_a_conformance_store_is_byte_identical(tmp_path):
+    """The CLI, not just the library, reproduces the broker's ConsumeQueue bytes."""
+    stores = discover()
+    assert stores
+    s = stores[0]
+    config = s.make_workspace(tmp_path)
+    res = run("rebuild", "--config", str(config))
+    assert res.returncode == 0, res.stderr
+    assert files_under(tmp_path / "store" / "consumequeue") == files_under(s.store / "consumequeue")
