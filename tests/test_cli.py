@@ -89,7 +89,7 @@ def test_rebuild_then_query_key(store):
 
 def test_query_key_raw_prints_candidate_offsets(store):
     """--raw prints the index's candidates, newest first, one per line."""
-    tmp, config, results = store
+    _tmp, config, results = store
     assert run("rebuild", "--config", str(config)).returncode == 0
     res = run("query", "key", "TopicB", "order-5", "--raw", "--config", str(config))
     assert res.returncode == 0, res.stderr
@@ -98,7 +98,7 @@ def test_query_key_raw_prints_candidate_offsets(store):
 
 def test_query_queue_and_msgid(store):
     """query queue walks a ConsumeQueue; query msgid decodes an offset msgId."""
-    tmp, config, results = store
+    _tmp, config, results = store
     assert run("rebuild", "--config", str(config)).returncode == 0
     res = run("query", "queue", "TopicA", "1", "0", "--count", "3", "--config", str(config), "--json")
     assert res.returncode == 0, res.stderr
@@ -195,7 +195,8 @@ def test_hostile_topic_writes_nothing_outside_the_output(tmp_path):
     assert "Traceback" not in res.stderr
     created = set(files_under(tmp_path.parent)) - before
     out = str((tmp_path / "out").relative_to(tmp_path.parent))
-    assert created and all(p.startswith(out + os.sep) for p in created)
+    assert created
+    assert all(p.startswith(out + os.sep) for p in created)
     assert not (tmp_path / "out" / "consumequeue" / ".." / "x").exists()
 
 
