@@ -83,12 +83,13 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     log.info("rebuild_started", store=config.store.store_path_commit_log, output=out, from_offset=offset,
              segments=len(commit_log.segments), dispatchers=[getattr(d, "name", type(d).__name__) for d in dispatchers])
     started = time.perf_counter()
+    rolls = 0
     try:
         while True:
             result = reader.read(offset)
             _dispatch(dispatchers, result)
             summary.messages += len(result.batch)
-            summary.segments += result.rolled
+            rolls += result.rolled
             offset = result.next_offset
             summary.end_offset = offset
             if progress is not None:
@@ -108,6 +109,7 @@ def rebuild(config: Config, *, from_offset: int | None = None,
         for d in dispatchers:
             d.close()
         summary.seconds = time.perf_counter() - started
+        summary.segments = rolls + (summary.end_offset > commit_log.segment_start(summary.end_offset))
         summary.files = {getattr(d, "name", type(d).__name__): d.files() for d in dispatchers if hasattr(d, "files")}
     if summary.pending is not None:
         log.warning("incomplete_record_at_end", error=str(summary.pending))
