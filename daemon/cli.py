@@ -15,7 +15,7 @@ from daemon.inspect_file import (
     inspect_commitlog,
     inspect_consumequeue,
     inspect_indexfile,
-    render_text,
+    text_line,
 )
 from daemon.logs import configure_logging
 from daemon.produce import produce
@@ -207,7 +207,6 @@ def cmd_query_msgid(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-
     config = load_config(args.config, os.environ)
     if not os.path.isfile(args.path):
         print(f"reputd: error: {args.path}: no such file", file=sys.stderr)
@@ -222,9 +221,18 @@ def cmd_inspect(args) -> int:
                                  args.index_num or config.store.max_index_num, args.limit)
     else:
         info = inspect_checkpoint(args.path)
-    print(json.dumps(info, ensure_ascii=False) if args.json else render_text(info))
-    if "error" in info:
-        print(f"reputd: error: {info['error']}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(info.header, ensure_ascii=False))
+        for row in info.rows:
+            print(json.dumps(row, ensure_ascii=False))
+    else:
+        for key, value in info.header.items():
+            print(f"{key}: {value}")
+        for row in info.rows:
+            print(text_line(row))
+    for key, value in info.trailer.items():
+        print(f"{key}: {value}", file=sys.stderr)
+    if "error" in info.trailer:
         return EXIT_FAILURE
     return EXIT_OK
 

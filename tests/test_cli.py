@@ -115,7 +115,7 @@ def test_query_queue_and_msgid(store):
 
 
 def test_inspect_every_kind(store):
-    """inspect decodes a CommitLog segment, a ConsumeQueue file, an IndexFile and a checkpoint."""
+    """inspect streams a header line then entries for a segment, a ConsumeQueue file, an IndexFile, a checkpoint."""
     tmp, config, _ = store
     assert run("rebuild", "--config", str(config)).returncode == 0
     index_file = next((tmp / "out" / "index").iterdir())
@@ -124,13 +124,14 @@ def test_inspect_every_kind(store):
                        (index_file, "indexfile")):
         res = run("inspect", str(path), "--config", str(config), "--json", "--limit", "5")
         assert res.returncode == 0, res.stderr
-        info = json.loads(res.stdout)
-        assert info["kind"] == kind
+        header, *rows = (json.loads(line) for line in res.stdout.splitlines())
+        assert header["kind"] == kind
+        assert len(rows) == 5
     stores = discover()
     if stores:
         res = run("inspect", str(stores[0].store / "checkpoint"), "--json")
         assert res.returncode == 0, res.stderr
-        assert json.loads(res.stdout)["kind"] == "checkpoint"
+        assert json.loads(res.stdout.splitlines()[0])["kind"] == "checkpoint"
 
 
 def test_produce_appends_and_resumes(tmp_path):
@@ -209,3 +210,17 @@ def test_cli_rebuild_of_a_conformance_store_is_byte_identical(tmp_path):
     res = run("rebuild", "--config", str(config))
     assert res.returncode == 0, res.stderr
     assert files_under(tmp_path / "store" / "consumequeue") == files_under(s.store / "consumequeue")
+
+
+def test_inspect_reports_a_corrupt_record(store):
+    """inspect of a damaged segment prints the records before the damage and exits 1 naming it."""
+    tmp, _config, results = store
+    segment = tmp / "store" / "commitlog" / f"{0:020d}"
+    with open(segment, "r+b") as f:
+        f.seek(results[3].phy_offset + PHYSICAL_OFFSET_OFFSET)
+        f.write((12345).to_bytes(8, "big"))
+    res = run("inspect", str(segment), "--json")
+    assert res.returncode == 1
+    assert len(res.stdout.splitlines()) == 1 + 3
+    assert f"offset {results[3].phy_offset}" in res.stderr
+    assert "physical_offset" in res.stderr
