@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"reputd: config error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except StoreError as e:
-        print(f"reputd: error: {getattr(e, 'cause', e)}", file=sys.stderr)
+        print(f"reputd: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except BrokenPipeError:
         return EXIT_OK

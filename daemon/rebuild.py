@@ -52,10 +52,11 @@ class RebuildSummary:
 class RebuildFailed(StoreError):
     """The rebuild stopped at corrupt data; the summary covers what was dispatched before it."""
 
-    def __init__(self, cause: StoreError, summary: RebuildSummary):
+    def __init__(self, cause: StoreError, summary: RebuildSummary, hint: str | None = None):
         self.cause = cause
         self.summary = summary
-        super().__init__(str(cause))
+        self.hint = hint
+        super().__init__(f"{cause} ({hint})" if hint else str(cause))
 
 
 def open_commit_log(config: Config) -> CommitLog:
@@ -101,7 +102,10 @@ def rebuild(config: Config, *, from_offset: int | None = None,
                 break
             if result.status is ReadStatus.CORRUPT:
                 log.error("corrupt_commitlog", error=str(result.error), offset=offset)
-                raise RebuildFailed(result.error, summary)
+                hint = None
+                if from_offset is not None and offset == from_offset:
+                    hint = f"--from {from_offset} may not be the start of a record"
+                raise RebuildFailed(result.error, summary, hint)
         for d in dispatchers:
             d.flush()
     finally:
