@@ -57,7 +57,7 @@ class ConsumeQueueDispatcher:
         return self.queues.max_physic_offset()
 
     def files(self) -> int:
-        return sum(len(cq._files) for cq in self.queues)
+        return sum(cq.file_count for cq in self.queues)
 
     def flush(self) -> None:
         self.queues.flush()

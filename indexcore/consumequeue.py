@@ -73,15 +73,23 @@ class PutStats:
         self.out_of_order += other.out_of_order
 
 
+def _last_real_unit_end(units: np.ndarray) -> int:
+    """offset + size of the last unit that is not a pre-blank unit, or -1: a blank (size 0x7FFFFFFF) says
+    nothing about the CommitLog, and taken as a real unit it would mark 2 GiB of it as already built."""
+    real = np.flatnonzero((units["commit_log_offset"] != 0) | (units["msg_size"] != BLANK_UNIT_MSG_SIZE)
+                          | (units["tags_code"] != 0))
+    if len(real) == 0:
+        return -1
+    last = units[real[-1]]
+    return int(last["commit_log_offset"]) + int(last["msg_size"])
+
+
 def _valid_prefix_units(data: bytes) -> tuple[int, int]:
-    """Number of leading valid units in `data`, and max physical offset (offset + size) of the last one."""
+    """Number of leading valid units in `data`, and max physical offset (offset + size) of the last real one."""
     units = np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=len(data) // CQ_UNIT_SIZE)
     invalid = np.flatnonzero((units["commit_log_offset"] < 0) | (units["msg_size"] <= 0))
     n = int(invalid[0]) if len(invalid) else len(units)
-    if n == 0:
-        return 0, -1
-    last = units[n - 1]
-    return n, int(last["commit_log_offset"]) + int(last["msg_size"])
+    return n, _last_real_unit_end(units[:n])
 
 
 class ConsumeQueue:
@@ -119,7 +127,7 @@ class ConsumeQueue:
         for start, path in files[max(0, len(files) - RECOVER_FROM_LAST_FILES):]:
             with open(path, "rb") as f:
                 n, max_phy = _valid_prefix_units(f.read())
-            if n:
+            if max_phy >= 0:
                 self.max_physic_offset = max_phy
             end = start + n * CQ_UNIT_SIZE
             if n * CQ_UNIT_SIZE < self.file_size:
@@ -208,7 +216,8 @@ class ConsumeQueue:
                 i += 1
                 continue
             k = np.searchsorted(breaks, i, side="right")
-            streak_end = int(breaks[k]) if k < len(breaks) else n
+            # queue offset 0 skips the order check (§7.5); the units after it are each checked again
+            streak_end = i + 1 if q == 0 else int(breaks[k]) if k < len(breaks) else n
             j = min(streak_end, i + (self.file_size - self._write_pos) // CQ_UNIT_SIZE)
             if q != 0 and expect > current:
                 stats.out_of_order += j - i
@@ -269,12 +278,15 @@ class ConsumeQueue:
             self._open_last(start)
             self._write_pos = keep * CQ_UNIT_SIZE
             self._last.write(self._write_pos, bytes(self.file_size - self._write_pos))
-            last = units[keep - 1]
-            self.max_physic_offset = int(last["commit_log_offset"]) + int(last["msg_size"])
+            self.max_physic_offset = _last_real_unit_end(units[:keep])
             break
         if not self._files:
             self.min_logic_offset = 0
         self._flushed = min(self._flushed, self.write_offset)
+
+    @property
+    def file_count(self) -> int:
+        return len(self._files)
 
     @property
     def flushed_offset(self) -> int:

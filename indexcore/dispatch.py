@@ -10,7 +10,7 @@ and `IndexService.buildIndex` (which keys are indexed, in which order).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -113,7 +113,6 @@ class DispatchBatch:
     uniq_key: list[str | None]  # property UNIQ_KEY
     start_offset: int
     end_offset: int
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.phy_offset)
