@@ -336,7 +336,7 @@ def _decode(cls, buf, pos: int, check_crc: bool, max_message_size: int) -> Messa
     if body_len < 0 or p + body_len > end:
         raise CorruptRecordError("body_length", f"{body_len} does not fit in the record")
     body = bytes(buf[p : p + body_len])
-    if check_crc and body_crc32(body) != crc:
+    if check_crc and body_len > 0 and body_crc32(body) != crc:
         raise CorruptRecordError("body_crc", f"stored {crc}, computed {body_crc32(body)}")
     p += body_len
     if magic == MESSAGE_MAGIC_CODE_V2:

@@ -224,7 +224,15 @@ class IndexFile:
         return HASH_SLOT.unpack_from(self._file.buffer, INDEX_HEADER_SIZE + HASH_SLOT_SIZE * slot)[0]
 
     def flush(self) -> None:
-        """Force the mapping. The header is already in it: every put writes it, as the broker's do."""
+        """`IndexFile.flush`: write the whole header from memory, then force the mapping. Puts already wrote
+        it; what changes is a new file's indexCount, 0 on disk until then and 1 in memory (§8.2, §16.6)."""
+        if not self._file.readonly:
+            self._file.write(0, self.header.encode())
+        self._file.flush()
+
+    def sync(self) -> None:
+        """Force the mapping without rewriting the header: how a 4.9.3 broker's non-full file reaches disk
+        (the OS writes back what the puts wrote), so a rolled file with no entry yet keeps indexCount 0."""
         self._file.flush()
 
     def close(self) -> None:

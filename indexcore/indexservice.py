@@ -143,7 +143,10 @@ class IndexService:
             while i < len(keys):
                 f = self._last
                 if f.is_write_full():
-                    f = self._roll(int(key_ts[i]), stats)
+                    # it filled at key i-1: the next record to arrive creates the new file, be it key i's
+                    # own record or, when the file filled at the end of a message, the one right after it
+                    creator = int(owners[i]) if i == 0 else min(int(owners[i]), int(owners[i - 1]) + 1)
+                    f = self._roll(int(ts[creator]), stats)
                 i += f.put_keys(hashes[i:], phys[i:], key_ts[i:])
             stats.keys_put += len(keys)
             after = int(owners[-1]) + 1
@@ -181,13 +184,21 @@ class IndexService:
     def files(self) -> list[str]:
         return [self._path(n) for n in self.names]
 
-    def flush(self) -> None:
+    def _sync_last(self) -> None:
+        """Make the newest file durable as the broker leaves it: a full file is flushed when it is
+        replaced (`FlushIndexFileThread`), a non-full one only ever reaches disk through the OS."""
         if self._last is not None:
-            self._last.flush()
+            if self._last.is_write_full():
+                self._last.flush()
+            else:
+                self._last.sync()
+
+    def flush(self) -> None:
+        self._sync_last()
 
     def close(self) -> None:
         if self._last is not None:
-            self._last.flush()
+            self._sync_last()
             self._last.close()
             self._last = None
 

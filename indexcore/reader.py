@@ -398,10 +398,10 @@ class CommitLogReader:
             return ReadResult(_with_end(batch, nxt), nxt, ReadStatus.OK, rolled=True)
         last = not log.has_segment_after(offset) and not self._successor_appeared(offset)
         if result.stop is Stop.END:
-            if last:
+            if last and _zeros_from(mm, result.position, size, self.max_message_size):
                 return ReadResult(batch, at, ReadStatus.END)
-            err = CorruptRecordError("total_size", "zero TOTALSIZE before the end of a segment that has a "
-                                     "successor", path=path, offset=at)
+            where = "before the end of a segment that has a successor" if not last else "with data after it"
+            err = CorruptRecordError("total_size", f"zero TOTALSIZE {where}", path=path, offset=at)
             return ReadResult(batch, at, ReadStatus.CORRUPT, err)
         err = result.error.located(path, at)
         if last and _unwritten_after(mm, result.position, size, self.max_message_size):
@@ -431,8 +431,13 @@ def _unwritten_after(buf, pos: int, file_size: int, max_message_size: int) -> bo
     plausible = MIN_RECORD_SIZE <= total <= min(file_size - pos, max_message_size)
     if plausible and buf[pos + total - 1] != 0:
         return False
-    after = pos + total if plausible else pos + RECORD_PREFIX.size
-    probe = buf[after : min(file_size, after + max_message_size + END_FILE_MIN_BLANK_LENGTH)]
+    return _zeros_from(buf, pos + total if plausible else pos + RECORD_PREFIX.size, file_size, max_message_size)
+
+
+def _zeros_from(buf, pos: int, file_size: int, max_message_size: int) -> bool:
+    """Whether the next maximal message's worth of bytes from `pos` is unwritten (all zero). A writer
+    appends front to back, so data beyond a zero gap means the gap is damage, not the head."""
+    probe = buf[pos : min(file_size, pos + max_message_size + END_FILE_MIN_BLANK_LENGTH)]
     return probe.count(0) == len(probe)
 
 

@@ -187,6 +187,9 @@ class CommitLogWriter:
         size = record.total_size
         if size > self.max_message_size:
             raise ValueError(f"message of {size} bytes exceeds maxMessageSize {self.max_message_size}")
+        if size + END_FILE_MIN_BLANK_LENGTH > self.segment_size:
+            raise ValueError(f"message of {size} bytes plus an {END_FILE_MIN_BLANK_LENGTH}-byte BLANK does not fit "
+                             f"a {self.segment_size}-byte segment")
         if self._file is None:
             self._open(0, create=True)
         if size + END_FILE_MIN_BLANK_LENGTH > self.segment_size - self._pos:
