@@ -17,11 +17,11 @@ run: $(BIN)/reputd
 	$(BIN)/reputd rebuild --config $(CONFIG)
 
 test: $(BIN)/reputd
-	$(BIN)/ruff check daemon indexcore tests bench
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/reputd
-	$(BIN)/ruff check daemon indexcore tests bench
+	$(BIN)/ruff check .
 
 bench: $(BIN)/reputd
 	$(BIN)/python bench/bench_rebuild.py
