@@ -293,6 +293,61 @@ _DISPATCHERS_SECTION = "dispatchers"
 _ENV_KEYS: dict[str, _Key] = {env_var_name(k.section, k.name): k for k in _KEY_LIST}
 _DISPATCHERS_ENV = env_var_name(_DISPATCHERS_SECTION)
 
+# MessageStoreConfig keys that govern only the broker's own runtime (flushing the CommitLog, HA, cleaning,
+# transfer limits, pools): accepted under `store:` so a block copied from broker.conf loads, and ignored.
+BROKER_RUNTIME_STORE_KEYS = frozenset({
+    "accessMessageInMemoryMaxRatio", "autoMessageVersionOnTopicLen", "bitMapLengthConsumeQueueExt", "brokerRole",
+    "cleanFileForciblyEnable", "cleanResourceInterval", "commitCommitLogLeastPages",
+    "commitCommitLogThoroughInterval", "commitIntervalCommitLog", "dLegerGroup", "dLegerPeers", "dLegerSelfId",
+    "debugLockEnable", "defaultQueryMaxNum", "deleteCommitLogFilesInterval", "deleteConsumeQueueFilesInterval",
+    "deleteWhen", "destroyMapedFileIntervalForcibly", "diskFallRecorded", "diskMaxUsedSpaceRatio",
+    "duplicationEnable", "enableBatchPush", "enableScheduleAsyncDeliver", "enableScheduleMessageStats",
+    "enabledAppendPropCRC", "fastFailIfNoBufferInStorePool", "fileReservedTime", "flushCommitLogLeastPages",
+    "flushCommitLogThoroughInterval", "flushCommitLogTimed", "flushDelayOffsetInterval", "flushDiskType",
+    "flushIntervalCommitLog", "flushLeastPagesWhenWarmMapedFile", "forceVerifyPropCRC", "haHousekeepingInterval",
+    "haListenPort", "haMasterAddress", "haSendHeartbeatInterval", "haSlaveFallbehindMax", "haTransferBatchSize",
+    "mappedFileSizeConsumeQueueExt", "maxLmqConsumeQueueNum", "maxTransferBytesOnMessageInDisk",
+    "maxTransferBytesOnMessageInMemory", "maxTransferCountOnMessageInDisk", "maxTransferCountOnMessageInMemory",
+    "messageIndexSafe", "offsetCheckInSlave", "osPageCacheBusyTimeOutMills", "preferredLeaderId",
+    "putMsgIndexHightWater", "recheckReputOffsetFromCq", "redeleteHangedFileInterval",
+    "scheduleAsyncDeliverMaxPendingLimit", "scheduleAsyncDeliverMaxResendNum2Blocked", "slaveTimeout",
+    "syncFlushTimeout", "transientStorePoolEnable", "transientStorePoolSize", "useReentrantLockWhenPutMessage",
+    "warmMapedFileEnable",
+})
+# MessageStoreConfig settings that change what the broker writes or reads in ways reputd does not reproduce;
+# accepted only at these (default) values, so they can never silently give different files.
+UNSUPPORTED_STORE_SETTINGS: dict[str, Any] = {
+    "enableConsumeQueueExt": False,
+    "enableMultiDispatch": False,
+    "enableLmq": False,
+    "enableDLegerCommitLog": False,
+    "readOnlyCommitLogStorePaths": None,
+}
+_UNSUPPORTED_WHY = {
+    "enableConsumeQueueExt": "ConsumeQueueExt files are not written by reputd",
+    "enableMultiDispatch": "LMQ multi-dispatch queues are not written by reputd",
+    "enableLmq": "LMQ multi-dispatch queues are not written by reputd",
+    "enableDLegerCommitLog": "a DLedger CommitLog wraps records in DLedger entries, which reputd does not read",
+    "readOnlyCommitLogStorePaths": "list those directories in storePathCommitLog instead",
+}
+
+
+def _broker_only(section: str, name: Any, value: Any, origin: str) -> bool:
+    """Whether a store key is a recognised broker setting that reputd ignores; refuses unsupported values."""
+    if section != "store" or not isinstance(name, str):
+        return False
+    if name in UNSUPPORTED_STORE_SETTINGS:
+        default = UNSUPPORTED_STORE_SETTINGS[name]
+        if value != default and value not in ("", [], "false"):
+            raise _error(f"store.{name}", f"only {default!r} is supported: {_UNSUPPORTED_WHY[name]}", origin)
+        return True
+    if name in BROKER_RUNTIME_STORE_KEYS:
+        if isinstance(value, Mapping | list | tuple):
+            raise _error(f"store.{name}", f"expected a scalar broker setting, got {_describe(value)}", origin)
+        return True
+    return False
+
+
 # Defaults the dataclasses cannot carry because they depend on other values; None means "the store root".
 _DERIVED_DEFAULTS: dict[tuple[str, str], Any] = {
     ("store", "storePathRootDir"): "./var/store",
@@ -514,6 +569,8 @@ class _Layers:
                 raise _error(section, f"expected a mapping of keys, got {_describe(body)}", origin)
             for name, value in body.items():
                 key = _KEYS.get((section, name))
+                if key is None and _broker_only(section, name, value, origin):
+                    continue
                 if key is None:
                     known = [k.name for k in _KEY_LIST if k.section == section]
                     raise _error(f"{section}.{name}", f"unknown key{_suggest(str(name), known)}", origin)

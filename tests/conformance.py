@@ -13,9 +13,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CONFORMANCE_ROOT = Path(os.environ.get("REPUTD_CONFORMANCE_DIR", REPO.parent / "shared" / "conformance"))
 
-# manifest store_config keys that shape the rebuilt files, as reputd's store: section names them
-_STORE_KEYS = ("mappedFileSizeCommitLog", "mappedFileSizeConsumeQueue", "maxHashSlotNum", "maxIndexNum",
-               "messageIndexEnable", "maxMsgsNumBatch", "maxMessageSize", "messageDelayLevel")
+_PATH_KEYS = ("storePathRootDir", "storePathCommitLog")
 
 
 @dataclass(frozen=True)
@@ -29,9 +27,11 @@ class ConformanceStore:
         return self.path / "store"
 
     def store_settings(self) -> dict:
+        """The broker's whole MessageStoreConfig as the manifest gives it, paths left out: reputd takes a
+        block copied from broker.conf as it is."""
         cfg = self.manifest["store_config"]
         merged = {**cfg.get("all_values_after_setting", {}), **cfg["explicitly_set"]}
-        return {k: merged[k] for k in _STORE_KEYS if k in merged and merged[k] is not None}
+        return {k: v for k, v in merged.items() if k not in _PATH_KEYS}
 
     def make_workspace(self, tmp: Path) -> Path:
         """A store root holding a copy of the CommitLog only, and a config to rebuild it."""

@@ -441,3 +441,35 @@ def test_parse_delay_levels_roundtrip(levels: list[tuple[int, str]]) -> None:
 def test_config_type_is_exported() -> None:
     """load_config returns the public Config type."""
     assert isinstance(default_config(), Config)
+
+
+def test_broker_runtime_store_keys_are_accepted_and_ignored(tmp_path):
+    """A store: block copied from broker.conf loads: keys that only govern the broker's runtime are ignored."""
+    path = tmp_path / "c.yaml"
+    path.write_text("store:\n  flushDiskType: ASYNC_FLUSH\n  haListenPort: 10912\n  brokerRole: SLAVE\n"
+                    "  duplicationEnable: false\n  dLegerPeers: null\n  maxHashSlotNum: 97\n")
+    config = load_config(path, env={})
+    assert config.store.max_hash_slot_num == 97
+
+
+@pytest.mark.parametrize(("key", "value"), [("enableConsumeQueueExt", "true"), ("enableMultiDispatch", "true"),
+                                            ("enableLmq", "true"), ("enableDLegerCommitLog", "true"),
+                                            ("readOnlyCommitLogStorePaths", "/ro/commitlog")])
+def test_unsupported_broker_settings_are_refused(tmp_path, key, value):
+    """Settings that change what the broker writes are refused unless at their default, naming the key."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"store:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert info.value.key == f"store.{key}"
+    path.write_text(f"store:\n  {key}: {'null' if key.startswith('readOnly') else 'false'}\n")
+    load_config(path, env={})
+
+
+def test_misspelt_broker_key_is_still_unknown(tmp_path):
+    """Recognising broker keys does not let a typo through."""
+    path = tmp_path / "c.yaml"
+    path.write_text("store:\n  flushDiskTyp: ASYNC_FLUSH\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert info.value.key == "store.flushDiskTyp"
