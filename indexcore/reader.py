@@ -309,6 +309,19 @@ class CommitLog:
     def has_segment_after(self, offset: int) -> bool:
         return bool(self._segments) and self._segments[-1][0] > self.segment_start(offset)
 
+    def has_written_segment_after(self, offset: int) -> bool:
+        """Whether a later segment holds data. A broker pre-allocates its next file (zeros) before the
+        current one is full, so an existing successor whose first TOTALSIZE is 0 does not count."""
+        start = self.segment_start(offset)
+        for s, path in reversed(self._segments):
+            if s <= start:
+                return False
+            with open(path, "rb") as f:
+                head = f.read(RECORD_PREFIX.size)
+            if len(head) == RECORD_PREFIX.size and RECORD_PREFIX.unpack(head)[0] != 0:
+                return True
+        return False
+
     def read_record(self, offset: int, *, check_crc: bool = True,
                     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> MessageRecord:
         """Decode the whole message record at `offset` (for queries and inspection)."""
@@ -396,7 +409,7 @@ class CommitLogReader:
         if result.stop is Stop.BLANK:
             nxt = seg_start + size
             return ReadResult(_with_end(batch, nxt), nxt, ReadStatus.OK, rolled=True)
-        last = not log.has_segment_after(offset) and not self._successor_appeared(offset)
+        last = not self._written_successor(offset)
         if result.stop is Stop.END:
             if last and _zeros_from(mm, result.position, size, self.max_message_size):
                 return ReadResult(batch, at, ReadStatus.END)
@@ -408,9 +421,11 @@ class CommitLogReader:
             return ReadResult(batch, at, ReadStatus.END, pending=err)
         return ReadResult(batch, at, ReadStatus.CORRUPT, err)
 
-    def _successor_appeared(self, offset: int) -> bool:
+    def _written_successor(self, offset: int) -> bool:
+        """Whether data exists past this segment, looking again at the directory first: a successor
+        may have appeared since the last scan."""
         self.commit_log.refresh()
-        return self.commit_log.has_segment_after(offset)
+        return self.commit_log.has_written_segment_after(offset)
 
 
 def _with_end(batch: DispatchBatch, end: int) -> DispatchBatch:

@@ -127,17 +127,18 @@ class CommitLogWriter:
         if res.status is ReadStatus.CORRUPT:
             raise res.error
         start = log.segment_start(offset)
-        self._open(start, create=not os.path.exists(os.path.join(self.directory, offset_to_file_name(start))))
+        self._open(start)
         self._pos = offset - start
         torn_end = min(self.segment_size, self._pos + self.max_message_size + END_FILE_MIN_BLANK_LENGTH)
         self._file.write(self._pos, bytes(torn_end - self._pos))
 
-    def _open(self, start: int, *, create: bool) -> None:
+    def _open(self, start: int) -> None:
+        """Map the segment starting at `start`, creating it unless it exists (a broker pre-allocates)."""
         if self._file is not None:
             self._file.flush()
             self._file.close()
-        self._file = MappedFile(os.path.join(self.directory, offset_to_file_name(start)), self.segment_size,
-                                create=create)
+        path = os.path.join(self.directory, offset_to_file_name(start))
+        self._file = MappedFile(path, self.segment_size, create=not os.path.exists(path))
         self._file_start = start
         self._pos = 0
 
@@ -191,10 +192,10 @@ class CommitLogWriter:
             raise ValueError(f"message of {size} bytes plus an {END_FILE_MIN_BLANK_LENGTH}-byte BLANK does not fit "
                              f"a {self.segment_size}-byte segment")
         if self._file is None:
-            self._open(0, create=True)
+            self._open(0)
         if size + END_FILE_MIN_BLANK_LENGTH > self.segment_size - self._pos:
             self._file.write(self._pos, encode_blank(self.segment_size - self._pos))
-            self._open(self._file_start + self.segment_size, create=True)
+            self._open(self._file_start + self.segment_size)
         phy = self._file_start + self._pos
         data = bytearray(_with_offset(record, phy).encode())
         if self.append_crc_property:

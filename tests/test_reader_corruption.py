@@ -506,3 +506,30 @@ def test_empty_body_with_stored_crc_is_accepted(tmp_path: Path) -> None:
     assert res.status is ReadStatus.END
     rec = CommitLog(str(tmp_path), SEGMENT).read_record(r.phy_offset)
     assert rec.body_crc == 12345
+
+
+def test_preallocated_empty_successor_does_not_make_the_tail_corrupt(log) -> None:
+    """A broker pre-allocates its next segment (all zeros): the head of the current one is still END."""
+    path, results = log
+    nxt = (newest_segment(results) + 1) * SEGMENT
+    with open(os.path.join(str(path), offset_to_file_name(nxt)), "wb") as f:
+        f.truncate(SEGMENT)
+    end = results[-1].phy_offset + results[-1].msg_size
+    phys, res = read_until_stop(path)
+    assert res.status is ReadStatus.END
+    assert res.next_offset == end
+    assert phys == [r.phy_offset for r in results]
+
+
+def test_writer_resumes_into_a_preallocated_segment(log) -> None:
+    """The writer reopens a log whose pre-allocated successor exists and rolls into that file."""
+    path, results = log
+    nxt = (newest_segment(results) + 1) * SEGMENT
+    with open(os.path.join(str(path), offset_to_file_name(nxt)), "wb") as f:
+        f.truncate(SEGMENT)
+    with CommitLogWriter(str(path), SEGMENT) as w:
+        more = [w.append(Message(TOPIC, 0, body=body_of(i, 400), properties=PROPERTIES)) for i in range(12)]
+    assert any(r.phy_offset >= nxt for r in more)
+    phys, res = read_until_stop(path)
+    assert res.status is ReadStatus.END
+    assert phys == [r.phy_offset for r in results + more]
