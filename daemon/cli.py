@@ -269,6 +269,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("reputd: interrupted", file=sys.stderr)
         return 130
+    except ValueError as e:
+        print(f"reputd: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:
+        if os.environ.get("REPUTD_DEBUG"):
+            raise
+        print(f"reputd: internal error: {type(e).__name__}: {e} (REPUTD_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

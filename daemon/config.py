@@ -40,7 +40,7 @@ __all__ = [
 ENV_PREFIX = "REPUTD_"
 # Names under the prefix that are not config keys (the CLI may read the config file's path from it),
 # so the typo check must not reject them.
-ENV_IGNORED = frozenset({"REPUTD_CONFIG"})
+ENV_IGNORED = frozenset({"REPUTD_CONFIG", "REPUTD_DEBUG", "REPUTD_CONFORMANCE_DIR"})
 
 DELAY_UNIT_MS = {"s": 1000, "m": 60000, "h": 3600000, "d": 86400000}
 CQ_STORE_UNIT_SIZE = 20

@@ -9,6 +9,7 @@ class define how to find their end again.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -48,6 +49,17 @@ def list_queue_files(directory: str, file_size: int | None = None) -> list[tuple
     return out
 
 
+def _preallocate(fd: int, path: str, size: int) -> None:
+    """Reserve the file's blocks up front, so a full disk is an OSError now rather than SIGBUS on a later
+    write through the mapping; file systems without fallocate get a sparse file."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(e.errno, f"cannot allocate {size} bytes for {path}: {e.strerror}") from None
+        os.ftruncate(fd, size)
+
+
 class MappedFile:
     """One fixed-size file mapped read-write; formats add their own entries on top."""
 
@@ -61,7 +73,7 @@ class MappedFile:
         self._fd = os.open(path, flags, 0o644)
         try:
             if create:
-                os.ftruncate(self._fd, file_size)
+                _preallocate(self._fd, path, file_size)
             else:
                 actual = os.fstat(self._fd).st_size
                 if actual != file_size:
@@ -69,6 +81,8 @@ class MappedFile:
             self._mm = mmap.mmap(self._fd, file_size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
         except BaseException:
             os.close(self._fd)
+            if create:
+                os.unlink(path)
             raise
 
     @property

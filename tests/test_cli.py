@@ -224,3 +224,24 @@ def test_inspect_reports_a_corrupt_record(store):
     assert len(res.stdout.splitlines()) == 1 + 3
     assert f"offset {results[3].phy_offset}" in res.stderr
     assert "physical_offset" in res.stderr
+
+
+def _limit_file_size() -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+
+def test_no_room_for_a_file_is_a_clean_error(store):
+    """A file that cannot be allocated (here: over RLIMIT_FSIZE) exits 1 naming it, leaving no partial file."""
+    tmp, _, _ = store
+    config = write_config(tmp, maxIndexNum=100_000)  # a 2 MB IndexFile, over the 1 MB limit
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    res = subprocess.run([*REPUTD, "rebuild", "--config", str(config)], capture_output=True, text=True, env=env,
+                         timeout=120, check=False, preexec_fn=_limit_file_size)
+    assert res.returncode == 1, res.stderr
+    assert "cannot allocate" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert list((tmp / "out" / "index").iterdir()) == []
