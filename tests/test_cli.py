@@ -245,3 +245,39 @@ def test_no_room_for_a_file_is_a_clean_error(store):
     assert "cannot allocate" in res.stderr
     assert "Traceback" not in res.stderr
     assert list((tmp / "out" / "index").iterdir()) == []
+
+
+def _with_dispatchers(config: Path, dispatchers: list) -> Path:
+    cfg = yaml.safe_load(config.read_text())
+    cfg["dispatchers"] = dispatchers
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
+def test_plugin_dispatcher_named_in_the_config_sees_every_batch(store):
+    """A `package.module:Class` dispatcher gets its options, every batch in order, then close()."""
+    tmp, config, results = store
+    record = tmp / "batches.jsonl"
+    _with_dispatchers(config, ["consumequeue", {"name": "tests.plugins.recording:RecordingDispatcher",
+                                                "options": {"path": str(record)}}])
+    res = run("rebuild", "--config", str(config), cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert lines[-1] == {"closed": True}
+    assert [p for line in lines[:-1] for p in line["phy"]] == [r.phy_offset for r in results]
+    assert (tmp / "out" / "consumequeue").is_dir()
+    assert not (tmp / "out" / "index").exists()
+
+
+@pytest.mark.parametrize(("name", "needle"), [("tests.plugins.nope:X", "cannot import"),
+                                              ("tests.plugins.recording:Missing", "has no"),
+                                              ("tests.plugins.recording:NotADispatcher", "lacks dispatch")])
+def test_bad_plugin_is_a_config_error(store, name, needle):
+    """A plug-in that cannot be imported, does not exist or lacks the protocol: exit 2 naming the entry."""
+    tmp, config, _ = store
+    _with_dispatchers(config, [{"name": name, "options": {"path": str(tmp / "x")}}])
+    res = run("rebuild", "--config", str(config), cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 2, res.stderr
+    assert "dispatchers[0]" in res.stderr
+    assert needle in res.stderr
+    assert "Traceback" not in res.stderr
