@@ -17,6 +17,12 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from indexcore.commitlog import DEFAULT_MAPPED_FILE_SIZE_COMMIT_LOG, DEFAULT_MAX_MESSAGE_SIZE
+from indexcore.consumequeue import CQ_UNIT_SIZE, DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE
+from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL, DELAY_UNIT_MS, parse_delay_levels
+from indexcore.indexfile import DEFAULT_MAX_HASH_SLOT_NUM, DEFAULT_MAX_INDEX_NUM, index_file_size
+from indexcore.indexservice import DEFAULT_MAX_MSGS_NUM_BATCH
+
 __all__ = [
     "BUILTIN_DISPATCHERS",
     "CQ_STORE_UNIT_SIZE",
@@ -42,16 +48,11 @@ ENV_PREFIX = "REPUTD_"
 # so the typo check must not reject them.
 ENV_IGNORED = frozenset({"REPUTD_CONFIG", "REPUTD_DEBUG", "REPUTD_CONFORMANCE_DIR"})
 
-DELAY_UNIT_MS = {"s": 1000, "m": 60000, "h": 3600000, "d": 86400000}
-CQ_STORE_UNIT_SIZE = 20
+CQ_STORE_UNIT_SIZE = CQ_UNIT_SIZE
 BUILTIN_DISPATCHERS = ("consumequeue", "index")
 ROOT_DIR_PLACEHOLDER = "{storePathRootDir}"
 
 _JAVA_INT_MAX = 2**31 - 1
-_INDEX_HEADER_SIZE = 40
-_HASH_SLOT_SIZE = 4
-_INDEX_ENTRY_SIZE = 20
-_DELAY_TOKEN = re.compile(r"([0-9]+)([smhd])", re.ASCII)
 _PLACEHOLDER = re.compile(r"\{[A-Za-z_]\w*\}", re.ASCII)
 _PLUGIN_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*", re.ASCII)
 _CAMEL_WORD = re.compile(r"(.)([A-Z][a-z]+)")
@@ -79,14 +80,14 @@ class StoreConfig:
 
     store_path_root_dir: str
     store_path_commit_log: str
-    mapped_file_size_commit_log: int = 1073741824
-    mapped_file_size_consume_queue: int = 6000000
-    max_hash_slot_num: int = 5000000
-    max_index_num: int = 20000000
+    mapped_file_size_commit_log: int = DEFAULT_MAPPED_FILE_SIZE_COMMIT_LOG
+    mapped_file_size_consume_queue: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE
+    max_hash_slot_num: int = DEFAULT_MAX_HASH_SLOT_NUM
+    max_index_num: int = DEFAULT_MAX_INDEX_NUM
     message_index_enable: bool = True
-    max_msgs_num_batch: int = 64
-    max_message_size: int = 4194304
-    message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+    max_msgs_num_batch: int = DEFAULT_MAX_MSGS_NUM_BATCH
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+    message_delay_level: str = DEFAULT_MESSAGE_DELAY_LEVEL
     check_crc_on_recover: bool = True
     flush_interval_consume_queue: int = 1000
     flush_consume_queue_least_pages: int = 2
@@ -156,20 +157,6 @@ class Config:
     metrics: MetricsConfig
     logging: LoggingConfig
     source: str | None
-
-
-def parse_delay_levels(spec: str) -> tuple[int, ...]:
-    """Delay in ms of each level (level 1 at index 0), parsed as the broker's ScheduleMessageService does."""
-    tokens = spec.split()
-    if not tokens:
-        raise ValueError("no delay levels given")
-    delays = []
-    for token in tokens:
-        match = _DELAY_TOKEN.fullmatch(token)
-        if match is None:
-            raise ValueError(f"bad delay level {token!r}: expected digits followed by one of s, m, h, d")
-        delays.append(int(match[1]) * DELAY_UNIT_MS[match[2]])
-    return tuple(delays)
 
 
 def _camel_to_snake(name: str) -> str:
@@ -627,11 +614,7 @@ class _Layers:
         return Config(dispatchers=self.dispatchers, source=source, **built)
 
     def _check_index_size(self, store: StoreConfig) -> None:
-        size = (
-            _INDEX_HEADER_SIZE
-            + store.max_hash_slot_num * _HASH_SLOT_SIZE
-            + store.max_index_num * _INDEX_ENTRY_SIZE
-        )
+        size = index_file_size(store.max_hash_slot_num, store.max_index_num)
         if size > _JAVA_INT_MAX:
             key = _KEYS[("store", "maxIndexNum")]
             raise _error(

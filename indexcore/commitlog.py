@@ -72,6 +72,8 @@ TOPIC_LENGTH_V2 = struct.Struct(">h")
 MAX_TOPIC_LENGTH_V1 = 127
 MAX_PROPERTIES_LENGTH = 32767
 DEFAULT_MAX_MESSAGE_SIZE = 4 * 1024 * 1024
+DEFAULT_MAPPED_FILE_SIZE_COMMIT_LOG = 1024 * 1024 * 1024
+BODY_CRC_MASK = 0x7FFFFFFF  # BODYCRC keeps 31 bits of the CRC-32
 _SIZE_CONSTANT = 74  # TOTALSIZE minus the two hosts, the topic-length field, body, topic and properties
 
 # SYSFLAG bits (MessageSysFlag)
@@ -97,6 +99,7 @@ PROPERTY_REAL_QUEUE_ID = "REAL_QID"
 PROPERTY_WAIT_STORE_MSG_OK = "WAIT"
 PROPERTY_CRC32 = "__CRC32#"  # [5.x] enabledAppendPropCRC
 KEY_SEPARATOR = " "
+_SEPARATOR_BYTE = PROPERTY_SEPARATOR[0]
 CRC32_PROPERTY_DIGITS = 10
 CRC32_RESERVED_LENGTH = len(PROPERTY_CRC32) + 1 + CRC32_PROPERTY_DIGITS + 1  # 20
 
@@ -141,7 +144,7 @@ def record_size(sys_flag: int, magic: int, body_length: int, topic_length: int, 
 
 def body_crc32(body: bytes | memoryview) -> int:
     """BODYCRC as the broker stores it: CRC-32 (IEEE) with the top bit cleared."""
-    return zlib.crc32(body) & 0x7FFFFFFF
+    return zlib.crc32(body) & BODY_CRC_MASK
 
 
 def transaction_type(sys_flag: int) -> int:
@@ -166,7 +169,7 @@ def check_topic(raw: bytes, magic: int = MESSAGE_MAGIC_CODE) -> str:
         raise CorruptRecordError("topic", f"not valid UTF-8: {raw!r}") from None
     if "/" in topic or "\\" in topic or ".." in topic or topic == ".":
         raise CorruptRecordError("topic", f"path separator or '..' in topic {topic!r}")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in topic):
+    if any(c.isascii() and not c.isprintable() for c in topic):
         raise CorruptRecordError("topic", f"NUL or control character in topic {topic!r}")
     return topic
 
@@ -205,7 +208,7 @@ def find_property(raw: bytes, name: bytes) -> bytes | None:
         i = raw.rfind(needle, 0, end)
         if i < 0:
             return None
-        if i == 0 or raw[i - 1] == 0x02:
+        if i == 0 or raw[i - 1] == _SEPARATOR_BYTE:
             start = i + len(needle)
             stop = raw.find(PROPERTY_SEPARATOR, start)
             if stop < 0:

@@ -9,6 +9,7 @@ and `IndexService.buildIndex` (which keys are indexed, in which order).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,19 +31,30 @@ UNKNOWN_LEVEL_DELAY_MS = 1000
 INDEX_KEY_SEPARATOR = "#"
 
 
+_DELAY_TOKEN = re.compile(r"([0-9]+)([smhd])", re.ASCII)
+
+
+def parse_delay_levels(spec: str) -> tuple[int, ...]:
+    """`ScheduleMessageService.parseDelayLevel`: the delay in ms of each level, level 1 first."""
+    tokens = spec.split()
+    if not tokens:
+        raise ValueError("no delay levels given")
+    delays = []
+    for token in tokens:
+        match = _DELAY_TOKEN.fullmatch(token)
+        if match is None:
+            raise ValueError(f"bad delay level {token!r}: expected digits followed by one of s, m, h, d")
+        delays.append(int(match[1]) * DELAY_UNIT_MS[match[2]])
+    return tuple(delays)
+
+
 class DelayLevelTable:
-    """`ScheduleMessageService.parseDelayLevel`: level n (1-based) -> delay in ms."""
+    """Level n (1-based) -> delay in ms, from a `messageDelayLevel` string."""
 
     __slots__ = ("delays_ms",)
 
     def __init__(self, spec: str = DEFAULT_MESSAGE_DELAY_LEVEL):
-        delays = []
-        for token in spec.split():
-            unit = DELAY_UNIT_MS.get(token[-1:])
-            if unit is None or not token[:-1].isdigit():
-                raise ValueError(f"bad delay level {token!r}: expected digits followed by s, m, h or d")
-            delays.append(int(token[:-1]) * unit)
-        self.delays_ms = tuple(delays)
+        self.delays_ms = parse_delay_levels(spec)
 
     @property
     def max_level(self) -> int:
@@ -159,6 +171,7 @@ __all__ = [
     "DispatchBatch",
     "delay_tags_code",
     "index_keys_of",
+    "parse_delay_levels",
     "parse_java_int",
     "tags_codes",
 ]

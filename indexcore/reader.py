@@ -23,6 +23,7 @@ import numpy as np
 
 from indexcore.commitlog import (
     BLANK_MAGIC_CODE,
+    BODY_CRC_MASK,
     BORNHOST_V6_FLAG,
     DEFAULT_MAX_MESSAGE_SIZE,
     END_FILE_MIN_BLANK_LENGTH,
@@ -47,6 +48,7 @@ from indexcore.mappedfile import list_queue_files, offset_to_file_name
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 _HOST_FLAGS = BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG
 _SYS_FLAG = struct.Struct(">i")
+_SIGNED_BYTE = tuple(struct.unpack(">256b", bytes(range(256))))  # v1 TOPICLENGTH is a Java byte
 _MESSAGE_MAGICS = frozenset((MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2))
 _KEYS, _UNIQ_KEY, _TAGS, _DELAY = b"KEYS", b"UNIQ_KEY", b"TAGS", b"DELAY"
 
@@ -143,14 +145,12 @@ def _decode(buf, mv, start, base, file_size, max_bytes, check_crc, max_size, del
             if body_len < 0 or p + body_len > end:
                 raise CorruptRecordError("body_length", f"{body_len} does not fit in a {total}-byte record")
             if check_crc and body_len > 0:
-                actual = crc32(mv[p : p + body_len]) & 0x7FFFFFFF
+                actual = crc32(mv[p : p + body_len]) & BODY_CRC_MASK
                 if actual != crc:
                     raise CorruptRecordError("body_crc", f"stored {crc}, body hashes to {actual}")
             p += body_len
             if magic == MESSAGE_MAGIC_CODE:
-                topic_len = buf[p]
-                if topic_len > 127:
-                    topic_len -= 256
+                topic_len = _SIGNED_BYTE[buf[p]]
                 p += 1
             else:
                 topic_len = TOPIC_LENGTH_V2.unpack_from(buf, p)[0]
