@@ -106,6 +106,8 @@ class QueueQueryResult:
 def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: int = 32) -> QueueQueryResult:
     store = ConsumeQueueStore(config.output.dir, config.store.mapped_file_size_consume_queue, readonly=True)
     cq = store.queue(topic, queue_id)
+    log = open_commit_log(config)
+    cq.correct_min_offset(log.min_offset)
     try:
         lo, hi = cq.min_offset, cq.max_offset
         if hi == 0:
@@ -117,7 +119,6 @@ def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: i
         if offset > hi:
             return QueueQueryResult("OFFSET_OVERFLOW_BADLY", lo, hi, lo if lo == 0 else hi, [])
         units = cq.read_units(offset, count)
-        log = open_commit_log(config)
         msgs = [log.read_record(u.commit_log_offset, max_message_size=config.store.max_message_size)
                 for u in units if u.is_valid]
         return QueueQueryResult("FOUND", lo, hi, offset + len(units), msgs)

@@ -239,6 +239,19 @@ class ConsumeQueue:
     def min_offset(self) -> int:
         return self.min_logic_offset // CQ_UNIT_SIZE
 
+    def correct_min_offset(self, commit_log_min_offset: int) -> None:
+        """`correctMinOffset`: the first unit of the first file that points at or past the CommitLog's
+        oldest offset; blank units (offset 0) before a queue's first real unit are passed over once the
+        CommitLog no longer starts at 0."""
+        if not self._files:
+            return
+        start = self._files[0]
+        with open(self._path(start), "rb") as f:
+            units = np.frombuffer(f.read(), dtype=CQ_UNIT_DTYPE)
+        at = np.flatnonzero(units["commit_log_offset"] >= commit_log_min_offset)
+        if len(at):
+            self.min_logic_offset = start + int(at[0]) * CQ_UNIT_SIZE
+
     def read_units(self, queue_offset: int, max_count: int | None = None) -> list[ConsumeQueueUnit]:
         """Units from `queue_offset` to the end of the written data of the file holding it."""
         if not self.min_offset <= queue_offset < self.max_offset:

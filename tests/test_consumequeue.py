@@ -518,3 +518,18 @@ def test_store_load_truncate_and_replay(tmp_path: Path) -> None:
     assert loaded.dispatch(batch) == PutStats(written=17, already_built=13)
     loaded.close()
     assert cq_files(tmp_path) == full
+
+
+def test_correct_min_offset_passes_over_pre_blank_units(tmp_path: Path) -> None:
+    """After a reload, correctMinOffset(CommitLog min) skips the blank units of a queue that starts late."""
+    cq = ConsumeQueue(str(tmp_path), "T", 0, 10 * CQ_UNIT_SIZE)
+    first_phy = 5_000
+    cq.put_units(np.array([13, 14]), np.array([first_phy, first_phy + 100]), np.array([100, 100]), np.array([0, 0]))
+    assert cq.min_offset == 13
+    cq.close()
+    reloaded = ConsumeQueue(str(tmp_path), "T", 0, 10 * CQ_UNIT_SIZE)
+    reloaded.correct_min_offset(first_phy - first_phy % 4096)
+    assert reloaded.min_offset == 13
+    reloaded.correct_min_offset(0)
+    assert reloaded.min_offset == 10
+    reloaded.close()
