@@ -11,6 +11,7 @@ decoded on its own (the Spark backfill relies on it).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import mmap
 import os
@@ -408,7 +409,7 @@ class CommitLogReader:
             return ReadResult(batch, at, ReadStatus.OK)
         if result.stop is Stop.BLANK:
             nxt = seg_start + size
-            return ReadResult(_with_end(batch, nxt), nxt, ReadStatus.OK, rolled=True)
+            return ReadResult(dataclasses.replace(batch, end_offset=nxt), nxt, ReadStatus.OK, rolled=True)
         last = not self._written_successor(offset)
         if result.stop is Stop.END:
             if last and _zeros_from(mm, result.position, size, self.max_message_size):
@@ -426,12 +427,6 @@ class CommitLogReader:
         may have appeared since the last scan."""
         self.commit_log.refresh()
         return self.commit_log.has_written_segment_after(offset)
-
-
-def _with_end(batch: DispatchBatch, end: int) -> DispatchBatch:
-    return DispatchBatch(batch.phy_offset, batch.msg_size, batch.queue_id, batch.queue_offset, batch.sys_flag,
-                         batch.store_timestamp, batch.tags_code, batch.prepared_transaction_offset,
-                         batch.topic_id, batch.topics, batch.keys, batch.uniq_key, batch.start_offset, end)
 
 
 def _unwritten_after(buf, pos: int, file_size: int, max_message_size: int) -> bool:

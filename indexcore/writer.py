@@ -9,6 +9,7 @@ would not fit. It can also write what a 5.x broker writes: a trailing property s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -197,7 +198,7 @@ class CommitLogWriter:
             self._file.write(self._pos, encode_blank(self.segment_size - self._pos))
             self._open(self._file_start + self.segment_size)
         phy = self._file_start + self._pos
-        data = bytearray(_with_offset(record, phy).encode())
+        data = bytearray(dataclasses.replace(record, physical_offset=phy).encode())
         if self.append_crc_property:
             crc = body_crc32(bytes(data[: size - CRC32_RESERVED_LENGTH]))
             data[size - CRC32_RESERVED_LENGTH :] = encode_crc32_property(crc)
@@ -224,9 +225,3 @@ class CommitLogWriter:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _with_offset(record: MessageRecord, phy: int) -> MessageRecord:
-    return MessageRecord(record.topic, record.queue_id, record.flag, record.queue_offset, phy, record.sys_flag,
-                         record.born_timestamp, record.born_host, record.store_timestamp, record.store_host,
-                         record.reconsume_times, record.prepared_transaction_offset, record.body,
-                         record.properties, record.body_crc, record.magic)
