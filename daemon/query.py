@@ -19,7 +19,6 @@ from indexcore.commitlog import (
 from indexcore.consumequeue import ConsumeQueueStore
 from indexcore.indexservice import IndexService, QueryOffsetResult
 from indexcore.msgid import create_offset_msg_id, decode_offset_msg_id
-from indexcore.reader import CommitLog
 
 LONG_MAX = 2**63 - 1
 
@@ -83,13 +82,9 @@ def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: in
     """Messages whose topic and key match exactly, newest first, each listed once."""
     candidates = query_offsets(config, topic, key, max_num, begin, end).phy_offsets
     log = open_commit_log(config)
-    out, seen = [], set()
-    for offset in sorted(set(candidates), reverse=True):
-        rec = log.read_record(offset, max_message_size=config.store.max_message_size)
-        if offset not in seen and matches_key(rec, topic, key):
-            seen.add(offset)
-            out.append(rec)
-    return out
+    records = (log.read_record(offset, max_message_size=config.store.max_message_size)
+               for offset in sorted(set(candidates), reverse=True))
+    return [rec for rec in records if matches_key(rec, topic, key)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,4 +126,4 @@ def query_msgid(config: Config, msg_id: str) -> MessageRecord:
     return open_commit_log(config).read_record(offset, max_message_size=config.store.max_message_size)
 
 
-__all__ = ["CommitLog", "matches_key", "message_json", "query_key", "query_msgid", "query_offsets", "query_queue"]
+__all__ = ["matches_key", "message_json", "query_key", "query_msgid", "query_offsets", "query_queue"]
