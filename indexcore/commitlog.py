@@ -99,7 +99,6 @@ PROPERTY_REAL_QUEUE_ID = "REAL_QID"
 PROPERTY_WAIT_STORE_MSG_OK = "WAIT"
 PROPERTY_CRC32 = "__CRC32#"  # [5.x] enabledAppendPropCRC
 KEY_SEPARATOR = " "
-_SEPARATOR_BYTE = PROPERTY_SEPARATOR[0]
 CRC32_PROPERTY_DIGITS = 10
 CRC32_RESERVED_LENGTH = len(PROPERTY_CRC32) + 1 + CRC32_PROPERTY_DIGITS + 1  # 20
 
@@ -197,27 +196,19 @@ def parse_properties(raw: bytes) -> dict[str, str]:
     return out
 
 
-def find_property(raw: bytes, name: bytes) -> bytes | None:
-    """The raw value `parse_properties` would give `name`, without splitting the whole string.
+def find_properties(raw: bytes, names: Mapping[bytes, int]) -> list[bytes | None]:
+    """The raw values `parse_properties` would give the wanted names, in one pass and without decoding.
 
-    A match counts only at a segment start; the last valid segment wins, so search backwards.
+    `names` maps each wanted name to its slot in the result; a segment counts only with a non-empty name
+    before its first separator and a non-empty value after it, and the last one of a name wins.
     """
-    needle = name + NAME_VALUE_SEPARATOR
-    end = len(raw)
-    while True:
-        i = raw.rfind(needle, 0, end)
-        if i < 0:
-            return None
-        if i == 0 or raw[i - 1] == _SEPARATOR_BYTE:
-            start = i + len(needle)
-            stop = raw.find(PROPERTY_SEPARATOR, start)
-            if stop < 0:
-                stop = len(raw)
-            if stop > start:
-                return raw[start:stop]
-        end = i + len(needle) - 1
-        if end <= 0:
-            return None
+    out: list[bytes | None] = [None] * len(names)
+    for segment in raw.split(PROPERTY_SEPARATOR):
+        name, _, value = segment.partition(NAME_VALUE_SEPARATOR)
+        slot = names.get(name)
+        if slot is not None and value:
+            out[slot] = value
+    return out
 
 
 def encode_crc32_property(value: int) -> bytes:

@@ -32,6 +32,10 @@ from indexcore.commitlog import (
     MESSAGE_MAGIC_CODE_V2,
     MIN_RECORD_SIZE,
     PROPERTIES_LENGTH,
+    PROPERTY_DELAY_TIME_LEVEL,
+    PROPERTY_KEYS,
+    PROPERTY_TAGS,
+    PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX,
     RECORD_PREFIX,
     SCHEDULE_TOPIC,
     STOREHOSTADDRESS_V6_FLAG,
@@ -39,7 +43,7 @@ from indexcore.commitlog import (
     TOPIC_LENGTH_V2,
     MessageRecord,
     check_topic,
-    find_property,
+    find_properties,
     record_size,
 )
 from indexcore.dispatch import DelayLevelTable, DispatchBatch, delay_tags_code, parse_java_int, tags_codes
@@ -51,7 +55,8 @@ _HOST_FLAGS = BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG
 _SYS_FLAG = struct.Struct(">i")
 _SIGNED_BYTE = tuple(struct.unpack(">256b", bytes(range(256))))  # v1 TOPICLENGTH is a Java byte
 _MESSAGE_MAGICS = frozenset((MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2))
-_KEYS, _UNIQ_KEY, _TAGS, _DELAY = b"KEYS", b"UNIQ_KEY", b"TAGS", b"DELAY"
+_DISPATCH_PROPERTIES = {name.encode(): slot for slot, name in enumerate(
+    (PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX, PROPERTY_TAGS, PROPERTY_DELAY_TIME_LEVEL))}
 
 
 def _dispatch_struct(born_v6: bool, store_v6: bool) -> struct.Struct:
@@ -172,20 +177,15 @@ def _decode(buf, mv, start, base, file_size, max_bytes, check_crc, max_size, del
                 expected = record_size(sys_flag, magic, body_len, topic_len, props_len)
                 raise CorruptRecordError("total_size", f"declares {total} bytes, its parts add up to {expected}")
             if props_len:
-                props = buf[p:end]
-                v = find_property(props, _KEYS)
-                keys_l.append(v.decode("utf-8", "replace") if v is not None else None)
-                v = find_property(props, _UNIQ_KEY)
-                uniq_l.append(v.decode("utf-8", "replace") if v is not None else None)
-                v = find_property(props, _TAGS)
-                tags_l.append(v.decode("utf-8", "replace") if v is not None else None)
-                if topics[tid] == SCHEDULE_TOPIC:
-                    v = find_property(props, _DELAY)
-                    if v is not None:
-                        level = parse_java_int(v.decode("utf-8", "replace"))
-                        if level is None:
-                            raise CorruptRecordError("properties.DELAY", f"{v!r} is not an integer")
-                        delays.append((len(phy_l), level))
+                keys, uniq, tags, delay = find_properties(buf[p:end], _DISPATCH_PROPERTIES)
+                keys_l.append(keys.decode("utf-8", "replace") if keys is not None else None)
+                uniq_l.append(uniq.decode("utf-8", "replace") if uniq is not None else None)
+                tags_l.append(tags.decode("utf-8", "replace") if tags is not None else None)
+                if delay is not None and topics[tid] == SCHEDULE_TOPIC:
+                    level = parse_java_int(delay.decode("utf-8", "replace"))
+                    if level is None:
+                        raise CorruptRecordError("properties.DELAY", f"{delay!r} is not an integer")
+                    delays.append((len(phy_l), level))
             else:
                 keys_l.append(None)
                 uniq_l.append(None)

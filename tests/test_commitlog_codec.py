@@ -1,6 +1,6 @@
 """Property tests of the CommitLog codec and the Java string hash.
 
-MessageRecord must round-trip through its bytes for every host kind and magic; `find_property` must
+MessageRecord must round-trip through its bytes for every host kind and magic; `find_properties` must
 agree with the full `parse_properties` walk on arbitrary bytes; `java_string_hash` must give the JDK
 values of STORE_FORMAT.md §5.3/§6.2, and `hash_many` must equal it element by element.
 """
@@ -27,7 +27,7 @@ from indexcore.commitlog import (
     body_crc32,
     check_topic,
     encode_properties,
-    find_property,
+    find_properties,
     fixed_part_struct,
     parse_properties,
     record_size,
@@ -191,7 +191,7 @@ def test_trailing_separator_is_the_only_difference() -> None:
     assert encode_properties(props, trailing_separator=True) == b"KEYS\x01k1 k2\x02TAGS\x01TagA\x02"
 
 
-# --- find_property == parse_properties().get() --------------------------------------------------------
+# --- find_properties == parse_properties().get() ------------------------------------------------------
 
 FRAGMENTS = [b"\x01", b"\x02", b"KEYS", b"KEY", b"K", b"EYS", b"S", b"TAGS", b"UNIQ_KEY", b"v", b"\xe8\xae\xa2",
              b"\xff", b" "]
@@ -207,11 +207,14 @@ fragment_strings = st.lists(st.sampled_from(FRAGMENTS), max_size=30).map(b"".joi
 @example(b"KEYS\x01KEYS\x01v", b"KEYS")
 @example(b"\x02KEYS\x01\x01\x02", b"KEYS")
 @example(b"KEYS\x01a\x02KEYS\x01b", b"KEYS")
-def test_find_property_agrees_with_parse_properties(raw: bytes, name: bytes) -> None:
-    """find_property(raw, name) is what parse_properties(raw) maps the name to, for any bytes."""
-    found = find_property(raw, name)
-    expected = parse_properties(raw).get(name.decode("ascii"))
-    assert (None if found is None else found.decode("utf-8", "replace")) == expected
+def test_find_properties_agrees_with_parse_properties(raw: bytes, name: bytes) -> None:
+    """find_properties(raw, names) is what parse_properties(raw) maps each name to, for any bytes."""
+    names = {n: i for i, n in enumerate(dict.fromkeys([name, *NAMES]))}
+    found = find_properties(raw, names)
+    parsed = parse_properties(raw)
+    for n, slot in names.items():
+        value = found[slot]
+        assert (None if value is None else value.decode("utf-8", "replace")) == parsed.get(n.decode("ascii"))
 
 
 # --- topics -------------------------------------------------------------------------------------------
