@@ -405,6 +405,7 @@ class CommitLogReader:
                                 max_bytes=self.batch_bytes, check_crc=self.check_crc,
                                 max_message_size=self.max_message_size, delay_table=self.delay_table)
         batch, at = result.batch, seg_start + result.position
+        _release(mm, offset - seg_start, result.position)
         if result.stop is Stop.LIMIT:
             return ReadResult(batch, at, ReadStatus.OK)
         if result.stop is Stop.BLANK:
@@ -427,6 +428,15 @@ class CommitLogReader:
         may have appeared since the last scan."""
         self.commit_log.refresh()
         return self.commit_log.has_written_segment_after(offset)
+
+
+def _release(mm: mmap.mmap, start: int, end: int) -> None:
+    """Drop the whole pages of [start, end) from this mapping once decoded: the batch holds copies,
+    the page cache keeps the data, and the process stays small whatever the segment's size."""
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = end - end % mmap.PAGESIZE
+    if last > first:
+        mm.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def _unwritten_after(buf, pos: int, file_size: int, max_message_size: int) -> bool:
