@@ -314,6 +314,46 @@ def check_total_size(total: int, available: int, max_message_size: int) -> None:
         raise CorruptRecordError("total_size", f"{total} runs past the end of the segment ({available} left)")
 
 
+SIGNED_BYTE = tuple(struct.unpack(">256b", bytes(range(256))))  # the v1 TOPICLENGTH is a Java byte
+
+
+def locate_parts(buf, body_at: int, body_len: int, end: int, magic: int, body_crc: int | None
+                 ) -> tuple[int, int, int, int]:
+    """Walk BODY, TOPIC and PROPERTIES of the record ending at `end`: each length must fit, the body must
+    match `body_crc` (None: not checked; an empty body never is, as in Java), and the parts must fill the
+    record exactly. Returns (topic_at, topic_len, properties_at, properties_len). Both the whole-record
+    decoder and the reader's batch decoder rely on this one walk; `buf` may be an mmap or a memoryview."""
+    if body_len < 0 or body_at + body_len > end:
+        raise CorruptRecordError("body_length", f"{body_len} does not fit in the record")
+    p = body_at + body_len
+    if body_crc is not None and body_len > 0:
+        with memoryview(buf) as view:
+            actual = zlib.crc32(view[body_at:p]) & BODY_CRC_MASK
+        if actual != body_crc:
+            raise CorruptRecordError("body_crc", f"stored {body_crc}, body hashes to {actual}")
+    if magic == MESSAGE_MAGIC_CODE:
+        if p + TOPIC_LENGTH_SIZE_V1 > end:
+            raise CorruptRecordError("topic_length", "record ends inside the topic length")
+        topic_len = SIGNED_BYTE[buf[p]]
+        p += TOPIC_LENGTH_SIZE_V1
+    else:
+        if p + TOPIC_LENGTH_SIZE_V2 > end:
+            raise CorruptRecordError("topic_length", "record ends inside the topic length")
+        topic_len = TOPIC_LENGTH_V2.unpack_from(buf, p)[0]
+        p += TOPIC_LENGTH_SIZE_V2
+    if topic_len <= 0 or p + topic_len + PROPERTIES_LENGTH.size > end:
+        raise CorruptRecordError("topic_length", f"{topic_len} does not fit in the record")
+    topic_at = p
+    p += topic_len
+    props_len = PROPERTIES_LENGTH.unpack_from(buf, p)[0]
+    p += PROPERTIES_LENGTH.size
+    if props_len < 0 or p + props_len > end:
+        raise CorruptRecordError("properties_length", f"{props_len} does not fit in the record")
+    if p + props_len != end:
+        raise CorruptRecordError("total_size", f"its parts end {end - p - props_len} bytes before TOTALSIZE does")
+    return topic_at, topic_len, p, props_len
+
+
 def _decode(cls, buf, pos: int, check_crc: bool, max_message_size: int) -> MessageRecord:
     if len(buf) - pos < RECORD_PREFIX.size:
         raise CorruptRecordError("total_size", "fewer than 8 bytes left")
@@ -325,36 +365,12 @@ def _decode(cls, buf, pos: int, check_crc: bool, max_message_size: int) -> Messa
     fixed = fixed_part_struct(sys_flag)
     (_, _, crc, queue_id, flag, queue_offset, phy, _, born_ts, born_addr, born_port, store_ts, store_addr,
      store_port, reconsume, prepared, body_len) = fixed.unpack_from(buf, pos)
-    end = pos + total
-    p = pos + fixed.size
-    if body_len < 0 or p + body_len > end:
-        raise CorruptRecordError("body_length", f"{body_len} does not fit in the record")
-    body = bytes(buf[p : p + body_len])
-    if check_crc and body_len > 0 and body_crc32(body) != crc:
-        raise CorruptRecordError("body_crc", f"stored {crc}, computed {body_crc32(body)}")
-    p += body_len
-    if magic == MESSAGE_MAGIC_CODE_V2:
-        if p + 2 > end:
-            raise CorruptRecordError("topic_length", "record ends inside the topic length")
-        topic_len = TOPIC_LENGTH_V2.unpack_from(buf, p)[0]
-        p += 2
-    else:
-        if p + 1 > end:
-            raise CorruptRecordError("topic_length", "record ends inside the topic length")
-        topic_len = struct.unpack_from(">b", buf, p)[0]
-        p += 1
-    if topic_len <= 0 or p + topic_len + 2 > end:
-        raise CorruptRecordError("topic_length", f"{topic_len} does not fit in the record")
-    topic = check_topic(bytes(buf[p : p + topic_len]), magic)
-    p += topic_len
-    props_len = PROPERTIES_LENGTH.unpack_from(buf, p)[0]
-    p += 2
-    if props_len < 0 or p + props_len > end:
-        raise CorruptRecordError("properties_length", f"{props_len} does not fit in the record")
-    props = bytes(buf[p : p + props_len])
-    expected = record_size(sys_flag, magic, body_len, topic_len, props_len)
-    if expected != total:
-        raise CorruptRecordError("total_size", f"declares {total} bytes, its parts add up to {expected}")
+    body_at = pos + fixed.size
+    topic_at, topic_len, props_at, props_len = locate_parts(buf, body_at, body_len, pos + total, magic,
+                                                            crc if check_crc else None)
+    body = bytes(buf[body_at : body_at + body_len])
+    topic = check_topic(bytes(buf[topic_at : topic_at + topic_len]), magic)
+    props = bytes(buf[props_at : props_at + props_len])
     return cls(topic, queue_id, flag, queue_offset, phy, sys_flag, born_ts, Host(born_addr, born_port),
                store_ts, Host(store_addr, store_port), reconsume, prepared, body, props, crc, magic)
 

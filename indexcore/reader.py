@@ -16,7 +16,6 @@ import enum
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,14 +23,12 @@ import numpy as np
 
 from indexcore.commitlog import (
     BLANK_MAGIC_CODE,
-    BODY_CRC_MASK,
     BORNHOST_V6_FLAG,
     DEFAULT_MAX_MESSAGE_SIZE,
     END_FILE_MIN_BLANK_LENGTH,
     MESSAGE_MAGIC_CODE,
     MESSAGE_MAGIC_CODE_V2,
     MIN_RECORD_SIZE,
-    PROPERTIES_LENGTH,
     PROPERTY_DELAY_TIME_LEVEL,
     PROPERTY_KEYS,
     PROPERTY_TAGS,
@@ -40,11 +37,11 @@ from indexcore.commitlog import (
     SCHEDULE_TOPIC,
     STOREHOSTADDRESS_V6_FLAG,
     SYS_FLAG_OFFSET,
-    TOPIC_LENGTH_V2,
     MessageRecord,
     check_topic,
+    check_total_size,
     find_properties,
-    record_size,
+    locate_parts,
 )
 from indexcore.dispatch import DelayLevelTable, DispatchBatch, delay_tags_code, parse_java_int, tags_codes
 from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
@@ -53,7 +50,6 @@ from indexcore.mappedfile import list_queue_files, offset_to_file_name
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 _HOST_FLAGS = BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG
 _SYS_FLAG = struct.Struct(">i")
-_SIGNED_BYTE = tuple(struct.unpack(">256b", bytes(range(256))))  # v1 TOPICLENGTH is a Java byte
 _MESSAGE_MAGICS = frozenset((MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2))
 _DISPATCH_PROPERTIES = {name.encode(): slot for slot, name in enumerate(
     (PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX, PROPERTY_TAGS, PROPERTY_DELAY_TIME_LEVEL))}
@@ -114,7 +110,6 @@ def _decode(buf, mv, start, base, file_size, max_bytes, check_crc, max_size, del
     topics: list[str] = []
     prefix = RECORD_PREFIX.unpack_from
     sys_flag_of = _SYS_FLAG.unpack_from
-    crc32 = zlib.crc32
     stop_at = min(file_size, start + max_bytes)
     pos = start
     stop = Stop.LIMIT
@@ -137,9 +132,7 @@ def _decode(buf, mv, start, base, file_size, max_bytes, check_crc, max_size, del
                                              f"0x{magic & 0xFFFFFFFF:08X} is not a message magic code")
                 break
             if total < MIN_RECORD_SIZE or total > max_size or total > file_size - pos:
-                raise CorruptRecordError(
-                    "total_size", f"{total} is outside [{MIN_RECORD_SIZE}, min(maxMessageSize {max_size}, "
-                    f"{file_size - pos} left in segment)]")
+                check_total_size(total, file_size - pos, max_size)
             sys_flag = sys_flag_of(buf, pos + SYS_FLAG_OFFSET)[0]
             fields = _DISPATCH_FIELDS[sys_flag & _HOST_FLAGS]
             (_, _, crc, queue_id, _, queue_offset, phy, _, _, store_ts, _, prepared, body_len
@@ -147,37 +140,16 @@ def _decode(buf, mv, start, base, file_size, max_bytes, check_crc, max_size, del
             if phy != base + pos:
                 raise CorruptRecordError("physical_offset", f"record says {phy}, it lies at {base + pos}")
             end = pos + total
-            p = pos + fields.size
-            if body_len < 0 or p + body_len > end:
-                raise CorruptRecordError("body_length", f"{body_len} does not fit in a {total}-byte record")
-            if check_crc and body_len > 0:
-                actual = crc32(mv[p : p + body_len]) & BODY_CRC_MASK
-                if actual != crc:
-                    raise CorruptRecordError("body_crc", f"stored {crc}, body hashes to {actual}")
-            p += body_len
-            if magic == MESSAGE_MAGIC_CODE:
-                topic_len = _SIGNED_BYTE[buf[p]]
-                p += 1
-            else:
-                topic_len = TOPIC_LENGTH_V2.unpack_from(buf, p)[0]
-                p += 2
-            if topic_len <= 0 or p + topic_len + 2 > end:
-                raise CorruptRecordError("topic_length", f"{topic_len} does not fit in the record")
-            topic_raw = buf[p : p + topic_len]
+            body_at = pos + fields.size
+            topic_at, topic_len, props_at, props_len = locate_parts(mv, body_at, body_len, end, magic,
+                                                                    crc if check_crc else None)
+            topic_raw = buf[topic_at : topic_at + topic_len]
             tid = topic_ids.get(topic_raw)
             if tid is None:
                 tid = topic_ids[topic_raw] = len(topics)
                 topics.append(check_topic(topic_raw, magic))
-            p += topic_len
-            props_len = PROPERTIES_LENGTH.unpack_from(buf, p)[0]
-            p += 2
-            if props_len < 0 or p + props_len > end:
-                raise CorruptRecordError("properties_length", f"{props_len} does not fit in the record")
-            if p + props_len != end:
-                expected = record_size(sys_flag, magic, body_len, topic_len, props_len)
-                raise CorruptRecordError("total_size", f"declares {total} bytes, its parts add up to {expected}")
             if props_len:
-                keys, uniq, tags, delay = find_properties(buf[p:end], _DISPATCH_PROPERTIES)
+                keys, uniq, tags, delay = find_properties(buf[props_at:end], _DISPATCH_PROPERTIES)
                 keys_l.append(keys.decode("utf-8", "replace") if keys is not None else None)
                 uniq_l.append(uniq.decode("utf-8", "replace") if uniq is not None else None)
                 tags_l.append(tags.decode("utf-8", "replace") if tags is not None else None)
