@@ -84,12 +84,20 @@ def _last_real_unit_end(units: np.ndarray) -> int:
     return int(last["commit_log_offset"]) + int(last["msg_size"])
 
 
-def _valid_prefix_units(data: bytes) -> tuple[int, int]:
-    """Number of leading valid units in `data`, and max physical offset (offset + size) of the last real one."""
-    units = np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=len(data) // CQ_UNIT_SIZE)
-    invalid = np.flatnonzero((units["commit_log_offset"] < 0) | (units["msg_size"] <= 0))
-    n = int(invalid[0]) if len(invalid) else len(units)
-    return n, _last_real_unit_end(units[:n])
+def _read_units(path: str) -> np.ndarray:
+    with open(path, "rb") as f:
+        data = f.read()
+    return np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=len(data) // CQ_UNIT_SIZE)
+
+
+def _valid_prefix(units: np.ndarray, below_phy: int | None = None) -> int:
+    """How many leading units are valid (offset >= 0 and size > 0, so blank units count), and, with
+    `below_phy`, also point below that CommitLog offset."""
+    stop = (units["commit_log_offset"] < 0) | (units["msg_size"] <= 0)
+    if below_phy is not None:
+        stop |= units["commit_log_offset"] >= below_phy
+    first = np.flatnonzero(stop)
+    return int(first[0]) if len(first) else len(units)
 
 
 class ConsumeQueue:
@@ -125,8 +133,9 @@ class ConsumeQueue:
             return
         end = self._files[0]
         for start, path in files[max(0, len(files) - RECOVER_FROM_LAST_FILES):]:
-            with open(path, "rb") as f:
-                n, max_phy = _valid_prefix_units(f.read())
+            units = _read_units(path)
+            n = _valid_prefix(units)
+            max_phy = _last_real_unit_end(units[:n])
             if max_phy >= 0:
                 self.max_physic_offset = max_phy
             end = start + n * CQ_UNIT_SIZE
@@ -246,8 +255,7 @@ class ConsumeQueue:
         if not self._files:
             return
         start = self._files[0]
-        with open(self._path(start), "rb") as f:
-            units = np.frombuffer(f.read(), dtype=CQ_UNIT_DTYPE)
+        units = _read_units(self._path(start))
         at = np.flatnonzero(units["commit_log_offset"] >= commit_log_min_offset)
         if len(at):
             self.min_logic_offset = start + int(at[0]) * CQ_UNIT_SIZE
@@ -276,11 +284,8 @@ class ConsumeQueue:
         """
         while self._files:
             start = self._last_start
-            with open(self._path(start), "rb") as f:
-                units = np.frombuffer(f.read(), dtype=CQ_UNIT_DTYPE)
-            bad = np.flatnonzero((units["commit_log_offset"] < 0) | (units["msg_size"] <= 0)
-                                 | (units["commit_log_offset"] >= phy_offset))
-            keep = int(bad[0]) if len(bad) else len(units)
+            units = _read_units(self._path(start))
+            keep = _valid_prefix(units, below_phy=phy_offset)
             if keep == 0:
                 if self._last is not None:
                     self._last.close()
