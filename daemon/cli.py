@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from daemon.config import ConfigError, load_config
+from daemon.config import Config, ConfigError, load_config
 from daemon.inspect_file import (
     file_kind,
     inspect_checkpoint,
@@ -130,16 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(args):
+def _config(args) -> Config:
+    """The config file, the environment and the command's --store/--out flags, loaded once."""
     overrides = {"store.storePathRootDir": getattr(args, "store", None), "output.dir": getattr(args, "out", None)}
     if overrides["store.storePathRootDir"] and not overrides["output.dir"]:
         overrides["output.dir"] = overrides["store.storePathRootDir"]
     return load_config(args.config, os.environ, overrides)
 
 
-def cmd_rebuild(args) -> int:
-
-    config = _config(args)
+def cmd_rebuild(args, config: Config) -> int:
     bar = ProgressBar() if sys.stderr.isatty() else None
     summary = rebuild(config, from_offset=args.from_offset, progress=bar)
     if bar is not None:
@@ -166,9 +165,7 @@ def _print_messages(records, as_json: bool) -> None:
             print(" ".join(f"{k}={v}" for k, v in m.items() if k != "properties"))
 
 
-def cmd_query_key(args) -> int:
-
-    config = _config(args)
+def cmd_query_key(args, config: Config) -> int:
     if args.raw:
         result = query_offsets(config, args.topic, args.key, args.max_num, args.begin, args.end)
         if args.json:
@@ -183,9 +180,7 @@ def cmd_query_key(args) -> int:
     return EXIT_OK
 
 
-def cmd_query_queue(args) -> int:
-
-    config = _config(args)
+def cmd_query_queue(args, config: Config) -> int:
     result = query_queue(config, args.topic, args.queue_id, args.offset, args.count)
     if result.status != "FOUND":
         print(f"{result.status}: {args.topic}/{args.queue_id} holds queue offsets "
@@ -194,9 +189,7 @@ def cmd_query_queue(args) -> int:
     return EXIT_OK
 
 
-def cmd_query_msgid(args) -> int:
-
-    config = _config(args)
+def cmd_query_msgid(args, config: Config) -> int:
     try:
         record = query_msgid(config, args.msgid)
     except ValueError as e:
@@ -206,8 +199,7 @@ def cmd_query_msgid(args) -> int:
     return EXIT_OK
 
 
-def cmd_inspect(args) -> int:
-    config = load_config(args.config, os.environ)
+def cmd_inspect(args, config: Config) -> int:
     if not os.path.isfile(args.path):
         print(f"reputd: error: {args.path}: no such file", file=sys.stderr)
         return EXIT_FAILURE
@@ -237,9 +229,7 @@ def cmd_inspect(args) -> int:
     return EXIT_OK
 
 
-def cmd_produce(args) -> int:
-
-    config = _config(args)
+def cmd_produce(args, config: Config) -> int:
     s = produce(config, args.messages, topics=args.topics, queues=args.queues, body_size=args.body_size,
                 keys=args.keys, seed=args.seed, uniq_key=not args.no_uniq_key)
     print(f"produced {s.messages:,} messages, {s.bytes:,} bytes at CommitLog offsets "
@@ -252,9 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config = load_config(getattr(args, "config", None), os.environ)
+        config = _config(args)
         configure_logging(config.logging.level, config.logging.format)
-        return args.handler(args)
+        return args.handler(args, config)
     except ConfigError as e:
         print(f"reputd: config error: {e}", file=sys.stderr)
         return EXIT_USAGE
