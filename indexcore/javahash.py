@@ -38,12 +38,9 @@ def _utf16_units(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         lengths = np.fromiter(map(len, strings), dtype=np.int64, count=len(strings))
         units = np.frombuffer(joined.encode("ascii"), dtype=np.uint8).astype(np.uint32)
     else:
-        lengths = np.fromiter(
-            (len(s.encode("utf-16-be", "surrogatepass")) // 2 for s in strings),
-            dtype=np.int64,
-            count=len(strings),
-        )
-        units = np.frombuffer(joined.encode("utf-16-be", "surrogatepass"), dtype=">u2").astype(np.uint32)
+        encoded = [s.encode("utf-16-be", "surrogatepass") for s in strings]
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) // 2
+        units = np.frombuffer(b"".join(encoded), dtype=">u2").astype(np.uint32)
     return units, lengths
 
 
