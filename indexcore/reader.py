@@ -148,20 +148,17 @@ def _decode(buf, mv, start, base, file_size, max_bytes, check_crc, max_size, del
             if tid is None:
                 tid = topic_ids[topic_raw] = len(topics)
                 topics.append(check_topic(topic_raw, magic))
+            keys = uniq = tags = delay = None
             if props_len:
                 keys, uniq, tags, delay = find_properties(buf[props_at:end], _DISPATCH_PROPERTIES)
-                keys_l.append(keys.decode("utf-8", "replace") if keys is not None else None)
-                uniq_l.append(uniq.decode("utf-8", "replace") if uniq is not None else None)
-                tags_l.append(tags.decode("utf-8", "replace") if tags is not None else None)
-                if delay is not None and topics[tid] == SCHEDULE_TOPIC:
-                    level = parse_java_int(delay.decode("utf-8", "replace"))
-                    if level is None:
-                        raise CorruptRecordError("properties.DELAY", f"{delay!r} is not an integer")
-                    delays.append((len(phy_l), level))
-            else:
-                keys_l.append(None)
-                uniq_l.append(None)
-                tags_l.append(None)
+            if delay is not None and topics[tid] == SCHEDULE_TOPIC:
+                level = parse_java_int(delay.decode("utf-8", "replace"))
+                if level is None:
+                    raise CorruptRecordError("properties.DELAY", f"{delay!r} is not an integer")
+                delays.append((len(phy_l), level))
+            keys_l.append(keys.decode("utf-8", "replace") if keys is not None else None)
+            uniq_l.append(uniq.decode("utf-8", "replace") if uniq is not None else None)
+            tags_l.append(tags.decode("utf-8", "replace") if tags is not None else None)
             phy_l.append(phy)
             size_l.append(total)
             qid_l.append(queue_id)
@@ -173,9 +170,6 @@ def _decode(buf, mv, start, base, file_size, max_bytes, check_crc, max_size, del
             pos = end
     except CorruptRecordError as e:
         stop, error = Stop.ERROR, e.located(None, base + pos)
-        if len(keys_l) > len(phy_l):
-            del keys_l[len(phy_l):], uniq_l[len(phy_l):], tags_l[len(phy_l):]
-            delays = [d for d in delays if d[0] < len(phy_l)]
 
     store_timestamp = np.array(ts_l, dtype=np.int64)
     tags_code = tags_codes(tags_l)
