@@ -52,10 +52,6 @@ class ConsumeQueueDispatcher:
                               batch_start=batch.start_offset)
         self.stats.add(stats)
 
-    @property
-    def max_physic_offset(self) -> int:
-        return self.queues.max_physic_offset()
-
     def files(self) -> int:
         return sum(cq.file_count for cq in self.queues)
 

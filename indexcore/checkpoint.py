@@ -19,7 +19,6 @@ from indexcore.errors import StoreLayoutError
 CHECKPOINT_FILE_SIZE = 4096
 CHECKPOINT_FIELDS = struct.Struct(">qqqqq")
 CHECKPOINT_FILE = "checkpoint"
-MIN_TIMESTAMP_MARGIN_MS = 3000
 
 
 class StoreCheckpoint(NamedTuple):
@@ -37,12 +36,3 @@ class StoreCheckpoint(NamedTuple):
         if len(data) != CHECKPOINT_FILE_SIZE:
             raise StoreLayoutError(path, f"checkpoint is {len(data)} bytes, not {CHECKPOINT_FILE_SIZE}")
         return cls(*CHECKPOINT_FIELDS.unpack_from(data))
-
-    @property
-    def min_timestamp(self) -> int:
-        """`getMinTimestamp`: where abnormal recovery may start, 3 s before the older of the two."""
-        return max(0, min(self.physic_msg_timestamp, self.logics_msg_timestamp) - MIN_TIMESTAMP_MARGIN_MS)
-
-    @property
-    def min_timestamp_index(self) -> int:
-        return min(self.min_timestamp, self.index_msg_timestamp)

@@ -117,7 +117,6 @@ class ConsumeQueue:
         self._files: list[int] = []  # start offsets, ascending
         self._last: MappedFile | None = None
         self._write_pos = 0  # in the last file
-        self._flushed = 0  # logical offset known to be on disk
         self._recover()
 
     # --- load and recovery ----------------------------------------------------------------------
@@ -142,7 +141,6 @@ class ConsumeQueue:
             if n * CQ_UNIT_SIZE < self.file_size:
                 break
         self._truncate_files_after(end)
-        self._flushed = end
         self.min_logic_offset = self._files[0] if self._files else 0
 
     def _truncate_files_after(self, end: int) -> None:
@@ -300,15 +298,10 @@ class ConsumeQueue:
             break
         if not self._files:
             self.min_logic_offset = 0
-        self._flushed = min(self._flushed, self.write_offset)
 
     @property
     def file_count(self) -> int:
         return len(self._files)
-
-    @property
-    def flushed_offset(self) -> int:
-        return self._flushed
 
     @property
     def write_offset(self) -> int:
@@ -317,7 +310,6 @@ class ConsumeQueue:
     def flush(self) -> None:
         if self._last is not None:
             self._last.flush()
-        self._flushed = self.write_offset
 
     def close(self) -> None:
         if self._last is not None:

@@ -181,9 +181,6 @@ class IndexService:
             return self._last
         return IndexFile(self._path(name), self.hash_slot_num, self.index_num, readonly=True)
 
-    def files(self) -> list[str]:
-        return [self._path(n) for n in self.names]
-
     def _sync_last(self) -> None:
         """Make the newest file durable as the broker leaves it: a full file is flushed when it is
         replaced (`FlushIndexFileThread`), a non-full one only ever reaches disk through the OS."""

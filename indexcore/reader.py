@@ -227,6 +227,7 @@ class CommitLog:
         self.segment_size = segment_size
         self.follow = follow
         self._segments: list[tuple[int, str]] = []
+        self._by_start: dict[int, str] = {}
         self.refresh()
 
     def refresh(self) -> list[tuple[int, str]]:
@@ -248,6 +249,7 @@ class CommitLog:
                                              f"{self.segment_size}")
             segments.append((start, path))
         self._segments = segments
+        self._by_start = dict(segments)
         return segments
 
     @property
@@ -267,11 +269,7 @@ class CommitLog:
         return offset - offset % self.segment_size
 
     def find_segment(self, offset: int) -> str | None:
-        start = self.segment_start(offset)
-        for s, path in self._segments:
-            if s == start:
-                return path
-        return None
+        return self._by_start.get(self.segment_start(offset))
 
     def has_segment_after(self, offset: int) -> bool:
         return bool(self._segments) and self._segments[-1][0] > self.segment_start(offset)
