@@ -322,13 +322,13 @@ def locate_parts(buf, body_at: int, body_len: int, end: int, magic: int, body_cr
     """Walk BODY, TOPIC and PROPERTIES of the record ending at `end`: each length must fit, the body must
     match `body_crc` (None: not checked; an empty body never is, as in Java), and the parts must fill the
     record exactly. Returns (topic_at, topic_len, properties_at, properties_len). Both the whole-record
-    decoder and the reader's batch decoder rely on this one walk; `buf` may be an mmap or a memoryview."""
+    decoder and the reader's batch decoder rely on this one walk; pass a memoryview to checksum the body
+    without copying it."""
     if body_len < 0 or body_at + body_len > end:
         raise CorruptRecordError("body_length", f"{body_len} does not fit in the record")
     p = body_at + body_len
     if body_crc is not None and body_len > 0:
-        with memoryview(buf) as view:
-            actual = zlib.crc32(view[body_at:p]) & BODY_CRC_MASK
+        actual = zlib.crc32(buf[body_at:p]) & BODY_CRC_MASK
         if actual != body_crc:
             raise CorruptRecordError("body_crc", f"stored {body_crc}, body hashes to {actual}")
     if magic == MESSAGE_MAGIC_CODE:
