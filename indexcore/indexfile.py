@@ -23,6 +23,11 @@ A put writes its entry, then the slot, then the header fields, all through the m
 never flushes a file that is not full, so after a crash the page cache's state is what there is. The
 first put of a file created from a full predecessor measures its time_diff from the predecessor's
 end_timestamp, then overwrites begin_timestamp: reproduced here, since it is what the broker writes.
+
+What a clean run leaves in the header on disk, which `truncate` reproduces: a file with no entry yet
+has the values it was created with and indexCount 0 (written at creation; only a put or `flush`
+writes the in-memory 1, and reputd flushes only full files); a file with entries, full or not, has the
+in-memory header, since every put rewrites all of it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import MappedFile
 
 INDEX_HEADER = struct.Struct(">qqqqii")
@@ -47,6 +53,11 @@ DEFAULT_MAX_HASH_SLOT_NUM = 5_000_000
 DEFAULT_MAX_INDEX_NUM = 20_000_000
 MAX_TIME_DIFF = 2**31 - 1
 MS_PER_SECOND = 1000
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# entries read (and zeroed) at a time past the header's indexCount when truncating: a put cut short by
+# a crash may have written entries, and slots, beyond the count its header never got to record
+TAIL_SCAN_ENTRIES = 1024
 
 _HEADER_HASH_SLOT_COUNT = 32
 
@@ -69,6 +80,35 @@ class IndexHeader(NamedTuple):
     @classmethod
     def decode(cls, data: bytes | memoryview, pos: int = 0) -> IndexHeader:
         return cls(*INDEX_HEADER.unpack_from(data, pos))
+
+
+def header_problem(header: IndexHeader, hash_slot_num: int, index_num: int) -> str | None:
+    """Why an on-disk header cannot have been written by a broker or by reputd, or None if it can.
+
+    indexCount 0 is a created file before its first put and counts as 1. A broker killed inside a put
+    may have written hashSlotCount but not yet indexCount, so the chains started can reach the
+    (normalised) count itself, one more than the entries it records; never more than the slots.
+    """
+    count = header.index_count
+    if not 0 <= count <= index_num:
+        return f"header indexCount {count} is outside [0, maxIndexNum {index_num}]"
+    most = min(hash_slot_num, max(count, FIRST_INDEX))
+    if not 0 <= header.hash_slot_count <= most:
+        return (f"header hashSlotCount {header.hash_slot_count} is outside [0, {most}] (maxHashSlotNum "
+                f"{hash_slot_num}, indexCount {count})")
+    for field in ("begin_timestamp", "end_timestamp", "begin_phy_offset", "end_phy_offset"):
+        if getattr(header, field) < 0:
+            return f"header {field} {getattr(header, field)} is negative"
+    if header.begin_phy_offset > header.end_phy_offset:
+        return f"header begin_phy_offset {header.begin_phy_offset} > end_phy_offset {header.end_phy_offset}"
+    return None
+
+
+class IndexTruncation(NamedTuple):
+    """What `IndexFile.truncate` did."""
+
+    entries_removed: int
+    slots_restored: int
 
 
 class IndexEntry(NamedTuple):
@@ -118,6 +158,10 @@ class IndexFile:
                                                   h.end_phy_offset, 0, 0))
         else:
             h = IndexHeader.decode(self._file.buffer)
+            problem = None if readonly else header_problem(h, hash_slot_num, index_num)
+            if problem is not None:
+                self._file.close()
+                raise StoreLayoutError(path, problem)
             (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
              self.hash_slot_count, count) = h
             self.index_count = count if count > 0 else FIRST_INDEX
@@ -222,6 +266,112 @@ class IndexFile:
 
     def slot(self, slot: int) -> int:
         return HASH_SLOT.unpack_from(self._file.buffer, INDEX_HEADER_SIZE + HASH_SLOT_SIZE * slot)[0]
+
+    def truncate(self, header: IndexHeader) -> IndexTruncation:
+        """Put the file back as it was when its in-memory header was `header` (same index_count rules).
+
+        Entries numbered >= header.index_count are zeroed (those the on-disk count records, and any a
+        put cut short wrote past it), each slot they changed gets back the prev_index of its earliest
+        removed entry, and the header is written as a clean run leaves it (module docstring). Everything
+        is checked before anything is written: a file that cannot have reached its state from `header`
+        by puts is a StoreLayoutError and stays untouched.
+        """
+        keep = header.index_count
+        have = self.index_count
+        if not FIRST_INDEX <= keep <= have:
+            raise StoreLayoutError(self.path, f"holds {have - FIRST_INDEX} entries, the state to restore has "
+                                              f"{keep - FIRST_INDEX}")
+        buf = self._file.buffer
+        if keep > FIRST_INDEX and self.entry(keep - 1).phy_offset != header.end_phy_offset:
+            raise StoreLayoutError(self.path, f"entry {keep - 1} is at phy offset {self.entry(keep - 1).phy_offset}, "
+                                              f"the state's end_phy_offset is {header.end_phy_offset}")
+        end = self._written_end(have)
+        entries = np.frombuffer(buf[self._entries_at + INDEX_ENTRY_SIZE * keep:
+                                    self._entries_at + INDEX_ENTRY_SIZE * end], dtype=INDEX_ENTRY_DTYPE)
+        recorded = entries[: have - keep]  # the puts whose header reached the page cache
+        if have == keep:
+            if self.header != header:
+                raise StoreLayoutError(self.path, f"header {tuple(self.header)} differs from the state to restore "
+                                                  f"{tuple(header)}")
+        else:
+            if keep > FIRST_INDEX and (self.begin_timestamp, self.begin_phy_offset) != (
+                    header.begin_timestamp, header.begin_phy_offset):
+                raise StoreLayoutError(self.path, "header begin values differ from the state to restore")
+            started = int(np.count_nonzero(recorded["prev_index"] == INVALID_INDEX))
+            if self.hash_slot_count - started != header.hash_slot_count:
+                raise StoreLayoutError(self.path, f"hashSlotCount {self.hash_slot_count} less the {started} chains "
+                                                  f"started after the state is not its {header.hash_slot_count}")
+            if np.any(recorded["key_hash"] < 0) or np.any(recorded["phy_offset"] < header.end_phy_offset):
+                raise StoreLayoutError(self.path, f"entries from {keep} on are not puts made after phy offset "
+                                                  f"{header.end_phy_offset}")
+        slot_ids, values = self._restored_slots(entries, keep, have, end)
+        slots = self._slots()
+        try:
+            slots[slot_ids] = values
+        finally:
+            del slots
+        for hi in range(end, keep, -TAIL_SCAN_ENTRIES):  # from the end, so a kill here leaves a prefix
+            lo = max(keep, hi - TAIL_SCAN_ENTRIES)
+            self._file.write(self._entries_at + INDEX_ENTRY_SIZE * lo, bytes(INDEX_ENTRY_SIZE * (hi - lo)))
+        if have > keep:
+            on_disk = 0 if keep == FIRST_INDEX and keep < self.index_num else keep
+            self._file.write(0, header._replace(index_count=on_disk).encode())
+        (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
+         self.hash_slot_count, self.index_count) = header
+        return IndexTruncation(end - keep, len(slot_ids))
+
+    def _written_end(self, count: int) -> int:
+        """One past the last entry written: the count, or further if a put was cut short before its header
+        write. A written entry is all zero only if it is a hash-0 key at CommitLog offset 0 starting a chain
+        with no time diff, and then leaving it is zeroing it."""
+        end = at = count
+        while at < self.index_num:
+            n = min(TAIL_SCAN_ENTRIES, self.index_num - at)
+            start = self._entries_at + INDEX_ENTRY_SIZE * at
+            raw = np.frombuffer(self._file.buffer[start : start + INDEX_ENTRY_SIZE * n], dtype=np.uint8)
+            used = np.flatnonzero(raw.reshape(n, INDEX_ENTRY_SIZE).any(axis=1))
+            if len(used) == 0:
+                break
+            end = at + int(used[-1]) + 1
+            at += n
+        return end
+
+    def _restored_slots(self, entries: np.ndarray, keep: int, have: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The slots the removed entries (numbers keep..end-1, of which keep..have-1 are recorded in the
+        header) changed, and their values before: the prev_index of each slot's earliest removed entry.
+
+        A slot of a recorded entry must point at its last recorded entry or at an unrecorded one; any other
+        slot the removed entries map to must not point at a recorded one (a cut-short put may not have
+        reached it). Anything else means the file is not the state plus puts, e.g. a truncation that was
+        itself cut short, and is refused.
+        """
+        if len(entries) == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        slot = entries["key_hash"].astype(np.int64) % self.hash_slot_num
+        slot_ids, first = np.unique(slot, return_index=True)
+        slots = self._slots()
+        try:
+            current = slots[slot_ids].astype(np.int64)
+        finally:
+            del slots
+        n_recorded = have - keep
+        unrecorded = (current >= have) & (current < end)
+        rec_ids, last_rev = np.unique(slot[:n_recorded][::-1], return_index=True)
+        last = keep + n_recorded - 1 - last_rev
+        at = np.searchsorted(slot_ids, rec_ids)
+        ok = current >= INVALID_INDEX
+        ok[at] = (current[at] == last) | unrecorded[at]
+        other = np.ones(len(slot_ids), dtype=bool)
+        other[at] = False
+        ok[other] &= (current[other] < keep) | unrecorded[other]
+        prev = entries["prev_index"][first].astype(np.int64)
+        moved = current >= keep
+        ok &= ~moved | ((prev >= INVALID_INDEX) & (prev < keep))
+        if not np.all(ok):
+            bad = int(slot_ids[np.flatnonzero(~ok)[0]])
+            raise StoreLayoutError(self.path, f"slot {bad} holds {int(current[np.flatnonzero(~ok)[0]])}, which puts "
+                                              f"after entry {keep - 1} cannot leave")
+        return slot_ids[moved], prev[moved]
 
     def flush(self) -> None:
         """`IndexFile.flush`: write the whole header from memory, then force the mapping. Puts already wrote

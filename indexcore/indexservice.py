@@ -10,6 +10,10 @@ As in `IndexService.buildIndex`, every dispatched record first makes sure a non-
 (so a new file appears as soon as anything follows a full one), records below the last file's
 end_phy_offset are skipped as already indexed, ROLLBACK records are not indexed, and a key that does
 not fit is retried in a new file created from the full one's end values.
+
+Recovery after a kill: `state()` is a small JSON-friendly snapshot of the newest file's in-memory header,
+taken by the caller when it checkpoints; `truncate_to(state)` deletes newer files and removes the
+entries put since, so that dispatching again from the checkpoint writes what an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -17,16 +21,31 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
 
 from indexcore.dispatch import INDEX_KEY_SEPARATOR, DispatchBatch
 from indexcore.errors import StoreLayoutError
-from indexcore.indexfile import DEFAULT_MAX_HASH_SLOT_NUM, DEFAULT_MAX_INDEX_NUM, IndexFile, index_file_size
+from indexcore.indexfile import (
+    DEFAULT_MAX_HASH_SLOT_NUM,
+    DEFAULT_MAX_INDEX_NUM,
+    FIRST_INDEX,
+    INDEX_HEADER_SIZE,
+    INT32_MAX,
+    INT64_MAX,
+    IndexFile,
+    IndexHeader,
+    header_problem,
+    index_file_size,
+)
 from indexcore.javahash import index_key_hash, index_key_hash_many
 
 INDEX_DIR = "index"
 INDEX_FILE_NAME_DIGITS = 17
 DEFAULT_MAX_MSGS_NUM_BATCH = 64
+NO_SKIP = -1
 _INDEX_FILE_NAME = re.compile(rf"\d{{{INDEX_FILE_NAME_DIGITS}}}")
 
 
@@ -49,6 +68,69 @@ class QueryOffsetResult:
     index_last_update_phy_offset: int
 
 
+@dataclass(frozen=True, slots=True)
+class IndexState:
+    """The newest IndexFile's name and in-memory header (index_count starts at 1): enough to put the
+    index back to this moment with `IndexService.truncate_to`."""
+
+    name: str
+    begin_timestamp: int
+    end_timestamp: int
+    begin_phy_offset: int
+    end_phy_offset: int
+    hash_slot_count: int
+    index_count: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _INDEX_FILE_NAME.fullmatch(self.name):
+            raise ValueError(f"IndexState name {self.name!r} is not a 17-digit IndexFile name")
+        bounds = {"begin_timestamp": (0, INT64_MAX), "end_timestamp": (0, INT64_MAX),
+                  "begin_phy_offset": (0, INT64_MAX), "end_phy_offset": (0, INT64_MAX),
+                  "hash_slot_count": (0, INT32_MAX), "index_count": (FIRST_INDEX, INT32_MAX)}
+        for field, (low, high) in bounds.items():
+            value = getattr(self, field)
+            if type(value) is not int:
+                raise ValueError(f"IndexState {field} must be an int, not {type(value).__name__}")
+            if not low <= value <= high:
+                raise ValueError(f"IndexState {field} {value} is outside [{low}, {high}]")
+        if self.hash_slot_count > self.index_count:
+            raise ValueError(f"IndexState hash_slot_count {self.hash_slot_count} > index_count {self.index_count}")
+        if self.begin_phy_offset > self.end_phy_offset:
+            raise ValueError(f"IndexState begin_phy_offset {self.begin_phy_offset} > end_phy_offset "
+                             f"{self.end_phy_offset}")
+
+    @property
+    def header(self) -> IndexHeader:
+        return IndexHeader(self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
+                           self.hash_slot_count, self.index_count)
+
+    def as_dict(self) -> dict[str, str | int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> IndexState:
+        """The state `as_dict` gave; ValueError for anything else (missing, extra or mistyped fields)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"IndexState must be a mapping, not {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"IndexState fields must be exactly {sorted(names)}, got {sorted(map(str, data))}")
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class TruncateReport:
+    """What `truncate_to` did, for the log."""
+
+    name: str | None  # the newest file kept, None when the state was None
+    files_deleted: tuple[str, ...]
+    entries_removed: int
+    slots_restored: int
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "files_deleted": list(self.files_deleted)}
+
+
 @dataclass(slots=True)
 class IndexStats:
     keys_put: int = 0
@@ -67,10 +149,22 @@ class IndexService:
         self.file_size = index_file_size(hash_slot_num, index_num)
         self.names: list[str] = []
         self._last: IndexFile | None = None
+        # records at or below this CommitLog offset count as dispatched already: set when resuming without
+        # a checkpoint, since the broker's `< end_phy_offset` dedupe indexes the record at the end again
+        self.skip_through = NO_SKIP
 
     def load(self, *, readonly: bool = False) -> None:
-        """Open the existing files in name order; a foreign name or a wrong size is a layout error."""
+        """Open the existing files in name order; a foreign name, a wrong size or a header no writer can
+        have left is a layout error."""
         self.close()
+        self.names = self._scan()
+        for name in self.names:
+            self._check_header(name)
+        if self.names:
+            self._last = IndexFile(self._path(self.names[-1]), self.hash_slot_num, self.index_num, readonly=readonly)
+
+    def _scan(self) -> list[str]:
+        """The file names in the index directory, sorted, after checking names and sizes."""
         names = []
         if os.path.isdir(self.directory):
             for name in os.listdir(self.directory):
@@ -82,9 +176,61 @@ class IndexService:
                     raise StoreLayoutError(path, f"IndexFile is {size} bytes; maxHashSlotNum {self.hash_slot_num} "
                                                  f"and maxIndexNum {self.index_num} give {self.file_size}")
                 names.append(name)
-        self.names = sorted(names)
-        if self.names:
-            self._last = IndexFile(self._path(self.names[-1]), self.hash_slot_num, self.index_num, readonly=readonly)
+        return sorted(names)
+
+    def _check_header(self, name: str) -> None:
+        path = self._path(name)
+        with open(path, "rb") as f:
+            header = IndexHeader.decode(f.read(INDEX_HEADER_SIZE))
+        problem = header_problem(header, self.hash_slot_num, self.index_num)
+        if problem is not None:
+            raise StoreLayoutError(path, problem)
+
+    def state(self) -> IndexState | None:
+        """The newest file's name and in-memory header, or None when there is no file."""
+        if self._last is None:
+            if self.names:
+                raise RuntimeError("IndexService.state() needs a loaded service")
+            return None
+        return IndexState(self.names[-1], *self._last.header)
+
+    def truncate_to(self, state: IndexState | None) -> TruncateReport:
+        """Put the index back as it was when `state` was taken (None: before the first file): delete
+        every newer file, remove the newer entries of `state.name` (IndexFile.truncate), and leave the
+        service loaded. StoreLayoutError, before anything is changed, when the files cannot have grown
+        from that state (missing file, fewer entries, other header): rebuild the index instead.
+        """
+        self._release()
+        names = self._scan()
+        if state is None:
+            kept, truncation, last = [], None, None
+        else:
+            if state.name not in names:
+                raise StoreLayoutError(self._path(state.name), "the IndexFile of the state to restore is missing")
+            kept = [n for n in names if n <= state.name]
+            for name in kept[:-1]:
+                self._check_header(name)
+            last = IndexFile(self._path(state.name), self.hash_slot_num, self.index_num)
+            try:
+                truncation = last.truncate(state.header)
+            except BaseException:
+                last.close()
+                raise
+        kept_set = set(kept)
+        deleted = tuple(n for n in names if n not in kept_set)
+        for name in deleted:
+            os.remove(self._path(name))
+        self.names = kept
+        self._last = last
+        return TruncateReport(state.name if state else None, deleted,
+                              truncation.entries_removed if truncation else 0,
+                              truncation.slots_restored if truncation else 0)
+
+    def _release(self) -> None:
+        """Unmap the newest file without writing anything to it."""
+        if self._last is not None:
+            self._last.close()
+            self._last = None
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -125,15 +271,29 @@ class IndexService:
         return created
 
     def build_index(self, batch: DispatchBatch) -> IndexStats:
-        """`buildIndex` for every record of the batch, in order."""
+        """`buildIndex` for every record of the batch, in order.
+
+        Records at or below `skip_through` are left out altogether, as if dispatched before: they index
+        nothing and do not create the file that follows a full one (the next record does, as it did in
+        the run that indexed them). In CommitLog order they are a prefix of the batch.
+        """
         stats = IndexStats()
         n = len(batch)
         if n == 0:
             return stats
         ts = batch.store_timestamp
+        first = 0
+        fresh = None
+        if self.skip_through > NO_SKIP:
+            fresh = batch.phy_offset > self.skip_through
+            if not fresh.any():
+                return stats
+            first = int(np.argmax(fresh))
         if self._last is None or self._last.is_write_full():
-            self._roll(int(ts[0]), stats)
+            self._roll(int(ts[first]), stats)
         eligible = batch.index_mask() & (batch.phy_offset >= self._last.end_phy_offset)
+        if fresh is not None:
+            eligible &= fresh
         keys, owners = batch.index_keys(eligible)
         if keys:
             hashes = index_key_hash_many(keys)
@@ -151,7 +311,7 @@ class IndexService:
             stats.keys_put += len(keys)
             after = int(owners[-1]) + 1
         else:
-            after = 0
+            after = first
         if self._last.is_write_full() and after < n:
             self._roll(int(ts[after]), stats)
         return stats
@@ -200,5 +360,6 @@ class IndexService:
             self._last = None
 
 
-__all__ = ["INDEX_DIR", "IndexService", "QueryOffsetResult", "index_file_name", "index_file_time"]
+__all__ = ["INDEX_DIR", "IndexService", "IndexState", "QueryOffsetResult", "TruncateReport", "index_file_name",
+           "index_file_time"]
 
