@@ -1,0 +1,87 @@
+# reputd container images.
+#
+#   docker build -t reputd .                           # the daemon (`reputd run`): the last stage, "runtime"
+#   docker build -t reputd-backfill --target backfill . # adds a Java 17 runtime for `reputd backfill` (PySpark)
+#
+#   docker run -d --name reputd -p 127.0.0.1:9108:9108 \
+#       -v /data/rocketmq/store:/store:ro -v reputd-out:/out reputd
+#
+# The store is mounted read-only at /store (reputd only reads the CommitLog under it) and the output
+# (consumequeue/, index/, checkpoint) goes to /out. Any config key can be overridden with
+# -e REPUTD_<SECTION>_<KEY>=...; for a whole config, mount it over /etc/reputd/reputd.yaml. The shipped config has demo file sizes: set
+# REPUTD_STORE_MAPPED_FILE_SIZE_COMMIT_LOG, ..._CONSUME_QUEUE, REPUTD_STORE_MAX_HASH_SLOT_NUM and
+# REPUTD_STORE_MAX_INDEX_NUM to the broker's broker.conf values (they must match).
+
+# Pinned to bookworm, not the floating python:3.11-slim: the Debian release under that tag moves, and
+# openjdk-17-jre-headless, which the backfill stage needs, is a bookworm package. All stages share this base so
+# the virtualenv built in "build" (whose python is a symlink to /usr/local/bin/python3.11) runs in the others.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# --- build: install the project and its dependencies into /opt/reputd ---------------------------------
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+RUN python -m venv /opt/reputd
+WORKDIR /src
+# Only what the package build reads: pyproject.toml (metadata, dependencies), README.md (its `readme`) and
+# the two packages. Tests, benchmarks and stores stay out of the image.
+COPY pyproject.toml README.md ./
+COPY daemon/ daemon/
+COPY indexcore/ indexcore/
+# A regular (not editable) install of the runtime dependencies only: no [test] extras.
+RUN /opt/reputd/bin/pip install --no-cache-dir . \
+    && /opt/reputd/bin/reputd --help > /dev/null
+
+# --- base: what the daemon and the backfill images share -----------------------------------------------
+FROM ${PYTHON_IMAGE} AS base
+# A fixed, non-root uid/gid, so the owner of files on mounted volumes is predictable on the host
+# (chown 10001 the output directory when it is a bind mount).
+RUN groupadd --system --gid 10001 reputd \
+    && useradd --system --uid 10001 --gid reputd --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin reputd \
+    && mkdir -p /store /out \
+    && chown reputd:reputd /store /out
+COPY --from=build /opt/reputd /opt/reputd
+COPY config/reputd.yaml /etc/reputd/reputd.yaml
+ENV PATH=/opt/reputd/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    REPUTD_STORE_STORE_PATH_ROOT_DIR=/store \
+    REPUTD_OUTPUT_DIR=/out \
+    REPUTD_METRICS_HOST=0.0.0.0
+# REPUTD_METRICS_HOST: the config's default, 127.0.0.1, is the container's own loopback, which a published
+# port (-p) cannot reach; 0.0.0.0 makes the endpoint reachable, and `-p 127.0.0.1:9108:9108` keeps it off
+# the host's network. The endpoint has no authentication.
+# Logs are JSON lines on stdout (`docker logs`). IndexFile names use local time, as the broker's do: set
+# TZ to the broker's zone (e.g. -e TZ=Asia/Shanghai) if names should line up with the broker's.
+WORKDIR /out
+VOLUME ["/store", "/out"]
+
+# --- backfill: `reputd backfill` runs PySpark, which needs a Java 17 runtime -------------------------
+FROM base AS backfill
+# The man1 directory: some openjdk packages' postinst fails on slim images without it (harmless otherwise).
+RUN mkdir -p /usr/share/man/man1 \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends openjdk-17-jre-headless \
+    && rm -rf /var/lib/apt/lists/* \
+    && java -version
+USER 10001:10001
+ENTRYPOINT ["reputd"]
+CMD ["backfill", "--config", "/etc/reputd/reputd.yaml"]
+
+# --- runtime: the daemon, `reputd run` (last stage, so a plain `docker build .` produces it) -----------
+FROM base AS runtime
+USER 10001:10001
+EXPOSE 9108
+# slim images have no curl; python's urllib does the job. A 503 {"status": "down"} (urlopen raises) or no
+# answer exits 1; 200 "healthy" or "degraded" exits 0. The port follows REPUTD_METRICS_PORT when it is set
+# with -e (a port changed only in a mounted config file also needs -e REPUTD_METRICS_PORT). Start period:
+# crash recovery runs before the endpoint reports healthy. With metrics.enabled=false there is no endpoint:
+# run with --no-healthcheck then.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, sys, urllib.request as u; sys.exit(0 if u.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('REPUTD_METRICS_PORT', '9108'), timeout=4).status == 200 else 1)"]
+# SIGTERM (docker stop) makes reputd finish its batch, flush and checkpoint within reput.shutdownTimeoutMs
+# (10 s); docker stop's default grace period is also 10 s, so use `docker stop -t 30` (or stop_grace_period).
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["reputd"]
+CMD ["run", "--config", "/etc/reputd/reputd.yaml"]
