@@ -21,6 +21,7 @@ from daemon.logs import configure_logging
 from daemon.produce import produce
 from daemon.query import message_json, query_key, query_msgid, query_offsets, query_queue
 from daemon.rebuild import ProgressBar, rebuild
+from daemon.reput import run_daemon
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import StoreError
 
@@ -70,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--store", help="store root, overrides store.storePathRootDir")
         p.add_argument("--out", help="output directory, overrides output.dir")
         return p
+
+    p = add("run", "Follow the CommitLog as a broker writes it and keep consumequeue/ and index/ current.")
+    p.add_argument("--until-caught-up", action="store_true",
+                   help="dispatch everything readable now, flush, checkpoint and exit 0")
+    p.set_defaults(handler=cmd_run)
 
     p = add("rebuild", "Build consumequeue/ and index/ from the CommitLog, from its start or --from.")
     p.add_argument("--from", dest="from_offset", type=_non_negative, help="CommitLog offset of a record to start at")
@@ -136,6 +142,11 @@ def _config(args) -> Config:
     if overrides["store.storePathRootDir"] and not overrides["output.dir"]:
         overrides["output.dir"] = overrides["store.storePathRootDir"]
     return load_config(args.config, os.environ, overrides)
+
+
+def cmd_run(args, config: Config) -> int:
+    configure_logging(config.logging.level, config.logging.format, stream=sys.stdout)
+    return run_daemon(config, until_caught_up=args.until_caught_up)
 
 
 def cmd_rebuild(args, config: Config) -> int:

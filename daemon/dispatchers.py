@@ -10,14 +10,19 @@ config runs its code, so the config file is trusted input.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+import mmap
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from daemon.config import Config, ConfigError, DispatcherSpec, StoreConfig
 from daemon.logs import get_logger
 from indexcore.consumequeue import ConsumeQueueStore, PutStats
 from indexcore.dispatch import DispatchBatch
-from indexcore.indexservice import IndexService, IndexStats
+from indexcore.indexfile import FIRST_INDEX
+from indexcore.indexservice import IndexService, IndexState, IndexStats
+
+PAGE_SIZE = mmap.PAGESIZE  # the unit of flushConsumeQueueLeastPages, as the broker's OS_PAGE_SIZE
 
 
 @runtime_checkable
@@ -32,6 +37,17 @@ class Dispatcher(Protocol):
         """Make everything dispatched so far durable; the checkpoint is written only after this returns."""
 
     def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class FlushPlan:
+    """Files to fsync outside the dispatch lock. `complete` is False when dispatched data is left
+    unflushed on purpose (fewer dirty pages than flushConsumeQueueLeastPages), so no checkpoint may
+    cover it yet; `done` runs once the files are synced."""
+
+    paths: list[str] = field(default_factory=list)
+    complete: bool = True
+    done: Callable[[], None] | None = None
 
 
 class ConsumeQueueDispatcher:
@@ -57,6 +73,42 @@ class ConsumeQueueDispatcher:
 
     def flush(self) -> None:
         self.queues.flush()
+        self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
+
+    def prepare_flush(self, thorough: bool, least_pages: int) -> FlushPlan:
+        """`ConsumeQueue.flush(flushLeastPages)` for every queue: sync a queue's writing file when it has
+        at least `least_pages` dirty pages, or whatever it has when `thorough`."""
+        flushed = getattr(self, "_flushed", {})
+        plan = FlushPlan()
+        synced: dict[tuple[str, int], int] = {}
+        for key, cq in self.queues.queues.items():
+            end = cq.write_offset
+            start = flushed.get(key, 0)
+            if end == start:
+                continue
+            if thorough or least_pages <= 0 or end // PAGE_SIZE - start // PAGE_SIZE >= least_pages:
+                plan.paths.append(cq.writing_path)
+                synced[key] = end
+            else:
+                plan.complete = False
+
+        def done() -> None:
+            self._flushed = {**flushed, **synced}
+
+        plan.done = done
+        return plan
+
+    def checkpoint_state(self) -> None:
+        return None
+
+    def recover(self, reput_from_offset: int, state: Any) -> None:
+        """Remove every unit at or past the checkpoint: those records are dispatched again."""
+        self.queues.truncate_to(reput_from_offset)
+        self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
+
+    def resume_offset(self) -> int:
+        """Where the broker would restart its reput: the end of the last unit over all queues."""
+        return max(self.queues.max_physic_offset(), 0)
 
     def close(self) -> None:
         self.queues.close()
@@ -85,6 +137,37 @@ class IndexDispatcher:
 
     def flush(self) -> None:
         self.service.flush()
+        self._flushed = self.service.state()
+
+    def prepare_flush(self, thorough: bool, least_pages: int) -> FlushPlan:
+        """Sync the newest IndexFile when it changed; a full one was flushed when it was replaced."""
+        state = self.service.state()
+        if state is None or state == getattr(self, "_flushed", None):
+            return FlushPlan()
+
+        def done() -> None:
+            self._flushed = state
+
+        return FlushPlan([self.service.last_file.path], done=done)
+
+    def checkpoint_state(self) -> dict | None:
+        state = self.service.state()
+        return state.as_dict() if state is not None else None
+
+    def recover(self, reput_from_offset: int, state: Any) -> None:
+        """Put the IndexFiles back exactly as they were at the checkpoint (RocketMQ deletes the newest
+        file instead, losing its entries until they are rebuilt)."""
+        self.service.truncate_to(IndexState.from_dict(state) if state is not None else None)
+        self.service.skip_through = reput_from_offset - 1
+        self._flushed = self.service.state()
+
+    def resume_offset(self) -> int:
+        """Without a checkpoint: records up to the newest file's end_phy_offset are indexed, including
+        the one at it, which the broker's own `phy < end_phy_offset` test would index twice."""
+        last = self.service.last_file
+        if last is not None and (last.end_phy_offset > 0 or last.index_count > FIRST_INDEX):
+            self.service.skip_through = last.end_phy_offset
+        return self.service.end_phy_offset
 
     def close(self) -> None:
         self.service.close()

@@ -307,6 +307,12 @@ class ConsumeQueue:
     def write_offset(self) -> int:
         return self._last_start + self._write_pos if self._files else 0
 
+    @property
+    def writing_path(self) -> str | None:
+        """The file new units go to: the only one that can hold unflushed units, since a file is
+        flushed when the next one is opened."""
+        return self._path(self._last_start) if self._files else None
+
     def flush(self) -> None:
         if self._last is not None:
             self._last.flush()

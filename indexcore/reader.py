@@ -342,6 +342,18 @@ class CommitLogReader:
             self._mapped[1].close()
             self._mapped = None
 
+    def probe(self, offset: int) -> bool:
+        """Whether a read at `offset` may find something new: a cheap look at the TOTALSIZE there in the
+        segment already mapped, for tailing a CommitLog that a broker writes through its own mapping
+        (which raises no file-system event). True whenever it cannot tell without a full read."""
+        if self._mapped is None or self._mapped[0] != self.commit_log.find_segment(offset):
+            return True
+        pos = offset - self.commit_log.segment_start(offset)
+        mm = self._mapped[1]
+        if pos + RECORD_PREFIX.size > len(mm):
+            return True
+        return RECORD_PREFIX.unpack_from(mm, pos)[0] != 0
+
     def read(self, offset: int) -> ReadResult:
         """Read the next batch starting at record boundary `offset`."""
         log = self.commit_log

@@ -1,0 +1,106 @@
+"""The flush thread: RocketMQ's FlushConsumeQueueService for every dispatcher, then reputd's checkpoint.
+
+Every `flushIntervalConsumeQueue` ms it takes, under the dispatch lock and between two batches, the
+dispatched offset, each dispatcher's checkpoint state and the list of files to sync; it syncs them with
+the lock released (fdatasync on a descriptor of its own, so dispatch goes on and a file rolled in the
+meantime is still synced), and only when every dispatcher flushed everything dispatched up to that
+offset does it write the checkpoint. As on the broker, a queue with fewer than
+`flushConsumeQueueLeastPages` dirty pages waits, except on a thorough flush
+(`flushConsumeQueueThoroughInterval`), so the checkpoint may trail by up to that interval.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from daemon.checkpoint import Checkpoint, write_checkpoint
+from daemon.dispatchers import FlushPlan
+from daemon.logs import get_logger
+
+if TYPE_CHECKING:
+    from daemon.reput import Session
+
+MS_PER_SECOND = 1000
+
+
+def sync_file(path: str) -> None:
+    """fdatasync through a descriptor of our own: safe while the dispatching thread closes its map."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+class Flusher:
+    """Flushes a session's dispatchers on a timer and checkpoints what the flushes made durable."""
+
+    def __init__(self, session: Session, on_error: Callable[[Exception], None]):
+        store = session.config.store
+        self.session = session
+        self.interval = store.flush_interval_consume_queue / MS_PER_SECOND
+        self.least_pages = store.flush_consume_queue_least_pages
+        self.thorough_interval = store.flush_consume_queue_thorough_interval / MS_PER_SECOND
+        self._on_error = on_error
+        self._last_thorough = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reputd-flusher", daemon=True)
+        self._log = get_logger(component="flusher")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.flush_once()
+            except Exception as e:  # keep flushing; the error is reported and health goes degraded
+                self._on_error(e)
+
+    def flush_once(self, *, thorough: bool = False) -> bool:
+        """One flush cycle; True when it wrote a checkpoint."""
+        s = self.session
+        now = time.monotonic()
+        thorough = thorough or now - self._last_thorough >= self.thorough_interval
+        least_pages = 0 if thorough else self.least_pages
+        with s.lock:
+            if s.poisoned:
+                return False
+            offset = s.dispatched_offset
+            plans: list[FlushPlan] = []
+            for d in s.dispatchers:
+                prepare = getattr(d, "prepare_flush", None)
+                if prepare is None:
+                    d.flush()
+                    plans.append(FlushPlan())
+                else:
+                    plans.append(prepare(thorough, least_pages))
+            states = {d.name: d.checkpoint_state() for d in s.dispatchers if hasattr(d, "checkpoint_state")}
+        started = time.perf_counter()
+        for plan in plans:
+            for path in plan.paths:
+                sync_file(path)
+        for plan in plans:
+            if plan.done is not None:
+                plan.done()
+        s.metrics.flush_duration.observe(time.perf_counter() - started)
+        if thorough:
+            self._last_thorough = now
+        if not all(p.complete for p in plans):
+            return False
+        s.flushed_offset = offset
+        if offset == s.checkpoint_offset and states == s.checkpoint_states:
+            return False
+        write_checkpoint(s.output_dir, Checkpoint(offset, states, int(time.time() * MS_PER_SECOND)))
+        s.checkpoint_offset, s.checkpoint_states, s.checkpoint_written_at = offset, states, time.time()
+        s.metrics.checkpoints.inc()
+        return True

@@ -1,0 +1,179 @@
+"""Prometheus metrics and the health endpoint of `reputd run`.
+
+Everything lives in one registry of the daemon's own (nothing from the process-global default), served
+with `/healthz` on one port. Units are base units (bytes, seconds); the two gauges RocketMQ 5.x's store
+also exports keep its names, so one dashboard reads both. Lag is computed when Prometheus scrapes, from
+the loop's last published progress and a look at the CommitLog's head, never on the dispatch path.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from daemon import __version__
+
+HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
+HTTP_OK, HTTP_UNAVAILABLE, HTTP_NOT_FOUND = 200, 503, 404
+METRICS_PATH, HEALTH_PATH = "/metrics", "/healthz"
+MS_PER_SECOND = 1000
+FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+@dataclass(frozen=True, slots=True)
+class Lag:
+    """What the scrape-time collector needs, taken from the loop's published progress."""
+
+    reput_offset: int
+    commit_log_max_offset: int
+    flushed_offset: int
+    checkpoint_offset: int
+    checkpoint_written_at: float  # time.time() of the last checkpoint write, 0 before the first
+    behind_seconds: float
+    consume_queue_files: int
+    index_files: int
+
+
+class _LagCollector:
+    """Gauges computed at scrape time, so a stalled loop still shows a growing lag."""
+
+    def __init__(self, source: Callable[[], Lag | None]):
+        self._source = source
+
+    def collect(self):
+        lag = self._source()
+        if lag is None:
+            return
+        behind = max(0, lag.commit_log_max_offset - lag.reput_offset)
+        yield _gauge("rocketmq_storage_dispatch_behind_bytes",
+                     "CommitLog bytes written but not yet dispatched (RocketMQ 5.x name).", behind)
+        yield _gauge("rocketmq_storage_flush_behind_bytes",
+                     "Dispatched CommitLog bytes whose output is not yet flushed (RocketMQ 5.x name).",
+                     max(0, lag.reput_offset - lag.flushed_offset))
+        yield _gauge("reputd_dispatch_behind_seconds",
+                     "Age by store timestamp of the oldest message not yet dispatched; 0 when caught up.",
+                     lag.behind_seconds if behind else 0.0)
+        yield _gauge("reputd_reput_offset_bytes", "CommitLog offset the reput loop reads next (reputFromOffset).",
+                     lag.reput_offset)
+        yield _gauge("reputd_commitlog_max_offset_bytes", "End of the written CommitLog data.",
+                     lag.commit_log_max_offset)
+        yield _gauge("reputd_checkpoint_offset_bytes", "CommitLog offset covered by the checkpoint.",
+                     lag.checkpoint_offset)
+        age = 0.0
+        if lag.checkpoint_offset < lag.reput_offset and lag.checkpoint_written_at:
+            age = max(0.0, time.time() - lag.checkpoint_written_at)
+        yield _gauge("reputd_checkpoint_age_seconds",
+                     "Seconds since the checkpoint was last written, 0 while it covers everything dispatched.", age)
+        files = GaugeMetricFamily("reputd_files", "Output files by kind.", labels=["kind"])
+        files.add_metric(["consumequeue"], lag.consume_queue_files)
+        files.add_metric(["index"], lag.index_files)
+        yield files
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+class ReputMetrics:
+    """The daemon's instruments; the loop and the flusher update them, Prometheus reads them."""
+
+    def __init__(self, lag_source: Callable[[], Lag | None]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.dispatched = Counter("reputd_dispatched_messages", "Messages handed to each dispatcher.",
+                                  ["dispatcher"], registry=r)
+        self.errors = Counter("reputd_errors", "Errors by kind (dispatch, flush, checkpoint, commitlog, recovery).",
+                              ["kind"], registry=r)
+        self.corrupt = Counter("reputd_corrupt_records", "Corrupt CommitLog records met, by field at fault.",
+                               ["reason"], registry=r)
+        self.skipped = Counter("reputd_skipped_bytes", "CommitLog bytes not dispatched, by reason.", ["reason"],
+                               registry=r)
+        self.flush_duration = Histogram("reputd_flush_duration_seconds", "Duration of one flush cycle.",
+                                        buckets=FLUSH_BUCKETS, registry=r)
+        self.batch_messages = Histogram("reputd_batch_messages", "Messages per dispatched batch.",
+                                        buckets=BATCH_BUCKETS, registry=r)
+        self.checkpoints = Counter("reputd_checkpoints_written", "Checkpoint files written.", registry=r)
+        self.recoveries = Counter("reputd_recoveries", "Start-up recoveries, by decision.", ["decision"], registry=r)
+        self.up = Gauge("reputd_health", "1 for the current health state.", ["state"], registry=r)
+        info = Info("reputd_build", "Build information.", registry=r)
+        info.info({"version": __version__, "python": platform.python_version()})
+        r.register(_LagCollector(lag_source))
+
+    def set_health(self, state: str) -> None:
+        for s in (HEALTHY, DEGRADED, DOWN):
+            self.up.labels(state=s).set(1 if s == state else 0)
+
+
+class Health:
+    """Healthy, degraded (running but stuck: corruption, a failing dispatcher or flush) or down."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.state = DOWN
+        self.reason = "starting"
+        self.since = time.time()
+
+    def set(self, state: str, reason: str = "") -> bool:
+        """Record the state; True when it changed (worth a log event)."""
+        with self._lock:
+            changed = (state, reason) != (self.state, self.reason)
+            if changed:
+                self.state, self.reason, self.since = state, reason, time.time()
+            return changed
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"status": self.state, "reason": self.reason, "sinceMs": int(self.since * MS_PER_SECOND)}
+
+
+class MetricsServer:
+    """`/metrics` and `/healthz` over HTTP on a background thread."""
+
+    def __init__(self, host: str, port: int, metrics: ReputMetrics, health: Health,
+                 progress: Callable[[], dict] | None = None):
+        registry = metrics.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                path = self.path.split("?", 1)[0]
+                if path == METRICS_PATH:
+                    self._send(HTTP_OK, generate_latest(registry), CONTENT_TYPE_LATEST)
+                elif path == HEALTH_PATH:
+                    body = health.snapshot()
+                    if progress is not None:
+                        body.update(progress())
+                    code = HTTP_UNAVAILABLE if body["status"] == DOWN else HTTP_OK
+                    self._send(code, json.dumps(body).encode() + b"\n", "application/json")
+                else:
+                    self._send(HTTP_NOT_FOUND, b"not found\n", "text/plain")
+
+            def _send(self, code: int, body: bytes, content_type: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.address = self._server.server_address
+        self._thread = threading.Thread(target=self._server.serve_forever, name="reputd-metrics", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,577 @@
+"""`reputd run`: the live reput loop, what RocketMQ's ReputMessageService does inside the broker.
+
+A *session* is one life of the pipeline: recover the output to a consistent point, then read the
+CommitLog from there in batches and hand each batch to the dispatchers, while the flusher thread
+makes the output durable and checkpoints it. A failing dispatcher ends the session without
+checkpointing past the data it did not take; the service then starts a new session after a back-off,
+which recovers exactly as a restart after `kill -9` would: one recovery path for every way of stopping.
+
+Recovery, in order of trust:
+1. reputd's checkpoint: cut every dispatcher back to it (ConsumeQueue units and IndexFile entries at
+   or past `reputFromOffset` are removed) and read on from there;
+2. no checkpoint, or one that cannot be trusted: start where the broker would (the end of the last
+   ConsumeQueue unit, the newest IndexFile's end offset, whichever is lower, floored at the CommitLog's
+   first offset) and let the dispatchers' own dedupe skip what they already hold;
+3. an output file of the wrong size or with a garbage header is moved to `quarantine/` in the output
+   directory, and what it held is dispatched again from the CommitLog.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from watchdog.events import FileSystemEventHandler
+from watchdog.observers import Observer
+
+from daemon.checkpoint import CheckpointError, read_checkpoint
+from daemon.config import Config
+from daemon.dispatchers import Dispatcher, build_dispatchers
+from daemon.flusher import Flusher
+from daemon.logs import get_logger
+from daemon.metrics import DEGRADED, DOWN, HEALTHY, Health, Lag, MetricsServer, ReputMetrics
+from daemon.rebuild import make_reader
+from daemon.sdnotify import Notifier
+from indexcore.consumequeue import CONSUME_QUEUE_DIR
+from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
+from indexcore.indexservice import INDEX_DIR
+from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
+
+EXIT_OK, EXIT_FAILURE = 0, 1
+MS_PER_SECOND = 1000
+QUARANTINE_DIR = "quarantine"
+ON_CORRUPTION_STOP, ON_CORRUPTION_SKIP_SEGMENT = "stop", "skip-segment"
+# After reaching the head, look for the next record every PROBE_MIN_S, backing off to PROBE_MAX_S:
+# a broker writes through its mapping, which raises no file event, and the probe is a 4-byte read.
+PROBE_MIN_S = 0.0005
+PROBE_MAX_S = 0.01
+RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
+STATUS_INTERVAL_S = 2.0
+# A record being copied in does not fill front to back (memcpy stores the tail of a small copy first),
+# so a bad record at the head of the newest segment may be one still in flight: it is only declared
+# corrupt once it has stayed bad this long.
+IN_FLIGHT_GRACE_S = 1.0
+MAX_QUARANTINES = 64
+
+
+class Outcome(enum.Enum):
+    STOPPED = "stopped"  # SIGTERM/SIGINT
+    CAUGHT_UP = "caught-up"  # --until-caught-up reached the end of the written data
+    CORRUPT = "corrupt"  # --until-caught-up met corruption under onCorruption: stop
+    FAILED = "failed"  # a dispatcher or the loop failed; nothing past the last checkpoint is trusted
+
+
+@dataclass(eq=False)
+class Session:
+    """The state the loop, the flusher and the metrics share; the lock is held for each dispatch."""
+
+    config: Config
+    output_dir: str
+    commit_log: CommitLog
+    reader: CommitLogReader
+    dispatchers: list[Dispatcher]
+    metrics: ReputMetrics
+    dispatched_offset: int
+    dispatched_store_timestamp: int = 0
+    flushed_offset: int = 0
+    checkpoint_offset: int = -1
+    checkpoint_states: dict[str, Any] = field(default_factory=dict)
+    checkpoint_written_at: float = 0.0
+    poisoned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def files(self, name: str) -> int:
+        for d in self.dispatchers:
+            if d.name == name and hasattr(d, "files"):
+                return d.files()
+        return 0
+
+
+# --- recovery -------------------------------------------------------------------------------------
+
+def _inside(path: str, directory: str) -> bool:
+    return os.path.commonpath([os.path.abspath(path), os.path.abspath(directory)]) == os.path.abspath(directory)
+
+
+def quarantine(output_dir: str, bad_path: str) -> list[str]:
+    """Move a damaged output file out of the way, with everything that depends on it: a ConsumeQueue's
+    whole queue directory, or an IndexFile and every newer one. Returns the paths moved."""
+    rel = os.path.relpath(bad_path, output_dir).split(os.sep)
+    moved = []
+    if rel[0] == CONSUME_QUEUE_DIR and len(rel) >= 3:
+        targets = [os.path.join(output_dir, *rel[:3])]
+    elif rel[0] == INDEX_DIR and len(rel) == 2:
+        index_dir = os.path.join(output_dir, INDEX_DIR)
+        targets = [os.path.join(index_dir, n) for n in sorted(os.listdir(index_dir)) if n >= rel[1]]
+    else:
+        targets = [bad_path]
+    stamp = time.strftime("%Y%m%d%H%M%S")
+    for target in targets:
+        dest = os.path.join(output_dir, QUARANTINE_DIR, stamp, os.path.relpath(target, output_dir))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.replace(target, dest)
+        moved.append(target)
+    return moved
+
+
+def _build_with_quarantine(config: Config, output_dir: str, log) -> tuple[list[Dispatcher], list[str]]:
+    moved: list[str] = []
+    for _ in range(MAX_QUARANTINES):
+        try:
+            return build_dispatchers(config, output_dir), moved
+        except StoreLayoutError as e:
+            if not _inside(e.path, output_dir) or os.path.abspath(e.path) == os.path.abspath(output_dir):
+                raise
+            paths = quarantine(output_dir, e.path)
+            log.error("output_file_quarantined", path=e.path, error=str(e), moved=paths,
+                      to=os.path.join(output_dir, QUARANTINE_DIR))
+            moved.extend(paths)
+    raise StoreLayoutError(output_dir, f"still damaged after quarantining {len(moved)} paths")
+
+
+def open_session(config: Config, metrics: ReputMetrics) -> Session:
+    """Recover the output and decide the offset to read from."""
+    log = get_logger(component="recovery")
+    commit_log = CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log, follow=True)
+    out = config.output.dir
+    os.makedirs(out, exist_ok=True)
+    try:
+        checkpoint = read_checkpoint(out)
+    except CheckpointError as e:
+        log.error("checkpoint_corrupt", path=e.path, error=e.detail, decision="rebuild from the CommitLog")
+        metrics.errors.labels(kind="checkpoint").inc()
+        checkpoint = None
+    dispatchers, moved = _build_with_quarantine(config, out, log)
+    if moved and checkpoint is not None:
+        log.warning("checkpoint_distrusted", reason="output files were quarantined")
+        checkpoint = None
+    if checkpoint is not None and checkpoint.reput_from_offset > commit_log.max_offset:
+        log.error("checkpoint_distrusted", reason="checkpoint is past the end of the CommitLog",
+                  reput_from_offset=checkpoint.reput_from_offset, commit_log_max_offset=commit_log.max_offset)
+        checkpoint = None
+    start: int | None = None
+    decision = "derived"
+    if checkpoint is not None:
+        try:
+            start = _recover_to_checkpoint(dispatchers, checkpoint.reput_from_offset, checkpoint.dispatchers, log)
+            decision = "checkpoint"
+        except (StoreError, ValueError) as e:
+            log.error("checkpoint_distrusted", reason=str(e))
+            metrics.errors.labels(kind="recovery").inc()
+    if start is None:
+        offsets = [d.resume_offset() for d in dispatchers if hasattr(d, "resume_offset")]
+        start = min(offsets, default=commit_log.min_offset)
+    if any(os.path.relpath(p, out).split(os.sep)[0] == CONSUME_QUEUE_DIR for p in moved):
+        start = commit_log.min_offset
+        decision = "full-replay"
+    start = max(start, commit_log.min_offset)
+    metrics.recoveries.labels(decision=decision).inc()
+    log.info("recovered", decision=decision, reput_from_offset=start,
+             checkpoint=checkpoint.reput_from_offset if checkpoint else None,
+             commit_log_min_offset=commit_log.min_offset, segments=len(commit_log.segments))
+    session = Session(config, out, commit_log, make_reader(config, commit_log), dispatchers, metrics,
+                      dispatched_offset=start, flushed_offset=start)
+    if decision == "checkpoint":
+        session.checkpoint_offset = start
+        session.checkpoint_states = checkpoint.dispatchers
+        session.checkpoint_written_at = time.time()
+    return session
+
+
+def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: dict[str, Any], log) -> int:
+    """Cut the dispatchers that the checkpoint covers back to it; a dispatcher it does not cover (one
+    added to the config since) needs records from its own resume offset, which may be lower."""
+    start = offset
+    for d in dispatchers:
+        if d.name in states and hasattr(d, "recover"):
+            d.recover(offset, states[d.name])
+            log.info("dispatcher_recovered", dispatcher=d.name, reput_from_offset=offset)
+        elif hasattr(d, "resume_offset"):
+            resume = d.resume_offset()
+            start = min(start, resume)
+            log.info("dispatcher_not_in_checkpoint", dispatcher=d.name, resume_offset=resume)
+    return start
+
+
+# --- the CommitLog's head, for the lag gauges --------------------------------------------------------
+
+def written_end(commit_log: CommitLog, offset: int) -> int:
+    """End of the written data of the newest segment, found by bisecting its pages for the first page
+    that is still all zeros (the broker pre-allocates zeros). Exact unless a message ends in zero
+    bytes; good enough for a lag gauge, and it costs a few page reads per scrape."""
+    segments = commit_log.segments
+    if not segments:
+        return offset
+    start, path = segments[-1]
+    size = commit_log.segment_size
+    if offset >= start + size:
+        return offset
+    page = mmap.PAGESIZE
+    try:
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return offset
+    with mm:
+        lo = max(offset - start, 0) // page
+        hi = len(mm) // page
+        while lo < hi:
+            mid = (lo + hi) // 2
+            chunk = mm[mid * page : (mid + 1) * page]
+            if chunk.count(0) == len(chunk):
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == 0:
+            return max(offset, start)
+        tail = mm[(lo - 1) * page : lo * page].rstrip(b"\0")
+        return max(offset, start + (lo - 1) * page + len(tail))
+
+
+# --- the service ------------------------------------------------------------------------------------
+
+class ReputService:
+    """Runs sessions until stopped; owns what outlives a session (metrics, health, notifications)."""
+
+    def __init__(self, config: Config, *, until_caught_up: bool = False):
+        self.config = config
+        self.until_caught_up = until_caught_up
+        self.session: Session | None = None
+        self.health = Health()
+        self.metrics = ReputMetrics(self._lag)
+        self.notifier = Notifier.from_env()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._log = get_logger(component="reput")
+        self._ready_sent = False
+        self._last_watchdog = 0.0
+        self._last_status = 0.0
+        self._reported: tuple[int, str] | None = None
+        self._suspect: tuple[int, float] | None = None  # (offset, first seen) of a bad record at the head
+        self._stalls = 0  # consecutive re-reads of an incomplete record
+        self.server: MetricsServer | None = None
+
+    # --- control -------------------------------------------------------------------------------
+
+    def request_stop(self, reason: str = "signal") -> None:
+        if not self._stop.is_set():
+            self._log.info("shutdown_requested", reason=reason)
+        self._stop.set()
+        self._wake.set()
+
+    def _set_health(self, state: str, reason: str = "") -> None:
+        if self.health.set(state, reason):
+            self.metrics.set_health(state)
+            if state != HEALTHY:
+                self._log.warning("health_changed", state=state, reason=reason)
+            else:
+                self._log.info("health_changed", state=state)
+
+    def _lag(self) -> Lag | None:
+        s = self.session
+        if s is None:
+            return None
+        offset = s.dispatched_offset
+        behind_s = 0.0
+        if s.dispatched_store_timestamp:
+            behind_s = max(0.0, time.time() - s.dispatched_store_timestamp / MS_PER_SECOND)
+        return Lag(offset, written_end(s.commit_log, offset), s.flushed_offset, max(s.checkpoint_offset, 0),
+                   s.checkpoint_written_at, behind_s, s.files("consumequeue"), s.files("index"))
+
+    def progress(self) -> dict:
+        s = self.session
+        if s is None:
+            return {}
+        return {"reputFromOffset": s.dispatched_offset, "checkpointOffset": s.checkpoint_offset,
+                "commitLogMaxOffset": written_end(s.commit_log, s.dispatched_offset)}
+
+    def _tick(self) -> None:
+        """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds."""
+        now = time.monotonic()
+        interval = self.notifier.watchdog_interval
+        if interval and now - self._last_watchdog >= interval:
+            self.notifier.watchdog()
+            self._last_watchdog = now
+        if self.notifier.enabled and now - self._last_status >= STATUS_INTERVAL_S and self.session is not None:
+            self._last_status = now
+            p = self.progress()
+            behind = p["commitLogMaxOffset"] - p["reputFromOffset"]
+            self.notifier.status(f"{self.health.state}: reput offset {p['reputFromOffset']}, "
+                                 f"{max(behind, 0)} bytes behind")
+
+    # --- main -------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        metrics_cfg = self.config.metrics
+        if metrics_cfg.enabled:
+            self.server = MetricsServer(metrics_cfg.host, metrics_cfg.port, self.metrics, self.health, self.progress)
+            self.server.start()
+        self._log.info("reputd_started", store=self.config.store.store_path_commit_log, output=self.config.output.dir,
+                       metrics=f"{metrics_cfg.host}:{metrics_cfg.port}" if metrics_cfg.enabled else None,
+                       until_caught_up=self.until_caught_up)
+        try:
+            return self._run_sessions()
+        finally:
+            self.notifier.stopping()
+            if self.server is not None:
+                self.server.stop()
+            self._log.info("reputd_stopped")
+
+    def _run_sessions(self) -> int:
+        backoff = RETRY_MIN_S
+        while not self._stop.is_set():
+            try:
+                self.session = open_session(self.config, self.metrics)
+            except (StoreError, OSError) as e:
+                self.metrics.errors.labels(kind="recovery").inc()
+                self._log.error("recovery_failed", error=str(e), retry_in_s=None if self.until_caught_up else backoff)
+                self._set_health(DOWN, str(e))
+                if self.until_caught_up:
+                    return EXIT_FAILURE
+                self._sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_S)
+                continue
+            outcome = self._run_session(self.session)
+            code = self._close_session(self.session, outcome)
+            if outcome is Outcome.FAILED and not self.until_caught_up and not self._stop.is_set():
+                self._set_health(DEGRADED, "dispatch failed; restarting from the last checkpoint")
+                self._sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX_S)
+                continue
+            return code
+        return EXIT_OK
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            self._tick()
+            self._stop.wait(min(1.0, deadline - time.monotonic()))
+
+    def _run_session(self, s: Session) -> Outcome:
+        flusher = Flusher(s, self._flush_failed)
+        observer = self._watch(s.commit_log.dirs)
+        flusher.start()
+        if not self._ready_sent:
+            self.notifier.ready(f"recovered; reading from offset {s.dispatched_offset}")
+            self._ready_sent = True
+        self._set_health(HEALTHY)
+        try:
+            return self._follow(s)
+        except Exception as e:  # anything unexpected ends the session like a failed dispatch
+            s.poisoned = True
+            self.metrics.errors.labels(kind="loop").inc()
+            self._log.exception("reput_loop_failed", error=f"{type(e).__name__}: {e}", offset=s.dispatched_offset)
+            return Outcome.FAILED
+        finally:
+            flusher.stop()
+            if observer is not None:
+                observer.stop()
+
+    def _close_session(self, s: Session, outcome: Outcome) -> int:
+        code = EXIT_OK if outcome in (Outcome.STOPPED, Outcome.CAUGHT_UP) else EXIT_FAILURE
+        if not s.poisoned:
+            try:
+                Flusher(s, self._flush_failed).flush_once(thorough=True)
+                self._log.info("final_flush", reput_from_offset=s.dispatched_offset,
+                               checkpoint_offset=s.checkpoint_offset)
+            except Exception as e:
+                self._flush_failed(e)
+                code = EXIT_FAILURE
+        for d in s.dispatchers:
+            try:
+                d.close()
+            except Exception as e:
+                self._log.error("dispatcher_close_failed", dispatcher=d.name, error=str(e))
+                code = EXIT_FAILURE
+        s.reader.close()
+        self._log.info("session_closed", outcome=outcome.value, reput_from_offset=s.dispatched_offset,
+                       checkpoint_offset=s.checkpoint_offset)
+        return code
+
+    def _flush_failed(self, error: Exception) -> None:
+        self.metrics.errors.labels(kind="flush").inc()
+        self._log.error("flush_failed", error=f"{type(error).__name__}: {error}")
+        self._set_health(DEGRADED, f"flush failed: {error}")
+
+    def _watch(self, dirs):
+        """Wake the loop on file events in the CommitLog directories: a new segment, a deletion, or data
+        from a writer that uses write(2). Without inotify the probe and the poll still find new data."""
+        wake = self._wake
+
+        class Wake(FileSystemEventHandler):
+            def on_any_event(self, event):
+                wake.set()
+
+        observer = Observer()
+        try:
+            for d in dirs:
+                observer.schedule(Wake(), d, recursive=False)
+            observer.start()
+        except OSError as e:
+            self._log.warning("file_events_unavailable", error=str(e), fallback="polling")
+            return None
+        return observer
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def _follow(self, s: Session) -> Outcome:
+        offset = s.dispatched_offset
+        while not self._stop.is_set():
+            self._tick()
+            result = s.reader.read(offset)
+            if result.skipped_from is not None:
+                skipped = result.next_offset - result.skipped_from
+                self.metrics.skipped.labels(reason="retention").inc(skipped)
+                self._log.warning("offset_below_oldest_segment", requested=result.skipped_from,
+                                  resumed_at=result.next_offset, skipped_bytes=skipped)
+            if not self._dispatch(s, result):
+                return Outcome.FAILED
+            if result.next_offset != offset:
+                self._stalls = 0
+            offset = result.next_offset
+            if result.rolled:
+                self._log.info("segment_rolled", next_segment=offset)
+            if result.status is not ReadStatus.CORRUPT:
+                self._suspect = None
+            if result.status is ReadStatus.OK:
+                self._reported = None
+                if self.health.state != HEALTHY and self.health.reason.startswith("corrupt"):
+                    self._set_health(HEALTHY)
+                continue
+            if result.status is ReadStatus.END:
+                if self.health.state != HEALTHY and self.health.reason.startswith("corrupt"):
+                    self._set_health(HEALTHY)
+                if self.until_caught_up:
+                    if result.pending is not None:
+                        self._log.warning("incomplete_record_at_end", error=str(result.pending))
+                    return Outcome.CAUGHT_UP
+                if result.pending is None:
+                    self._stalls = 0
+                    self._wait_for_data(s, offset, pending=False)
+                else:
+                    self._wait_in_flight(s, offset)
+                continue
+            if self._maybe_in_flight(s, offset):
+                continue
+            outcome = self._corrupt(s, result)
+            if outcome is not None:
+                return outcome
+            offset = s.dispatched_offset
+        return Outcome.STOPPED
+
+    def _dispatch(self, s: Session, result: ReadResult) -> bool:
+        batch = result.batch
+        n = len(batch)
+        with s.lock:
+            if n:
+                for d in s.dispatchers:
+                    try:
+                        d.dispatch(batch)
+                    except Exception as e:
+                        s.poisoned = True
+                        self.metrics.errors.labels(kind="dispatch").inc()
+                        self._log.error("dispatch_failed", dispatcher=d.name, error=f"{type(e).__name__}: {e}",
+                                        batch_start=batch.start_offset, batch_end=batch.end_offset,
+                                        checkpoint_offset=s.checkpoint_offset)
+                        self._set_health(DEGRADED, f"dispatcher {d.name} failed: {e}")
+                        return False
+                    self.metrics.dispatched.labels(dispatcher=d.name).inc(n)
+                s.dispatched_store_timestamp = int(batch.store_timestamp[-1])
+                self.metrics.batch_messages.observe(n)
+            s.dispatched_offset = result.next_offset
+        return True
+
+    def _wait_for_data(self, s: Session, offset: int, *, pending: bool, limit: float | None = None) -> None:
+        """Sleep until a file event, a probe that sees a new TOTALSIZE, or the poll interval."""
+        deadline = time.monotonic() + (limit or self.config.reput.poll_interval_ms / MS_PER_SECOND)
+        delay = PROBE_MIN_S
+        while not self._stop.is_set():
+            if self._wake.wait(delay):
+                self._wake.clear()
+                return
+            self._tick()
+            if time.monotonic() >= deadline:
+                return
+            if not pending and s.reader.probe(offset):
+                return
+            delay = min(delay * 2, PROBE_MAX_S)
+
+    def _maybe_in_flight(self, s: Session, offset: int) -> bool:
+        """True while a bad record in the newest segment may still be being written: wait and re-read."""
+        if s.commit_log.has_written_segment_after(offset):
+            return False
+        now = time.monotonic()
+        if self._suspect is None or self._suspect[0] != offset:
+            self._suspect = (offset, now)
+        if now - self._suspect[1] >= IN_FLIGHT_GRACE_S:
+            return False
+        self._wait_in_flight(s, offset)
+        return True
+
+    def _wait_in_flight(self, s: Session, offset: int) -> None:
+        """Re-read an incomplete record soon, backing off to the poll interval if its writer is gone."""
+        self._stalls += 1
+        limit = min(PROBE_MAX_S * 2 ** min(self._stalls, 16), self.config.reput.poll_interval_ms / MS_PER_SECOND)
+        self._wait_for_data(s, offset, pending=True, limit=limit)
+
+    def _corrupt(self, s: Session, result: ReadResult) -> Outcome | None:
+        """Apply onCorruption. `stop` stays at the offset (reported once, retried every poll interval in
+        case the data is repaired); `skip-segment` logs and counts the range and goes to the next segment."""
+        error = result.error
+        offset = result.next_offset
+        reason = error.field if isinstance(error, CorruptRecordError) else "layout"
+        path = getattr(error, "path", None)
+        policy = self.config.reput.on_corruption
+        if self._reported != (offset, str(error)):
+            self._reported = (offset, str(error))
+            self.metrics.corrupt.labels(reason=reason).inc()
+            self._log.error("corrupt_commitlog", file=path, offset=offset, reason=reason, error=str(error),
+                            policy=policy)
+        if policy == ON_CORRUPTION_SKIP_SEGMENT:
+            nxt = s.commit_log.segment_start(offset) + s.commit_log.segment_size
+            self.metrics.skipped.labels(reason="corruption").inc(nxt - offset)
+            self._log.warning("segment_skipped", file=path, skipped_from=offset, skipped_to=nxt,
+                              skipped_bytes=nxt - offset)
+            with s.lock:
+                s.dispatched_offset = nxt
+            self._reported = None
+            return None
+        self._set_health(DEGRADED, f"corrupt CommitLog at offset {offset}: {error}")
+        if self.until_caught_up:
+            return Outcome.CORRUPT
+        deadline = time.monotonic() + self.config.reput.poll_interval_ms / MS_PER_SECOND
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            self._tick()
+            self._stop.wait(min(PROBE_MAX_S * 10, max(0.0, deadline - time.monotonic())))
+        return None
+
+
+def run_daemon(config: Config, *, until_caught_up: bool = False) -> int:
+    """Run the service in this process, stopping cleanly on SIGTERM/SIGINT within the shutdown timeout."""
+    service = ReputService(config, until_caught_up=until_caught_up)
+    timeout = config.reput.shutdown_timeout_ms / MS_PER_SECOND
+    log = get_logger(component="reput")
+
+    def give_up() -> None:
+        log.error("shutdown_timeout", timeout_ms=config.reput.shutdown_timeout_ms,
+                  detail="exiting without a final checkpoint; the next start recovers from the last one")
+        os._exit(EXIT_FAILURE)
+
+    def on_signal(signum, _frame) -> None:
+        service.request_stop(signal.Signals(signum).name)
+        timer = threading.Timer(timeout, give_up)
+        timer.daemon = True
+        timer.start()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return service.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,457 @@
+"""`reputd run` end to end: the real CLI as a subprocess, following a CommitLog this test writes.
+
+Every scenario ends by comparing the daemon's output with a clean `reputd rebuild` of the same
+CommitLog: ConsumeQueue and IndexFile bytes identical, names included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.checkpoint import CHECKPOINT_FILE
+from indexcore.commitlog import PHYSICAL_OFFSET_OFFSET, MessageRecord
+from indexcore.writer import CommitLogWriter, Message
+
+SEGMENT = 256 * 1024
+REPUTD = [sys.executable, "-m", "daemon.cli"]
+TOPICS = ("TopicA", "TopicB", "订单Topic")
+START_MS = 1_700_000_000_000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Store:
+    """A CommitLog this test appends to, plus the daemon's config and a rebuild to compare with."""
+
+    def __init__(self, tmp: Path, **overrides):
+        self.tmp = tmp
+        self.out = tmp / "out"
+        self.port = free_port()
+        self._clock = iter(range(START_MS, START_MS + 10**12, 137))
+        self.writer = CommitLogWriter(str(tmp / "store" / "commitlog"), SEGMENT, clock=lambda: next(self._clock))
+        self.count = 0
+        reput = {"pollIntervalMs": 50, "shutdownTimeoutMs": 10000, **overrides.pop("reput", {})}
+        cfg = {"store": {"storePathRootDir": str(tmp / "store"), "mappedFileSizeCommitLog": SEGMENT,
+                         "mappedFileSizeConsumeQueue": 2000, "maxHashSlotNum": 97, "maxIndexNum": 400,
+                         "flushIntervalConsumeQueue": 50, "flushConsumeQueueThoroughInterval": 300,
+                         **overrides.pop("store", {})},
+               "output": {"dir": str(self.out)}, "reput": reput,
+               "metrics": {"port": self.port}, "logging": {"level": "info", "format": "json"}, **overrides}
+        self.config = tmp / "reputd.yaml"
+        self.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+
+    def append(self, n: int, body_size: int = 200) -> None:
+        for _ in range(n):
+            i = self.count
+            props = {"TAGS": f"Tag{i % 3}", "KEYS": f"order-{i} 订单😀{i % 11}", "UNIQ_KEY": f"{i:032X}"}
+            self.writer.append(Message(TOPICS[i % len(TOPICS)], i % 4, bytes([i % 251]) * (body_size + i % 50), props))
+            self.count += 1
+
+    @property
+    def end(self) -> int:
+        return self.writer.max_offset
+
+    def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen([*REPUTD, "run", "--config", str(self.config), *args], env=clean_env(env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def run(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([*REPUTD, "run", "--config", str(self.config), *args], env=clean_env(env),
+                              capture_output=True, text=True, timeout=timeout, check=False)
+
+    def rebuild(self) -> Path:
+        ref = self.tmp / "reference"
+        res = subprocess.run([*REPUTD, "rebuild", "--config", str(self.config), "--out", str(ref)],
+                             env=clean_env(), capture_output=True, text=True, timeout=120, check=False)
+        assert res.returncode == 0, res.stderr
+        return ref
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def health(self) -> dict:
+        return json.loads(self.get("/healthz")[1])
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for family in text_string_to_metric_families(self.get("/metrics")[1].decode()):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return out
+
+
+def clean_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REPUTD_", "NOTIFY_SOCKET", "WATCHDOG_"))}
+    env.update(extra or {})
+    return env
+
+
+def output_files(root: Path) -> dict[str, bytes]:
+    """The broker-format files of an output directory (not reputd's checkpoint or quarantine)."""
+    return {str(p.relative_to(root)): p.read_bytes() for sub in ("consumequeue", "index")
+            for p in sorted((root / sub).rglob("*")) if p.is_file()}
+
+
+def assert_same_as_rebuild(store: Store) -> None:
+    expected = output_files(store.rebuild())
+    actual = output_files(store.out)
+    assert sorted(actual) == sorted(expected)
+    for name in expected:
+        assert actual[name] == expected[name], f"{name} differs from a clean rebuild"
+
+
+def wait_for(condition, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+        except (OSError, ValueError, KeyError):
+            value = None
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stop(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 20) -> tuple[int, str, str]:
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path)
+    yield s
+    s.writer.close()
+
+
+def test_until_caught_up_matches_rebuild_and_checkpoints(store):
+    """--until-caught-up dispatches everything, flushes, writes the checkpoint at the end, exits 0."""
+    store.append(1500)
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    assert_same_as_rebuild(store)
+    ckpt = json.loads((store.out / CHECKPOINT_FILE).read_text())["payload"]
+    assert ckpt["reputFromOffset"] == store.end
+    assert ckpt["dispatchers"]["index"]["name"] == sorted(os.listdir(store.out / "index"))[-1]
+    names = [e["event"] for e in events(res.stdout)]
+    assert names[0] == "reputd_started"
+    assert "recovered" in names
+    assert "final_flush" in names
+    # a second run finds nothing to do and changes nothing
+    before = output_files(store.out)
+    assert store.run("--until-caught-up").returncode == 0
+    assert output_files(store.out) == before
+
+
+def test_follows_a_growing_commitlog_then_stops_on_sigterm(store):
+    """Appends in bursts across segment rolls are dispatched as they come; metrics and /healthz tell
+    the truth; SIGTERM flushes, checkpoints and exits 0."""
+    store.append(300)
+    proc = store.start()
+    try:
+        wait_for(lambda: store.health().get("reputFromOffset") == store.end, what="first catch-up")
+        for _ in range(4):
+            store.append(700)
+            wait_for(lambda: store.health().get("reputFromOffset") == store.end, what="catch-up after a burst")
+        assert store.health()["status"] == "healthy"
+        wait_for(lambda: store.health().get("checkpointOffset") == store.end, what="checkpoint at the head")
+        m = store.metrics()
+        assert m["reputd_reput_offset_bytes"] == store.end
+        assert m["reputd_commitlog_max_offset_bytes"] == store.end
+        assert m["rocketmq_storage_dispatch_behind_bytes"] == 0
+        assert m["rocketmq_storage_flush_behind_bytes"] == 0
+        assert m["reputd_checkpoint_age_seconds"] == 0
+        assert m["reputd_dispatched_messages_total{dispatcher=consumequeue}"] == store.count
+        assert m["reputd_dispatched_messages_total{dispatcher=index}"] == store.count
+        assert m["reputd_health{state=healthy}"] == 1
+        assert m["reputd_files{kind=index}"] == len(os.listdir(store.out / "index"))
+        assert m["reputd_batch_messages_count"] >= 5
+        assert m["reputd_flush_duration_seconds_count"] >= 1
+        assert any(k.startswith("reputd_build_info{") for k in m)
+        assert store.get("/nope")[0] == 404
+    finally:
+        code, out, err = stop(proc)
+    assert code == 0, err
+    names = [e["event"] for e in events(out)]
+    assert "shutdown_requested" in names
+    assert "segment_rolled" in names
+    assert names[-1] == "reputd_stopped"
+    assert json.loads((store.out / CHECKPOINT_FILE).read_text())["payload"]["reputFromOffset"] == store.end
+    assert_same_as_rebuild(store)
+
+
+def test_metrics_show_lag_while_behind(store):
+    """With the daemon stuck (a corrupt record), appends past it show as bytes and seconds behind."""
+    store.append(200)
+    bad = store.end
+    store.append(300)
+    corrupt_body_byte(store, bad)
+    proc = store.start()
+    try:
+        wait_for(lambda: store.health()["status"] == "degraded", what="degraded")
+        m = store.metrics()
+        assert m["reputd_reput_offset_bytes"] == bad
+        assert m["rocketmq_storage_dispatch_behind_bytes"] == store.end - bad
+        assert m["reputd_dispatch_behind_seconds"] > 0
+        assert m["reputd_corrupt_records_total{reason=body_crc}"] == 1
+        health = store.health()
+        assert health["reputFromOffset"] == bad
+        assert "corrupt" in health["reason"]
+    finally:
+        code, out, err = stop(proc)
+    assert code == 0, err
+    corrupt = [e for e in events(out) if e["event"] == "corrupt_commitlog"]
+    assert len(corrupt) == 1, "reported once, however long it stays stuck"
+    assert corrupt[0]["offset"] == bad
+    assert corrupt[0]["file"].endswith("00000000000000000000")
+
+
+def corrupt_body_byte(store: Store, offset: int) -> None:
+    """Flip the first body byte of the record at `offset`, so its body CRC no longer matches."""
+    seg = store.tmp / "store" / "commitlog" / f"{offset - offset % SEGMENT:020d}"
+    data = bytearray(seg.read_bytes())
+    msg = MessageRecord.decode(bytes(data), offset % SEGMENT)
+    body_at = bytes(data).index(msg.body, offset % SEGMENT)
+    data[body_at] ^= 0xFF
+    seg.write_bytes(bytes(data))
+
+
+def test_corruption_until_caught_up_exits_1_and_checkpoints_before_it(store):
+    store.append(200)
+    bad = store.end
+    store.append(50)
+    corrupt_body_byte(store, bad)
+    res = store.run("--until-caught-up")
+    assert res.returncode == 1
+    assert json.loads((store.out / CHECKPOINT_FILE).read_text())["payload"]["reputFromOffset"] == bad
+    assert any(e["event"] == "corrupt_commitlog" and e["offset"] == bad for e in events(res.stdout))
+
+
+def test_skip_segment_logs_counts_and_goes_on(tmp_path):
+    store = Store(tmp_path, reput={"onCorruption": "skip-segment"})
+    store.append(200)
+    bad = store.end
+    while store.end // SEGMENT == bad // SEGMENT:
+        store.append(50)
+    corrupt_body_byte(store, bad)
+    proc = store.start()
+    try:
+        wait_for(lambda: store.health().get("reputFromOffset") == store.end, what="skip past the bad segment")
+        m = store.metrics()
+        next_segment = bad - bad % SEGMENT + SEGMENT
+        assert m["reputd_skipped_bytes_total{reason=corruption}"] == next_segment - bad
+        assert m["reputd_corrupt_records_total{reason=body_crc}"] == 1
+    finally:
+        code, out, _ = stop(proc)
+        store.writer.close()
+    assert code == 0
+    skipped = [e for e in events(out) if e["event"] == "segment_skipped"]
+    assert skipped
+    assert skipped[0]["skipped_from"] == bad
+    assert skipped[0]["skipped_to"] == next_segment
+    units = list((store.out / "consumequeue").rglob("0*"))
+    assert units
+
+
+CRASH_TRIALS = int(os.environ.get("STRESS_CRASH_TRIALS", "6"))
+CRASH_SEED = int(os.environ.get("STRESS_CRASH_SEED", "20261121"))
+
+
+def test_kill9_at_random_moments_then_restart_is_byte_identical(store):
+    """The promise: kill -9 at any moment, restart, catch up -> the files of a clean rebuild."""
+    rng = random.Random(CRASH_SEED)
+    store.append(2000)
+    decisions = []
+    for trial in range(CRASH_TRIALS):
+        proc = store.start()
+        time.sleep(rng.uniform(0.3, 1.5))
+        store.append(rng.randint(50, 6000))
+        time.sleep(rng.uniform(0.0, 0.4))
+        proc.kill()
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == -signal.SIGKILL, f"trial {trial}: daemon was not running when killed"
+        decisions += [e["decision"] for e in events(out) if e["event"] == "recovered"]
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    decisions += [e["decision"] for e in events(res.stdout) if e["event"] == "recovered"]
+    assert len(decisions) <= CRASH_TRIALS + 1  # a kill during start-up comes before the recovery event
+    assert decisions[0] == "derived"
+    assert "checkpoint" in decisions[1:], "no trial recovered from a checkpoint"
+    assert_same_as_rebuild(store)
+
+
+def test_corrupt_checkpoint_is_reported_and_recovered_from_the_commitlog(store):
+    store.append(600)
+    assert store.run("--until-caught-up").returncode == 0
+    store.append(400)
+    (store.out / CHECKPOINT_FILE).write_text('{"payload": {"reputFromOffset": 5}, "crc32": 1}')
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    bad = [e for e in events(res.stdout) if e["event"] == "checkpoint_corrupt"]
+    assert bad
+    assert bad[0]["path"] == str(store.out / CHECKPOINT_FILE)
+    assert_same_as_rebuild(store)
+
+
+def test_wrong_size_output_files_are_quarantined_and_rebuilt(store):
+    store.append(1200)
+    assert store.run("--until-caught-up").returncode == 0
+    cq_file = sorted((store.out / "consumequeue" / "TopicA" / "1").iterdir())[0]
+    with open(cq_file, "r+b") as f:
+        f.truncate(100)
+    index_file = sorted((store.out / "index").iterdir())[-1]
+    with open(index_file, "r+b") as f:
+        f.truncate(1000)
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    moved = [e for e in events(res.stdout) if e["event"] == "output_file_quarantined"]
+    assert {Path(e["path"]) for e in moved} == {cq_file, index_file}
+    assert (store.out / "quarantine").is_dir()
+    assert_same_as_rebuild(store)
+
+
+def test_failing_dispatcher_never_lets_the_checkpoint_pass_it(store, tmp_path):
+    """A plug-in that fails (a full disk, say): the checkpoint stays before the batch it did not take;
+    the daemon stays up, degraded, retries from the checkpoint, and recovers once the cause is gone."""
+    marker = tmp_path / "disk-full"
+    cfg = yaml.safe_load(store.config.read_text())
+    cfg["dispatchers"] = ["consumequeue", "index",
+                          {"name": "tests.plugins.failing:FailingDispatcher", "options": {"fail_if": str(marker)}}]
+    store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    store.append(500)
+    assert store.run("--until-caught-up").returncode == 0
+    first = store.end
+    marker.touch()
+    store.append(500)
+    res = store.run("--until-caught-up")
+    assert res.returncode == 1
+    assert json.loads((store.out / CHECKPOINT_FILE).read_text())["payload"]["reputFromOffset"] == first
+    assert any(e["event"] == "dispatch_failed" and e["dispatcher"] == "failing" for e in events(res.stdout))
+    proc = store.start()
+    try:
+        wait_for(lambda: store.health()["status"] == "degraded", what="degraded while failing")
+        assert store.metrics()["reputd_errors_total{kind=dispatch}"] >= 1
+        marker.unlink()
+        wait_for(lambda: store.health().get("checkpointOffset") == store.end, timeout=30, what="recovery")
+        assert store.health()["status"] == "healthy"
+    finally:
+        code, _, err = stop(proc)
+    assert code == 0, err
+    assert_same_as_rebuild(store)
+
+
+def test_missing_commitlog_is_a_clear_error_not_a_crash_loop(tmp_path):
+    store = Store(tmp_path)
+    store.writer.close()
+    os.rename(tmp_path / "store" / "commitlog", tmp_path / "elsewhere")
+    res = store.run("--until-caught-up")
+    assert res.returncode == 1
+    assert any(e["event"] == "recovery_failed" and "commitlog" in e["error"] for e in events(res.stdout))
+    assert "Traceback" not in res.stderr
+    proc = store.start()
+    try:
+        status = wait_for(lambda: store.get("/healthz")[0] == 503 and store.health(), what="health down")
+        assert status["status"] == "down"
+        os.rename(tmp_path / "elsewhere", tmp_path / "store" / "commitlog")
+        wait_for(lambda: store.health()["status"] == "healthy", timeout=30, what="up once the CommitLog is back")
+    finally:
+        code, _, err = stop(proc)
+    assert code == 0, err
+
+
+def test_sd_notify_ready_watchdog_status_stopping(store, tmp_path):
+    store.append(300)
+    sock_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(10)
+    proc = store.start(env={"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "200000"})
+    messages: list[str] = []
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not (
+                any("READY=1" in m for m in messages) and sum("WATCHDOG=1" in m for m in messages) >= 3
+                and any(m.startswith("STATUS=") for m in messages)):
+            messages.append(sock.recv(4096).decode())
+    finally:
+        code, _, err = stop(proc)
+        sock.settimeout(2)
+        try:
+            while True:
+                messages.append(sock.recv(4096).decode())
+        except TimeoutError:
+            pass
+        sock.close()
+    assert code == 0, err
+    ready = next(m for m in messages if "READY=1" in m)
+    assert messages.index(ready) == 0 or all("READY" not in m for m in messages[: messages.index(ready)])
+    status = [m for m in messages if m.startswith("STATUS=") and "reput offset" in m]
+    assert status, messages
+    assert sum("WATCHDOG=1" in m for m in messages) >= 3
+    assert "STOPPING=1" in messages[-1]
+
+
+def test_torn_record_at_the_head_is_waited_for(store):
+    """A record whose bytes are only partly written is not dispatched until it is complete."""
+    store.append(100)
+    head = store.end
+    # the bytes the next append would write, made on a copy of the CommitLog
+    shutil.copytree(store.tmp / "store" / "commitlog", store.tmp / "scratch")
+    scratch = CommitLogWriter(str(store.tmp / "scratch"), SEGMENT, clock=lambda: START_MS + 10**9)
+    scratch.append(Message("TopicA", 1, b"late" * 100, {"KEYS": "torn-key", "UNIQ_KEY": "F" * 32}))
+    record = (store.tmp / "scratch" / f"{0:020d}").read_bytes()[head:scratch.max_offset]
+    scratch.close()
+    proc = store.start()
+    try:
+        wait_for(lambda: store.health().get("reputFromOffset") == head, what="catch-up")
+        seg = store.tmp / "store" / "commitlog" / f"{0:020d}"
+        with open(seg, "r+b") as f:
+            f.seek(head)
+            f.write(record[: len(record) // 2])
+            f.flush()
+            time.sleep(0.5)
+            assert store.health()["reputFromOffset"] == head, "half a record was dispatched"
+            f.seek(head + len(record) // 2)
+            f.write(record[len(record) // 2:])
+        wait_for(lambda: store.health().get("reputFromOffset") == head + len(record), what="the completed record")
+    finally:
+        code, _, err = stop(proc)
+    assert code == 0, err
+    assert_same_as_rebuild(store)
+
+
+def test_physical_offset_constant_is_where_the_writer_puts_it(store):
+    """Guard for corrupt_body_byte's assumptions: records carry their own offset."""
+    store.append(3)
+    seg = (store.tmp / "store" / "commitlog" / f"{0:020d}").read_bytes()
+    assert int.from_bytes(seg[PHYSICAL_OFFSET_OFFSET:PHYSICAL_OFFSET_OFFSET + 8], "big") == 0
