@@ -14,7 +14,7 @@ $(BIN)/reputd: pyproject.toml
 
 run: $(BIN)/reputd
 	$(BIN)/python -m daemon.sample_store --config $(CONFIG)
-	$(BIN)/reputd rebuild --config $(CONFIG)
+	$(BIN)/reputd run --config $(CONFIG)
 
 test: $(BIN)/reputd
 	$(BIN)/ruff check .

@@ -51,6 +51,9 @@ ON_CORRUPTION_STOP, ON_CORRUPTION_SKIP_SEGMENT = "stop", "skip-segment"
 # a broker writes through its mapping, which raises no file event, and the probe is a 4-byte read.
 PROBE_MIN_S = 0.0005
 PROBE_MAX_S = 0.01
+# Once nothing has arrived for IDLE_AFTER_S, probe only every IDLE_PROBE_S: near-zero CPU when idle.
+IDLE_AFTER_S = 2.0
+IDLE_PROBE_S = 0.05
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
 STATUS_INTERVAL_S = 2.0
 # A record being copied in does not fill front to back (memcpy stores the tail of a small copy first),
@@ -255,6 +258,7 @@ class ReputService:
         self._reported: tuple[int, str] | None = None
         self._suspect: tuple[int, float] | None = None  # (offset, first seen) of a bad record at the head
         self._stalls = 0  # consecutive re-reads of an incomplete record
+        self._last_progress = 0.0
         self.server: MetricsServer | None = None
 
     # --- control -------------------------------------------------------------------------------
@@ -434,6 +438,7 @@ class ReputService:
                 return Outcome.FAILED
             if result.next_offset != offset:
                 self._stalls = 0
+                self._last_progress = time.monotonic()
             offset = result.next_offset
             if result.rolled:
                 self._log.info("segment_rolled", next_segment=offset)
@@ -489,7 +494,9 @@ class ReputService:
 
     def _wait_for_data(self, s: Session, offset: int, *, pending: bool, limit: float | None = None) -> None:
         """Sleep until a file event, a probe that sees a new TOTALSIZE, or the poll interval."""
-        deadline = time.monotonic() + (limit or self.config.reput.poll_interval_ms / MS_PER_SECOND)
+        now = time.monotonic()
+        deadline = now + (limit or self.config.reput.poll_interval_ms / MS_PER_SECOND)
+        longest = PROBE_MAX_S if now - self._last_progress < IDLE_AFTER_S else IDLE_PROBE_S
         delay = PROBE_MIN_S
         while not self._stop.is_set():
             if self._wake.wait(delay):
@@ -500,7 +507,7 @@ class ReputService:
                 return
             if not pending and s.reader.probe(offset):
                 return
-            delay = min(delay * 2, PROBE_MAX_S)
+            delay = min(delay * 2, longest)
 
     def _maybe_in_flight(self, s: Session, offset: int) -> bool:
         """True while a bad record in the newest segment may still be being written: wait and re-read."""

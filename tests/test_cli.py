@@ -53,7 +53,7 @@ def store(tmp_path):
 
 def test_help_for_every_command():
     """`--help` works for the tool and for every command, exiting 0."""
-    for args in ([], ["rebuild"], ["query"], ["query", "key"], ["query", "queue"], ["query", "msgid"],
+    for args in ([], ["run"], ["rebuild"], ["query"], ["query", "key"], ["query", "queue"], ["query", "msgid"],
                  ["inspect"], ["produce"]):
         res = run(*args, "--help")
         assert res.returncode == 0, res.stderr
