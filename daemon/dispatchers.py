@@ -106,9 +106,11 @@ class ConsumeQueueDispatcher:
         self.queues.truncate_to(reput_from_offset)
         self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
 
-    def resume_offset(self) -> int:
-        """Where the broker would restart its reput: the end of the last unit over all queues."""
-        return max(self.queues.max_physic_offset(), 0)
+    def resume_offset(self) -> int | None:
+        """Where the broker would restart its reput: the end of the last unit over all queues; None when
+        there is no unit, i.e. from the CommitLog's first offset."""
+        end = self.queues.max_physic_offset()
+        return end if end >= 0 else None
 
     def close(self) -> None:
         self.queues.close()
@@ -161,13 +163,15 @@ class IndexDispatcher:
         self.service.skip_through = reput_from_offset - 1
         self._flushed = self.service.state()
 
-    def resume_offset(self) -> int:
+    def resume_offset(self) -> int | None:
         """Without a checkpoint: records up to the newest file's end_phy_offset are indexed, including
-        the one at it, which the broker's own `phy < end_phy_offset` test would index twice."""
+        the one at it, which the broker's own `phy < end_phy_offset` test would index twice. None when
+        nothing is indexed yet."""
         last = self.service.last_file
-        if last is not None and (last.end_phy_offset > 0 or last.index_count > FIRST_INDEX):
-            self.service.skip_through = last.end_phy_offset
-        return self.service.end_phy_offset
+        if last is None or (last.end_phy_offset == 0 and last.index_count <= FIRST_INDEX):
+            return None
+        self.service.skip_through = last.end_phy_offset
+        return last.end_phy_offset
 
     def close(self) -> None:
         self.service.close()

@@ -162,18 +162,24 @@ def open_session(config: Config, metrics: ReputMetrics) -> Session:
     decision = "derived"
     if checkpoint is not None:
         try:
-            start = _recover_to_checkpoint(dispatchers, checkpoint.reput_from_offset, checkpoint.dispatchers, log)
+            start = _recover_to_checkpoint(dispatchers, checkpoint.reput_from_offset, checkpoint.dispatchers,
+                                           commit_log.min_offset, log)
             decision = "checkpoint"
         except (StoreError, ValueError) as e:
             log.error("checkpoint_distrusted", reason=str(e))
             metrics.errors.labels(kind="recovery").inc()
     if start is None:
         offsets = [d.resume_offset() for d in dispatchers if hasattr(d, "resume_offset")]
-        start = min(offsets, default=commit_log.min_offset)
+        start = min((commit_log.min_offset if o is None else o for o in offsets), default=commit_log.min_offset)
     if any(os.path.relpath(p, out).split(os.sep)[0] == CONSUME_QUEUE_DIR for p in moved):
         start = commit_log.min_offset
         decision = "full-replay"
-    start = max(start, commit_log.min_offset)
+    if start < commit_log.min_offset and decision != "full-replay":
+        skipped = commit_log.min_offset - start
+        log.warning("offset_below_oldest_segment", requested=start, resumed_at=commit_log.min_offset,
+                    skipped_bytes=skipped, detail="CommitLog segments were deleted before they were dispatched")
+        metrics.skipped.labels(reason="retention").inc(skipped)
+        start = commit_log.min_offset
     metrics.recoveries.labels(decision=decision).inc()
     log.info("recovered", decision=decision, reput_from_offset=start,
              checkpoint=checkpoint.reput_from_offset if checkpoint else None,
@@ -187,7 +193,8 @@ def open_session(config: Config, metrics: ReputMetrics) -> Session:
     return session
 
 
-def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: dict[str, Any], log) -> int:
+def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: dict[str, Any], first_offset: int,
+                           log) -> int:
     """Cut the dispatchers that the checkpoint covers back to it; a dispatcher it does not cover (one
     added to the config since) needs records from its own resume offset, which may be lower."""
     start = offset
@@ -197,7 +204,7 @@ def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: d
             log.info("dispatcher_recovered", dispatcher=d.name, reput_from_offset=offset)
         elif hasattr(d, "resume_offset"):
             resume = d.resume_offset()
-            start = min(start, resume)
+            start = min(start, first_offset if resume is None else resume)
             log.info("dispatcher_not_in_checkpoint", dispatcher=d.name, resume_offset=resume)
     return start
 

@@ -455,3 +455,80 @@ def test_physical_offset_constant_is_where_the_writer_puts_it(store):
     store.append(3)
     seg = (store.tmp / "store" / "commitlog" / f"{0:020d}").read_bytes()
     assert int.from_bytes(seg[PHYSICAL_OFFSET_OFFSET:PHYSICAL_OFFSET_OFFSET + 8], "big") == 0
+
+
+def test_sigint_stops_cleanly_like_sigterm(store):
+    store.append(200)
+    proc = store.start()
+    try:
+        wait_for(lambda: store.health().get("reputFromOffset") == store.end, what="catch-up")
+    finally:
+        code, out, err = stop(proc, signal.SIGINT)
+    assert code == 0, err
+    assert any(e["event"] == "shutdown_requested" and e["reason"] == "SIGINT" for e in events(out))
+    assert json.loads((store.out / CHECKPOINT_FILE).read_text())["payload"]["reputFromOffset"] == store.end
+
+
+def test_shutdown_timeout_exits_1_and_the_next_start_recovers(store):
+    """A final flush that outlasts shutdownTimeoutMs: exit 1 without a final checkpoint, nothing lost."""
+    cfg = yaml.safe_load(store.config.read_text())
+    cfg["reput"]["shutdownTimeoutMs"] = 300
+    cfg["store"]["flushIntervalConsumeQueue"] = 3_600_000
+    cfg["dispatchers"] = ["consumequeue", "index",
+                          {"name": "tests.plugins.slow:SlowFlushDispatcher", "options": {"flush_seconds": 5}}]
+    store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    store.append(300)
+    proc = store.start()
+    try:
+        wait_for(lambda: store.health().get("reputFromOffset") == store.end, what="catch-up")
+        started = time.monotonic()
+    finally:
+        code, out, _ = stop(proc)
+    assert code == 1
+    assert time.monotonic() - started < 4
+    assert any(e["event"] == "shutdown_timeout" for e in events(out))
+    assert not (store.out / CHECKPOINT_FILE).exists()
+    cfg["dispatchers"] = ["consumequeue", "index"]
+    store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    assert store.run("--until-caught-up").returncode == 0
+    assert_same_as_rebuild(store)
+
+
+def test_segments_deleted_by_retention(store):
+    """Segments deleted below the read offset change nothing; segments deleted before they were read are
+    skipped with a warning and counted, and dispatch goes on from the oldest segment left."""
+    store.append(1000)
+    assert store.run("--until-caught-up").returncode == 0
+    read_up_to = store.end
+    while store.end // SEGMENT < read_up_to // SEGMENT + 3:
+        store.append(500)
+    log_dir = store.tmp / "store" / "commitlog"
+    first_unread = read_up_to - read_up_to % SEGMENT
+    for name in sorted(os.listdir(log_dir)):
+        if int(name) <= first_unread + SEGMENT:
+            os.unlink(log_dir / name)
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    skipped = [e for e in events(res.stdout) if e["event"] == "offset_below_oldest_segment"]
+    assert len(skipped) == 1
+    assert skipped[0]["requested"] == read_up_to
+    assert skipped[0]["resumed_at"] == first_unread + 2 * SEGMENT
+    ckpt = json.loads((store.out / CHECKPOINT_FILE).read_text())["payload"]
+    assert ckpt["reputFromOffset"] == store.end
+
+
+def test_enabling_the_index_later_builds_it_from_the_start(store):
+    """A dispatcher the checkpoint does not cover gets every record; the others skip what they hold."""
+    cfg = yaml.safe_load(store.config.read_text())
+    cfg["store"]["messageIndexEnable"] = False
+    store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    store.append(800)
+    assert store.run("--until-caught-up").returncode == 0
+    assert not (store.out / "index").exists()
+    store.append(300)
+    cfg["store"]["messageIndexEnable"] = True
+    store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    assert any(e["event"] == "dispatcher_not_in_checkpoint" and e["dispatcher"] == "index" for e in events(res.stdout))
+    assert_same_as_rebuild(store)

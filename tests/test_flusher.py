@@ -1,0 +1,143 @@
+"""The flusher's rules, in process: flushConsumeQueueLeastPages holds the checkpoint back until a
+thorough flush, the checkpoint never covers what is not flushed, and a poisoned session never
+checkpoints. Also recovery's decisions on a checkpoint that cannot be trusted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from daemon.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from daemon.config import load_config
+from daemon.flusher import Flusher
+from daemon.metrics import ReputMetrics
+from daemon.reput import open_session
+from indexcore.reader import ReadStatus
+from indexcore.writer import CommitLogWriter, Message
+
+SEGMENT = 1 << 20
+
+
+def make_config(tmp: Path, **store):
+    cfg = {"store": {"storePathRootDir": str(tmp / "store"), "mappedFileSizeCommitLog": SEGMENT,
+                     "mappedFileSizeConsumeQueue": 400_000, "maxHashSlotNum": 101, "maxIndexNum": 1000,
+                     "flushConsumeQueueLeastPages": 2, "flushConsumeQueueThoroughInterval": 3_600_000, **store},
+           "output": {"dir": str(tmp / "out")}}
+    (tmp / "c.yaml").write_text(yaml.safe_dump(cfg))
+    return load_config(tmp / "c.yaml", env={})
+
+
+def append(tmp: Path, n: int, queues: int = 1) -> int:
+    clock = iter(range(1_700_000_000_000, 1_800_000_000_000, 10))
+    with CommitLogWriter(str(tmp / "store" / "commitlog"), SEGMENT, clock=lambda: next(clock)) as w:
+        for i in range(n):
+            w.append(Message("T", i % queues, b"b" * 100, {"KEYS": f"k{i}", "UNIQ_KEY": f"{i:032X}"}))
+        return w.max_offset
+
+
+def dispatch_all(session) -> None:
+    offset = session.dispatched_offset
+    while True:
+        result = session.reader.read(offset)
+        with session.lock:
+            for d in session.dispatchers:
+                if len(result.batch):
+                    d.dispatch(result.batch)
+            session.dispatched_offset = offset = result.next_offset
+        if result.status is ReadStatus.END:
+            return
+
+
+@pytest.fixture
+def metrics():
+    return ReputMetrics(lambda: None)
+
+
+def close(session):
+    for d in session.dispatchers:
+        d.close()
+    session.reader.close()
+
+
+def test_least_pages_defers_the_checkpoint_until_a_thorough_flush(tmp_path, metrics):
+    """10 units (200 bytes) are fewer than 2 dirty pages: not synced, so not checkpointed."""
+    config = make_config(tmp_path)
+    end = append(tmp_path, 10)
+    session = open_session(config, metrics)
+    dispatch_all(session)
+    flusher = Flusher(session, on_error=pytest.fail)
+    assert flusher.flush_once() is False
+    assert read_checkpoint(str(tmp_path / "out")) is None
+    assert flusher.flush_once(thorough=True) is True
+    ckpt = read_checkpoint(str(tmp_path / "out"))
+    assert ckpt.reput_from_offset == end
+    assert ckpt.dispatchers["index"]["index_count"] == 21  # 10 messages x (UNIQ_KEY + KEY), numbered from 1
+    assert flusher.flush_once(thorough=True) is False, "nothing new: no rewrite"
+    close(session)
+
+
+def test_enough_dirty_pages_checkpoint_without_a_thorough_flush(tmp_path, metrics):
+    config = make_config(tmp_path)
+    end = append(tmp_path, 2000)  # 40,000 bytes of units in one queue: 9+ pages
+    session = open_session(config, metrics)
+    dispatch_all(session)
+    assert Flusher(session, on_error=pytest.fail).flush_once() is True
+    assert read_checkpoint(str(tmp_path / "out")).reput_from_offset == end
+    close(session)
+
+
+def test_one_lagging_queue_holds_the_checkpoint_back(tmp_path, metrics):
+    """Queue 0 gets enough pages, queue 1 does not: no checkpoint may claim queue 1's units."""
+    config = make_config(tmp_path)
+    clock = iter(range(1_700_000_000_000, 1_800_000_000_000, 10))
+    with CommitLogWriter(str(tmp_path / "store" / "commitlog"), SEGMENT, clock=lambda: next(clock)) as w:
+        for i in range(2000):
+            w.append(Message("T", 1 if i % 500 == 0 else 0, b"b" * 100, {}))
+    session = open_session(config, metrics)
+    dispatch_all(session)
+    assert Flusher(session, on_error=pytest.fail).flush_once() is False
+    assert read_checkpoint(str(tmp_path / "out")) is None
+    close(session)
+
+
+def test_a_poisoned_session_never_checkpoints(tmp_path, metrics):
+    config = make_config(tmp_path)
+    append(tmp_path, 50)
+    session = open_session(config, metrics)
+    dispatch_all(session)
+    session.poisoned = True
+    assert Flusher(session, on_error=pytest.fail).flush_once(thorough=True) is False
+    assert read_checkpoint(str(tmp_path / "out")) is None
+    close(session)
+
+
+def test_checkpoint_past_the_commitlog_is_not_trusted(tmp_path, metrics):
+    config = make_config(tmp_path)
+    append(tmp_path, 50)
+    (tmp_path / "out").mkdir()
+    write_checkpoint(str(tmp_path / "out"), Checkpoint(10 * SEGMENT, {}))
+    session = open_session(config, metrics)
+    assert session.dispatched_offset == 0
+    assert session.checkpoint_offset == -1
+    close(session)
+
+
+def test_checkpoint_naming_a_missing_index_file_falls_back_to_derivation(tmp_path, metrics):
+    """The checkpoint's IndexFile is gone: recovery does not trust it and starts from the files."""
+    config = make_config(tmp_path)
+    append(tmp_path, 50)
+    session = open_session(config, metrics)
+    dispatch_all(session)
+    Flusher(session, on_error=pytest.fail).flush_once(thorough=True)
+    close(session)
+    ckpt = read_checkpoint(str(tmp_path / "out"))
+    index_dir = tmp_path / "out" / "index"
+    for f in index_dir.iterdir():
+        f.unlink()
+    session = open_session(config, metrics)
+    assert session.checkpoint_offset == -1
+    assert session.dispatched_offset == 0, "the index must be rebuilt from the start"
+    assert ckpt.reput_from_offset > 0
+    close(session)
