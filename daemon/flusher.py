@@ -39,13 +39,15 @@ def sync_file(path: str) -> None:
 class Flusher:
     """Flushes a session's dispatchers on a timer and checkpoints what the flushes made durable."""
 
-    def __init__(self, session: Session, on_error: Callable[[Exception], None]):
+    def __init__(self, session: Session, on_error: Callable[[Exception], None],
+                 on_success: Callable[[], None] | None = None):
         store = session.config.store
         self.session = session
         self.interval = store.flush_interval_consume_queue / MS_PER_SECOND
         self.least_pages = store.flush_consume_queue_least_pages
         self.thorough_interval = store.flush_consume_queue_thorough_interval / MS_PER_SECOND
         self._on_error = on_error
+        self._on_success = on_success
         self._last_thorough = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reputd-flusher", daemon=True)
@@ -65,6 +67,9 @@ class Flusher:
                 self.flush_once()
             except Exception as e:  # keep flushing; the error is reported and health goes degraded
                 self._on_error(e)
+            else:
+                if self._on_success is not None:
+                    self._on_success()
 
     def flush_once(self, *, thorough: bool = False) -> bool:
         """One flush cycle; True when it wrote a checkpoint."""

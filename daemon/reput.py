@@ -61,6 +61,8 @@ STATUS_INTERVAL_S = 2.0
 # corrupt once it has stayed bad this long.
 IN_FLIGHT_GRACE_S = 1.0
 MAX_QUARANTINES = 64
+FLUSH_FAILED = "flush failed"
+CORRUPT_REASON = "corrupt"
 
 
 class Outcome(enum.Enum):
@@ -365,7 +367,7 @@ class ReputService:
             self._stop.wait(min(1.0, deadline - time.monotonic()))
 
     def _run_session(self, s: Session) -> Outcome:
-        flusher = Flusher(s, self._flush_failed)
+        flusher = Flusher(s, self._flush_failed, self._flush_succeeded)
         observer = self._watch(s.commit_log.dirs)
         flusher.start()
         if not self._ready_sent:
@@ -405,10 +407,14 @@ class ReputService:
                        checkpoint_offset=s.checkpoint_offset)
         return code
 
+    def _flush_succeeded(self) -> None:
+        if self.health.state == DEGRADED and self.health.reason.startswith(FLUSH_FAILED):
+            self._set_health(HEALTHY)
+
     def _flush_failed(self, error: Exception) -> None:
         self.metrics.errors.labels(kind="flush").inc()
         self._log.error("flush_failed", error=f"{type(error).__name__}: {error}")
-        self._set_health(DEGRADED, f"flush failed: {error}")
+        self._set_health(DEGRADED, f"{FLUSH_FAILED}: {error}")
 
     def _watch(self, dirs):
         """Wake the loop on file events in the CommitLog directories: a new segment, a deletion, or data
@@ -453,11 +459,11 @@ class ReputService:
                 self._suspect = None
             if result.status is ReadStatus.OK:
                 self._reported = None
-                if self.health.state != HEALTHY and self.health.reason.startswith("corrupt"):
+                if self.health.state != HEALTHY and self.health.reason.startswith(CORRUPT_REASON):
                     self._set_health(HEALTHY)
                 continue
             if result.status is ReadStatus.END:
-                if self.health.state != HEALTHY and self.health.reason.startswith("corrupt"):
+                if self.health.state != HEALTHY and self.health.reason.startswith(CORRUPT_REASON):
                     self._set_health(HEALTHY)
                 if self.until_caught_up:
                     if result.pending is not None:
@@ -556,7 +562,7 @@ class ReputService:
                 s.dispatched_offset = nxt
             self._reported = None
             return None
-        self._set_health(DEGRADED, f"corrupt CommitLog at offset {offset}: {error}")
+        self._set_health(DEGRADED, f"{CORRUPT_REASON} CommitLog at offset {offset}: {error}")
         if self.until_caught_up:
             return Outcome.CORRUPT
         deadline = time.monotonic() + self.config.reput.poll_interval_ms / MS_PER_SECOND

@@ -63,27 +63,29 @@ def _preallocate(fd: int, path: str, size: int) -> None:
 class MappedFile:
     """One fixed-size file mapped read-write; formats add their own entries on top."""
 
-    __slots__ = ("_fd", "_mm", "file_size", "path", "readonly")
+    __slots__ = ("_mm", "file_size", "path", "readonly")
 
     def __init__(self, path: str, file_size: int, *, create: bool = False, readonly: bool = False):
         self.path = path
         self.file_size = file_size
         self.readonly = readonly
         flags = os.O_RDONLY if readonly else os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        self._fd = os.open(path, flags, 0o644)
+        fd = os.open(path, flags, 0o644)
         try:
             if create:
-                _preallocate(self._fd, path, file_size)
+                _preallocate(fd, path, file_size)
             else:
-                actual = os.fstat(self._fd).st_size
+                actual = os.fstat(fd).st_size
                 if actual != file_size:
                     raise StoreLayoutError(path, f"file is {actual} bytes, the configured size is {file_size}")
-            self._mm = mmap.mmap(self._fd, file_size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
+            self._mm = mmap.mmap(fd, file_size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
         except BaseException:
-            os.close(self._fd)
             if create:
                 os.unlink(path)
             raise
+        finally:
+            # the mapping keeps the file; no descriptor stays open, so thousands of queues need no fd each
+            os.close(fd)
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -98,11 +100,8 @@ class MappedFile:
             self._mm.flush()
 
     def close(self) -> None:
-        if self._mm is not None and not self._mm.closed:
+        if not self._mm.closed:
             self._mm.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
     def __enter__(self) -> MappedFile:
         return self

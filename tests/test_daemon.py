@@ -532,3 +532,30 @@ def test_enabling_the_index_later_builds_it_from_the_start(store):
     assert res.returncode == 0, res.stderr
     assert any(e["event"] == "dispatcher_not_in_checkpoint" and e["dispatcher"] == "index" for e in events(res.stdout))
     assert_same_as_rebuild(store)
+
+
+def test_flush_errors_degrade_and_hold_the_checkpoint_until_they_stop(store, tmp_path):
+    marker = tmp_path / "io-error"
+    cfg = yaml.safe_load(store.config.read_text())
+    cfg["dispatchers"] = ["consumequeue", "index",
+                          {"name": "tests.plugins.failing:FailingDispatcher",
+                           "options": {"fail_flush_if": str(marker)}}]
+    store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    store.append(300)
+    proc = store.start()
+    try:
+        wait_for(lambda: store.health().get("checkpointOffset") == store.end, what="first checkpoint")
+        marker.touch()
+        held = store.end
+        store.append(300)
+        wait_for(lambda: store.health()["status"] == "degraded", what="degraded on flush errors")
+        assert store.health()["reason"].startswith("flush failed")
+        assert store.health()["checkpointOffset"] == held
+        assert store.metrics()["reputd_errors_total{kind=flush}"] >= 1
+        marker.unlink()
+        wait_for(lambda: store.health()["status"] == "healthy", what="healthy once flushes succeed")
+        wait_for(lambda: store.health()["checkpointOffset"] == store.end, what="checkpoint moves on")
+    finally:
+        code, out, err = stop(proc)
+    assert code == 0, err
+    assert any(e["event"] == "flush_failed" for e in events(out))
