@@ -305,6 +305,11 @@ class IndexFile:
                 raise StoreLayoutError(self.path, f"entries from {keep} on are not puts made after phy offset "
                                                   f"{header.end_phy_offset}")
         slot_ids, values = self._restored_slots(entries, keep, have, end)
+        # Header first: if a kill interrupts what follows, the file reads as the state plus a put cut
+        # short, and truncating again finishes the job (slots are recomputed from the entries still there).
+        if have > keep:
+            on_disk = 0 if keep == FIRST_INDEX and keep < self.index_num else keep
+            self._file.write(0, header._replace(index_count=on_disk).encode())
         slots = self._slots()
         try:
             slots[slot_ids] = values
@@ -313,9 +318,6 @@ class IndexFile:
         for hi in range(end, keep, -TAIL_SCAN_ENTRIES):  # from the end, so a kill here leaves a prefix
             lo = max(keep, hi - TAIL_SCAN_ENTRIES)
             self._file.write(self._entries_at + INDEX_ENTRY_SIZE * lo, bytes(INDEX_ENTRY_SIZE * (hi - lo)))
-        if have > keep:
-            on_disk = 0 if keep == FIRST_INDEX and keep < self.index_num else keep
-            self._file.write(0, header._replace(index_count=on_disk).encode())
         (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
          self.hash_slot_count, self.index_count) = header
         return IndexTruncation(end - keep, len(slot_ids))

@@ -326,18 +326,26 @@ def test_same_count_other_header_is_refused(tmp_path: Path) -> None:
         recover(tmp_path, dataclasses.replace(state, end_timestamp=T0 + 5), SLOTS, ENTRIES)
 
 
-def test_truncation_cut_short_is_refused(tmp_path: Path) -> None:
-    """Slots put back but the header not yet rewritten (a kill inside truncate_to): refused, not guessed at."""
+@pytest.mark.parametrize("stage", ["header", "header+slots", "header+slots+some-entries"])
+def test_truncation_cut_short_finishes_when_run_again(tmp_path: Path, stage: str) -> None:
+    """A kill inside truncate_to (it writes the header, then the slots, then zeroes entries from the end):
+    truncating again from the same state ends in the same bytes as an uninterrupted truncation."""
     state = crashed_store(tmp_path / "a")
     crashed_store(tmp_path / "b")
     recover(tmp_path / "b", state, SLOTS, ENTRIES)[0].close()
     path_a, path_b = (tmp_path / x / "index" / state.name for x in "ab")
-    data = bytearray(path_a.read_bytes())
-    slot_table = slice(INDEX_HEADER_SIZE, INDEX_HEADER_SIZE + 4 * SLOTS)
-    data[slot_table] = path_b.read_bytes()[slot_table]
+    data, done = bytearray(path_a.read_bytes()), path_b.read_bytes()
+    data[:INDEX_HEADER_SIZE] = done[:INDEX_HEADER_SIZE]
+    if "slots" in stage:
+        table = slice(INDEX_HEADER_SIZE, INDEX_HEADER_SIZE + 4 * SLOTS)
+        data[table] = done[table]
+    if "entries" in stage:
+        tail = INDEX_HEADER_SIZE + 4 * SLOTS + 20 * (state.index_count + 1)
+        data[tail:] = done[tail:]
+    assert bytes(data) != done, "the simulated kill must leave work undone"
     path_a.write_bytes(bytes(data))
-    with pytest.raises(StoreLayoutError, match="slot"):
-        recover(tmp_path / "a", state, SLOTS, ENTRIES)
+    recover(tmp_path / "a", state, SLOTS, ENTRIES)[0].close()
+    assert disk_files(tmp_path / "a") == disk_files(tmp_path / "b")
 
 
 def test_state_from_dict_rejects_malformed() -> None:
