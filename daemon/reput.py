@@ -537,7 +537,7 @@ class ReputService:
     def _wait_in_flight(self, s: Session, offset: int) -> None:
         """Re-read an incomplete record soon, backing off to the poll interval if its writer is gone."""
         self._stalls += 1
-        limit = min(PROBE_MAX_S * 2 ** min(self._stalls, 16), self.config.reput.poll_interval_ms / MS_PER_SECOND)
+        limit = min(PROBE_MIN_S * 2 ** min(self._stalls, 16), self.config.reput.poll_interval_ms / MS_PER_SECOND)
         self._wait_for_data(s, offset, pending=True, limit=limit)
 
     def _corrupt(self, s: Session, result: ReadResult) -> Outcome | None:

@@ -241,7 +241,8 @@ class CommitLog:
             if start % self.segment_size:
                 raise StoreLayoutError(path, f"start offset is not a multiple of the segment size "
                                              f"{self.segment_size}")
-            size = os.path.getsize(path)
+            # a segment already seen at full size keeps it: only new files need a stat
+            size = self.segment_size if self._by_start.get(start) == path else os.path.getsize(path)
             if size != self.segment_size:
                 if self.follow and i == len(found) - 1 and size < self.segment_size:
                     break
@@ -433,8 +434,10 @@ def _unwritten_after(buf, pos: int, file_size: int, max_message_size: int) -> bo
 def _zeros_from(buf, pos: int, file_size: int, max_message_size: int) -> bool:
     """Whether the next maximal message's worth of bytes from `pos` is unwritten (all zero). A writer
     appends front to back, so data beyond a zero gap means the gap is damage, not the head."""
-    probe = buf[pos : min(file_size, pos + max_message_size + END_FILE_MIN_BLANK_LENGTH)]
-    return probe.count(0) == len(probe)
+    end = min(file_size, pos + max_message_size + END_FILE_MIN_BLANK_LENGTH)
+    if end <= pos:
+        return True
+    return not np.frombuffer(buf, dtype=np.uint8, count=end - pos, offset=pos).any()
 
 
 __all__ = ["CommitLog", "CommitLogReader", "ReadResult", "ReadStatus", "SegmentDecode", "Stop", "decode_segment"]
