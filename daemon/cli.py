@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from daemon.backfill import backfill
 from daemon.config import Config, ConfigError, load_config
 from daemon.inspect_file import (
     file_kind,
@@ -81,6 +82,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_offset", type=_non_negative, help="CommitLog offset of a record to start at")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(handler=cmd_rebuild)
+
+    p = add("backfill", "Build consumequeue/ and index/ for CommitLog segments with Spark, byte-identical to rebuild.")
+    p.add_argument("--segments", metavar="DIR_OR_URI",
+                   help="CommitLog directory (or file:// URI; comma-separated for several) instead of "
+                        "store.storePathCommitLog; every executor must see it at this path")
+    p.add_argument("--master", default="local[*]",
+                   help="Spark master URL: local[*] (default), local[N], spark://HOST:PORT, yarn, k8s://...")
+    p.add_argument("--from", dest="from_offset", type=_non_negative, help="CommitLog offset of a record to start at")
+    p.add_argument("--to", dest="to_offset", type=_positive,
+                   help="stop before this CommitLog offset (a record boundary, e.g. where `reputd run` started)")
+    p.add_argument("--partitions", type=_positive, help="tasks for the ConsumeQueue and IndexFile phases "
+                                                        "(default: Spark's default parallelism)")
+    p.add_argument("--catalog", metavar="PATH", help="also write the dispatch rows as Parquet, partitioned by topic "
+                                                     "and date (any path or URI Spark can write)")
+    p.add_argument("--conf", dest="spark_conf", action="append", type=_spark_setting, default=[],
+                   metavar="KEY=VALUE", help="a Spark setting, e.g. spark.executor.memory=4g (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(handler=cmd_backfill)
 
     q = sub.add_parser("query", help="Query messages by key, queue offset or msgId.",
                        description="Query messages by key, queue offset or msgId.")
@@ -161,6 +180,35 @@ def cmd_rebuild(args, config: Config) -> int:
         print(f"rebuilt {summary.messages:,} messages, {summary.bytes:,} bytes "
               f"[{summary.start_offset}, {summary.end_offset}) in {summary.seconds:.2f} s "
               f"({summary.msgs_per_second:,.0f} msgs/s); {files}; output {config.output.dir}")
+        if summary.pending is not None:
+            print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
+    return EXIT_OK
+
+
+def _spark_setting(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key.strip(), value
+
+
+def cmd_backfill(args, config: Config) -> int:
+    def say(text: str) -> None:
+        print(f"\r{text}", file=sys.stderr, flush=True)
+
+    summary = backfill(config, master=args.master, segments=args.segments, from_offset=args.from_offset,
+                       to_offset=args.to_offset, partitions=args.partitions, catalog=args.catalog,
+                       spark_conf=dict(args.spark_conf), progress=say)
+    if args.json:
+        print(json.dumps(summary.as_dict()))
+    else:
+        files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
+        print(f"backfilled {summary.messages:,} messages, {summary.bytes:,} bytes "
+              f"[{summary.start_offset}, {summary.end_offset}) from {summary.segments} segments in "
+              f"{summary.seconds:.2f} s ({summary.msgs_per_second:,.0f} msgs/s) on {summary.master}; {files}; "
+              f"output {config.output.dir}")
+        for lo, hi, error in summary.skipped:
+            print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
         if summary.pending is not None:
             print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
     return EXIT_OK

@@ -1,0 +1,140 @@
+"""Putting a task attempt's files into the output: staged first, then linked into place, never clobbered.
+
+Each task attempt writes its files under `{out}/.reputd-backfill/{job}/{attempt}/`, outside
+`consumequeue/` and `index/` (whose loaders refuse foreign names), and only when the attempt has
+written all of them does it link each into place. A failed, retried or speculative attempt therefore
+leaves nothing partial in the output: its staging directory is removed, and the job removes the whole
+staging tree when it ends.
+
+A file is put in place with `link(2)`, which fails instead of replacing a file that exists; the file
+that exists is never replaced, since someone may have it mapped (a live daemon writing the same
+ConsumeQueue). Then:
+* a ConsumeQueue file is *merged*: every real unit of the staged file must land on a pre-blank unit
+  (0, 0x7FFFFFFF, 0) or on the same unit, and is written in place. This is how a backfill fills the
+  blank head of the first file of a daemon that started later in the same queue; a zero (unwritten)
+  unit or a different one is refused, naming the file and queue offset;
+* an IndexFile must be byte-identical (the same file committed by an earlier attempt or run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+
+import numpy as np
+
+from daemon.backfill.plan import BackfillError
+from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT_SIZE
+from indexcore.mappedfile import list_queue_files
+
+STAGING_DIR = ".reputd-backfill"
+_COMPARE_BYTES = 1 << 22
+
+LINKED, MERGED, PRESENT = "linked", "merged", "present"
+
+
+def staging_root(output_dir: str, job_id: str) -> str:
+    return os.path.join(output_dir, STAGING_DIR, job_id)
+
+
+def attempt_dir(output_dir: str, job_id: str, phase: str, partition: int, attempt_id: int) -> str:
+    """A directory of its own for one task attempt."""
+    return os.path.join(staging_root(output_dir, job_id), f"{phase}-p{partition}-a{attempt_id}")
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    parent = os.path.dirname(path)
+    if os.path.basename(parent) == STAGING_DIR:
+        with contextlib.suppress(OSError):
+            os.rmdir(parent)  # only when no other job stages there
+
+
+def _link(staged: str, final: str) -> bool:
+    """Put `staged` at `final` unless a file is there; True when it was put."""
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    try:
+        os.link(staged, final)
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        # a file system without hard links: check, then rename (no longer atomic against a racing creator)
+        if os.path.exists(final):
+            return False
+        os.rename(staged, final)
+        return True
+    os.unlink(staged)
+    return True
+
+
+def _units(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8).reshape(-1, CQ_UNIT_SIZE)
+
+
+def commit_queue_file(staged: str, final: str) -> str:
+    """Link a staged ConsumeQueue file into place, or merge its units into the file already there."""
+    if _link(staged, final):
+        return LINKED
+    with open(staged, "rb") as f:
+        ours = _units(f.read())
+    fd = os.open(final, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size != ours.size:
+            raise BackfillError(f"{final}: is {size} bytes, the backfilled file is {ours.size}")
+        theirs = _units(os.pread(fd, size, 0))
+        blank = _units(BLANK_UNIT)[0]
+        ours_blank = (ours == blank).all(axis=1)
+        ours_real = ~ours_blank & ours.any(axis=1)
+        same = (theirs == ours).all(axis=1)
+        theirs_blank = (theirs == blank).all(axis=1)
+        bad = np.flatnonzero(ours_real & ~same & ~theirs_blank)
+        if len(bad):
+            queue_offset = (int(os.path.basename(final)) // CQ_UNIT_SIZE) + int(bad[0])
+            what = "no unit yet" if not theirs[bad[0]].any() else "another unit"
+            raise BackfillError(f"{final}: queue offset {queue_offset} holds {what}; backfill writes only into an "
+                                f"empty output or the blank head of a queue that a daemon started after --to")
+        write = np.flatnonzero(ours_real & ~same)
+        if len(write) == 0:
+            return PRESENT
+        runs = np.split(write, np.flatnonzero(np.diff(write) != 1) + 1)
+        for run in runs:
+            lo, hi = int(run[0]), int(run[-1]) + 1
+            os.pwrite(fd, ours[lo:hi].tobytes(), lo * CQ_UNIT_SIZE)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return MERGED
+
+
+def commit_queue_dir(staged_dir: str, final_dir: str) -> dict[str, int]:
+    """Commit every file of one staged queue; counts by outcome."""
+    counts = {LINKED: 0, MERGED: 0, PRESENT: 0}
+    for _, path in list_queue_files(staged_dir):
+        counts[commit_queue_file(path, os.path.join(final_dir, os.path.basename(path)))] += 1
+    return counts
+
+
+def _same_contents(a: str, b: str) -> bool:
+    if os.path.getsize(a) != os.path.getsize(b):
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(_COMPARE_BYTES), fb.read(_COMPARE_BYTES)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def commit_index_file(staged: str, final: str) -> str:
+    """Link a staged IndexFile into place; a file already there must be the same bytes."""
+    if _link(staged, final):
+        return LINKED
+    if not _same_contents(staged, final):
+        raise BackfillError(f"{final}: an IndexFile of this name already exists with other contents")
+    return PRESENT

@@ -1,0 +1,437 @@
+"""`reputd backfill`: Spark builds the same consumequeue/ and index/ bytes as `reputd rebuild`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from daemon.backfill import (
+    BackfillError,
+    BackfillFailed,
+    Fault,
+    backfill,
+    check_java,
+    commit_log_dirs,
+    create_session,
+)
+from daemon.backfill.commit import STAGING_DIR
+from daemon.backfill.job import spark_error_line
+from daemon.config import load_config
+from daemon.query import query_key
+from daemon.rebuild import rebuild
+from indexcore.commitlog import MAGIC_CODE_OFFSET, TRANSACTION_COMMIT_TYPE, TRANSACTION_PREPARED_TYPE
+from indexcore.commitlog import TRANSACTION_ROLLBACK_TYPE as ROLLBACK
+from indexcore.writer import CommitLogWriter, Message
+from tests.conformance import discover, files_under
+
+SEGMENT = 64 * 1024
+STORE = {"mappedFileSizeCommitLog": SEGMENT, "mappedFileSizeConsumeQueue": 400, "maxHashSlotNum": 31,
+         "maxIndexNum": 50}
+REPUTD = [sys.executable, "-m", "daemon.cli"]
+CHECKPOINT = "reputd.checkpoint"
+CONFORMANCE = discover()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local Spark for every test here: 2 cores, 3 attempts per task (so a failed attempt is retried)."""
+    session = create_session("local[2,3]", {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
+                                            "spark.driver.memory": "512m", "spark.default.parallelism": "2",
+                                            "spark.sql.shuffle.partitions": "2"})
+    yield session
+    session.stop()
+
+
+def write_store(root: Path, n: int = 1200, seed: int = 7) -> list:
+    """A multi-segment CommitLog exercising the dispatch rules: transactions, delays, records without keys,
+    a record whose keys straddle IndexFiles, a topic that starts late, equal store times (name clashes)."""
+    ticks = iter(range(n))
+
+    def clock() -> int:
+        return 1_700_000_000_000 + next(ticks) // 2 * 3  # two records per millisecond, 3 ms apart
+
+    results = []
+    with CommitLogWriter(str(root / "commitlog"), SEGMENT, clock=clock) as w:
+        for i in range(n):
+            topic = ("TopicA", "TopicB", "Late" if i > n // 2 else "TopicA")[i % 3]
+            props = {"TAGS": ("TagA", "标签", "")[i % 3]}
+            if i % 5:
+                props["KEYS"] = " ".join(f"k{i}-{j}😀" for j in range(i % 4)) + (" dup dup" if i % 13 == 0 else "")
+            if i % 7:
+                props["UNIQ_KEY"] = f"{seed:08X}{i:024X}"
+            if i % 17 == 0:
+                props["DELAY"] = str(i % 20)
+            if i == n // 3:
+                props["KEYS"] = " ".join(f"many{j}" for j in range(120))  # spans three IndexFiles
+            sys_flag = (0, TRANSACTION_PREPARED_TYPE, TRANSACTION_COMMIT_TYPE, ROLLBACK)[i % 4] if i % 9 == 0 else 0
+            results.append(w.append(Message(topic, i % 3, bytes([i % 251]) * (i * 37 % 400), props,
+                                            sys_flag=sys_flag)))
+    return results
+
+
+def make_config(tmp: Path, out: str, store_root: Path, **extra):
+    cfg = {"store": {"storePathRootDir": str(store_root), **STORE}, "output": {"dir": str(tmp / out)},
+           "metrics": {"enabled": False}, "logging": {"level": "warning"}}
+    for section, values in extra.items():
+        cfg.setdefault(section, {}).update(values)
+    path = tmp / f"{out}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return load_config(path, env={})
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    """A generated store and its rebuild from offset 0 (the reference)."""
+    tmp = tmp_path_factory.mktemp("generated")
+    results = write_store(tmp / "store")
+    reference = make_config(tmp, "reference", tmp / "store")
+    rebuild(reference)
+    return tmp, results, files_under(tmp / "reference")
+
+
+def outputs(path: Path) -> dict[str, bytes]:
+    return {k: v for k, v in files_under(path).items() if k != CHECKPOINT}
+
+
+def assert_same_files(actual: dict[str, bytes], expected: dict[str, bytes]) -> None:
+    assert sorted(actual) == sorted(expected)
+    assert [name for name in expected if actual[name] != expected[name]] == []
+
+
+def assert_no_staging(out: Path) -> None:
+    assert not (out / STAGING_DIR).exists()
+
+
+@pytest.mark.parametrize(("partitions", "batch_bytes"), [(1, 4 * 1024 * 1024), (3, 4096)],
+                         ids=["p1", "p3-small-windows"])
+def test_backfill_is_byte_identical_to_rebuild(spark, generated, partitions, batch_bytes):
+    """Every ConsumeQueue and IndexFile (names included), whatever the partitions and read windows."""
+    tmp, results, expected = generated
+    out = f"bf-{partitions}-{batch_bytes}"
+    config = make_config(tmp, out, tmp / "store", reput={"batchBytes": batch_bytes})
+    summary = backfill(config, spark=spark, partitions=partitions)
+    assert summary.messages == len(results)
+    assert summary.end_offset == results[-1].phy_offset + results[-1].msg_size
+    assert summary.segments == len(os.listdir(tmp / "store" / "commitlog")) > 3
+    assert summary.files["index"] > 3
+    assert_same_files(files_under(tmp / out), expected)
+    assert_no_staging(tmp / out)
+
+
+def test_backfill_from_an_offset_matches_rebuild_from_it(spark, generated, tmp_path):
+    """Queues that start past queue offset 0 get the broker's pre-blank units; IndexFiles start fresh there."""
+    tmp, results, _ = generated
+    start = results[len(results) // 3 + 5].phy_offset
+    rebuild(make_config(tmp_path, "reference", tmp / "store"), from_offset=start)
+    summary = backfill(make_config(tmp_path, "bf", tmp / "store"), spark=spark, from_offset=start)
+    assert summary.start_offset == start
+    assert_same_files(files_under(tmp_path / "bf"), files_under(tmp_path / "reference"))
+
+
+@pytest.mark.parametrize("store", CONFORMANCE, ids=[s.name for s in CONFORMANCE])
+def test_conformance_stores_backfill_like_rebuild(spark, store, tmp_path):
+    """The broker-written stores: backfill writes exactly what rebuild writes (which is what the broker wrote)."""
+    config_path = store.make_workspace(tmp_path)
+    reference = load_config(config_path, env={}, overrides={"output.dir": str(tmp_path / "reference")})
+    rebuild(reference)
+    config = load_config(config_path, env={}, overrides={"output.dir": str(tmp_path / "bf")})
+    summary = backfill(config, spark=spark, partitions=3)
+    assert summary.messages == len(store.manifest["messages"])
+    assert_same_files(files_under(tmp_path / "bf"), files_under(tmp_path / "reference"))
+    assert sorted(files_under(tmp_path / "bf" / "consumequeue")) == sorted(files_under(store.store / "consumequeue"))
+
+
+@pytest.mark.parametrize("fault", [Fault("consumequeue", "staged"), Fault("consumequeue", "committing"),
+                                   Fault("index", "staged"), Fault("index", "committing")],
+                         ids=lambda f: f"{f.phase}-{f.point}")
+def test_task_retry_leaves_no_partial_file(spark, generated, tmp_path, fault):
+    """A task attempt that dies after staging, or halfway through committing, is retried: the output is the
+    same as without the failure and no staged file is left behind."""
+    tmp, _, expected = generated
+    marker = tmp_path / "fault-fired"
+    config = make_config(tmp_path, "bf", tmp / "store")
+    backfill(config, spark=spark, partitions=2, fault=Fault(fault.phase, fault.point, marker=str(marker)))
+    assert marker.exists()
+    assert_same_files(files_under(tmp_path / "bf"), expected)
+    assert_no_staging(tmp_path / "bf")
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    full_env.update(env or {})
+    return subprocess.run([*REPUTD, *args], capture_output=True, text=True, env=full_env, timeout=timeout,
+                          check=False)
+
+
+def config_file(tmp: Path, out: str, store_root: Path, **extra) -> Path:
+    make_config(tmp, out, store_root, **extra)
+    return tmp / f"{out}.yaml"
+
+
+def test_handoff_backfill_below_then_daemon_continues(spark, generated, tmp_path):
+    """Backfill [first, X), then `reputd run` resumes where it ended: one store, identical to one rebuild."""
+    tmp, results, expected = generated
+    handoff = results[2 * len(results) // 3].phy_offset
+    config = make_config(tmp_path, "out", tmp / "store")
+    summary = backfill(config, spark=spark, to_offset=handoff)
+    assert summary.end_offset == handoff
+    res = run_cli("run", "--config", str(tmp_path / "out.yaml"), "--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "out" / CHECKPOINT).exists()
+    assert_same_files(outputs(tmp_path / "out"), expected)
+
+
+def test_handoff_daemon_first_then_backfill_below_it(spark, generated, tmp_path):
+    """A daemon that started at X (`rebuild --from X` standing in for its start) keeps following a broker
+    that appends, while backfill writes [first, X) into the same output: the ConsumeQueues end up those of
+    one rebuild (the daemon's pre-blank heads filled in), the backfilled IndexFiles sort before the
+    daemon's, every key is found, and the daemon carries on with the store."""
+    tmp, results, _ = generated
+    shutil.copytree(tmp / "store" / "commitlog", tmp_path / "store" / "commitlog")
+    handoff = results[len(results) // 2 + 1].phy_offset
+    config = make_config(tmp_path, "out", tmp_path / "store")
+    rebuild(config, from_offset=handoff)
+    daemon_index = sorted(os.listdir(tmp_path / "out" / "index"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    daemon = subprocess.Popen([*REPUTD, "run", "--config", str(tmp_path / "out.yaml")], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    appended = []
+
+    def broker() -> None:
+        ticks = iter(range(1_700_000_100_000, 1_800_000_000_000, 2))
+        with CommitLogWriter(str(tmp_path / "store" / "commitlog"), SEGMENT, clock=lambda: next(ticks)) as w:
+            for i in range(300):
+                appended.append(w.append(Message(("TopicA", "Late")[i % 2], i % 3, b"y" * 90, {"KEYS": f"new{i}"})))
+                w.flush()
+                time.sleep(0.005)
+
+    try:
+        writer = threading.Thread(target=broker)
+        writer.start()
+        summary = backfill(config, spark=spark, to_offset=handoff)
+        writer.join()
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(60) == 0
+    res = run_cli("run", "--config", str(tmp_path / "out.yaml"), "--until-caught-up")  # the tail it had not read
+    assert res.returncode == 0, res.stderr
+    reference = make_config(tmp_path, "reference", tmp_path / "store")
+    rebuild(reference)
+
+    def queues(path: Path) -> dict[str, bytes]:
+        return {k: v for k, v in files_under(path).items() if k.startswith("consumequeue/")}
+
+    assert_same_files(queues(tmp_path / "out"), queues(tmp_path / "reference"))
+    names = sorted(os.listdir(tmp_path / "out" / "index"))
+    below = [n for n in names if n < daemon_index[0]]
+    assert len(below) == summary.files["index"] > 0  # the backfilled files all sort before the daemon's
+    assert set(daemon_index) <= set(names)
+    found = 0
+    keys = [(r.topic, f"{7:08X}{i:024X}") for i, r in enumerate(results)] + [
+        (r.topic, f"k{i}-0😀") for i, r in enumerate(results)] + [(r.topic, f"new{i}") for i, r in enumerate(appended)]
+    for topic, key in keys[::7]:
+        got = [m.physical_offset for m in query_key(config, topic, key, 64, 0, 2**63 - 1)]
+        assert got == [m.physical_offset for m in query_key(reference, topic, key, 64, 0, 2**63 - 1)]
+        found += len(got)
+    assert found > 100
+
+
+def test_backfill_into_its_own_output_again_changes_nothing(spark, generated, tmp_path):
+    """A rerun (say after a failure) finds its files in place, identical, and leaves them so."""
+    tmp, _, expected = generated
+    config = make_config(tmp_path, "bf", tmp / "store")
+    backfill(config, spark=spark)
+    backfill(config, spark=spark, partitions=3)
+    assert_same_files(files_under(tmp_path / "bf"), expected)
+
+
+@pytest.mark.parametrize("index", [True, False], ids=["with-index", "consumequeue-only"])
+def test_older_files_in_the_output_are_refused(spark, generated, tmp_path, index):
+    """Backfilling above files written for an earlier range is refused before anything is written."""
+    tmp, results, _ = generated
+    handoff = results[len(results) // 2].phy_offset
+    config = make_config(tmp_path, "out", tmp / "store", store={"messageIndexEnable": index})
+    backfill(config, spark=spark, to_offset=handoff)
+    before = files_under(tmp_path / "out")
+    with pytest.raises(BackfillError, match="already sorts among" if index else "queue holds a unit"):
+        backfill(config, spark=spark, from_offset=handoff)
+    assert files_under(tmp_path / "out") == before
+    assert ("index" in {p.name for p in (tmp_path / "out").iterdir()}) is index
+
+
+def corrupt_store(tmp: Path) -> tuple[Path, list, int]:
+    """A store with a bad magic code in a record of its third segment."""
+    store = tmp / "store"
+    results = write_store(store, n=600)
+    victim = next(r for r in results if r.phy_offset // SEGMENT == 2 and r.phy_offset % SEGMENT > 0)
+    path = store / "commitlog" / f"{2 * SEGMENT:020d}"
+    with open(path, "r+b") as f:
+        f.seek(victim.phy_offset % SEGMENT + MAGIC_CODE_OFFSET)
+        f.write(b"\x00\x00\x00\x01")
+    return path, results, victim.phy_offset
+
+
+def test_corrupt_record_fails_naming_file_and_offset(spark, tmp_path):
+    """A corrupt record fails the job with the segment file and the offset named; nothing is written."""
+    path, _, offset = corrupt_store(tmp_path)
+    with pytest.raises(BackfillFailed) as err:
+        backfill(make_config(tmp_path, "out", tmp_path / "store"), spark=spark)
+    assert str(path) in str(err.value)
+    assert f"offset {offset}" in str(err.value)
+    assert not (tmp_path / "out" / "consumequeue").exists()
+    assert not (tmp_path / "out" / "index").exists()
+    assert_no_staging(tmp_path / "out")
+
+
+def test_skip_segment_skips_the_rest_of_the_segment_like_the_daemon(spark, tmp_path):
+    """onCorruption: skip-segment dispatches up to the bad record, skips to the next segment (logged in the
+    summary) and goes on; the files are those `reputd run` writes with the same policy."""
+    path, results, offset = corrupt_store(tmp_path)
+    config = make_config(tmp_path, "bf", tmp_path / "store", reput={"onCorruption": "skip-segment"})
+    summary = backfill(config, spark=spark)
+    assert [(a, b) for a, b, _ in summary.skipped] == [(offset, 3 * SEGMENT)]
+    assert str(path) in summary.skipped[0][2]
+    skipped = sum(1 for r in results if offset <= r.phy_offset < 3 * SEGMENT)
+    assert summary.messages == len(results) - skipped
+    config_file(tmp_path, "daemon", tmp_path / "store", reput={"onCorruption": "skip-segment"})
+    res = run_cli("run", "--config", str(tmp_path / "daemon.yaml"), "--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    assert_same_files(files_under(tmp_path / "bf"), outputs(tmp_path / "daemon"))
+
+
+def test_to_inside_a_record_is_refused(spark, generated, tmp_path):
+    """--to must be a record boundary (where a daemon can have started)."""
+    tmp, results, _ = generated
+    with pytest.raises(BackfillFailed, match="not a record boundary"):
+        backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, to_offset=results[100].phy_offset + 3)
+    assert not (tmp_path / "out" / "consumequeue").exists()
+
+
+def test_catalog_holds_the_dispatch_rows_by_topic_and_date(spark, generated, tmp_path):
+    """--catalog writes one Parquet row per dispatched record, partitioned by topic and UTC date."""
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(catalog))
+    assert sorted(p.name for p in catalog.iterdir() if p.is_dir()) == [
+        "topic=Late", "topic=SCHEDULE_TOPIC_XXXX", "topic=TopicA", "topic=TopicB"]
+    rows = spark.read.parquet(str(catalog))
+    assert rows.count() == len(results)
+    first = rows.orderBy("phy_offset").first()
+    assert (first.phy_offset, first.topic, str(first.date)) == (0, "TopicA", "2023-11-14")
+    assert first.uniq_key is None  # message 0: no UNIQ_KEY (0 % 7)
+    assert first.keys is None  # nor KEYS (0 % 5)
+    with pytest.raises(BackfillError, match="already exists"):
+        backfill(make_config(tmp_path, "again", tmp / "store"), spark=spark, catalog=str(catalog))
+    assert not (tmp_path / "again").exists()
+
+
+def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
+    """`reputd backfill --master local[1]` exits 0 with messages, bytes, segments, seconds and msgs/s."""
+    tmp, results, expected = generated
+    config = config_file(tmp_path, "out", tmp / "store")
+    res = run_cli("backfill", "--config", str(config), "--master", "local[1]", "--conf", "spark.ui.enabled=false",
+                  "--json", timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "Traceback" not in res.stderr
+    summary = json.loads(res.stdout)
+    assert summary["messages"] == len(results)
+    assert summary["segments"] > 3
+    assert summary["msgsPerSecond"] > 0
+    assert summary["master"] == "local[1]"
+    assert_same_files(files_under(tmp_path / "out"), expected)
+
+
+def test_cli_corrupt_store_exits_1_with_one_line(tmp_path):
+    """A corrupt record: exit 1, one line naming file and offset, no traceback, nothing written."""
+    path, _, offset = corrupt_store(tmp_path)
+    config = config_file(tmp_path, "out", tmp_path / "store")
+    res = run_cli("backfill", "--config", str(config), "--master", "local[1]", "--conf", "spark.ui.enabled=false",
+                  timeout=300)
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    assert f"reputd: error: corrupt record in {path} @ offset {offset}" in res.stderr
+    assert not (tmp_path / "out" / "consumequeue").exists()
+
+
+def test_missing_java_is_a_clear_error(tmp_path):
+    """Without JAVA_HOME or `java` on PATH: exit 1 and a message saying to install Java 17."""
+    write_store(tmp_path / "store", n=10)
+    config = config_file(tmp_path, "out", tmp_path / "store")
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME" and not k.startswith("REPUTD_")}
+    env["PATH"] = str(tmp_path / "no-java-here")
+    res = subprocess.run([*REPUTD, "backfill", "--config", str(config)], capture_output=True, text=True, env=env,
+                         timeout=60, check=False)
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr
+    assert "install" in res.stderr
+    assert "Java 17" in res.stderr
+    with pytest.raises(BackfillError, match="JAVA_HOME"):
+        check_java({"JAVA_HOME": str(tmp_path), "PATH": ""})
+
+
+def test_segments_take_paths_and_file_uris_only(tmp_path):
+    """--segments: plain paths and file:// URIs are mapped; other schemes are refused with a hint."""
+    config = make_config(tmp_path, "out", tmp_path / "store")
+    assert commit_log_dirs(config, None) == config.store.commit_log_dirs
+    assert commit_log_dirs(config, f"file://{tmp_path}/a,{tmp_path}/b") == (f"{tmp_path}/a", f"{tmp_path}/b")
+    for uri in ("hdfs://namenode/rocketmq/commitlog", "s3a://bucket/commitlog"):
+        with pytest.raises(ValueError, match="POSIX path"):
+            commit_log_dirs(config, uri)
+    res = run_cli("backfill", "--config", str(tmp_path / "out.yaml"), "--segments", "hdfs://nn/commitlog")
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+
+
+def test_spark_errors_become_the_task_error_line():
+    """A Py4JJavaError's text (Java stack, Python traceback inside) reduces to the task's own error line."""
+    text = ("An error occurred while calling o12.collectAndServe.\n"
+            ": org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 3.0 failed 3 "
+            "times, most recent failure: Lost task 0.2 (TID 9): org.apache.spark.api.python.PythonException: "
+            "Traceback (most recent call last):\n  File \"/x/worker.py\", line 1, in main\n"
+            "OSError: [Errno 28] No space left on device: '/out/index/20231114221623169'\n\n"
+            "The above exception was the direct cause of the following exception:\n\n"
+            "daemon.backfill.job.BackfillTaskError: index task 0: [Errno 28] No space left on device: "
+            "'/out/index/20231114221623169'\n\n\tat org.apache.spark.api.python.BasePythonRunner.handle(x.scala:1)\n")
+    assert spark_error_line(RuntimeError(text)) == (
+        "BackfillTaskError: index task 0: [Errno 28] No space left on device: '/out/index/20231114221623169'")
+
+
+def test_recomputed_rows_are_cut_back_to_what_phase_1_reported(tmp_path):
+    """A lost cached partition is decoded again; if the broker appended since, the extra records are dropped."""
+    from daemon.backfill.job import _planned
+    from daemon.backfill.plan import plan_segments
+    from daemon.backfill.rows import ReadSettings, RowChunk, decode_segment_rows
+    from indexcore.reader import CommitLog
+
+    def decode() -> list:
+        log = CommitLog(str(tmp_path / "store" / "commitlog"), SEGMENT)
+        settings = ReadSettings(True, 4 * 1024 * 1024, "1s 5s", 2048, True, False)
+        return [item for task in plan_segments(log, 0, None) for item in decode_segment_rows(task, log, settings)]
+
+    write_store(tmp_path / "store", n=150)
+    first = decode()
+    outcomes = [o for o in first if not isinstance(o, RowChunk)]
+    with CommitLogWriter(str(tmp_path / "store" / "commitlog"), SEGMENT) as w:
+        for i in range(200):
+            w.append(Message("TopicA", 0, b"x" * 50, {"KEYS": f"late{i}"}))
+    keep = _planned(outcomes, frozenset(o.number for o in outcomes))
+    raw = decode()
+    again = [c for item in raw for c in keep(item)]
+    expected = [c for c in first if isinstance(c, RowChunk)]
+    assert sum(c.records for c in raw if isinstance(c, RowChunk)) > sum(c.records for c in expected)
+    assert again[-1].records < next(c for c in raw if getattr(c, "chunk_id", None) == again[-1].chunk_id).records
+    assert len(again) == len(expected)
+    for a, b in zip(again, expected, strict=True):
+        assert a.chunk_id == b.chunk_id
+        assert a.phy_offset.tolist() == b.phy_offset.tolist()
+        assert a.key_hash.tolist() == b.key_hash.tolist()
