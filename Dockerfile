@@ -59,6 +59,8 @@ VOLUME ["/store", "/out"]
 
 # --- backfill: `reputd backfill` runs PySpark, which needs a Java 17 runtime -------------------------
 FROM base AS backfill
+# PySpark is the project's [backfill] extra (same spec as in pyproject.toml), kept out of the daemon image.
+RUN /opt/reputd/bin/pip install --no-cache-dir "pyspark>=3.5,<5"
 # The man1 directory: some openjdk packages' postinst fails on slim images without it (harmless otherwise).
 RUN mkdir -p /usr/share/man/man1 \
     && apt-get update \

@@ -24,7 +24,8 @@ lint: $(BIN)/reputd
 	$(BIN)/ruff check .
 
 bench: $(BIN)/reputd
-	$(BIN)/python bench/bench_rebuild.py
+	$(BIN)/python bench/bench_live.py
+	$(BIN)/python bench/bench_backfill.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

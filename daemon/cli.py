@@ -8,7 +8,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from daemon.backfill import backfill
 from daemon.config import Config, ConfigError, load_config
 from daemon.inspect_file import (
     file_kind,
@@ -193,6 +192,13 @@ def _spark_setting(text: str) -> tuple[str, str]:
 
 
 def cmd_backfill(args, config: Config) -> int:
+    try:
+        from daemon.backfill import backfill  # noqa: PLC0415 - PySpark is the optional [backfill] extra
+    except ImportError as e:
+        print(f"reputd: error: `reputd backfill` needs PySpark ({e}); install it with "
+              f"pip install 'reputd[backfill]'", file=sys.stderr)
+        return EXIT_FAILURE
+
     def say(text: str) -> None:
         print(f"\r{text}", file=sys.stderr, flush=True)
 

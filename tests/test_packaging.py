@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -448,6 +449,16 @@ def test_docker_installs_the_project_without_test_extras(stages):
                    and flags.get("from") == "build"]
     assert venv_copies == [({"from": "build"}, ["/opt/reputd"], "/opt/reputd")]
     assert not [a for a in instructions(stages, "runtime", "RUN") if "pip install" in a]
+
+
+def test_docker_backfill_stage_adds_the_backfill_extra(stages):
+    """PySpark is the [backfill] extra: installed in the backfill image only, with pyproject's own spec."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert not any("pyspark" in d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+                   ["dependencies"]), "the daemon image must not carry PySpark"
+    runs = " ".join(stage(stages, "backfill").all("RUN"))
+    specs = re.findall(r'pip install --no-cache-dir "([^"]+)"', runs)
+    assert specs == extras["backfill"]
 
 
 def test_docker_copy_sources_exist_and_reach_the_context(stages):
