@@ -59,8 +59,9 @@ from daemon.backfill.writers import (
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.logs import get_logger
+from daemon.rebuild import RebuildSummary
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE
-from indexcore.errors import CorruptRecordError, StoreError
+from indexcore.errors import StoreError
 from indexcore.indexfile import FIRST_INDEX
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import list_queue_files
@@ -76,35 +77,19 @@ _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Fault|Failed)): (.+
 
 
 @dataclass(slots=True)
-class BackfillSummary:
-    start_offset: int
-    end_offset: int = 0
-    messages: int = 0
-    segments: int = 0
-    seconds: float = 0.0
-    files: dict[str, int] = field(default_factory=dict)
-    pending: CorruptRecordError | None = None
+class BackfillSummary(RebuildSummary):
+    """A rebuild's summary plus where and how Spark ran it."""
+
     skipped: list[tuple[int, int, str]] = field(default_factory=list)
     master: str = ""
     partitions: int = 0
     catalog: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def bytes(self) -> int:
-        return self.end_offset - self.start_offset
-
-    @property
-    def msgs_per_second(self) -> float:
-        return self.messages / self.seconds if self.seconds > 0 else 0.0
-
     def as_dict(self) -> dict:
         return {
-            "startOffset": self.start_offset, "endOffset": self.end_offset, "messages": self.messages,
-            "bytes": self.bytes, "segments": self.segments, "seconds": round(self.seconds, 3),
-            "msgsPerSecond": round(self.msgs_per_second), "files": self.files, "master": self.master,
-            "partitions": self.partitions, "phaseSeconds": {k: round(v, 3) for k, v in self.phases.items()},
-            "pendingTail": str(self.pending) if self.pending else None,
+            **RebuildSummary.as_dict(self), "master": self.master, "partitions": self.partitions,
+            "phaseSeconds": {k: round(v, 3) for k, v in self.phases.items()},
             "skipped": [{"from": a, "to": b, "error": e} for a, b, e in self.skipped],
             "catalog": self.catalog,
         }
