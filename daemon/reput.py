@@ -49,7 +49,7 @@ QUARANTINE_DIR = "quarantine"
 ON_CORRUPTION_STOP, ON_CORRUPTION_SKIP_SEGMENT = "stop", "skip-segment"
 # After reaching the head, look for the next record every PROBE_MIN_S, backing off to PROBE_MAX_S:
 # a broker writes through its mapping, which raises no file event, and the probe is a 4-byte read.
-PROBE_MIN_S = 0.0005
+PROBE_MIN_S = 0.005
 PROBE_MAX_S = 0.01
 # Once nothing has arrived for IDLE_AFTER_S, probe only every IDLE_PROBE_S: near-zero CPU when idle.
 IDLE_AFTER_S = 2.0
@@ -439,9 +439,15 @@ class ReputService:
 
     def _follow(self, s: Session) -> Outcome:
         offset = s.dispatched_offset
+        poll = self.config.reput.poll_interval_ms / MS_PER_SECOND
+        verified = 0.0
         while not self._stop.is_set():
             self._tick()
-            result = s.reader.read(offset)
+            now = time.monotonic()
+            verify = self.until_caught_up or now - verified >= poll
+            if verify:
+                verified = now
+            result = s.reader.read(offset, verify_end=verify)
             if result.skipped_from is not None:
                 skipped = result.next_offset - result.skipped_from
                 self.metrics.skipped.labels(reason="retention").inc(skipped)
@@ -455,7 +461,7 @@ class ReputService:
             offset = result.next_offset
             if result.rolled:
                 self._log.info("segment_rolled", next_segment=offset)
-            if result.status is not ReadStatus.CORRUPT:
+            if result.status is ReadStatus.OK or (result.status is ReadStatus.END and result.pending is None):
                 self._suspect = None
             if result.status is ReadStatus.OK:
                 self._reported = None

@@ -355,8 +355,14 @@ class CommitLogReader:
             return True
         return RECORD_PREFIX.unpack_from(mm, pos)[0] != 0
 
-    def read(self, offset: int) -> ReadResult:
-        """Read the next batch starting at record boundary `offset`."""
+    def read(self, offset: int, *, verify_end: bool = True) -> ReadResult:
+        """Read the next batch starting at record boundary `offset`.
+
+        Where the data stops without a BLANK, telling the end of the written data from damage means a
+        directory rescan and a look at the next maximal message's worth of bytes. `verify_end=False`
+        skips both and reports END (with `pending` for a bad record): for a tail that reads the head
+        many times a second and verifies it now and then.
+        """
         log = self.commit_log
         size = log.segment_size
         empty = DispatchBatch.empty(offset)
@@ -388,6 +394,9 @@ class CommitLogReader:
         if result.stop is Stop.BLANK:
             nxt = seg_start + size
             return ReadResult(dataclasses.replace(batch, end_offset=nxt), nxt, ReadStatus.OK, rolled=True)
+        if not verify_end:
+            pending = None if result.stop is Stop.END else result.error.located(path, at)
+            return ReadResult(batch, at, ReadStatus.END, pending=pending)
         last = not self._written_successor(offset)
         if result.stop is Stop.END:
             if last and _zeros_from(mm, result.position, size, self.max_message_size):

@@ -533,3 +533,27 @@ def test_writer_resumes_into_a_preallocated_segment(log) -> None:
     phys, res = read_until_stop(path)
     assert res.status is ReadStatus.END
     assert phys == [r.phy_offset for r in results + more]
+
+
+def test_unverified_end_defers_the_verdict_to_a_verified_read(log) -> None:
+    """verify_end=False (the live tail between verifications) reports a zero gap with data after it as
+    END and a bad record as END with `pending`; a verified read from the same offset says CORRUPT."""
+    path, results = log
+    gap, bad = results[-3], results[-2]
+    patch(path, gap.phy_offset, bytes(gap.msg_size))
+    reader = CommitLogReader(CommitLog(str(path), SEGMENT))
+    try:
+        fast = reader.read(gap.phy_offset, verify_end=False)
+        assert (fast.status, fast.next_offset, fast.pending) == (ReadStatus.END, gap.phy_offset, None)
+        assert reader.read(gap.phy_offset).status is ReadStatus.CORRUPT
+        body_at = bad.phy_offset + FIXED
+        patch(path, body_at, bytes([read_bytes(path, body_at, 1)[0] ^ 0xFF]))
+        fast = reader.read(bad.phy_offset, verify_end=False)
+        assert (fast.status, fast.next_offset) == (ReadStatus.END, bad.phy_offset)
+        assert fast.pending is not None
+        assert fast.pending.field == "body_crc"
+        assert reader.read(bad.phy_offset).status is ReadStatus.CORRUPT
+        assert reader.probe(bad.phy_offset)
+        assert not reader.probe(gap.phy_offset), "a zero TOTALSIZE: nothing new to read there yet"
+    finally:
+        reader.close()
