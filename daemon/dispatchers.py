@@ -69,7 +69,8 @@ class ConsumeQueueDispatcher:
         self.stats.add(stats)
 
     def files(self) -> int:
-        return sum(cq.file_count for cq in self.queues)
+        """Read by the metrics thread while the loop adds queues: iterate a copy."""
+        return sum(cq.file_count for cq in list(self.queues.queues.values()))
 
     def flush(self) -> None:
         self.queues.flush()
@@ -159,7 +160,11 @@ class IndexDispatcher:
     def recover(self, reput_from_offset: int, state: Any) -> None:
         """Put the IndexFiles back exactly as they were at the checkpoint (RocketMQ deletes the newest
         file instead, losing its entries until they are rebuilt)."""
-        self.service.truncate_to(IndexState.from_dict(state) if state is not None else None)
+        try:
+            self.service.truncate_to(IndexState.from_dict(state) if state is not None else None)
+        except Exception:
+            self.service.load()  # as the files are, for the fallback that resumes from them
+            raise
         self.service.skip_through = reput_from_offset - 1
         self._flushed = self.service.state()
 

@@ -27,13 +27,35 @@ if TYPE_CHECKING:
 MS_PER_SECOND = 1000
 
 
-def sync_file(path: str) -> None:
+def sync_file(path: str, *, data_only: bool = True) -> None:
     """fdatasync through a descriptor of our own: safe while the dispatching thread closes its map."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fdatasync(fd)
+        if data_only:
+            os.fdatasync(fd)
+        else:
+            os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sync_new_entries(paths: list[str], root: str, known: set[str]) -> None:
+    """fsync the directories that gained an entry since `known` was last updated: a file the checkpoint
+    covers must still be found after a power loss, not only hold its data."""
+    dirs: set[str] = set()
+    for path in paths:
+        if path in known:
+            continue
+        known.add(path)
+        d = os.path.dirname(path)
+        while True:
+            dirs.add(d)
+            if d in known or os.path.abspath(d) == os.path.abspath(root) or d == os.path.dirname(d):
+                break
+            known.add(d)
+            d = os.path.dirname(d)
+    for d in sorted(dirs, key=len, reverse=True):
+        sync_file(d, data_only=False)
 
 
 class Flusher:
@@ -94,6 +116,7 @@ class Flusher:
         for plan in plans:
             for path in plan.paths:
                 sync_file(path)
+            sync_new_entries(plan.paths, s.output_dir, s.synced_paths)
         for plan in plans:
             if plan.done is not None:
                 plan.done()

@@ -18,10 +18,13 @@ Recovery, in order of trust:
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import json
 import mmap
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +33,7 @@ from typing import Any
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from daemon.checkpoint import CheckpointError, read_checkpoint
+from daemon.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.config import Config
 from daemon.dispatchers import Dispatcher, build_dispatchers
 from daemon.flusher import Flusher
@@ -62,6 +65,7 @@ STATUS_INTERVAL_S = 2.0
 IN_FLIGHT_GRACE_S = 1.0
 MAX_QUARANTINES = 64
 FLUSH_FAILED = "flush failed"
+COMMITLOG_UNAVAILABLE = "CommitLog unavailable"
 CORRUPT_REASON = "corrupt"
 
 
@@ -70,6 +74,7 @@ class Outcome(enum.Enum):
     CAUGHT_UP = "caught-up"  # --until-caught-up reached the end of the written data
     CORRUPT = "corrupt"  # --until-caught-up met corruption under onCorruption: stop
     FAILED = "failed"  # a dispatcher or the loop failed; nothing past the last checkpoint is trusted
+    UNAVAILABLE = "unavailable"  # --until-caught-up lost the CommitLog directory
 
 
 @dataclass(eq=False)
@@ -90,6 +95,7 @@ class Session:
     checkpoint_written_at: float = 0.0
     poisoned: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    synced_paths: set[str] = field(default_factory=set)  # files and directories whose entries are durable
 
     def files(self, name: str) -> int:
         for d in self.dispatchers:
@@ -112,8 +118,10 @@ def quarantine(output_dir: str, bad_path: str) -> list[str]:
     if rel[0] == CONSUME_QUEUE_DIR and len(rel) >= 3:
         targets = [os.path.join(output_dir, *rel[:3])]
     elif rel[0] == INDEX_DIR and len(rel) == 2:
+        # newest first: a kill part-way leaves the older files, the damaged one still among them, so the
+        # next start quarantines the rest and never sees a hole in the index
         index_dir = os.path.join(output_dir, INDEX_DIR)
-        targets = [os.path.join(index_dir, n) for n in sorted(os.listdir(index_dir)) if n >= rel[1]]
+        targets = [os.path.join(index_dir, n) for n in sorted(os.listdir(index_dir), reverse=True) if n >= rel[1]]
     else:
         targets = [bad_path]
     stamp = time.strftime("%Y%m%d%H%M%S")
@@ -125,7 +133,19 @@ def quarantine(output_dir: str, bad_path: str) -> list[str]:
     return moved
 
 
-def _build_with_quarantine(config: Config, output_dir: str, log) -> tuple[list[Dispatcher], list[str]]:
+def _write_replay_marker(output_dir: str, offset: int, reason: str, log) -> Checkpoint:
+    """A checkpoint with no dispatcher state: "read again from `offset`; each dispatcher skips what its
+    files already hold". Written, durably, before any step that a kill must not make recovery forget: a
+    quarantine, or a start from offsets derived from the files (a batch is written queue by queue, so
+    until the first real checkpoint the files may hold part of one)."""
+    marker = Checkpoint(offset, {}, int(time.time() * MS_PER_SECOND))
+    write_checkpoint(output_dir, marker)
+    log.info("replay_marker_written", reput_from_offset=offset, reason=reason)
+    return marker
+
+
+def _build_with_quarantine(config: Config, output_dir: str, commit_log: CommitLog,
+                           log) -> tuple[list[Dispatcher], list[str]]:
     moved: list[str] = []
     for _ in range(MAX_QUARANTINES):
         try:
@@ -133,6 +153,8 @@ def _build_with_quarantine(config: Config, output_dir: str, log) -> tuple[list[D
         except StoreLayoutError as e:
             if not _inside(e.path, output_dir) or os.path.abspath(e.path) == os.path.abspath(output_dir):
                 raise
+            if not moved:
+                _write_replay_marker(output_dir, commit_log.min_offset, "output files quarantined", log)
             paths = quarantine(output_dir, e.path)
             log.error("output_file_quarantined", path=e.path, error=str(e), moved=paths,
                       to=os.path.join(output_dir, QUARANTINE_DIR))
@@ -152,10 +174,9 @@ def open_session(config: Config, metrics: ReputMetrics) -> Session:
         log.error("checkpoint_corrupt", path=e.path, error=e.detail, decision="rebuild from the CommitLog")
         metrics.errors.labels(kind="checkpoint").inc()
         checkpoint = None
-    dispatchers, moved = _build_with_quarantine(config, out, log)
-    if moved and checkpoint is not None:
-        log.warning("checkpoint_distrusted", reason="output files were quarantined")
-        checkpoint = None
+    dispatchers, moved = _build_with_quarantine(config, out, commit_log, log)
+    if moved:
+        checkpoint = read_checkpoint(out)  # the replay marker written before the first move
     if checkpoint is not None and checkpoint.reput_from_offset > commit_log.max_offset:
         log.error("checkpoint_distrusted", reason="checkpoint is past the end of the CommitLog",
                   reput_from_offset=checkpoint.reput_from_offset, commit_log_max_offset=commit_log.max_offset)
@@ -166,32 +187,29 @@ def open_session(config: Config, metrics: ReputMetrics) -> Session:
         try:
             start = _recover_to_checkpoint(dispatchers, checkpoint.reput_from_offset, checkpoint.dispatchers,
                                            commit_log.min_offset, log)
-            decision = "checkpoint"
+            decision = "checkpoint" if checkpoint.dispatchers else "replay"
         except (StoreError, ValueError) as e:
             log.error("checkpoint_distrusted", reason=str(e))
             metrics.errors.labels(kind="recovery").inc()
     if start is None:
         offsets = [d.resume_offset() for d in dispatchers if hasattr(d, "resume_offset")]
         start = min((commit_log.min_offset if o is None else o for o in offsets), default=commit_log.min_offset)
-    if any(os.path.relpath(p, out).split(os.sep)[0] == CONSUME_QUEUE_DIR for p in moved):
-        start = commit_log.min_offset
-        decision = "full-replay"
-    if start < commit_log.min_offset and decision != "full-replay":
+    if start < commit_log.min_offset:
         skipped = commit_log.min_offset - start
         log.warning("offset_below_oldest_segment", requested=start, resumed_at=commit_log.min_offset,
                     skipped_bytes=skipped, detail="CommitLog segments were deleted before they were dispatched")
         metrics.skipped.labels(reason="retention").inc(skipped)
         start = commit_log.min_offset
+    if decision == "derived":
+        checkpoint = _write_replay_marker(out, start, "no checkpoint to trust", log)
     metrics.recoveries.labels(decision=decision).inc()
-    log.info("recovered", decision=decision, reput_from_offset=start,
-             checkpoint=checkpoint.reput_from_offset if checkpoint else None,
+    log.info("recovered", decision=decision, reput_from_offset=start, checkpoint=checkpoint.reput_from_offset,
              commit_log_min_offset=commit_log.min_offset, segments=len(commit_log.segments))
     session = Session(config, out, commit_log, make_reader(config, commit_log), dispatchers, metrics,
                       dispatched_offset=start, flushed_offset=start)
-    if decision == "checkpoint":
-        session.checkpoint_offset = start
-        session.checkpoint_states = checkpoint.dispatchers
-        session.checkpoint_written_at = time.time()
+    session.checkpoint_offset = checkpoint.reput_from_offset
+    session.checkpoint_states = checkpoint.dispatchers
+    session.checkpoint_written_at = time.time()
     return session
 
 
@@ -259,6 +277,8 @@ class ReputService:
         self.metrics = ReputMetrics(self._lag)
         self.notifier = Notifier.from_env()
         self._stop = threading.Event()
+        self._stop_reason: str | None = None
+        self._stop_reported = False
         self._wake = threading.Event()
         self._log = get_logger(component="reput")
         self._ready_sent = False
@@ -272,11 +292,23 @@ class ReputService:
 
     # --- control -------------------------------------------------------------------------------
 
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once a stop is requested."""
+        return self._stop
+
     def request_stop(self, reason: str = "signal") -> None:
-        if not self._stop.is_set():
-            self._log.info("shutdown_requested", reason=reason)
+        """Safe in a signal handler: only sets flags (logging there could deadlock on the log's lock);
+        the loop reports the request when it sees it."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
         self._stop.set()
         self._wake.set()
+
+    def _report_stop(self) -> None:
+        if self._stop_reason is not None and not self._stop_reported:
+            self._stop_reported = True
+            self._log.info("shutdown_requested", reason=self._stop_reason)
 
     def _set_health(self, state: str, reason: str = "") -> None:
         if self.health.set(state, reason):
@@ -331,6 +363,7 @@ class ReputService:
         try:
             return self._run_sessions()
         finally:
+            self._report_stop()
             self.notifier.stopping()
             if self.server is not None:
                 self.server.stop()
@@ -385,8 +418,10 @@ class ReputService:
             flusher.stop()
             if observer is not None:
                 observer.stop()
+                observer.join()
 
     def _close_session(self, s: Session, outcome: Outcome) -> int:
+        self._report_stop()
         code = EXIT_OK if outcome in (Outcome.STOPPED, Outcome.CAUGHT_UP) else EXIT_FAILURE
         if not s.poisoned:
             try:
@@ -447,7 +482,13 @@ class ReputService:
             verify = self.until_caught_up or now - verified >= poll
             if verify:
                 verified = now
-            result = s.reader.read(offset, verify_end=verify)
+            try:
+                result = s.reader.read(offset, verify_end=verify)
+            except StoreLayoutError as e:  # the CommitLog directory vanished or holds a stray file
+                self._commit_log_unavailable(e)
+                if self.until_caught_up:
+                    return Outcome.UNAVAILABLE
+                continue
             if result.skipped_from is not None:
                 skipped = result.next_offset - result.skipped_from
                 self.metrics.skipped.labels(reason="retention").inc(skipped)
@@ -465,12 +506,10 @@ class ReputService:
                 self._suspect = None
             if result.status is ReadStatus.OK:
                 self._reported = None
-                if self.health.state != HEALTHY and self.health.reason.startswith(CORRUPT_REASON):
-                    self._set_health(HEALTHY)
+                self._recovered_from_stall()
                 continue
             if result.status is ReadStatus.END:
-                if self.health.state != HEALTHY and self.health.reason.startswith(CORRUPT_REASON):
-                    self._set_health(HEALTHY)
+                self._recovered_from_stall()
                 if self.until_caught_up:
                     if result.pending is not None:
                         self._log.warning("incomplete_record_at_end", error=str(result.pending))
@@ -488,6 +527,19 @@ class ReputService:
                 return outcome
             offset = s.dispatched_offset
         return Outcome.STOPPED
+
+    def _recovered_from_stall(self) -> None:
+        if self.health.state != HEALTHY and self.health.reason.startswith((CORRUPT_REASON, COMMITLOG_UNAVAILABLE)):
+            self._set_health(HEALTHY)
+
+    def _commit_log_unavailable(self, error: StoreLayoutError) -> None:
+        """Report once, stay up (metrics keep being served) and look again every poll interval."""
+        if self._reported != (-1, str(error)):
+            self._reported = (-1, str(error))
+            self.metrics.errors.labels(kind="commitlog").inc()
+            self._log.error("commitlog_unavailable", path=error.path, error=str(error))
+        self._set_health(DOWN, f"{COMMITLOG_UNAVAILABLE}: {error}")
+        self._stop.wait(self.config.reput.poll_interval_ms / MS_PER_SECOND)
 
     def _dispatch(self, s: Session, result: ReadResult) -> bool:
         batch = result.batch
@@ -582,22 +634,30 @@ def run_daemon(config: Config, *, until_caught_up: bool = False) -> int:
     """Run the service in this process, stopping cleanly on SIGTERM/SIGINT within the shutdown timeout."""
     service = ReputService(config, until_caught_up=until_caught_up)
     timeout = config.reput.shutdown_timeout_ms / MS_PER_SECOND
-    log = get_logger(component="reput")
+    finished = threading.Event()
 
     def give_up() -> None:
-        log.error("shutdown_timeout", timeout_ms=config.reput.shutdown_timeout_ms,
-                  detail="exiting without a final checkpoint; the next start recovers from the last one")
+        """Written with one raw write: the main thread may be stuck holding the logger's lock."""
+        event = {"event": "shutdown_timeout", "level": "error", "timeout_ms": config.reput.shutdown_timeout_ms,
+                 "detail": "exiting without a final checkpoint; the next start recovers from the last one"}
+        with contextlib.suppress(OSError):
+            os.write(sys.stdout.fileno(), json.dumps(event).encode() + b"\n")
         os._exit(EXIT_FAILURE)
+
+    def guard() -> None:
+        """Started before any signal can arrive, so the handler itself only sets flags."""
+        service.stopping.wait()
+        if not finished.wait(timeout):
+            give_up()
 
     def on_signal(signum, _frame) -> None:
         service.request_stop(signal.Signals(signum).name)
-        timer = threading.Timer(timeout, give_up)
-        timer.daemon = True
-        timer.start()
 
+    threading.Thread(target=guard, name="reputd-shutdown-guard", daemon=True).start()
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return service.run()
     finally:
+        finished.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -347,7 +347,10 @@ class CommitLogReader:
         """Whether a read at `offset` may find something new: a cheap look at the TOTALSIZE there in the
         segment already mapped, for tailing a CommitLog that a broker writes through its own mapping
         (which raises no file-system event). True whenever it cannot tell without a full read."""
-        if self._mapped is None or self._mapped[0] != self.commit_log.find_segment(offset):
+        path = self.commit_log.find_segment(offset)
+        if path is None:
+            return False  # no segment yet: a file event or the periodic verified read finds it
+        if self._mapped is None or self._mapped[0] != path:
             return True
         pos = offset - self.commit_log.segment_start(offset)
         mm = self._mapped[1]
@@ -367,22 +370,29 @@ class CommitLogReader:
         size = log.segment_size
         empty = DispatchBatch.empty(offset)
         path = log.find_segment(offset)
-        if path is None:
-            log.refresh()
-            path = log.find_segment(offset)
-        if path is None:
-            if log.segments and offset < log.min_offset:
-                return ReadResult(DispatchBatch.empty(log.min_offset), log.min_offset, ReadStatus.OK,
-                                  skipped_from=offset)
-            if log.has_segment_after(offset):
-                missing = os.path.join(log.dirs[0], offset_to_file_name(log.segment_start(offset)))
-                return ReadResult(empty, offset, ReadStatus.CORRUPT,
-                                  StoreLayoutError(missing, "segment is missing between two present ones"))
+        mm = None
+        for _ in range(2):
+            if path is None:
+                log.refresh()
+                path = log.find_segment(offset)
+            if path is None:
+                if log.segments and offset < log.min_offset:
+                    return ReadResult(DispatchBatch.empty(log.min_offset), log.min_offset, ReadStatus.OK,
+                                      skipped_from=offset)
+                if log.has_segment_after(offset):
+                    missing = os.path.join(log.dirs[0], offset_to_file_name(log.segment_start(offset)))
+                    return ReadResult(empty, offset, ReadStatus.CORRUPT,
+                                      StoreLayoutError(missing, "segment is missing between two present ones"))
+                return ReadResult(empty, offset, ReadStatus.END)
+            try:
+                mm = self._map(path)
+                break
+            except FileNotFoundError:
+                path = None  # deleted (retention) since the last scan: look again
+            except OSError as e:
+                return ReadResult(empty, offset, ReadStatus.CORRUPT, StoreLayoutError(path, f"cannot map: {e}"))
+        if mm is None:
             return ReadResult(empty, offset, ReadStatus.END)
-        try:
-            mm = self._map(path)
-        except OSError as e:
-            return ReadResult(empty, offset, ReadStatus.CORRUPT, StoreLayoutError(path, f"cannot map: {e}"))
         seg_start = log.segment_start(offset)
         result = decode_segment(mm, offset - seg_start, segment_offset=seg_start, segment_size=size,
                                 max_bytes=self.batch_bytes, check_crc=self.check_crc,

@@ -487,7 +487,8 @@ def test_shutdown_timeout_exits_1_and_the_next_start_recovers(store):
     assert code == 1
     assert time.monotonic() - started < 4
     assert any(e["event"] == "shutdown_timeout" for e in events(out))
-    assert not (store.out / CHECKPOINT_FILE).exists()
+    ckpt = json.loads((store.out / CHECKPOINT_FILE).read_text())["payload"]
+    assert (ckpt["reputFromOffset"], ckpt["dispatchers"]) == (0, {}), "only the start's replay marker"
     cfg["dispatchers"] = ["consumequeue", "index"]
     store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
     assert store.run("--until-caught-up").returncode == 0

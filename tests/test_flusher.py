@@ -20,6 +20,11 @@ from indexcore.writer import CommitLogWriter, Message
 SEGMENT = 1 << 20
 
 
+def is_replay_marker_at_0(checkpoint: Checkpoint | None) -> bool:
+    """The checkpoint a start without a trusted one writes first: offset 0, no dispatcher state."""
+    return checkpoint is not None and (checkpoint.reput_from_offset, checkpoint.dispatchers) == (0, {})
+
+
 def make_config(tmp: Path, **store):
     cfg = {"store": {"storePathRootDir": str(tmp / "store"), "mappedFileSizeCommitLog": SEGMENT,
                      "mappedFileSizeConsumeQueue": 400_000, "maxHashSlotNum": 101, "maxIndexNum": 1000,
@@ -69,7 +74,7 @@ def test_least_pages_defers_the_checkpoint_until_a_thorough_flush(tmp_path, metr
     dispatch_all(session)
     flusher = Flusher(session, on_error=pytest.fail)
     assert flusher.flush_once() is False
-    assert read_checkpoint(str(tmp_path / "out")) is None
+    assert is_replay_marker_at_0(read_checkpoint(str(tmp_path / "out")))
     assert flusher.flush_once(thorough=True) is True
     ckpt = read_checkpoint(str(tmp_path / "out"))
     assert ckpt.reput_from_offset == end
@@ -98,7 +103,7 @@ def test_one_lagging_queue_holds_the_checkpoint_back(tmp_path, metrics):
     session = open_session(config, metrics)
     dispatch_all(session)
     assert Flusher(session, on_error=pytest.fail).flush_once() is False
-    assert read_checkpoint(str(tmp_path / "out")) is None
+    assert is_replay_marker_at_0(read_checkpoint(str(tmp_path / "out")))
     close(session)
 
 
@@ -109,7 +114,7 @@ def test_a_poisoned_session_never_checkpoints(tmp_path, metrics):
     dispatch_all(session)
     session.poisoned = True
     assert Flusher(session, on_error=pytest.fail).flush_once(thorough=True) is False
-    assert read_checkpoint(str(tmp_path / "out")) is None
+    assert is_replay_marker_at_0(read_checkpoint(str(tmp_path / "out")))
     close(session)
 
 
@@ -120,7 +125,7 @@ def test_checkpoint_past_the_commitlog_is_not_trusted(tmp_path, metrics):
     write_checkpoint(str(tmp_path / "out"), Checkpoint(10 * SEGMENT, {}))
     session = open_session(config, metrics)
     assert session.dispatched_offset == 0
-    assert session.checkpoint_offset == -1
+    assert is_replay_marker_at_0(read_checkpoint(str(tmp_path / "out"))), "replaced by a replay marker"
     close(session)
 
 
@@ -137,7 +142,7 @@ def test_checkpoint_naming_a_missing_index_file_falls_back_to_derivation(tmp_pat
     for f in index_dir.iterdir():
         f.unlink()
     session = open_session(config, metrics)
-    assert session.checkpoint_offset == -1
+    assert is_replay_marker_at_0(read_checkpoint(str(tmp_path / "out")))
     assert session.dispatched_offset == 0, "the index must be rebuilt from the start"
     assert ckpt.reput_from_offset > 0
     close(session)

@@ -557,3 +557,22 @@ def test_unverified_end_defers_the_verdict_to_a_verified_read(log) -> None:
         assert not reader.probe(gap.phy_offset), "a zero TOTALSIZE: nothing new to read there yet"
     finally:
         reader.close()
+
+
+def test_segments_deleted_after_the_last_scan_are_skipped_not_corrupt(log) -> None:
+    """Retention deletes segments the reader has listed but not read yet: the next read skips to the oldest
+    segment left (skipped_from), rather than failing to map a file that is gone."""
+    path, _ = log
+    reader = CommitLogReader(CommitLog(str(path), SEGMENT))
+    try:
+        first = reader.read(0)
+        assert first.rolled
+        assert first.next_offset == SEGMENT
+        for k in (0, 1, 2):  # retention deletes from the oldest
+            os.unlink(seg_path(path, k * SEGMENT))
+        res = reader.read(SEGMENT)
+        assert res.status is ReadStatus.OK
+        assert (res.skipped_from, res.next_offset) == (SEGMENT, 3 * SEGMENT)
+        assert not reader.probe(10 * SEGMENT), "no segment there: nothing to probe"
+    finally:
+        reader.close()

@@ -1,0 +1,128 @@
+"""Kills at the awkward moments of recovery itself, simulated in process (an exception where the kill
+would land), then a real `reputd run --until-caught-up`: the files must still be a clean rebuild's."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from daemon.config import load_config
+from daemon.metrics import ReputMetrics
+from daemon.reput import open_session
+from indexcore.consumequeue import ConsumeQueue
+from tests.test_daemon import Store, assert_same_as_rebuild
+
+
+class Killed(Exception):
+    """Stands for SIGKILL: nothing after it runs, nothing is cleaned up."""
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path)
+    yield s
+    s.writer.close()
+
+
+def config_of(store: Store):
+    return load_config(store.config, env={})
+
+
+def test_kill_after_a_consumequeue_quarantine_still_replays_the_queue(store):
+    """The quarantine's decision (replay from the start) must survive a kill before the first checkpoint."""
+    store.append(1200)
+    assert store.run("--until-caught-up").returncode == 0
+    store.append(300)
+    cq_file = sorted((store.out / "consumequeue" / "TopicA" / "1").iterdir())[0]
+    with open(cq_file, "r+b") as f:
+        f.truncate(100)
+    session = open_session(config_of(store), ReputMetrics(lambda: None))  # quarantines, then "killed"
+    assert not cq_file.exists()
+    del session
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    assert_same_as_rebuild(store)
+
+
+def test_kill_in_the_middle_of_an_index_quarantine(store, monkeypatch):
+    """Killed after moving one of the files from the damaged IndexFile on: the next start finishes the job
+    and replays; no hole is left in the index."""
+    store.append(1500)
+    assert store.run("--until-caught-up").returncode == 0
+    names = sorted(os.listdir(store.out / "index"))
+    assert len(names) >= 3
+    with open(store.out / "index" / names[-3], "r+b") as f:
+        f.write(b"\xff" * 40)  # garbage header
+    real_replace = os.replace
+    calls = []
+
+    def replace_then_die(src, dst):
+        if os.path.dirname(src) == str(store.out / "index"):
+            if calls:
+                raise Killed
+            calls.append(src)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_then_die)
+    with pytest.raises(Killed):
+        open_session(config_of(store), ReputMetrics(lambda: None))
+    monkeypatch.undo()
+    assert calls == [str(store.out / "index" / names[-1])], "newest first"
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    assert_same_as_rebuild(store)
+
+
+@pytest.mark.parametrize("order", [["consumequeue"], ["index", "consumequeue"]])
+def test_kill_in_the_middle_of_a_batch_before_the_first_checkpoint(store, monkeypatch, order):
+    """A batch is written queue by queue: a kill between two queues, before any real checkpoint, leaves
+    queues ahead of others. The start's replay marker makes the next start read that batch again."""
+    cfg = yaml.safe_load(store.config.read_text())
+    cfg["dispatchers"] = order
+    store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    store.append(800)
+    session = open_session(config_of(store), ReputMetrics(lambda: None))
+    real_put = ConsumeQueue.put_units
+    written = []
+
+    def put_then_die(self, *args, **kwargs):
+        if len(written) == 5:
+            raise Killed
+        written.append((self.topic, self.queue_id))
+        return real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(ConsumeQueue, "put_units", put_then_die)
+    result = session.reader.read(session.dispatched_offset)
+    def dispatch_batch():
+        for d in session.dispatchers:
+            d.dispatch(result.batch)
+
+    with pytest.raises(Killed):
+        dispatch_batch()
+    monkeypatch.undo()
+    for d in session.dispatchers:
+        d.close()
+    session.reader.close()
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    cfg["dispatchers"] = ["consumequeue", "index"]
+    store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    expected = store.rebuild()
+    for path in sorted(p for p in (expected / "consumequeue").rglob("*") if p.is_file()):
+        rel = path.relative_to(expected)
+        assert (store.out / rel).read_bytes() == path.read_bytes(), f"{rel} differs from a clean rebuild"
+
+
+def test_checkpointed_index_file_deleted_is_rebuilt_not_duplicated(store):
+    """The checkpoint names an IndexFile that is gone: recovery falls back to the files as they are and
+    rebuilds the missing one under its own name, with no second chain of files after the others."""
+    store.append(1500)
+    assert store.run("--until-caught-up").returncode == 0
+    names = sorted(os.listdir(store.out / "index"))
+    os.unlink(store.out / "index" / names[-1])
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    assert sorted(os.listdir(store.out / "index")) == names
+    assert_same_as_rebuild(store)
