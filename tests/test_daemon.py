@@ -560,3 +560,26 @@ def test_flush_errors_degrade_and_hold_the_checkpoint_until_they_stop(store, tmp
         code, out, err = stop(proc)
     assert code == 0, err
     assert any(e["event"] == "flush_failed" for e in events(out))
+
+
+def test_commitlog_directory_vanishing_mid_run_is_reported_and_waited_out(store):
+    store.append(200)
+    proc = store.start()
+    log_dir = store.tmp / "store" / "commitlog"
+    try:
+        wait_for(lambda: store.health().get("reputFromOffset") == store.end, what="catch-up")
+        os.rename(log_dir, store.tmp / "moved")
+        wait_for(lambda: store.get("/healthz")[0] == 503, what="down while the CommitLog is gone")
+        assert store.metrics()["reputd_errors_total{kind=commitlog}"] == 1
+        os.rename(store.tmp / "moved", log_dir)
+        store.append(100)
+        wait_for(lambda: store.health().get("reputFromOffset") == store.end, what="catch-up after it is back")
+        assert store.health()["status"] == "healthy"
+    finally:
+        code, out, err = stop(proc)
+    assert code == 0, err
+    assert "Traceback" not in out + err
+    gone = [e for e in events(out) if e["event"] == "commitlog_unavailable"]
+    assert len(gone) == 1
+    assert gone[0]["path"] == str(log_dir)
+    assert_same_as_rebuild(store)
