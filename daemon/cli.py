@@ -20,7 +20,7 @@ from daemon.inspect_file import (
 from daemon.logs import configure_logging
 from daemon.produce import produce
 from daemon.query import message_json, query_key, query_msgid, query_offsets, query_queue
-from daemon.rebuild import ProgressBar, rebuild
+from daemon.rebuild import ProgressBar, RebuildSummary, rebuild
 from daemon.reput import run_daemon
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import StoreError
@@ -172,16 +172,23 @@ def cmd_rebuild(args, config: Config) -> int:
     summary = rebuild(config, from_offset=args.from_offset, progress=bar)
     if bar is not None:
         bar.finish()
+    _print_summary(args, config, "rebuilt", summary)
+    return EXIT_OK
+
+
+def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, where: str = "") -> None:
+    """The closing line of rebuild and backfill (or the summary as JSON), then the notes."""
     if args.json:
         print(json.dumps(summary.as_dict()))
-    else:
-        files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
-        print(f"rebuilt {summary.messages:,} messages, {summary.bytes:,} bytes "
-              f"[{summary.start_offset}, {summary.end_offset}) in {summary.seconds:.2f} s "
-              f"({summary.msgs_per_second:,.0f} msgs/s); {files}; output {config.output.dir}")
-        if summary.pending is not None:
-            print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
-    return EXIT_OK
+        return
+    files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
+    print(f"{verb} {summary.messages:,} messages, {summary.bytes:,} bytes "
+          f"[{summary.start_offset}, {summary.end_offset}){where} in {summary.seconds:.2f} s "
+          f"({summary.msgs_per_second:,.0f} msgs/s); {files}; output {config.output.dir}")
+    for lo, hi, error in getattr(summary, "skipped", ()):
+        print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
+    if summary.pending is not None:
+        print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
 
 
 def _spark_setting(text: str) -> tuple[str, str]:
@@ -205,18 +212,8 @@ def cmd_backfill(args, config: Config) -> int:
     summary = backfill(config, master=args.master, segments=args.segments, from_offset=args.from_offset,
                        to_offset=args.to_offset, partitions=args.partitions, catalog=args.catalog,
                        spark_conf=dict(args.spark_conf), progress=say)
-    if args.json:
-        print(json.dumps(summary.as_dict()))
-    else:
-        files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
-        print(f"backfilled {summary.messages:,} messages, {summary.bytes:,} bytes "
-              f"[{summary.start_offset}, {summary.end_offset}) from {summary.segments} segments in "
-              f"{summary.seconds:.2f} s ({summary.msgs_per_second:,.0f} msgs/s) on {summary.master}; {files}; "
-              f"output {config.output.dir}")
-        for lo, hi, error in summary.skipped:
-            print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
-        if summary.pending is not None:
-            print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
+    _print_summary(args, config, "backfilled", summary,
+                   f" from {summary.segments} segments on {summary.master}")
     return EXIT_OK
 
 
