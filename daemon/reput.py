@@ -282,6 +282,7 @@ class ReputService:
         self._wake = threading.Event()
         self._log = get_logger(component="reput")
         self._ready_sent = False
+        self._notify_failed = False
         self._last_watchdog = 0.0
         self._last_status = 0.0
         self._reported: tuple[int, str] | None = None
@@ -341,7 +342,7 @@ class ReputService:
         now = time.monotonic()
         interval = self.notifier.watchdog_interval
         if interval and now - self._last_watchdog >= interval:
-            self.notifier.watchdog()
+            self._notified(self.notifier.watchdog())
             self._last_watchdog = now
         if self.notifier.enabled and now - self._last_status >= STATUS_INTERVAL_S and self.session is not None:
             self._last_status = now
@@ -349,6 +350,12 @@ class ReputService:
             behind = p["commitLogMaxOffset"] - p["reputFromOffset"]
             self.notifier.status(f"{self.health.state}: reput offset {p['reputFromOffset']}, "
                                  f"{max(behind, 0)} bytes behind")
+
+    def _notified(self, sent: bool) -> None:
+        """systemd times a start out, or kills on a missed watchdog, without saying why: say it here."""
+        if not sent and not self._notify_failed:
+            self._notify_failed = True
+            self._log.warning("sd_notify_failed", socket=self.notifier.address, error=str(self.notifier.last_error))
 
     # --- main -------------------------------------------------------------------------------------
 
@@ -383,8 +390,11 @@ class ReputService:
                 self._sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
+            started_at = self.session.dispatched_offset
             outcome = self._run_session(self.session)
             code = self._close_session(self.session, outcome)
+            if self.session.dispatched_offset > started_at:
+                backoff = RETRY_MIN_S  # the failure is a new one, not the last one again
             if outcome is Outcome.FAILED and not self.until_caught_up and not self._stop.is_set():
                 self._set_health(DEGRADED, "dispatch failed; restarting from the last checkpoint")
                 self._sleep(backoff)
@@ -404,7 +414,7 @@ class ReputService:
         observer = self._watch(s.commit_log.dirs)
         flusher.start()
         if not self._ready_sent:
-            self.notifier.ready(f"recovered; reading from offset {s.dispatched_offset}")
+            self._notified(self.notifier.ready(f"recovered; reading from offset {s.dispatched_offset}"))
             self._ready_sent = True
         self._set_health(HEALTHY)
         try:
