@@ -24,7 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.checkpoint import CHECKPOINT_FILE
-from indexcore.commitlog import PHYSICAL_OFFSET_OFFSET, MessageRecord
+from indexcore.commitlog import MessageRecord
 from indexcore.writer import CommitLogWriter, Message
 
 SEGMENT = 256 * 1024
@@ -448,13 +448,6 @@ def test_torn_record_at_the_head_is_waited_for(store):
         code, _, err = stop(proc)
     assert code == 0, err
     assert_same_as_rebuild(store)
-
-
-def test_physical_offset_constant_is_where_the_writer_puts_it(store):
-    """Guard for corrupt_body_byte's assumptions: records carry their own offset."""
-    store.append(3)
-    seg = (store.tmp / "store" / "commitlog" / f"{0:020d}").read_bytes()
-    assert int.from_bytes(seg[PHYSICAL_OFFSET_OFFSET:PHYSICAL_OFFSET_OFFSET + 8], "big") == 0
 
 
 def test_sigint_stops_cleanly_like_sigterm(store):
