@@ -29,6 +29,8 @@ __all__ = [
     "DELAY_UNIT_MS",
     "ENV_IGNORED",
     "ENV_PREFIX",
+    "ON_CORRUPTION_SKIP_SEGMENT",
+    "ON_CORRUPTION_STOP",
     "Config",
     "ConfigError",
     "DispatcherSpec",
@@ -49,6 +51,7 @@ ENV_PREFIX = "REPUTD_"
 ENV_IGNORED = frozenset({"REPUTD_CONFIG", "REPUTD_DEBUG", "REPUTD_CONFORMANCE_DIR"})
 
 CQ_STORE_UNIT_SIZE = CQ_UNIT_SIZE
+ON_CORRUPTION_STOP, ON_CORRUPTION_SKIP_SEGMENT = "stop", "skip-segment"
 BUILTIN_DISPATCHERS = ("consumequeue", "index")
 ROOT_DIR_PLACEHOLDER = "{storePathRootDir}"
 
@@ -267,7 +270,7 @@ _KEY_LIST = (
     _Key("output", "dir", "path"),
     _Key("reput", "pollIntervalMs", "int", (_in_range(1),)),
     _Key("reput", "batchBytes", "int", (_in_range(1),)),
-    _Key("reput", "onCorruption", "str", (_one_of("stop", "skip-segment"),)),
+    _Key("reput", "onCorruption", "str", (_one_of(ON_CORRUPTION_STOP, ON_CORRUPTION_SKIP_SEGMENT),)),
     _Key("reput", "shutdownTimeoutMs", "int", (_in_range(1),)),
     _Key("metrics", "enabled", "bool"),
     _Key("metrics", "host", "str", (_non_empty,)),

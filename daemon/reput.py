@@ -34,7 +34,7 @@ from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
 from daemon.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
-from daemon.config import Config
+from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
 from daemon.dispatchers import Dispatcher, build_dispatchers
 from daemon.flusher import Flusher
 from daemon.logs import get_logger
@@ -49,7 +49,6 @@ from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
 EXIT_OK, EXIT_FAILURE = 0, 1
 MS_PER_SECOND = 1000
 QUARANTINE_DIR = "quarantine"
-ON_CORRUPTION_STOP, ON_CORRUPTION_SKIP_SEGMENT = "stop", "skip-segment"
 # After reaching the head, look for the next record every PROBE_MIN_S, backing off to PROBE_MAX_S:
 # a broker writes through its mapping, which raises no file event, and the probe is a 4-byte read.
 PROBE_MIN_S = 0.005

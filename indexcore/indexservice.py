@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -57,6 +57,20 @@ def index_file_name(timestamp_ms: int) -> str:
 def index_file_time(name: str) -> int:
     """The local-time millisecond a file name stands for (inverse of `index_file_name`)."""
     return int(time.mktime(time.strptime(name[:14], "%Y%m%d%H%M%S"))) * 1000 + int(name[14:])
+
+
+def next_index_file_name(previous_name: str | None, store_timestamp: int,
+                         taken: Callable[[str], bool] = lambda _name: False) -> str:
+    """The name of a file created by a record with this store time: its local time, but strictly after
+    the previous file's name (the next free millisecond), and skipping names `taken` says are in use."""
+    ms = store_timestamp
+    if previous_name is not None:
+        ms = max(ms, index_file_time(previous_name) + 1)
+    name = index_file_name(ms)
+    while taken(name) or (previous_name is not None and name <= previous_name):
+        ms += 1
+        name = index_file_name(ms)
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,14 +259,8 @@ class IndexService:
         return self._last.end_phy_offset if self._last is not None else 0
 
     def _new_name(self, store_timestamp: int) -> str:
-        ms = store_timestamp
-        if self.names:
-            ms = max(ms, index_file_time(self.names[-1]) + 1)
-        name = index_file_name(ms)
-        while os.path.exists(self._path(name)) or (self.names and name <= self.names[-1]):
-            ms += 1
-            name = index_file_name(ms)
-        return name
+        return next_index_file_name(self.names[-1] if self.names else None, store_timestamp,
+                                    lambda name: os.path.exists(self._path(name)))
 
     def _roll(self, store_timestamp: int, stats: IndexStats) -> IndexFile:
         """`getAndCreateLastIndexFile`: a new file seeded with the previous one's end values."""
@@ -361,5 +369,5 @@ class IndexService:
 
 
 __all__ = ["INDEX_DIR", "IndexService", "IndexState", "QueryOffsetResult", "TruncateReport", "index_file_name",
-           "index_file_time"]
+           "index_file_time", "next_index_file_name"]
 

@@ -35,6 +35,11 @@ _COMPARE_BYTES = 1 << 22
 LINKED, MERGED, PRESENT = "linked", "merged", "present"
 
 
+def file_counts() -> dict[str, int]:
+    """Files committed, by outcome, all zero."""
+    return {LINKED: 0, MERGED: 0, PRESENT: 0}
+
+
 def staging_root(output_dir: str, job_id: str) -> str:
     return os.path.join(output_dir, STAGING_DIR, job_id)
 
@@ -113,7 +118,7 @@ def commit_queue_file(staged: str, final: str) -> str:
 
 def commit_queue_dir(staged_dir: str, final_dir: str) -> dict[str, int]:
     """Commit every file of one staged queue; counts by outcome."""
-    counts = {LINKED: 0, MERGED: 0, PRESENT: 0}
+    counts = file_counts()
     for _, path in list_queue_files(staged_dir):
         counts[commit_queue_file(path, os.path.join(final_dir, os.path.basename(path)))] += 1
     return counts

@@ -33,10 +33,12 @@ from pyspark.sql.types import IntegerType, LongType, StringType, StructField, St
 from daemon.backfill.commit import attempt_dir, remove_tree, staging_root
 from daemon.backfill.plan import (
     BackfillError,
+    ChunkRef,
     KeyOwner,
     ReadPlan,
     check_existing_index,
     chunk_refs,
+    keys_per_file,
     plan_index_files,
     plan_segments,
     walk_outcomes,
@@ -62,7 +64,6 @@ from daemon.logs import get_logger
 from daemon.rebuild import RebuildSummary
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE
 from indexcore.errors import StoreError
-from indexcore.indexfile import FIRST_INDEX
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import list_queue_files
 from indexcore.reader import CommitLog
@@ -316,7 +317,7 @@ class _Job:
         self.log = log
         self.fault = fault
         self.outcomes: list[SegmentOutcome] = []
-        self.included: frozenset[int] = frozenset()
+        self.refs: list[ChunkRef] = []  # the dispatched chunks, numbered by index keys (plan_index)
 
     def _timed(self, phase: str, t0: float) -> None:
         self.summary.phases[phase] = self.summary.phases.get(phase, 0.0) + time.perf_counter() - t0
@@ -346,12 +347,12 @@ class _Job:
     def read_plan(self, rows, start: int, to_offset: int | None, from_given: bool) -> ReadPlan:
         plan = walk_outcomes(self.outcomes, self.commit_log, start, to_offset, self.config.reput.on_corruption,
                              from_given)
-        self.included = plan.included
+        included = plan.included
         s = self.summary
         s.end_offset = plan.end_offset
         s.pending = plan.pending
         s.segments = len(plan.segments)
-        s.messages = sum(o.records for o in self.outcomes if o.number in plan.included)
+        s.messages = sum(o.records for o in self.outcomes if o.number in included)
         for lo, hi, error in plan.skipped:
             s.skipped.append((lo, hi, str(error)))
             self.log.warning("segment_skipped", file=getattr(error, "path", None), skipped_from=lo, skipped_to=hi,
@@ -363,7 +364,7 @@ class _Job:
         if not build_index:
             return []
         t0 = time.perf_counter()
-        refs = chunk_refs(self.outcomes, self.included)
+        self.refs = chunk_refs(self.outcomes, plan.included)
         index_num = self.config.store.max_index_num
 
         def lookup(wanted):
@@ -378,7 +379,7 @@ class _Job:
 
             return dict(dispatched.filter(lambda c: c.chunk_id in wanted).flatMap(owners).collect())
 
-        plans = plan_index_files(refs, index_num, lookup)
+        plans = plan_index_files(self.refs, index_num, lookup)
         check_existing_index(os.path.join(self.out, INDEX_DIR), plans, self.summary.end_offset)
         self._timed("plan", t0)
         return plans
@@ -435,7 +436,7 @@ class _Job:
             stats.add(s)
         if stats.out_of_order:
             self.log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order)
-        self.summary.files["consumequeue"] = stats.files["linked"] + stats.files["merged"] + stats.files["present"]
+        self.summary.files["consumequeue"] = sum(stats.files.values())
         self.log.info("consumequeues_written", queues=stats.queues, units=stats.units, **stats.files)
         self._timed("consumequeue", t0)
 
@@ -448,8 +449,8 @@ class _Job:
         self.say(f"phase 3/3: writing {len(plans)} IndexFiles")
         out, job_id, fault = self.out, self.job_id, self.fault
         store = self.config.store
-        capacity = store.max_index_num - FIRST_INDEX
-        key_base = sc.broadcast({(r.segment, r.window): r.key_base for r in chunk_refs(self.outcomes, self.included)})
+        capacity = keys_per_file(store.max_index_num)
+        key_base = sc.broadcast({(r.segment, r.window): r.key_base for r in self.refs})
 
         def pieces(chunk):
             return index_pieces(chunk, key_base.value, capacity)

@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from daemon.backfill.rows import CORRUPT, END, LIMIT, ROLLED, SegmentOutcome, SegmentTask
+from daemon.config import ON_CORRUPTION_SKIP_SEGMENT
 from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
 from indexcore.indexfile import FIRST_INDEX, INDEX_HEADER_SIZE, IndexHeader
-from indexcore.indexservice import index_file_name, index_file_time
+from indexcore.indexservice import next_index_file_name
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.reader import CommitLog
-
-ON_CORRUPTION_SKIP_SEGMENT = "skip-segment"
 
 
 class BackfillError(StoreError):
@@ -138,28 +137,21 @@ class IndexFilePlan(NamedTuple):
 
 
 def chunk_refs(outcomes: Sequence[SegmentOutcome], included: frozenset[int]) -> list[ChunkRef]:
-    """Every non-empty dispatched chunk in CommitLog order, numbered by keys."""
+    """Every dispatched chunk in CommitLog order, numbered by keys."""
     refs = []
     base = 0
     for o in sorted(outcomes, key=lambda o: o.number):
         if o.number not in included:
             continue
-        for w in o.windows:
-            if w.records:
-                refs.append(ChunkRef(o.number, w.window, w.records, w.keys, w.first_ts, base))
-                base += w.keys
+        for window, w in enumerate(o.windows):
+            refs.append(ChunkRef(o.number, window, w.records, w.keys, w.first_ts, base))
+            base += w.keys
     return refs
 
 
-def next_index_file_name(store_timestamp: int, previous: str | None) -> str:
-    """The name `IndexService` gives a file created by a record with this store time: its local time,
-    but strictly after the previous file's name (the next free millisecond)."""
-    ms = store_timestamp if previous is None else max(store_timestamp, index_file_time(previous) + 1)
-    name = index_file_name(ms)
-    while previous is not None and name <= previous:
-        ms += 1
-        name = index_file_name(ms)
-    return name
+def keys_per_file(index_num: int) -> int:
+    """How many keys an IndexFile holds: entry 0 is never written."""
+    return index_num - FIRST_INDEX
 
 
 def plan_index_files(refs: Sequence[ChunkRef], index_num: int,
@@ -169,7 +161,7 @@ def plan_index_files(refs: Sequence[ChunkRef], index_num: int,
     numbers]})` answers, for the last key of each full file, what its owner record says."""
     if not refs:
         return []
-    capacity = index_num - FIRST_INDEX
+    capacity = keys_per_file(index_num)
     total = refs[-1].key_base + refs[-1].keys
     bases = [r.key_base for r in refs]
     full_ends = list(range(capacity - 1, total, capacity))  # the last key of every file that fills up
@@ -191,15 +183,14 @@ def plan_index_files(refs: Sequence[ChunkRef], index_num: int,
         elif owner.next_record_ts is not None:
             creator_ts = owner.next_record_ts
         else:
-            later = next((x for x in refs[i + 1:] if x.records), None)
-            if later is None:
+            if i + 1 == len(refs):
                 break  # the file filled at the very last record: nothing follows to create another
-            creator_ts = later.first_ts
+            creator_ts = refs[i + 1].first_ts
         files.append((creator_ts, owner.phy_offset, owner.store_timestamp))
     plans = []
     name = None
     for j, (creator_ts, seed_phy, seed_ts) in enumerate(files):
-        name = next_index_file_name(creator_ts, name)
+        name = next_index_file_name(name, creator_ts)
         plans.append(IndexFilePlan(j, name, seed_phy, seed_ts, min(j * capacity, total),
                                    min((j + 1) * capacity, total)))
     return plans

@@ -93,10 +93,9 @@ class RowChunk(NamedTuple):
 
 
 class WindowMeta(NamedTuple):
-    """What the driver needs of a chunk to plan the IndexFiles: its size in records and keys, and the
-    store time of its first record (a file created by that record is named after it)."""
+    """What the driver needs of a chunk to plan the IndexFiles: its size in records (never 0) and keys,
+    and the store time of its first record (a file created by that record is named after it)."""
 
-    window: int
     records: int
     keys: int
     first_ts: int
@@ -104,7 +103,8 @@ class WindowMeta(NamedTuple):
 
 @dataclass(slots=True)
 class SegmentOutcome:
-    """Where and why a segment's decode stopped; `windows` describes the chunks it emitted, in order."""
+    """Where and why a segment's decode stopped; `windows` describes the chunks it emitted, in order
+    (`windows[w]` is the chunk of window w)."""
 
     number: int
     start: int
@@ -142,9 +142,9 @@ def decode_segment_rows(task: SegmentTask, log: CommitLog, settings: ReadSetting
                              batch_bytes=settings.batch_bytes)
     offset = task.read_from
     windows: list[WindowMeta] = []
-    outcome = None
+    status = None
     try:
-        while outcome is None:
+        while status is None:
             if task.read_to is not None:
                 # a window stops before the first record starting `batch_bytes` or more past its start
                 reader.batch_bytes = max(1, min(settings.batch_bytes, task.read_to - offset))
@@ -152,19 +152,19 @@ def decode_segment_rows(task: SegmentTask, log: CommitLog, settings: ReadSetting
             batch = result.batch
             if len(batch):
                 chunk = row_chunk(task.number, len(windows), batch, settings)
-                windows.append(WindowMeta(len(windows), len(batch), len(chunk.key_hash),
-                                          int(batch.store_timestamp[0])))
+                windows.append(WindowMeta(len(batch), len(chunk.key_hash), int(batch.store_timestamp[0])))
                 yield chunk
             offset = result.next_offset
             if result.status is ReadStatus.END:
-                outcome = SegmentOutcome(task.number, task.start, task.path, END, offset, pending=result.pending)
+                status = END
             elif result.status is ReadStatus.CORRUPT:
-                outcome = SegmentOutcome(task.number, task.start, task.path, CORRUPT, offset, error=result.error)
+                status = CORRUPT
             elif result.rolled:
-                outcome = SegmentOutcome(task.number, task.start, task.path, ROLLED, offset)
+                status = ROLLED
             elif task.read_to is not None and offset >= task.read_to:
-                outcome = SegmentOutcome(task.number, task.start, task.path, LIMIT, offset)
+                status = LIMIT
     finally:
         reader.close()
-    outcome.windows = windows
-    yield outcome
+    # a reader sets `error` only with CORRUPT and `pending` only with END
+    yield SegmentOutcome(task.number, task.start, task.path, status, offset, error=result.error,
+                         pending=result.pending, windows=windows)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from daemon.backfill.commit import LINKED, MERGED, PRESENT, commit_index_file, commit_queue_dir
+from daemon.backfill.commit import commit_index_file, commit_queue_dir, file_counts
 from daemon.backfill.plan import BackfillError, IndexFilePlan
 from daemon.backfill.rows import RowChunk
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, ConsumeQueueStore
@@ -72,7 +72,7 @@ class WriteStats:
     out_of_order: int = 0
     index_files: int = 0
     keys: int = 0
-    files: dict[str, int] = field(default_factory=lambda: {LINKED: 0, MERGED: 0, PRESENT: 0})
+    files: dict[str, int] = field(default_factory=file_counts)
 
     def add(self, other: WriteStats) -> None:
         for name in ("queues", "units", "already_built", "out_of_order", "index_files", "keys"):
@@ -107,26 +107,24 @@ def write_queues(items: Iterable[tuple[QueueKey, tuple[np.ndarray, ...]]], *, ou
     """Build the queues of one sorted partition in `stage_dir`, then commit them into `output_dir`."""
     stats = WriteStats()
     store = ConsumeQueueStore(stage_dir, file_size)
-    staged: list[tuple[str, int]] = []
     cq = None
     for (topic, queue_id, _), (queue_offset, phy, size, tags) in items:
         if cq is None or (cq.topic, cq.queue_id) != (topic, queue_id):
             if cq is not None:
-                cq.close()
+                cq.close()  # a queue's pieces are contiguous: one file mapped at a time
             cq = store.queue(topic, queue_id)
-            staged.append((topic, queue_id))
         put = cq.put_units(queue_offset, phy, size, tags)
         stats.units += put.written
         stats.already_built += put.already_built
         stats.out_of_order += put.out_of_order
     if cq is not None:
         cq.close()
-    stats.queues = len(staged)
+    stats.queues = len(store.queues)
     if fault is not None:
         fault.check("consumequeue", "staged", attempt.partition, attempt.attempt_number)
-    for i, (topic, queue_id) in enumerate(staged):
-        final = os.path.join(output_dir, CONSUME_QUEUE_DIR, topic, str(queue_id))
-        for k, v in commit_queue_dir(store.queue(topic, queue_id).directory, final).items():
+    for i, staged in enumerate(store):
+        final = os.path.join(output_dir, CONSUME_QUEUE_DIR, staged.topic, str(staged.queue_id))
+        for k, v in commit_queue_dir(staged.directory, final).items():
             stats.files[k] += v
         if i == 0 and fault is not None:
             fault.check("consumequeue", "committing", attempt.partition, attempt.attempt_number)
