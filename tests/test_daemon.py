@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from daemon.checkpoint import CHECKPOINT_FILE
 from indexcore.commitlog import MessageRecord
 from indexcore.writer import CommitLogWriter, Message
+from tests.conformance import discover, files_under
 
 SEGMENT = 256 * 1024
 REPUTD = [sys.executable, "-m", "daemon.cli"]
@@ -576,3 +577,16 @@ def test_commitlog_directory_vanishing_mid_run_is_reported_and_waited_out(store)
     assert len(gone) == 1
     assert gone[0]["path"] == str(log_dir)
     assert_same_as_rebuild(store)
+
+
+@pytest.mark.parametrize("conformance", discover(), ids=lambda s: s.name)
+def test_the_daemon_writes_the_brokers_bytes(tmp_path, conformance):
+    """`reputd run --until-caught-up` on a broker-written store: ConsumeQueue files byte-identical to the
+    broker's, IndexFiles identical in name order (the daemon's path: flusher, checkpoint, final flush)."""
+    config = conformance.make_workspace(tmp_path)
+    res = subprocess.run([*REPUTD, "run", "--config", str(config), "--until-caught-up"], capture_output=True,
+                         text=True, timeout=300, check=False, env=clean_env({"REPUTD_METRICS_ENABLED": "false"}))
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "store"
+    assert files_under(out / "consumequeue") == files_under(conformance.store / "consumequeue")
+    assert list(files_under(out / "index").values()) == list(files_under(conformance.store / "index").values())
