@@ -185,7 +185,7 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
     print(f"{verb} {summary.messages:,} messages, {summary.bytes:,} bytes "
           f"[{summary.start_offset}, {summary.end_offset}){where} in {summary.seconds:.2f} s "
           f"({summary.msgs_per_second:,.0f} msgs/s); {files}; output {config.output.dir}")
-    for lo, hi, error in getattr(summary, "skipped", ()):
+    for lo, hi, error in summary.skipped:
         print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
     if summary.pending is not None:
         print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")

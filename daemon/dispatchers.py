@@ -60,6 +60,7 @@ class ConsumeQueueDispatcher:
         self.queues.load()
         self.stats = PutStats()
         self._log = get_logger(dispatcher=self.name)
+        self._flushed: dict[tuple[str, int], int] = {}  # write offset of each queue at its last sync
 
     def dispatch(self, batch: DispatchBatch) -> None:
         stats = self.queues.dispatch(batch)
@@ -79,7 +80,7 @@ class ConsumeQueueDispatcher:
     def prepare_flush(self, thorough: bool, least_pages: int) -> FlushPlan:
         """`ConsumeQueue.flush(flushLeastPages)` for every queue: sync a queue's writing file when it has
         at least `least_pages` dirty pages, or whatever it has when `thorough`."""
-        flushed = getattr(self, "_flushed", {})
+        flushed = self._flushed
         plan = FlushPlan()
         synced: dict[tuple[str, int], int] = {}
         for key, cq in self.queues.queues.items():
@@ -127,6 +128,7 @@ class IndexDispatcher:
         self.service.load()
         self.stats = IndexStats()
         self._log = get_logger(dispatcher=self.name)
+        self._flushed: IndexState | None = None  # the newest file's state at its last sync
 
     def dispatch(self, batch: DispatchBatch) -> None:
         stats = self.service.build_index(batch)
@@ -145,7 +147,7 @@ class IndexDispatcher:
     def prepare_flush(self, thorough: bool, least_pages: int) -> FlushPlan:
         """Sync the newest IndexFile when it changed; a full one was flushed when it was replaced."""
         state = self.service.state()
-        if state is None or state == getattr(self, "_flushed", None):
+        if state is None or state == self._flushed:
             return FlushPlan()
 
         def done() -> None:

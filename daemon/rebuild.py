@@ -31,6 +31,7 @@ class RebuildSummary:
     seconds: float = 0.0
     files: dict[str, int] = field(default_factory=dict)
     pending: CorruptRecordError | None = None  # a torn record at the end of the written data
+    skipped: list[tuple[int, int, str]] = field(default_factory=list)  # [from, to) left out by skip-segment
 
     @property
     def bytes(self) -> int:
@@ -46,6 +47,7 @@ class RebuildSummary:
             "bytes": self.bytes, "segments": self.segments, "seconds": round(self.seconds, 3),
             "msgsPerSecond": round(self.msgs_per_second), "files": self.files,
             "pendingTail": str(self.pending) if self.pending else None,
+            "skipped": [{"from": a, "to": b, "error": e} for a, b, e in self.skipped],
         }
 
 

@@ -81,7 +81,6 @@ _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Fault|Failed)): (.+
 class BackfillSummary(RebuildSummary):
     """A rebuild's summary plus where and how Spark ran it."""
 
-    skipped: list[tuple[int, int, str]] = field(default_factory=list)
     master: str = ""
     partitions: int = 0
     catalog: str | None = None
@@ -90,9 +89,7 @@ class BackfillSummary(RebuildSummary):
     def as_dict(self) -> dict:
         return {
             **RebuildSummary.as_dict(self), "master": self.master, "partitions": self.partitions,
-            "phaseSeconds": {k: round(v, 3) for k, v in self.phases.items()},
-            "skipped": [{"from": a, "to": b, "error": e} for a, b, e in self.skipped],
-            "catalog": self.catalog,
+            "phaseSeconds": {k: round(v, 3) for k, v in self.phases.items()}, "catalog": self.catalog,
         }
 
 
