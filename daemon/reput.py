@@ -95,6 +95,10 @@ class Session:
     poisoned: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     synced_paths: set[str] = field(default_factory=set)  # files and directories whose entries are durable
+    dispatched_counters: list = field(default_factory=list)  # per dispatcher, labels resolved once
+
+    def __post_init__(self) -> None:
+        self.dispatched_counters = [self.metrics.dispatched.labels(dispatcher=d.name) for d in self.dispatchers]
 
     def files(self, name: str) -> int:
         for d in self.dispatchers:
@@ -555,7 +559,7 @@ class ReputService:
         n = len(batch)
         with s.lock:
             if n:
-                for d in s.dispatchers:
+                for d, counter in zip(s.dispatchers, s.dispatched_counters, strict=True):
                     try:
                         d.dispatch(batch)
                     except Exception as e:
@@ -566,7 +570,7 @@ class ReputService:
                                         checkpoint_offset=s.checkpoint_offset)
                         self._set_health(DEGRADED, f"dispatcher {d.name} failed: {e}")
                         return False
-                    self.metrics.dispatched.labels(dispatcher=d.name).inc(n)
+                    counter.inc(n)
                 s.dispatched_store_timestamp = int(batch.store_timestamp[-1])
                 self.metrics.batch_messages.observe(n)
             s.dispatched_offset = result.next_offset
