@@ -21,11 +21,16 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
+# A C compiler and zlib's header for indexcore/_kernels.c; only this stage has them (the others need
+# libz.so.1, which the base image already has).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev zlib1g-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/reputd
 WORKDIR /src
 # Only what the package build reads: pyproject.toml (metadata, dependencies), README.md (its `readme`) and
 # the two packages. Tests, benchmarks and stores stay out of the image.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY daemon/ daemon/
 COPY indexcore/ indexcore/
 # A regular (not editable) install of the runtime dependencies only: no [test] extras.

@@ -4,9 +4,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 CONFIG ?= config/reputd.yaml
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean stress
 
-$(BIN)/reputd: pyproject.toml
+$(BIN)/reputd: pyproject.toml setup.py indexcore/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
@@ -29,3 +29,15 @@ bench: $(BIN)/reputd
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# The long mode of every stress-capable suite (the test files that import tests.stress, then bench/soak.py
+# when present); each suite's figures are collected in stress-report.jsonl, printed at the end.
+STRESS_REPORT := stress-report.jsonl
+stress: $(BIN)/reputd
+	@rm -f $(STRESS_REPORT); status=0; \
+	REPUTD_STRESS=1 REPUTD_STRESS_REPORT=$(STRESS_REPORT) $(BIN)/python -m pytest -q -s \
+		$$(grep -l "tests.stress\|from tests import stress" tests/test_*.py) || status=1; \
+	if test -f bench/soak.py; then \
+		REPUTD_STRESS=1 REPUTD_STRESS_REPORT=$(STRESS_REPORT) $(BIN)/python bench/soak.py || status=1; \
+	fi; \
+	echo "--- $(STRESS_REPORT)"; cat $(STRESS_REPORT) 2>/dev/null; exit $$status

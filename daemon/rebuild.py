@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from daemon.config import Config
 from daemon.dispatchers import Dispatcher, build_dispatchers
 from daemon.logs import get_logger
+from daemon.readahead import ReadAhead
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import CorruptRecordError, StoreError
 from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
@@ -87,9 +88,9 @@ def rebuild(config: Config, *, from_offset: int | None = None,
              segments=len(commit_log.segments), dispatchers=[getattr(d, "name", type(d).__name__) for d in dispatchers])
     started = time.perf_counter()
     rolls = 0
+    ahead = ReadAhead(reader, offset)
     try:
-        while True:
-            result = reader.read(offset)
+        for result in ahead:
             _dispatch(dispatchers, result)
             summary.messages += len(result.batch)
             rolls += result.rolled
@@ -111,6 +112,7 @@ def rebuild(config: Config, *, from_offset: int | None = None,
         for d in dispatchers:
             d.flush()
     finally:
+        ahead.close()
         reader.close()
         for d in dispatchers:
             d.close()

@@ -304,14 +304,53 @@ class MessageRecord:
             raise CorruptRecordError(e.field, e.detail, offset=pos) from None
 
 
+# What can be wrong with a record: the code the batch decoder reports, and the field and message of the
+# CorruptRecordError it becomes (the single-record decoder raises the same ones).
+ERR_NO_BLANK = 1
+ERR_BLANK_SIZE = 2
+ERR_MAGIC = 3
+ERR_TOTAL_SMALL = 4
+ERR_TOTAL_MAX = 5
+ERR_TOTAL_PAST = 6
+ERR_PHYSICAL_OFFSET = 7
+ERR_BODY_LENGTH = 8
+ERR_BODY_CRC = 9
+ERR_TOPIC_LENGTH_END = 10
+ERR_TOPIC_LENGTH = 11
+ERR_PROPERTIES_LENGTH = 12
+ERR_PARTS = 13
+RECORD_ERRORS = {
+    ERR_NO_BLANK: ("total_size", "segment ends without a BLANK record"),
+    ERR_BLANK_SIZE: ("total_size", "BLANK record declares {} bytes, {} are left"),
+    ERR_MAGIC: ("magic_code", "0x{:08X} is not a message magic code"),
+    ERR_TOTAL_SMALL: ("total_size", "{} is below the smallest record (" + str(MIN_RECORD_SIZE) + ")"),
+    ERR_TOTAL_MAX: ("total_size", "{} exceeds maxMessageSize {}"),
+    ERR_TOTAL_PAST: ("total_size", "{} runs past the end of the segment ({} left)"),
+    ERR_PHYSICAL_OFFSET: ("physical_offset", "record says {}, it lies at {}"),
+    ERR_BODY_LENGTH: ("body_length", "{} does not fit in the record"),
+    ERR_BODY_CRC: ("body_crc", "stored {}, body hashes to {}"),
+    ERR_TOPIC_LENGTH_END: ("topic_length", "record ends inside the topic length"),
+    ERR_TOPIC_LENGTH: ("topic_length", "{} does not fit in the record"),
+    ERR_PROPERTIES_LENGTH: ("properties_length", "{} does not fit in the record"),
+    ERR_PARTS: ("total_size", "its parts end {} bytes before TOTALSIZE does"),
+}
+
+
+def record_error(code: int, *args: int) -> CorruptRecordError:
+    field, template = RECORD_ERRORS[code]
+    if code == ERR_MAGIC:
+        args = (args[0] & 0xFFFFFFFF,)
+    return CorruptRecordError(field, template.format(*args))
+
+
 def check_total_size(total: int, available: int, max_message_size: int) -> None:
     """Bounds on TOTALSIZE before it is trusted: at least a minimal record, at most what is there."""
     if total < MIN_RECORD_SIZE:
-        raise CorruptRecordError("total_size", f"{total} is below the smallest record ({MIN_RECORD_SIZE})")
+        raise record_error(ERR_TOTAL_SMALL, total)
     if total > max_message_size:
-        raise CorruptRecordError("total_size", f"{total} exceeds maxMessageSize {max_message_size}")
+        raise record_error(ERR_TOTAL_MAX, total, max_message_size)
     if total > available:
-        raise CorruptRecordError("total_size", f"{total} runs past the end of the segment ({available} left)")
+        raise record_error(ERR_TOTAL_PAST, total, available)
 
 
 SIGNED_BYTE = tuple(struct.unpack(">256b", bytes(range(256))))  # the v1 TOPICLENGTH is a Java byte
@@ -325,32 +364,32 @@ def locate_parts(buf, body_at: int, body_len: int, end: int, magic: int, body_cr
     decoder and the reader's batch decoder rely on this one walk; pass a memoryview to checksum the body
     without copying it."""
     if body_len < 0 or body_at + body_len > end:
-        raise CorruptRecordError("body_length", f"{body_len} does not fit in the record")
+        raise record_error(ERR_BODY_LENGTH, body_len)
     p = body_at + body_len
     if body_crc is not None and body_len > 0:
         actual = zlib.crc32(buf[body_at:p]) & BODY_CRC_MASK
         if actual != body_crc:
-            raise CorruptRecordError("body_crc", f"stored {body_crc}, body hashes to {actual}")
+            raise record_error(ERR_BODY_CRC, body_crc, actual)
     if magic == MESSAGE_MAGIC_CODE:
         if p + TOPIC_LENGTH_SIZE_V1 > end:
-            raise CorruptRecordError("topic_length", "record ends inside the topic length")
+            raise record_error(ERR_TOPIC_LENGTH_END)
         topic_len = SIGNED_BYTE[buf[p]]
         p += TOPIC_LENGTH_SIZE_V1
     else:
         if p + TOPIC_LENGTH_SIZE_V2 > end:
-            raise CorruptRecordError("topic_length", "record ends inside the topic length")
+            raise record_error(ERR_TOPIC_LENGTH_END)
         topic_len = TOPIC_LENGTH_V2.unpack_from(buf, p)[0]
         p += TOPIC_LENGTH_SIZE_V2
     if topic_len <= 0 or p + topic_len + PROPERTIES_LENGTH.size > end:
-        raise CorruptRecordError("topic_length", f"{topic_len} does not fit in the record")
+        raise record_error(ERR_TOPIC_LENGTH, topic_len)
     topic_at = p
     p += topic_len
     props_len = PROPERTIES_LENGTH.unpack_from(buf, p)[0]
     p += PROPERTIES_LENGTH.size
     if props_len < 0 or p + props_len > end:
-        raise CorruptRecordError("properties_length", f"{props_len} does not fit in the record")
+        raise record_error(ERR_PROPERTIES_LENGTH, props_len)
     if p + props_len != end:
-        raise CorruptRecordError("total_size", f"its parts end {end - p - props_len} bytes before TOTALSIZE does")
+        raise record_error(ERR_PARTS, end - p - props_len)
     return topic_at, topic_len, p, props_len
 
 
@@ -359,7 +398,7 @@ def _decode(cls, buf, pos: int, check_crc: bool, max_message_size: int) -> Messa
         raise CorruptRecordError("total_size", "fewer than 8 bytes left")
     total, magic = RECORD_PREFIX.unpack_from(buf, pos)
     if magic not in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2):
-        raise CorruptRecordError("magic_code", f"0x{magic & 0xFFFFFFFF:08X} is not a message magic code")
+        raise record_error(ERR_MAGIC, magic)
     check_total_size(total, len(buf) - pos, max_message_size)
     sys_flag = struct.unpack_from(">i", buf, pos + SYS_FLAG_OFFSET)[0]
     fixed = fixed_part_struct(sys_flag)

@@ -23,7 +23,7 @@ from indexcore.commitlog import (
     TRANSACTION_ROLLBACK_TYPE,
     TRANSACTION_TYPE_MASK,
 )
-from indexcore.javahash import hash_many
+from indexcore.javahash import hash_many, index_key_hash_many
 
 DEFAULT_MESSAGE_DELAY_LEVEL = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 DELAY_UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -103,9 +103,76 @@ def index_keys_of(topic: str, uniq_key: str | None, keys: str | None) -> list[st
     return out
 
 
+class StringColumn(Sequence):
+    """A column of optional strings kept as UTF-8 bytes and decoded only when read.
+
+    The dispatch path needs the hashes of KEYS and UNIQ_KEY, never the strings; plug-ins and tools that
+    want the strings get them here, decoded as Java decodes them (malformed bytes become U+FFFD).
+    """
+
+    __slots__ = ("_at", "_length", "_text")
+    __hash__ = None  # compares equal to lists
+
+    def __init__(self, text: bytes, at: np.ndarray, length: np.ndarray):
+        self._text = text
+        self._at = at  # -1: None
+        self._length = length
+
+    @classmethod
+    def of(cls, values: Sequence[str | None]) -> StringColumn:
+        encoded = [None if v is None else v.encode("utf-8", "surrogatepass") for v in values]
+        length = np.array([0 if e is None else len(e) for e in encoded], dtype=np.int64)
+        at = np.cumsum(length) - length
+        at[[i for i, e in enumerate(encoded) if e is None]] = -1
+        return cls(b"".join(e for e in encoded if e is not None), at, length)
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def _get(self, i: int) -> str | None:
+        at = int(self._at[i])
+        if at < 0:
+            return None
+        return self._text[at : at + int(self._length[i])].decode("utf-8", "replace")
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return StringColumn(self._text, self._at[i], self._length[i])
+        return self._get(i)
+
+    def __iter__(self):
+        return map(self._get, range(len(self)))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (StringColumn, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StringColumn({list(self)!r})"
+
+
+def _index_keys_of_strings(topic_id: np.ndarray, topics: Sequence[str], keys: Sequence[str | None],
+                           uniq_key: Sequence[str | None]) -> tuple[np.ndarray, np.ndarray]:
+    """Key hashes and owners from string columns (hand-built batches); the reader computes them itself."""
+    all_keys: list[str] = []
+    owners: list[int] = []
+    for i, (u, k) in enumerate(zip(uniq_key, keys, strict=True)):
+        if u is None and not k:
+            continue
+        ks = index_keys_of(topics[topic_id[i]], u, k)
+        all_keys.extend(ks)
+        owners.extend([i] * len(ks))
+    return index_key_hash_many(all_keys), np.asarray(owners, dtype=np.int32)
+
+
 @dataclass(frozen=True, slots=True)
 class DispatchBatch:
     """The dispatch requests of consecutive CommitLog records, one array element per record.
+
+    `key_hash`/`key_owner` list the IndexFile keys of the batch in `buildIndex` order (each record's
+    UNIQ_KEY, then its KEYS tokens, records in CommitLog order) with the row of the record each belongs
+    to, whatever the record's transaction type: the index dispatcher picks the rows it indexes.
 
     `end_offset` is the CommitLog offset just after the last record of the batch (after a BLANK it
     is the next segment's start), i.e. the reput_from_offset once the batch has been dispatched.
@@ -121,8 +188,10 @@ class DispatchBatch:
     prepared_transaction_offset: np.ndarray  # int64
     topic_id: np.ndarray  # int32, index into `topics`
     topics: tuple[str, ...]
-    keys: list[str | None]  # property KEYS
-    uniq_key: list[str | None]  # property UNIQ_KEY
+    keys: StringColumn  # property KEYS
+    uniq_key: StringColumn  # property UNIQ_KEY
+    key_hash: np.ndarray  # int32, index_key_hash("topic#key")
+    key_owner: np.ndarray  # int32, row of the record the key belongs to
     start_offset: int
     end_offset: int
 
@@ -130,9 +199,17 @@ class DispatchBatch:
         return len(self.phy_offset)
 
     @classmethod
+    def of(cls, *, keys: Sequence[str | None], uniq_key: Sequence[str | None], **columns) -> DispatchBatch:
+        """A batch from columns with KEYS and UNIQ_KEY as strings (tests, the backfill's rows)."""
+        key_hash, key_owner = _index_keys_of_strings(columns["topic_id"], columns["topics"], keys, uniq_key)
+        return cls(keys=StringColumn.of(keys), uniq_key=StringColumn.of(uniq_key), key_hash=key_hash,
+                   key_owner=key_owner, **columns)
+
+    @classmethod
     def empty(cls, offset: int) -> DispatchBatch:
         z64, z32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
-        return cls(z64, z32, z32, z64, z32, z64, z64, z64, z32, (), [], [], offset, offset)
+        none = StringColumn(b"", z64, z64)
+        return cls(z64, z32, z32, z64, z32, z64, z64, z64, z32, (), none, none, z32, z32, offset, offset)
 
     def topic_of(self, i: int) -> str:
         return self.topics[self.topic_id[i]]
@@ -149,19 +226,19 @@ class DispatchBatch:
         """Records whose keys are indexed: everything but ROLLBACK_TYPE (PREPARED is indexed)."""
         return self.transaction_type() != TRANSACTION_ROLLBACK_TYPE
 
-    def index_keys(self, selected: np.ndarray) -> tuple[list[str], np.ndarray]:
-        """The index keys of the selected records in dispatch order, and the record each belongs to."""
-        keys: list[str] = []
-        owners: list[int] = []
-        topics, topic_id, uniq, raw = self.topics, self.topic_id, self.uniq_key, self.keys
-        for i in np.flatnonzero(selected).tolist():
-            u, k = uniq[i], raw[i]
-            if u is None and not k:
-                continue
-            ks = index_keys_of(topics[topic_id[i]], u, k)
-            keys.extend(ks)
-            owners.extend([i] * len(ks))
-        return keys, np.asarray(owners, dtype=np.int64)
+    def index_keys(self, selected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The key hashes of the selected records in dispatch order, and the record each belongs to."""
+        picked = selected[self.key_owner]
+        return self.key_hash[picked], self.key_owner[picked]
+
+    def head(self, n: int, end_offset: int) -> DispatchBatch:
+        """The first `n` records, as a batch ending at `end_offset`."""
+        keep = int(np.searchsorted(self.key_owner, n))
+        return DispatchBatch(
+            self.phy_offset[:n], self.msg_size[:n], self.queue_id[:n], self.queue_offset[:n], self.sys_flag[:n],
+            self.store_timestamp[:n], self.tags_code[:n], self.prepared_transaction_offset[:n], self.topic_id[:n],
+            self.topics, self.keys[:n], self.uniq_key[:n], self.key_hash[:keep], self.key_owner[:keep],
+            self.start_offset, end_offset)
 
 
 __all__ = [
@@ -169,6 +246,7 @@ __all__ = [
     "SCHEDULE_TOPIC",
     "DelayLevelTable",
     "DispatchBatch",
+    "StringColumn",
     "delay_tags_code",
     "index_keys_of",
     "parse_delay_levels",

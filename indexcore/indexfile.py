@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from indexcore import _kernels
 from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import MappedFile
 
@@ -125,15 +126,6 @@ class IndexEntry(NamedTuple):
         return cls(*INDEX_ENTRY.unpack_from(data, pos))
 
 
-def time_diffs(store_timestamps: np.ndarray, begin_timestamps: np.ndarray | int) -> np.ndarray:
-    """Seconds since begin, truncated toward zero as Java's long division does, clamped to int32 >= 0;
-    0 everywhere begin <= 0."""
-    d = store_timestamps - begin_timestamps
-    secs = np.where(d < 0, 0, d // MS_PER_SECOND)
-    secs = np.minimum(secs, MAX_TIME_DIFF)
-    return np.where(np.asarray(begin_timestamps) <= 0, 0, secs)
-
-
 class IndexFile:
     """One IndexFile mapped read-write, with the header kept in memory as the broker keeps it."""
 
@@ -186,55 +178,18 @@ class IndexFile:
         return np.ndarray((self.hash_slot_num,), dtype=">i4", buffer=self._file.buffer, offset=INDEX_HEADER_SIZE)
 
     def put_keys(self, key_hash: np.ndarray, phy_offset: np.ndarray, store_timestamp: np.ndarray) -> int:
-        """`IndexFile.putKey` for each key in order until the file is full; returns how many were put.
-
-        Chains are computed for the whole run at once: the previous entry of a key is the last earlier
-        key of the run in the same slot, or the slot's current value for the first one.
-        """
+        """`IndexFile.putKey` for each key in order until the file is full; returns how many were put."""
         k = min(len(key_hash), self.room)
         if k == 0:
             return 0
-        kh = key_hash[:k].astype(np.int64)
-        phy = phy_offset[:k].astype(np.int64)
-        ts = store_timestamp[:k].astype(np.int64)
-        numbers = self.index_count + np.arange(k, dtype=np.int64)
-        slot = kh % self.hash_slot_num
-        order = np.argsort(slot, kind="stable")
-        s_sorted = slot[order]
-        first_in_slot = np.ones(k, dtype=bool)
-        first_in_slot[1:] = s_sorted[1:] != s_sorted[:-1]
-        prev = np.empty(k, dtype=np.int64)
-        prev_sorted = np.empty(k, dtype=np.int64)
-        prev_sorted[1:] = numbers[order[:-1]]
-        slots = self._slots()
-        try:
-            current = slots[s_sorted[first_in_slot]].astype(np.int64)
-            firsts = order[first_in_slot]
-            valid = (current > 0) & (current <= numbers[firsts])
-            prev_sorted[first_in_slot] = np.where(valid, current, INVALID_INDEX)
-            prev[order] = prev_sorted
-            fresh_file = self.index_count <= FIRST_INDEX
-            begins = np.full(k, ts[0] if fresh_file else self.begin_timestamp, dtype=np.int64)
-            begins[0] = self.begin_timestamp
-            entries = np.empty(k, dtype=INDEX_ENTRY_DTYPE)
-            entries["key_hash"] = kh
-            entries["phy_offset"] = phy
-            entries["time_diff"] = time_diffs(ts, begins)
-            entries["prev_index"] = prev
-            at = self._entries_at + INDEX_ENTRY_SIZE * self.index_count
-            self._file.write(at, entries.tobytes())
-            last_in_slot = np.ones(k, dtype=bool)
-            last_in_slot[:-1] = s_sorted[1:] != s_sorted[:-1]
-            slots[s_sorted[last_in_slot]] = numbers[order[last_in_slot]]
-        finally:
-            del slots
-        if fresh_file:
-            self.begin_phy_offset = int(phy[0])
-            self.begin_timestamp = int(ts[0])
-        self.hash_slot_count += int(np.count_nonzero(prev == INVALID_INDEX))
-        self.index_count += k
-        self.end_phy_offset = int(phy[-1])
-        self.end_timestamp = int(ts[-1])
+        self.index_count, started, self.begin_timestamp, self.begin_phy_offset = _kernels.put_keys(
+            self._file.buffer, self._entries_at, self.hash_slot_num, self.index_count, self.index_num,
+            self.begin_timestamp, self.begin_phy_offset, np.ascontiguousarray(key_hash[:k], dtype=np.int64),
+            np.ascontiguousarray(phy_offset[:k], dtype=np.int64),
+            np.ascontiguousarray(store_timestamp[:k], dtype=np.int64))
+        self.hash_slot_count += started
+        self.end_phy_offset = int(phy_offset[k - 1])
+        self.end_timestamp = int(store_timestamp[k - 1])
         self._file.write(0, self.header.encode())
         return k
 

@@ -40,7 +40,7 @@ from indexcore.indexfile import (
     header_problem,
     index_file_size,
 )
-from indexcore.javahash import index_key_hash, index_key_hash_many
+from indexcore.javahash import index_key_hash
 
 INDEX_DIR = "index"
 INDEX_FILE_NAME_DIGITS = 17
@@ -302,13 +302,12 @@ class IndexService:
         eligible = batch.index_mask() & (batch.phy_offset >= self._last.end_phy_offset)
         if fresh is not None:
             eligible &= fresh
-        keys, owners = batch.index_keys(eligible)
-        if keys:
-            hashes = index_key_hash_many(keys)
+        hashes, owners = batch.index_keys(eligible)
+        if len(hashes):
             phys = batch.phy_offset[owners]
             key_ts = ts[owners]
             i = 0
-            while i < len(keys):
+            while i < len(hashes):
                 f = self._last
                 if f.is_write_full():
                     # it filled at key i-1: the next record to arrive creates the new file, be it key i's
@@ -316,7 +315,7 @@ class IndexService:
                     creator = int(owners[i]) if i == 0 else min(int(owners[i]), int(owners[i - 1]) + 1)
                     f = self._roll(int(ts[creator]), stats)
                 i += f.put_keys(hashes[i:], phys[i:], key_ts[i:])
-            stats.keys_put += len(keys)
+            stats.keys_put += len(hashes)
             after = int(owners[-1]) + 1
         else:
             after = first

@@ -15,57 +15,52 @@ import dataclasses
 import enum
 import mmap
 import os
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from indexcore.batchdecode import (
+    K_HASH,
+    K_OWNER,
+    R_DELAY_AT,
+    R_DELAY_LEN,
+    R_KEYS_AT,
+    R_KEYS_LEN,
+    R_PHY,
+    R_PREPARED_OFFSET,
+    R_QUEUE_ID,
+    R_QUEUE_OFFSET,
+    R_SIZE,
+    R_STORE_TIMESTAMP,
+    R_SYS_FLAG,
+    R_TAGS_CODE,
+    R_TOPIC_ID,
+    R_UNIQ_AT,
+    R_UNIQ_LEN,
+    STOP_BLANK,
+    STOP_END,
+    STOP_ERROR,
+    STOP_LIMIT,
+    T_AT,
+    T_LEN,
+    decode_window,
+)
 from indexcore.commitlog import (
-    BLANK_MAGIC_CODE,
-    BORNHOST_V6_FLAG,
     DEFAULT_MAX_MESSAGE_SIZE,
     END_FILE_MIN_BLANK_LENGTH,
-    MESSAGE_MAGIC_CODE,
-    MESSAGE_MAGIC_CODE_V2,
     MIN_RECORD_SIZE,
-    PROPERTY_DELAY_TIME_LEVEL,
-    PROPERTY_KEYS,
-    PROPERTY_TAGS,
-    PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX,
     RECORD_PREFIX,
     SCHEDULE_TOPIC,
-    STOREHOSTADDRESS_V6_FLAG,
-    SYS_FLAG_OFFSET,
     MessageRecord,
     check_topic,
-    check_total_size,
-    find_properties,
-    locate_parts,
+    record_error,
 )
-from indexcore.dispatch import DelayLevelTable, DispatchBatch, delay_tags_code, parse_java_int, tags_codes
+from indexcore.dispatch import DelayLevelTable, DispatchBatch, StringColumn, delay_tags_code, parse_java_int
 from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
 from indexcore.mappedfile import list_queue_files, offset_to_file_name
 
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
-_HOST_FLAGS = BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG
-_SYS_FLAG = struct.Struct(">i")
-_MESSAGE_MAGICS = frozenset((MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2))
-_DISPATCH_PROPERTIES = {name.encode(): slot for slot, name in enumerate(
-    (PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX, PROPERTY_TAGS, PROPERTY_DELAY_TIME_LEVEL))}
-
-
-def _dispatch_struct(born_v6: bool, store_v6: bool) -> struct.Struct:
-    """Fields 1-15a with the host bytes skipped: the dispatch path never needs them."""
-    born = 20 if born_v6 else 8
-    store = 20 if store_v6 else 8
-    return struct.Struct(f">iiiiiqqiq{born}xq{store}xiqi")
-
-
-_DISPATCH_FIELDS = {
-    flags: _dispatch_struct(bool(flags & BORNHOST_V6_FLAG), bool(flags & STOREHOSTADDRESS_V6_FLAG))
-    for flags in (0, BORNHOST_V6_FLAG, STOREHOSTADDRESS_V6_FLAG, _HOST_FLAGS)
-}
 
 
 class Stop(enum.Enum):
@@ -75,6 +70,9 @@ class Stop(enum.Enum):
     BLANK = "blank"  # end-of-segment record: continue at the next segment
     END = "end"  # zero TOTALSIZE: nothing written here yet
     ERROR = "error"  # the record here does not decode
+
+
+_STOPS = {STOP_LIMIT: Stop.LIMIT, STOP_BLANK: Stop.BLANK, STOP_END: Stop.END, STOP_ERROR: Stop.ERROR}
 
 
 @dataclass(slots=True)
@@ -94,106 +92,61 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
     TOTALSIZE, or at a record that fails to decode (the error is returned, not raised, with the
     records before it, so they can still be dispatched).
     """
-    delay_table = delay_table or DelayLevelTable()
-    mv = memoryview(buf)
-    try:
-        return _decode(buf, mv, start, segment_offset, segment_size, max_bytes, check_crc,
-                       max_message_size, delay_table)
-    finally:
-        mv.release()
-
-
-def _decode(buf, mv, start, base, file_size, max_bytes, check_crc, max_size, delay_table) -> SegmentDecode:
-    phy_l, size_l, qid_l, qoff_l, flag_l, ts_l, prep_l, tid_l = [], [], [], [], [], [], [], []
-    tags_l, keys_l, uniq_l, delays = [], [], [], []
-    topic_ids: dict[bytes, int] = {}
+    base = segment_offset
+    w = decode_window(buf, start, min(segment_size, start + max_bytes), segment_size, base, max_message_size,
+                      check_crc)
+    rec = w.records
+    n, stop, end = len(rec), w.stop, w.position
+    error = record_error(w.error, *w.details) if stop == STOP_ERROR else None
     topics: list[str] = []
-    prefix = RECORD_PREFIX.unpack_from
-    sys_flag_of = _SYS_FLAG.unpack_from
-    stop_at = min(file_size, start + max_bytes)
-    pos = start
-    stop = Stop.LIMIT
-    error = None
-    try:
-        while pos < stop_at:
-            if pos + END_FILE_MIN_BLANK_LENGTH > file_size:
-                raise CorruptRecordError("total_size", "segment ends without a BLANK record")
-            total, magic = prefix(buf, pos)
-            if magic not in _MESSAGE_MAGICS:
-                if magic == BLANK_MAGIC_CODE:
-                    if total != file_size - pos:
-                        raise CorruptRecordError(
-                            "total_size", f"BLANK record declares {total} bytes, {file_size - pos} are left")
-                    stop = Stop.BLANK
-                elif total == 0:
-                    stop = Stop.END
-                else:
-                    raise CorruptRecordError("magic_code",
-                                             f"0x{magic & 0xFFFFFFFF:08X} is not a message magic code")
+    for t, (at, length) in enumerate(w.topics[:, [T_AT, T_LEN]].tolist()):  # numbered by first appearance
+        first = int(np.argmax(rec[:, R_TOPIC_ID] == t))
+        magic = RECORD_PREFIX.unpack_from(buf, int(rec[first, R_PHY]) - base)[1]
+        try:
+            topics.append(check_topic(bytes(buf[at : at + length]), magic))
+        except CorruptRecordError as e:
+            if first < n:
+                n, stop, error = first, STOP_ERROR, e
+            topics.append("")
+    tags_code = rec[:n, R_TAGS_CODE].copy()
+    if SCHEDULE_TOPIC in topics:
+        scheduled = (rec[:n, R_TOPIC_ID] == topics.index(SCHEDULE_TOPIC)) & (rec[:n, R_DELAY_AT] >= 0)
+        for i in np.flatnonzero(scheduled).tolist():
+            at, length = int(rec[i, R_DELAY_AT]), int(rec[i, R_DELAY_LEN])
+            raw = bytes(buf[at : at + length])
+            level = parse_java_int(raw.decode("utf-8", "replace"))
+            if level is None:
+                n, stop = i, STOP_ERROR
+                error = CorruptRecordError("properties.DELAY", f"{raw!r} is not an integer")
                 break
-            if total < MIN_RECORD_SIZE or total > max_size or total > file_size - pos:
-                check_total_size(total, file_size - pos, max_size)
-            sys_flag = sys_flag_of(buf, pos + SYS_FLAG_OFFSET)[0]
-            fields = _DISPATCH_FIELDS[sys_flag & _HOST_FLAGS]
-            (_, _, crc, queue_id, _, queue_offset, phy, _, _, store_ts, _, prepared, body_len
-             ) = fields.unpack_from(buf, pos)
-            if phy != base + pos:
-                raise CorruptRecordError("physical_offset", f"record says {phy}, it lies at {base + pos}")
-            end = pos + total
-            body_at = pos + fields.size
-            topic_at, topic_len, props_at, props_len = locate_parts(mv, body_at, body_len, end, magic,
-                                                                    crc if check_crc else None)
-            topic_raw = buf[topic_at : topic_at + topic_len]
-            tid = topic_ids.get(topic_raw)
-            if tid is None:
-                tid = topic_ids[topic_raw] = len(topics)
-                topics.append(check_topic(topic_raw, magic))
-            keys = uniq = tags = delay = None
-            if props_len:
-                keys, uniq, tags, delay = find_properties(buf[props_at:end], _DISPATCH_PROPERTIES)
-            if delay is not None and topics[tid] == SCHEDULE_TOPIC:
-                level = parse_java_int(delay.decode("utf-8", "replace"))
-                if level is None:
-                    raise CorruptRecordError("properties.DELAY", f"{delay!r} is not an integer")
-                delays.append((len(phy_l), level))
-            keys_l.append(keys.decode("utf-8", "replace") if keys is not None else None)
-            uniq_l.append(uniq.decode("utf-8", "replace") if uniq is not None else None)
-            tags_l.append(tags.decode("utf-8", "replace") if tags is not None else None)
-            phy_l.append(phy)
-            size_l.append(total)
-            qid_l.append(queue_id)
-            qoff_l.append(queue_offset)
-            flag_l.append(sys_flag)
-            ts_l.append(store_ts)
-            prep_l.append(prepared)
-            tid_l.append(tid)
-            pos = end
-    except CorruptRecordError as e:
-        stop, error = Stop.ERROR, e.located(None, base + pos)
-
-    store_timestamp = np.array(ts_l, dtype=np.int64)
-    tags_code = tags_codes(tags_l)
-    for i, level in delays:
-        code = delay_tags_code(level, int(store_timestamp[i]), delay_table)
-        if code is not None:
-            tags_code[i] = code
+            code = delay_tags_code(level, int(rec[i, R_STORE_TIMESTAMP]), delay_table or DelayLevelTable())
+            if code is not None:
+                tags_code[i] = code
+    if n < len(rec):
+        end = int(rec[n, R_PHY]) - base
+    if error is not None:
+        error = error.located(None, base + end)
+    rec = rec[:n]
+    keys = w.keys[: int(np.searchsorted(w.keys[:, K_OWNER], n))]
     batch = DispatchBatch(
-        phy_offset=np.array(phy_l, dtype=np.int64),
-        msg_size=np.array(size_l, dtype=np.int32),
-        queue_id=np.array(qid_l, dtype=np.int32),
-        queue_offset=np.array(qoff_l, dtype=np.int64),
-        sys_flag=np.array(flag_l, dtype=np.int32),
-        store_timestamp=store_timestamp,
-        tags_code=tags_code,
-        prepared_transaction_offset=np.array(prep_l, dtype=np.int64),
-        topic_id=np.array(tid_l, dtype=np.int32),
+        phy_offset=rec[:, R_PHY].copy(),
+        msg_size=rec[:, R_SIZE].astype(np.int32),
+        queue_id=rec[:, R_QUEUE_ID].astype(np.int32),
+        queue_offset=rec[:, R_QUEUE_OFFSET].copy(),
+        sys_flag=rec[:, R_SYS_FLAG].astype(np.int32),
+        store_timestamp=rec[:, R_STORE_TIMESTAMP].copy(),
+        tags_code=tags_code[:n],
+        prepared_transaction_offset=rec[:, R_PREPARED_OFFSET].copy(),
+        topic_id=rec[:, R_TOPIC_ID].astype(np.int32),
         topics=tuple(topics),
-        keys=keys_l,
-        uniq_key=uniq_l,
+        keys=StringColumn(w.text, rec[:, R_KEYS_AT].copy(), rec[:, R_KEYS_LEN].copy()),
+        uniq_key=StringColumn(w.text, rec[:, R_UNIQ_AT].copy(), rec[:, R_UNIQ_LEN].copy()),
+        key_hash=keys[:, K_HASH].astype(np.int32),
+        key_owner=keys[:, K_OWNER].astype(np.int32),
         start_offset=base + start,
-        end_offset=base + pos,
+        end_offset=base + end,
     )
-    return SegmentDecode(batch, stop, pos, error)
+    return SegmentDecode(batch, _STOPS[stop], end, error)
 
 
 class ReadStatus(enum.Enum):

@@ -43,7 +43,7 @@ def make_dispatch_batch(recs: list[DispatchRec], end_offset: int | None = None) 
     def col(name: str, dtype) -> _np.ndarray:
         return _np.array([getattr(r, name) for r in recs], dtype=dtype)
 
-    return _DispatchBatch(
+    return _DispatchBatch.of(
         phy_offset=col("phy_offset", _np.int64),
         msg_size=col("msg_size", _np.int32),
         queue_id=col("queue_id", _np.int32),

@@ -32,6 +32,7 @@ from indexcore.commitlog import (
     parse_properties,
     record_size,
 )
+from indexcore.dispatch import index_keys_of
 from indexcore.errors import CorruptRecordError
 from indexcore.javahash import (
     INT32_MIN,
@@ -174,6 +175,9 @@ def test_segment_decoder_agrees_with_record_decoder(records: list[MessageRecord]
         assert b.uniq_key[i] == props.get("UNIQ_KEY")
         tags = props.get("TAGS")
         assert int(b.tags_code[i]) == (java_string_hash(tags) if tags else 0)
+    expected = [(index_key_hash(k), i) for i, r in enumerate(placed)
+                for k in index_keys_of(r.topic, r.property_map().get("UNIQ_KEY"), r.property_map().get("KEYS"))]
+    assert list(zip(b.key_hash.tolist(), b.key_owner.tolist(), strict=True)) == expected
 
 
 @given(prop_maps, st.booleans())

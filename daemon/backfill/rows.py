@@ -22,7 +22,6 @@ import numpy as np
 
 from indexcore.dispatch import DelayLevelTable, DispatchBatch
 from indexcore.errors import CorruptRecordError, StoreError
-from indexcore.javahash import index_key_hash_many
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus
 
 ROLLED, END, LIMIT, CORRUPT = "rolled", "end", "limit", "corrupt"
@@ -124,9 +123,8 @@ def row_chunk(segment: int, window: int, batch: DispatchBatch, settings: ReadSet
     """Compact rows of a decoded batch: the numeric columns, and the index keys as hashes."""
     n = len(batch)
     if settings.index:
-        keys, owners = batch.index_keys(batch.index_mask())
-        key_hash = index_key_hash_many(keys) if keys else np.zeros(0, dtype=np.int32)
-        key_count = np.bincount(owners, minlength=n).astype(np.int32) if keys else np.zeros(n, dtype=np.int32)
+        key_hash, owners = batch.index_keys(batch.index_mask())
+        key_count = np.bincount(owners, minlength=n).astype(np.int32)
     else:
         key_hash, key_count = np.zeros(0, dtype=np.int32), np.zeros(n, dtype=np.int32)
     return RowChunk(segment, window, batch.phy_offset, batch.msg_size, batch.queue_id, batch.queue_offset,

@@ -1,0 +1,70 @@
+"""Read-ahead for a sequential pass over the CommitLog: the next batch decodes while this one dispatches.
+
+The batch decoder runs without the GIL, so one thread decoding window i+1 while the caller dispatches
+window i keeps both cores busy during a rebuild. Results come back in CommitLog order; the thread stops
+after the first read that is not OK (end of data or corruption), exactly where a plain loop would.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from indexcore.reader import CommitLogReader, ReadResult, ReadStatus
+
+DEFAULT_DEPTH = 2
+
+
+class ReadAhead:
+    """Iterates the ReadResults of `reader` from `offset` on, read by a background thread."""
+
+    def __init__(self, reader: CommitLogReader, offset: int, depth: int = DEFAULT_DEPTH):
+        self._reader = reader
+        self._offset = offset
+        self._results: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reputd-readahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        offset = self._offset
+        try:
+            while not self._stop.is_set():
+                result = self._reader.read(offset)
+                self._put(result)
+                if result.status is not ReadStatus.OK:
+                    return
+                offset = result.next_offset
+        except BaseException as e:  # handed to the consumer, raised there
+            self._put(e)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._results.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        while True:
+            item = self._results.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.status is not ReadStatus.OK:
+                return
+
+    def close(self) -> None:
+        """Stop the thread and wait for it: the reader may be closed afterwards."""
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> ReadAhead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["ReadAhead", "ReadResult"]

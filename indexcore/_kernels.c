@@ -1,0 +1,549 @@
+/* indexcore._kernels: the per-record loops of the dispatch path, in C.
+ *
+ * decode_window  one pass over a window of CommitLog records: header fields, body CRC, topic, the
+ *                KEYS/UNIQ_KEY/TAGS/DELAY properties, the TAGS hash and the IndexFile hash of every
+ *                "topic#key" (Java String.hashCode over UTF-16 units of the UTF-8-decoded text).
+ * put_keys       the broker's IndexFile.putKey loop, straight into the mapped file.
+ *
+ * The record layout is the one commitlog.py documents; the offsets below are exported as module
+ * attributes and a test holds them equal to commitlog.py's. Outputs go to buffers the caller owns;
+ * when one is full the decoder stops before the record that does not fit (STOP_FULL) and the caller
+ * grows it and calls again from there, so nothing here allocates. The GIL is released while decoding.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <zlib.h>
+
+/* CommitLog record layout (commitlog.py) */
+#define MAGIC_CODE_OFFSET 4
+#define BODY_CRC_OFFSET 8
+#define QUEUE_ID_OFFSET 12
+#define QUEUE_OFFSET_OFFSET 20
+#define PHYSICAL_OFFSET_OFFSET 28
+#define SYS_FLAG_OFFSET 36
+#define BORN_HOST_OFFSET 48
+#define HOST_V4_LENGTH 8
+#define HOST_V6_LENGTH 20
+#define STORE_HOST_AFTER_BORN_HOST 8          /* STORETIMESTAMP comes first */
+#define PREPARED_OFFSET_AFTER_STORE_HOST 4    /* after RECONSUMETIMES */
+#define BODY_LENGTH_AFTER_STORE_HOST 12
+#define BODY_AFTER_STORE_HOST 16
+#define TOPIC_LENGTH_SIZE_V1 1
+#define TOPIC_LENGTH_SIZE_V2 2
+#define PROPERTIES_LENGTH_SIZE 2
+#define END_FILE_MIN_BLANK_LENGTH 8
+#define MIN_RECORD_SIZE 91
+#define MESSAGE_MAGIC_CODE ((int32_t)0xDAA320A7)
+#define MESSAGE_MAGIC_CODE_V2 ((int32_t)0xDAA320AB)
+#define BLANK_MAGIC_CODE ((int32_t)0xCBD43194)
+#define BODY_CRC_MASK 0x7FFFFFFF
+#define BORNHOST_V6_FLAG 0x10
+#define STOREHOSTADDRESS_V6_FLAG 0x20
+
+#define NAME_VALUE_SEPARATOR 0x01
+#define PROPERTY_SEPARATOR 0x02
+#define KEY_SEPARATOR 0x20
+#define INDEX_KEY_SEPARATOR 0x23
+#define REPLACEMENT_CHARACTER 0xFFFD
+
+/* IndexFile layout (indexfile.py) */
+#define INDEX_HEADER_SIZE 40
+#define HASH_SLOT_SIZE 4
+#define INDEX_ENTRY_SIZE 20
+#define INVALID_INDEX 0
+#define FIRST_INDEX 1
+#define MAX_TIME_DIFF 2147483647LL
+#define MS_PER_SECOND 1000
+
+/* stops and errors (batchdecode.py, commitlog.RECORD_ERRORS) */
+enum { STOP_LIMIT, STOP_BLANK, STOP_END, STOP_ERROR, STOP_FULL };
+enum {
+    ERR_NO_BLANK = 1, ERR_BLANK_SIZE, ERR_MAGIC, ERR_TOTAL_SMALL, ERR_TOTAL_MAX, ERR_TOTAL_PAST,
+    ERR_PHYSICAL_OFFSET, ERR_BODY_LENGTH, ERR_BODY_CRC, ERR_TOPIC_LENGTH_END, ERR_TOPIC_LENGTH,
+    ERR_PROPERTIES_LENGTH, ERR_PARTS
+};
+/* which output is full (bits of e1 with STOP_FULL) */
+enum { FULL_RECORDS = 1, FULL_KEYS = 2, FULL_TEXT = 4, FULL_TOPICS = 8, FULL_TABLE = 16 };
+
+/* columns */
+enum {
+    R_PHY, R_SIZE, R_QUEUE_ID, R_QUEUE_OFFSET, R_SYS_FLAG, R_STORE_TIMESTAMP, R_PREPARED_OFFSET,
+    R_TAGS_CODE, R_TOPIC_ID, R_KEYS_AT, R_KEYS_LEN, R_UNIQ_AT, R_UNIQ_LEN, R_DELAY_AT, R_DELAY_LEN,
+    RECORD_COLUMNS
+};
+enum { K_HASH, K_OWNER, KEY_COLUMNS };
+enum { T_AT, T_LEN, T_FNV, T_JAVA_PREFIX, TOPIC_COLUMNS };
+/* the in/out counters */
+enum { S_RECORDS, S_KEYS, S_TEXT, S_TOPICS, STATE_COLUMNS };
+
+#define MASK32 0xFFFFFFFFULL
+#define FNV_OFFSET 0xCBF29CE484222325ULL
+#define FNV_PRIME 0x100000001B3ULL
+
+static inline int64_t be32(const uint8_t *b) {
+    return (int32_t)(((uint32_t)b[0] << 24) | ((uint32_t)b[1] << 16) | ((uint32_t)b[2] << 8) | b[3]);
+}
+static inline int64_t be16(const uint8_t *b) { return (int16_t)(((uint16_t)b[0] << 8) | b[1]); }
+static inline int64_t be64(const uint8_t *b) {
+    return (int64_t)(((uint64_t)(uint32_t)be32(b) << 32) | (uint32_t)be32(b + 4));
+}
+static inline void put_be(uint8_t *b, uint64_t v, int size) {
+    for (int i = 0; i < size; i++) b[i] = (uint8_t)(v >> (8 * (size - 1 - i)));
+}
+
+static inline uint32_t java_step(uint32_t h, uint32_t unit) { return h * 31u + unit; }
+
+/* Continue Java's String.hashCode `h` over the UTF-16 units of b[0:n] decoded from UTF-8, each maximal
+ * ill-formed subsequence becoming one U+FFFD (the rule both Python's and Java's decoders follow). */
+static uint32_t java_hash_utf8(const uint8_t *b, int64_t n, uint32_t h) {
+    int64_t i = 0;
+    while (i < n) {
+        if (i + 4 <= n && ((b[i] | b[i + 1] | b[i + 2] | b[i + 3]) & 0x80) == 0) {
+            h = h * (31u * 31u * 31u * 31u) + b[i] * (31u * 31u * 31u) + b[i + 1] * (31u * 31u)
+                + b[i + 2] * 31u + b[i + 3];
+            i += 4;
+            continue;
+        }
+        uint32_t b0 = b[i];
+        if (b0 < 0x80) {
+            h = java_step(h, b0);
+            i++;
+            continue;
+        }
+        int need;
+        uint32_t lo = 0x80, hi = 0xBF, cp;
+        if (b0 >= 0xC2 && b0 <= 0xDF) {
+            need = 1; cp = b0 & 0x1F;
+        } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+            need = 2; cp = b0 & 0x0F;
+            if (b0 == 0xE0) lo = 0xA0;
+            if (b0 == 0xED) hi = 0x9F;
+        } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+            need = 3; cp = b0 & 0x07;
+            if (b0 == 0xF0) lo = 0x90;
+            if (b0 == 0xF4) hi = 0x8F;
+        } else {
+            h = java_step(h, REPLACEMENT_CHARACTER);
+            i++;
+            continue;
+        }
+        int64_t j = i + 1;
+        int ok = 1;
+        for (int k = 0; k < need; k++) {
+            if (j >= n) { ok = 0; break; }
+            uint32_t c = b[j];
+            if (c < (k == 0 ? lo : 0x80) || c > (k == 0 ? hi : 0xBF)) { ok = 0; break; }
+            cp = (cp << 6) | (c & 0x3F);
+            j++;
+        }
+        if (!ok) {
+            h = java_step(h, REPLACEMENT_CHARACTER);
+        } else if (cp >= 0x10000) {
+            cp -= 0x10000;
+            h = java_step(java_step(h, 0xD800 + (cp >> 10)), 0xDC00 + (cp & 0x3FF));
+        } else {
+            h = java_step(h, cp);
+        }
+        i = j;
+    }
+    return h;
+}
+
+/* IndexFile.indexKeyHashMethod: abs of the int32 hash, Integer.MIN_VALUE -> 0 */
+static inline int64_t index_key_hash(uint32_t h) {
+    int32_t s = (int32_t)h;
+    if (s == INT32_MIN) return 0;
+    return s < 0 ? -(int64_t)s : s;
+}
+
+static inline int name_is(const uint8_t *b, int64_t n, const char *name, int64_t len) {
+    return n == len && memcmp(b, name, (size_t)len) == 0;
+}
+
+typedef struct {
+    const uint8_t *buf;
+    int64_t *rec, *keys, *topics, *table;
+    uint8_t *text;
+    int64_t cap_rec, cap_keys, cap_text, cap_topics, table_size;
+    int64_t n, nkeys, ntext, ntopics;
+} Out;
+
+static uint64_t fnv(const uint8_t *b, int64_t n) {
+    uint64_t f = FNV_OFFSET;
+    for (int64_t k = 0; k < n; k++) f = (f ^ b[k]) * FNV_PRIME;
+    return f >> 1;
+}
+
+static void table_insert(Out *o, int64_t t) {
+    uint64_t mask = (uint64_t)o->table_size - 1;
+    uint64_t s = (uint64_t)o->topics[t * TOPIC_COLUMNS + T_FNV] & mask;
+    while (o->table[s] >= 0) s = (s + 1) & mask;
+    o->table[s] = t;
+}
+
+/* The id of the topic spelled b[at:at+n] in this window, or -1 if it is new and there is no room. */
+static int64_t topic_id(Out *o, int64_t at, int64_t n) {
+    const uint8_t *b = o->buf;
+    uint64_t f = fnv(b + at, n);
+    uint64_t mask = (uint64_t)o->table_size - 1;
+    uint64_t s = f & mask;
+    for (;;) {
+        int64_t t = o->table[s];
+        if (t < 0) break;
+        int64_t *row = o->topics + t * TOPIC_COLUMNS;
+        if ((uint64_t)row[T_FNV] == f && row[T_LEN] == n && memcmp(b + row[T_AT], b + at, (size_t)n) == 0)
+            return t;
+        s = (s + 1) & mask;
+    }
+    if (o->ntopics == o->cap_topics || 2 * (o->ntopics + 1) > o->table_size) return -1;
+    int64_t t = o->ntopics++;
+    int64_t *row = o->topics + t * TOPIC_COLUMNS;
+    row[T_AT] = at;
+    row[T_LEN] = n;
+    row[T_FNV] = (int64_t)f;
+    row[T_JAVA_PREFIX] = java_step(java_hash_utf8(b + at, n, 0), INDEX_KEY_SEPARATOR);
+    o->table[s] = t;
+    return t;
+}
+
+typedef struct { int64_t stop, pos, err, e1, e2, e3; } Result;
+
+static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, int64_t base, int64_t max_size,
+                     int check_crc) {
+    const uint8_t *buf = o->buf;
+    Result r = {STOP_LIMIT, start, 0, 0, 0, 0};
+    int64_t pos = start;
+#define FAIL(code, a, b_) do { r.stop = STOP_ERROR; r.err = (code); r.e1 = (a); r.e2 = (b_); goto done; } while (0)
+    while (pos < stop_at) {
+        if (pos + END_FILE_MIN_BLANK_LENGTH > file_size) FAIL(ERR_NO_BLANK, 0, 0);
+        const uint8_t *at = buf + pos;
+        int64_t total = be32(at);
+        int64_t magic = be32(at + MAGIC_CODE_OFFSET);
+        if (magic != MESSAGE_MAGIC_CODE && magic != MESSAGE_MAGIC_CODE_V2) {
+            if (magic == BLANK_MAGIC_CODE) {
+                if (total != file_size - pos) FAIL(ERR_BLANK_SIZE, total, file_size - pos);
+                r.stop = STOP_BLANK;
+            } else if (total == 0) {
+                r.stop = STOP_END;
+            } else {
+                FAIL(ERR_MAGIC, magic, 0);
+            }
+            goto done;
+        }
+        if (total < MIN_RECORD_SIZE) FAIL(ERR_TOTAL_SMALL, total, 0);
+        if (total > max_size) FAIL(ERR_TOTAL_MAX, total, max_size);
+        if (total > file_size - pos) FAIL(ERR_TOTAL_PAST, total, file_size - pos);
+        int64_t end = pos + total;
+        int64_t sys_flag = be32(at + SYS_FLAG_OFFSET);
+        int64_t born_end = pos + BORN_HOST_OFFSET + ((sys_flag & BORNHOST_V6_FLAG) ? HOST_V6_LENGTH : HOST_V4_LENGTH);
+        int64_t store_end = born_end + STORE_HOST_AFTER_BORN_HOST
+                            + ((sys_flag & STOREHOSTADDRESS_V6_FLAG) ? HOST_V6_LENGTH : HOST_V4_LENGTH);
+        int64_t phy = be64(at + PHYSICAL_OFFSET_OFFSET);
+        if (phy != base + pos) FAIL(ERR_PHYSICAL_OFFSET, phy, base + pos);
+        int64_t body_len = be32(buf + store_end + BODY_LENGTH_AFTER_STORE_HOST);
+        int64_t body_at = store_end + BODY_AFTER_STORE_HOST;
+        if (body_len < 0 || body_at + body_len > end) FAIL(ERR_BODY_LENGTH, body_len, 0);
+        int64_t p = body_at + body_len;
+        if (check_crc && body_len > 0) {
+            int64_t stored = be32(at + BODY_CRC_OFFSET);
+            int64_t actual = (int64_t)(crc32(0L, buf + body_at, (uInt)body_len) & BODY_CRC_MASK);
+            if (actual != stored) FAIL(ERR_BODY_CRC, stored, actual);
+        }
+        int64_t topic_len;
+        if (magic == MESSAGE_MAGIC_CODE) {
+            if (p + TOPIC_LENGTH_SIZE_V1 > end) FAIL(ERR_TOPIC_LENGTH_END, 0, 0);
+            topic_len = (int8_t)buf[p];
+            p += TOPIC_LENGTH_SIZE_V1;
+        } else {
+            if (p + TOPIC_LENGTH_SIZE_V2 > end) FAIL(ERR_TOPIC_LENGTH_END, 0, 0);
+            topic_len = be16(buf + p);
+            p += TOPIC_LENGTH_SIZE_V2;
+        }
+        if (topic_len <= 0 || p + topic_len + PROPERTIES_LENGTH_SIZE > end) FAIL(ERR_TOPIC_LENGTH, topic_len, 0);
+        int64_t topic_at = p;
+        p += topic_len;
+        int64_t props_len = be16(buf + p);
+        p += PROPERTIES_LENGTH_SIZE;
+        if (props_len < 0 || p + props_len > end) FAIL(ERR_PROPERTIES_LENGTH, props_len, 0);
+        if (p + props_len != end) FAIL(ERR_PARTS, end - p - props_len, 0);
+
+        /* properties: the last non-empty value of each wanted name wins */
+        int64_t keys_at = -1, uniq_at = -1, tags_at = -1, delay_at = -1;
+        int64_t keys_len = 0, uniq_len = 0, tags_len = 0, delay_len = 0;
+        for (int64_t s = p; s < end;) {
+            const uint8_t *sep = memchr(buf + s, PROPERTY_SEPARATOR, (size_t)(end - s));
+            int64_t e = sep ? sep - buf : end;
+            const uint8_t *nv = memchr(buf + s, NAME_VALUE_SEPARATOR, (size_t)(e - s));
+            if (nv && nv + 1 < buf + e) {
+                int64_t name_len = nv - (buf + s), value_at = nv + 1 - buf, value_len = e - value_at;
+                const uint8_t *name = buf + s;
+                if (name_is(name, name_len, "KEYS", 4)) { keys_at = value_at; keys_len = value_len; }
+                else if (name_is(name, name_len, "UNIQ_KEY", 8)) { uniq_at = value_at; uniq_len = value_len; }
+                else if (name_is(name, name_len, "TAGS", 4)) { tags_at = value_at; tags_len = value_len; }
+                else if (name_is(name, name_len, "DELAY", 5)) { delay_at = value_at; delay_len = value_len; }
+            }
+            s = e + 1;
+        }
+
+        /* room for this record's outputs, or stop before it */
+        int64_t full = 0;
+        int64_t keys_needed = (uniq_at >= 0) + (keys_len + 1) / 2;
+        if (o->n == o->cap_rec) full |= FULL_RECORDS;
+        if (o->nkeys + keys_needed > o->cap_keys) full |= FULL_KEYS;
+        if (o->ntext + keys_len + uniq_len > o->cap_text) full |= FULL_TEXT;
+        int64_t tid = full ? 0 : topic_id(o, topic_at, topic_len);
+        if (tid < 0) full |= (o->ntopics == o->cap_topics ? FULL_TOPICS : 0) | FULL_TABLE;
+        if (full) {
+            r.stop = STOP_FULL;
+            r.e1 = full;
+            r.e2 = keys_needed;
+            r.e3 = keys_len + uniq_len;
+            goto done;
+        }
+
+        int64_t *row = o->rec + o->n * RECORD_COLUMNS;
+        row[R_PHY] = phy;
+        row[R_SIZE] = total;
+        row[R_QUEUE_ID] = be32(at + QUEUE_ID_OFFSET);
+        row[R_QUEUE_OFFSET] = be64(at + QUEUE_OFFSET_OFFSET);
+        row[R_SYS_FLAG] = sys_flag;
+        row[R_STORE_TIMESTAMP] = be64(buf + born_end);
+        row[R_PREPARED_OFFSET] = be64(buf + store_end + PREPARED_OFFSET_AFTER_STORE_HOST);
+        row[R_TAGS_CODE] = tags_at >= 0 ? (int32_t)java_hash_utf8(buf + tags_at, tags_len, 0) : 0;
+        row[R_TOPIC_ID] = tid;
+        row[R_DELAY_AT] = delay_at;
+        row[R_DELAY_LEN] = delay_len;
+        row[R_UNIQ_AT] = -1;
+        row[R_UNIQ_LEN] = 0;
+        row[R_KEYS_AT] = -1;
+        row[R_KEYS_LEN] = 0;
+        uint32_t prefix = (uint32_t)o->topics[tid * TOPIC_COLUMNS + T_JAVA_PREFIX];
+        if (uniq_at >= 0) {
+            memcpy(o->text + o->ntext, buf + uniq_at, (size_t)uniq_len);
+            row[R_UNIQ_AT] = o->ntext;
+            row[R_UNIQ_LEN] = uniq_len;
+            o->ntext += uniq_len;
+            int64_t *k = o->keys + o->nkeys++ * KEY_COLUMNS;
+            k[K_HASH] = index_key_hash(java_hash_utf8(buf + uniq_at, uniq_len, prefix));
+            k[K_OWNER] = o->n;
+        }
+        if (keys_at >= 0) {
+            memcpy(o->text + o->ntext, buf + keys_at, (size_t)keys_len);
+            row[R_KEYS_AT] = o->ntext;
+            row[R_KEYS_LEN] = keys_len;
+            o->ntext += keys_len;
+            int64_t keys_end = keys_at + keys_len;
+            for (int64_t t = keys_at; t < keys_end;) {
+                const uint8_t *sp = memchr(buf + t, KEY_SEPARATOR, (size_t)(keys_end - t));
+                int64_t e = sp ? sp - buf : keys_end;
+                if (e > t) {
+                    int64_t *k = o->keys + o->nkeys++ * KEY_COLUMNS;
+                    k[K_HASH] = index_key_hash(java_hash_utf8(buf + t, e - t, prefix));
+                    k[K_OWNER] = o->n;
+                }
+                t = e + 1;
+            }
+        }
+        o->n++;
+        pos = end;
+    }
+done:
+#undef FAIL
+    r.pos = pos;
+    return r;
+}
+
+/* A writable int64 (or byte) buffer argument, with its length in elements. */
+static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    if (view->len % itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: buffer of %zd bytes is not a whole number of items", what, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_decode_window(PyObject *self, PyObject *args) {
+    PyObject *image_obj, *rec_obj, *keys_obj, *text_obj, *topics_obj, *table_obj, *state_obj;
+    long long start, stop_at, file_size, base, max_size;
+    int check_crc;
+    if (!PyArg_ParseTuple(args, "OLLLLLpOOOOOO", &image_obj, &start, &stop_at, &file_size, &base, &max_size,
+                          &check_crc, &rec_obj, &keys_obj, &text_obj, &topics_obj, &table_obj, &state_obj))
+        return NULL;
+    Py_buffer v[7];
+    PyObject *objs[7] = {image_obj, rec_obj, keys_obj, text_obj, topics_obj, table_obj, state_obj};
+    const Py_ssize_t sizes[7] = {1, 8, 8, 1, 8, 8, 8};
+    const char *names[7] = {"image", "records", "keys", "text", "topics", "table", "state"};
+    int got = 0;
+    for (; got < 7; got++)
+        if (get_buffer(objs[got], &v[got], got > 0, sizes[got], names[got]) < 0) goto fail;
+    int64_t *state = v[6].buf;
+    if (v[6].len < (Py_ssize_t)(STATE_COLUMNS * sizeof(int64_t))) {
+        PyErr_SetString(PyExc_ValueError, "state: needs 4 counters");
+        goto fail;
+    }
+    if (start < 0 || file_size > v[0].len || start > file_size || stop_at > file_size) {
+        PyErr_Format(PyExc_ValueError, "window [%lld, %lld) of a %lld-byte segment does not fit a %zd-byte image",
+                     start, stop_at, file_size, v[0].len);
+        goto fail;
+    }
+    Py_ssize_t table_size = v[5].len / 8;
+    if (table_size < 2 || (table_size & (table_size - 1))) {
+        PyErr_SetString(PyExc_ValueError, "table: size must be a power of two");
+        goto fail;
+    }
+    Out o = {
+        .buf = v[0].buf, .rec = v[1].buf, .keys = v[2].buf, .text = v[3].buf, .topics = v[4].buf,
+        .table = v[5].buf, .cap_rec = v[1].len / (8 * RECORD_COLUMNS), .cap_keys = v[2].len / (8 * KEY_COLUMNS),
+        .cap_text = v[3].len, .cap_topics = v[4].len / (8 * TOPIC_COLUMNS), .table_size = table_size,
+        .n = state[S_RECORDS], .nkeys = state[S_KEYS], .ntext = state[S_TEXT], .ntopics = state[S_TOPICS],
+    };
+    if (o.n > o.cap_rec || o.nkeys > o.cap_keys || o.ntext > o.cap_text || o.ntopics > o.cap_topics
+        || 2 * o.ntopics > table_size) {
+        PyErr_SetString(PyExc_ValueError, "state: counters exceed the buffers");
+        goto fail;
+    }
+    Result r;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t s = 0; s < table_size; s++) o.table[s] = -1;
+    for (int64_t t = 0; t < o.ntopics; t++) table_insert(&o, t);
+    r = decode(&o, start, stop_at, file_size, base, max_size, check_crc);
+    Py_END_ALLOW_THREADS
+    state[S_RECORDS] = o.n;
+    state[S_KEYS] = o.nkeys;
+    state[S_TEXT] = o.ntext;
+    state[S_TOPICS] = o.ntopics;
+    for (int i = 0; i < 7; i++) PyBuffer_Release(&v[i]);
+    return Py_BuildValue("(LLLLLL)", (long long)r.stop, (long long)r.pos, (long long)r.err, (long long)r.e1,
+                         (long long)r.e2, (long long)r.e3);
+fail:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return NULL;
+}
+
+static PyObject *py_put_keys(PyObject *self, PyObject *args) {
+    PyObject *file_obj, *hash_obj, *phy_obj, *ts_obj;
+    long long entries_at, slot_num, index_count, index_num, begin_ts, begin_phy;
+    if (!PyArg_ParseTuple(args, "OLLLLLLOOO", &file_obj, &entries_at, &slot_num, &index_count, &index_num,
+                          &begin_ts, &begin_phy, &hash_obj, &phy_obj, &ts_obj))
+        return NULL;
+    Py_buffer v[4];
+    PyObject *objs[4] = {file_obj, hash_obj, phy_obj, ts_obj};
+    const char *names[4] = {"file", "key_hash", "phy_offset", "store_timestamp"};
+    int got = 0;
+    for (; got < 4; got++)
+        if (get_buffer(objs[got], &v[got], got == 0, got == 0 ? 1 : 8, names[got]) < 0) goto fail;
+    Py_ssize_t k = v[1].len / 8;
+    if (v[2].len / 8 != k || v[3].len / 8 != k) {
+        PyErr_SetString(PyExc_ValueError, "key_hash, phy_offset and store_timestamp differ in length");
+        goto fail;
+    }
+    if (slot_num <= 0 || entries_at != INDEX_HEADER_SIZE + HASH_SLOT_SIZE * slot_num || index_count < FIRST_INDEX
+        || index_count + k > index_num || v[0].len < entries_at + INDEX_ENTRY_SIZE * index_num) {
+        PyErr_SetString(PyExc_ValueError, "put_keys: keys do not fit the IndexFile");
+        goto fail;
+    }
+    const int64_t *hash = v[1].buf, *phy = v[2].buf, *ts = v[3].buf;
+    uint8_t *file = v[0].buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (hash[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "put_keys: negative key hash %lld", (long long)hash[i]);
+            goto fail;
+        }
+    }
+    long long started = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++) {
+        uint8_t *slot = file + INDEX_HEADER_SIZE + HASH_SLOT_SIZE * (hash[i] % slot_num);
+        int64_t prev = be32(slot);
+        if (prev <= INVALID_INDEX || prev > index_count) {
+            prev = INVALID_INDEX;
+            started++;
+        }
+        int64_t diff = ts[i] >= begin_ts ? (ts[i] - begin_ts) / MS_PER_SECOND : 0;
+        if (begin_ts <= 0) diff = 0;
+        else if (diff > MAX_TIME_DIFF) diff = MAX_TIME_DIFF;
+        uint8_t *entry = file + entries_at + INDEX_ENTRY_SIZE * index_count;
+        put_be(entry, (uint64_t)hash[i], 4);
+        put_be(entry + 4, (uint64_t)phy[i], 8);
+        put_be(entry + 12, (uint64_t)diff, 4);
+        put_be(entry + 16, (uint64_t)prev, 4);
+        put_be(slot, (uint64_t)index_count, 4);
+        if (index_count <= FIRST_INDEX) {
+            begin_phy = phy[i];
+            begin_ts = ts[i];
+        }
+        index_count++;
+    }
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 4; i++) PyBuffer_Release(&v[i]);
+    return Py_BuildValue("(LLLL)", index_count, started, begin_ts, begin_phy);
+fail:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return NULL;
+}
+
+static PyObject *py_java_hash_utf8(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    unsigned int h = 0;
+    if (!PyArg_ParseTuple(args, "y*|I", &b, &h)) return NULL;
+    uint32_t out = java_hash_utf8(b.buf, b.len, h);
+    PyBuffer_Release(&b);
+    return PyLong_FromLong((int32_t)out);
+}
+
+static PyMethodDef methods[] = {
+    {"decode_window", py_decode_window, METH_VARARGS,
+     "decode_window(image, start, stop_at, file_size, base, max_size, check_crc, records, keys, text, topics, "
+     "table, state) -> (stop, position, error, e1, e2, e3)"},
+    {"put_keys", py_put_keys, METH_VARARGS,
+     "put_keys(file, entries_at, hash_slot_num, index_count, index_num, begin_timestamp, begin_phy_offset, "
+     "key_hash, phy_offset, store_timestamp) -> (index_count, chains_started, begin_timestamp, begin_phy_offset)"},
+    {"java_hash_utf8", py_java_hash_utf8, METH_VARARGS,
+     "java_hash_utf8(data, h=0) -> String.hashCode of the UTF-8 data decoded as Java decodes it"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "indexcore._kernels", .m_size = -1, .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    const struct { const char *name; long value; } constants[] = {
+        {"MAGIC_CODE_OFFSET", MAGIC_CODE_OFFSET}, {"BODY_CRC_OFFSET", BODY_CRC_OFFSET},
+        {"QUEUE_ID_OFFSET", QUEUE_ID_OFFSET}, {"QUEUE_OFFSET_OFFSET", QUEUE_OFFSET_OFFSET},
+        {"PHYSICAL_OFFSET_OFFSET", PHYSICAL_OFFSET_OFFSET}, {"SYS_FLAG_OFFSET", SYS_FLAG_OFFSET},
+        {"BORN_HOST_OFFSET", BORN_HOST_OFFSET}, {"HOST_V4_LENGTH", HOST_V4_LENGTH},
+        {"HOST_V6_LENGTH", HOST_V6_LENGTH}, {"MIN_RECORD_SIZE", MIN_RECORD_SIZE},
+        {"END_FILE_MIN_BLANK_LENGTH", END_FILE_MIN_BLANK_LENGTH}, {"MESSAGE_MAGIC_CODE", MESSAGE_MAGIC_CODE},
+        {"MESSAGE_MAGIC_CODE_V2", MESSAGE_MAGIC_CODE_V2}, {"BLANK_MAGIC_CODE", BLANK_MAGIC_CODE},
+        {"BORNHOST_V6_FLAG", BORNHOST_V6_FLAG}, {"STOREHOSTADDRESS_V6_FLAG", STOREHOSTADDRESS_V6_FLAG},
+        {"INDEX_HEADER_SIZE", INDEX_HEADER_SIZE}, {"HASH_SLOT_SIZE", HASH_SLOT_SIZE},
+        {"INDEX_ENTRY_SIZE", INDEX_ENTRY_SIZE}, {"MAX_TIME_DIFF", (long)MAX_TIME_DIFF},
+        {"STOP_LIMIT", STOP_LIMIT}, {"STOP_BLANK", STOP_BLANK}, {"STOP_END", STOP_END},
+        {"STOP_ERROR", STOP_ERROR}, {"STOP_FULL", STOP_FULL},
+        {"FULL_RECORDS", FULL_RECORDS}, {"FULL_KEYS", FULL_KEYS}, {"FULL_TEXT", FULL_TEXT},
+        {"FULL_TOPICS", FULL_TOPICS}, {"FULL_TABLE", FULL_TABLE},
+        {"ERR_NO_BLANK", ERR_NO_BLANK}, {"ERR_PARTS", ERR_PARTS},
+        {"R_PHY", R_PHY}, {"R_SIZE", R_SIZE}, {"R_QUEUE_ID", R_QUEUE_ID}, {"R_QUEUE_OFFSET", R_QUEUE_OFFSET},
+        {"R_SYS_FLAG", R_SYS_FLAG}, {"R_STORE_TIMESTAMP", R_STORE_TIMESTAMP},
+        {"R_PREPARED_OFFSET", R_PREPARED_OFFSET}, {"R_TAGS_CODE", R_TAGS_CODE}, {"R_TOPIC_ID", R_TOPIC_ID},
+        {"R_KEYS_AT", R_KEYS_AT}, {"R_KEYS_LEN", R_KEYS_LEN}, {"R_UNIQ_AT", R_UNIQ_AT},
+        {"R_UNIQ_LEN", R_UNIQ_LEN}, {"R_DELAY_AT", R_DELAY_AT}, {"R_DELAY_LEN", R_DELAY_LEN},
+        {"RECORD_COLUMNS", RECORD_COLUMNS}, {"K_HASH", K_HASH}, {"K_OWNER", K_OWNER},
+        {"KEY_COLUMNS", KEY_COLUMNS}, {"T_AT", T_AT}, {"T_LEN", T_LEN}, {"TOPIC_COLUMNS", TOPIC_COLUMNS},
+        {"STATE_COLUMNS", STATE_COLUMNS},
+    };
+    for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {
+        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    return m;
+}

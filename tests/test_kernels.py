@@ -1,0 +1,129 @@
+"""indexcore._kernels, the C loops: its layout constants, its UTF-8 Java hash, its output growth and its
+argument checks. (Its decoded fields are compared with the single-record decoder in
+test_commitlog_codec.py, and its files with the broker's in test_conformance.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from indexcore import _kernels, commitlog, indexfile
+from indexcore.batchdecode import decode_window
+from indexcore.commitlog import END_FILE_MIN_BLANK_LENGTH, Host, MessageRecord, body_crc32, encode_properties
+from indexcore.dispatch import index_keys_of
+from indexcore.javahash import index_key_hash, java_string_hash
+from indexcore.reader import Stop, decode_segment
+
+
+@pytest.mark.parametrize("name", [
+    "MAGIC_CODE_OFFSET", "BODY_CRC_OFFSET", "QUEUE_ID_OFFSET", "QUEUE_OFFSET_OFFSET", "PHYSICAL_OFFSET_OFFSET",
+    "SYS_FLAG_OFFSET", "BORN_HOST_OFFSET", "HOST_V4_LENGTH", "HOST_V6_LENGTH", "MIN_RECORD_SIZE",
+    "END_FILE_MIN_BLANK_LENGTH", "MESSAGE_MAGIC_CODE", "MESSAGE_MAGIC_CODE_V2", "BLANK_MAGIC_CODE",
+    "BORNHOST_V6_FLAG", "STOREHOSTADDRESS_V6_FLAG", "ERR_NO_BLANK", "ERR_PARTS"])
+def test_c_record_layout_is_commitlog_py_s(name: str) -> None:
+    assert getattr(_kernels, name) == getattr(commitlog, name)
+
+
+@pytest.mark.parametrize("name", ["INDEX_HEADER_SIZE", "HASH_SLOT_SIZE", "INDEX_ENTRY_SIZE", "MAX_TIME_DIFF"])
+def test_c_index_layout_is_indexfile_py_s(name: str) -> None:
+    assert getattr(_kernels, name) == getattr(indexfile, name)
+
+
+def test_c_error_codes_are_the_ones_commitlog_describes() -> None:
+    assert set(range(_kernels.ERR_NO_BLANK, _kernels.ERR_PARTS + 1)) == set(commitlog.RECORD_ERRORS)
+
+
+@settings(max_examples=500)
+@given(st.binary(max_size=64))
+@example(b"\xed\xa0\x80")  # a UTF-8-encoded surrogate: three replacements in Java and Python
+@example(b"\xf0\x9f\x98")  # a 4-byte sequence cut short: one replacement
+@example(b"\xe0\x80\xaf")  # overlong
+@example(b"\xf4\x90\x80\x80")  # above U+10FFFF
+def test_utf8_java_hash_matches_decode_then_hash(raw: bytes) -> None:
+    assert _kernels.java_hash_utf8(raw) == java_string_hash(raw.decode("utf-8", "replace"))
+
+
+@given(st.text(max_size=40))
+@example("订单-😀-키")
+def test_utf8_java_hash_of_text_is_string_hash_code(text: str) -> None:
+    assert _kernels.java_hash_utf8(text.encode("utf-8", "surrogatepass")) == java_string_hash(text)
+
+
+def _segment(records: list[MessageRecord], size: int) -> bytes:
+    buf = bytearray(size)
+    pos = 0
+    for r in records:
+        assert r.physical_offset == pos
+        raw = r.encode()
+        buf[pos : pos + len(raw)] = raw
+        pos += len(raw)
+    assert pos + END_FILE_MIN_BLANK_LENGTH <= size
+    return bytes(buf)
+
+
+def _record(topic: str, pos: int, props: dict[str, str]) -> MessageRecord:
+    body = b"b"
+    return MessageRecord(topic=topic, queue_id=0, flag=0, queue_offset=0, physical_offset=pos, sys_flag=0,
+                         born_timestamp=1, born_host=Host.parse("127.0.0.1:1"), store_timestamp=2,
+                         store_host=Host.parse("127.0.0.1:2"), reconsume_times=0, prepared_transaction_offset=0,
+                         body=body, properties=encode_properties(props), body_crc=body_crc32(body))
+
+
+def test_outputs_grow_past_every_first_guess() -> None:
+    """More records, keys, text and topics than the first buffers hold: the kernel stops, the wrapper
+    grows what is full and the decode goes on, with the same result as one record at a time."""
+    records, pos = [], 0
+    for i in range(400):
+        keys = " ".join(f"k{i}-{j}" for j in range(i % 7)) + " " + "x" * (i % 50)
+        r = _record(f"topic-{i % 150}", pos, {"UNIQ_KEY": f"U{i:030d}", "KEYS": keys, "TAGS": f"t{i}"})
+        records.append(r)
+        pos += r.total_size
+    image = _segment(records, 1 << 20)
+    w = decode_window(image, 0, len(image), len(image), 0, 1 << 20, True)
+    assert len(w.records) == 400
+    assert len(w.topics) == 150
+    expected = []
+    for i, r in enumerate(records):
+        props = r.property_map()
+        expected += [(index_key_hash(k), i) for k in index_keys_of(r.topic, props["UNIQ_KEY"], props["KEYS"])]
+    assert [tuple(k) for k in w.keys.tolist()] == expected
+    batch = decode_segment(image, 0, segment_offset=0, segment_size=len(image), max_bytes=len(image)).batch
+    assert list(batch.keys) == [r.property_map()["KEYS"] for r in records]
+    assert [batch.topic_of(i) for i in range(400)] == [r.topic for r in records]
+
+
+def test_batch_stops_before_the_first_record_of_an_unsafe_topic() -> None:
+    good = _record("ok", 0, {"KEYS": "a"})
+    bad = _record("../x", good.total_size, {"KEYS": "b"})
+    image = _segment([good, bad], 4096)
+    result = decode_segment(image, 0, segment_offset=0, segment_size=4096, max_bytes=4096)
+    assert result.stop is Stop.ERROR
+    assert result.error.field == "topic"
+    assert result.error.offset == good.total_size
+    assert len(result.batch) == 1
+    assert len(result.batch.key_hash) == 1
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(entries_at=41), "do not fit"),
+    (dict(index_count=0), "do not fit"),
+    (dict(index_count=4), "do not fit"),
+    (dict(key_hash=np.array([-1], np.int64)), "negative key hash"),
+    (dict(phy=np.zeros(2, np.int64)), "differ in length"),
+])
+def test_put_keys_refuses_what_would_write_out_of_bounds(change: dict, message: str) -> None:
+    slots, entries = 4, 4
+    args = dict(file=bytearray(indexfile.index_file_size(slots, entries)), entries_at=40 + 4 * slots, slots=slots,
+                index_count=1, index_num=entries, begin=0, begin_phy=0, key_hash=np.array([5], np.int64),
+                phy=np.array([0], np.int64), ts=np.array([0], np.int64))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        _kernels.put_keys(*args.values())
+    assert not any(args["file"])
+
+
+def test_decode_window_refuses_a_window_outside_the_image() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_window(bytes(100), 0, 200, 200, 0, 1 << 20, True)
