@@ -15,9 +15,21 @@
     cli           the `reputd` command line
 """
 
-from importlib.metadata import PackageNotFoundError, version
+import os
 
-try:
-    __version__ = version("reputd")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
+# numpy's OpenBLAS starts a spinning thread per core at import; reputd does no linear algebra, and on a
+# small machine those threads take CPU from the reput loop.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def __getattr__(name: str) -> str:
+    """`__version__`, looked up on first use: importlib.metadata costs more start-up time than a
+    rebuild of a small store, and only the metrics need it."""
+    if name != "__version__":
+        raise AttributeError(name)
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415 - see above
+
+    try:
+        return version("reputd")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "0+unknown"

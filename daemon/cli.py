@@ -21,7 +21,6 @@ from daemon.logs import configure_logging
 from daemon.produce import produce
 from daemon.query import message_json, query_key, query_msgid, query_offsets, query_queue
 from daemon.rebuild import ProgressBar, RebuildSummary, rebuild
-from daemon.reput import run_daemon
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import StoreError
 
@@ -164,6 +163,8 @@ def _config(args) -> Config:
 
 def cmd_run(args, config: Config) -> int:
     configure_logging(config.logging.level, config.logging.format, stream=sys.stdout)
+    from daemon.reput import run_daemon  # noqa: PLC0415 - watchdog, prometheus-client: only `run` needs them
+
     return run_daemon(config, until_caught_up=args.until_caught_up)
 
 

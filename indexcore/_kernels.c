@@ -15,6 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 #include <zlib.h>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_CLMUL_CRC 1
+#endif
 
 /* CommitLog record layout (commitlog.py) */
 #define MAGIC_CODE_OFFSET 4
@@ -56,6 +60,7 @@
 #define FIRST_INDEX 1
 #define MAX_TIME_DIFF 2147483647LL
 #define MS_PER_SECOND 1000
+#define PUT_KEYS_PREFETCH 16
 
 /* stops and errors (batchdecode.py, commitlog.RECORD_ERRORS) */
 enum { STOP_LIMIT, STOP_BLANK, STOP_END, STOP_ERROR, STOP_FULL };
@@ -91,6 +96,64 @@ static inline int64_t be64(const uint8_t *b) {
 }
 static inline void put_be(uint8_t *b, uint64_t v, int size) {
     for (int i = 0; i < size; i++) b[i] = (uint8_t)(v >> (8 * (size - 1 - i)));
+}
+
+/* CRC-32 (zlib's polynomial) of a message body. zlib's table-driven crc32 manages about 1.6 GB/s here;
+ * folding 64 bytes at a time with carry-less multiplication (Gopal et al., "Fast CRC Computation for
+ * Generic Polynomials Using PCLMULQDQ", Intel 2009) runs several times faster, and the body CRC is the
+ * largest single cost of a rebuild. Bodies under 64 bytes, the last len % 16 bytes, and CPUs without
+ * PCLMULQDQ go through zlib. Constants are x^k mod P for the reflected polynomial, from the paper. */
+#ifdef HAVE_CLMUL_CRC
+#define CLMUL_CRC_MIN_LENGTH 64
+static int clmul_crc_enabled;
+
+__attribute__((target("pclmul,sse4.1")))
+static uint32_t crc32_clmul(uint32_t crc, const uint8_t *p, size_t len) {
+    const __m128i fold4 = _mm_set_epi64x(0x01c6e41596LL, 0x0154442bd4LL); /* x^(512+32), x^(512-32) */
+    const __m128i fold1 = _mm_set_epi64x(0x00ccaa009eLL, 0x01751997d0LL); /* x^(128+32), x^(128-32) */
+    const __m128i fold64 = _mm_set_epi64x(0, 0x0163cd6124LL);             /* x^64 */
+    const __m128i barrett = _mm_set_epi64x(0x01f7011641LL, 0x01db710641LL); /* mu, P */
+    const __m128i low32 = _mm_setr_epi32(~0, 0, ~0, 0);
+    __m128i a = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128((int)~crc));
+    __m128i b = _mm_loadu_si128((const __m128i *)(p + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(p + 32));
+    __m128i d = _mm_loadu_si128((const __m128i *)(p + 48));
+    p += 64;
+    len -= 64;
+#define FOLD(x, k, next) _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), \
+                                                     _mm_clmulepi64_si128(x, k, 0x11)), next)
+    for (; len >= 64; p += 64, len -= 64) {
+        a = FOLD(a, fold4, _mm_loadu_si128((const __m128i *)p));
+        b = FOLD(b, fold4, _mm_loadu_si128((const __m128i *)(p + 16)));
+        c = FOLD(c, fold4, _mm_loadu_si128((const __m128i *)(p + 32)));
+        d = FOLD(d, fold4, _mm_loadu_si128((const __m128i *)(p + 48)));
+    }
+    a = FOLD(a, fold1, b);
+    a = FOLD(a, fold1, c);
+    a = FOLD(a, fold1, d);
+    for (; len >= 16; p += 16, len -= 16) a = FOLD(a, fold1, _mm_loadu_si128((const __m128i *)p));
+#undef FOLD
+    /* 128 -> 64 bits, then 64 -> 32 by Barrett reduction */
+    a = _mm_xor_si128(_mm_srli_si128(a, 8), _mm_clmulepi64_si128(a, fold1, 0x10));
+    a = _mm_xor_si128(_mm_srli_si128(a, 4), _mm_clmulepi64_si128(_mm_and_si128(a, low32), fold64, 0x00));
+    __m128i t = _mm_clmulepi64_si128(_mm_and_si128(a, low32), barrett, 0x10);
+    t = _mm_clmulepi64_si128(_mm_and_si128(t, low32), barrett, 0x00);
+    crc = ~(uint32_t)_mm_extract_epi32(_mm_xor_si128(a, t), 1);
+    return len ? (uint32_t)crc32(crc, p, (uInt)len) : crc;
+}
+#endif
+
+#ifdef HAVE_CLMUL_CRC
+#define CLMUL_ENABLED_VALUE clmul_crc_enabled
+#else
+#define CLMUL_ENABLED_VALUE 0
+#endif
+
+static uint32_t body_crc32(const uint8_t *p, size_t len) {
+#ifdef HAVE_CLMUL_CRC
+    if (clmul_crc_enabled && len >= CLMUL_CRC_MIN_LENGTH) return crc32_clmul(0, p, len);
+#endif
+    return (uint32_t)crc32(0L, p, (uInt)len);
 }
 
 static inline uint32_t java_step(uint32_t h, uint32_t unit) { return h * 31u + unit; }
@@ -248,7 +311,7 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
         int64_t p = body_at + body_len;
         if (check_crc && body_len > 0) {
             int64_t stored = be32(at + BODY_CRC_OFFSET);
-            int64_t actual = (int64_t)(crc32(0L, buf + body_at, (uInt)body_len) & BODY_CRC_MASK);
+            int64_t actual = (int64_t)(body_crc32(buf + body_at, (size_t)body_len) & BODY_CRC_MASK);
             if (actual != stored) FAIL(ERR_BODY_CRC, stored, actual);
         }
         int64_t topic_len;
@@ -457,6 +520,8 @@ static PyObject *py_put_keys(PyObject *self, PyObject *args) {
     long long started = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < k; i++) {
+        if (i + PUT_KEYS_PREFETCH < k)  /* slots are random reads in a table of megabytes */
+            __builtin_prefetch(file + INDEX_HEADER_SIZE + HASH_SLOT_SIZE * (hash[i + PUT_KEYS_PREFETCH] % slot_num), 1);
         uint8_t *slot = file + INDEX_HEADER_SIZE + HASH_SLOT_SIZE * (hash[i] % slot_num);
         int64_t prev = be32(slot);
         if (prev <= INVALID_INDEX || prev > index_count) {
@@ -486,6 +551,20 @@ fail:
     return NULL;
 }
 
+static PyObject *py_crc32(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    int folded = 1;
+    if (!PyArg_ParseTuple(args, "y*|p", &b, &folded)) return NULL;
+    uint32_t out;
+#ifdef HAVE_CLMUL_CRC
+    if (folded && clmul_crc_enabled && b.len >= CLMUL_CRC_MIN_LENGTH) out = crc32_clmul(0, b.buf, (size_t)b.len);
+    else
+#endif
+    out = (uint32_t)crc32(0L, b.buf, (uInt)b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(out);
+}
+
 static PyObject *py_java_hash_utf8(PyObject *self, PyObject *args) {
     Py_buffer b;
     unsigned int h = 0;
@@ -502,6 +581,8 @@ static PyMethodDef methods[] = {
     {"put_keys", py_put_keys, METH_VARARGS,
      "put_keys(file, entries_at, hash_slot_num, index_count, index_num, begin_timestamp, begin_phy_offset, "
      "key_hash, phy_offset, store_timestamp) -> (index_count, chains_started, begin_timestamp, begin_phy_offset)"},
+    {"crc32", py_crc32, METH_VARARGS,
+     "crc32(data, folded=True) -> the body CRC path's crc32 of data (folded=False: zlib's, for comparison)"},
     {"java_hash_utf8", py_java_hash_utf8, METH_VARARGS,
      "java_hash_utf8(data, h=0) -> String.hashCode of the UTF-8 data decoded as Java decodes it"},
     {NULL, NULL, 0, NULL},
@@ -514,6 +595,14 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__kernels(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+#ifdef HAVE_CLMUL_CRC
+    __builtin_cpu_init();
+    clmul_crc_enabled = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+#endif
+    if (PyModule_AddIntConstant(m, "FOLDED_CRC", CLMUL_ENABLED_VALUE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     const struct { const char *name; long value; } constants[] = {
         {"MAGIC_CODE_OFFSET", MAGIC_CODE_OFFSET}, {"BODY_CRC_OFFSET", BODY_CRC_OFFSET},
         {"QUEUE_ID_OFFSET", QUEUE_ID_OFFSET}, {"QUEUE_OFFSET_OFFSET", QUEUE_OFFSET_OFFSET},

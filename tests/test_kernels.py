@@ -4,6 +4,8 @@ test_commitlog_codec.py, and its files with the broker's in test_conformance.py.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -127,3 +129,14 @@ def test_put_keys_refuses_what_would_write_out_of_bounds(change: dict, message: 
 def test_decode_window_refuses_a_window_outside_the_image() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         decode_window(bytes(100), 0, 200, 200, 0, 1 << 20, True)
+
+
+@settings(max_examples=300)
+@given(st.binary(max_size=700), st.integers(0, 15))
+@example(bytes(64), 0)
+@example(b"\xff" * 4096, 3)
+def test_folded_body_crc_is_zlib_crc32(data: bytes, offset: int) -> None:
+    """The carry-less-multiply CRC (any length, any alignment) against zlib's own."""
+    view = memoryview(bytes(offset) + data)[offset:]
+    assert _kernels.crc32(view) == zlib.crc32(data)
+    assert _kernels.crc32(view, False) == zlib.crc32(data)

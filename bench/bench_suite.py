@@ -1,0 +1,410 @@
+"""The benchmark suite behind `make bench`: every scenario of the performance issue, one table, one JSON file.
+
+    .venv/bin/python bench/bench_suite.py [--workdir bench/results/suite] [--only rebuild,live,...] [--quick]
+
+Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-byte ConsumeQueue files,
+5,000,000 slots and 20,000,000 entries per IndexFile):
+
+    rebuild          2,000,000 messages, 256-byte bodies, UNIQ_KEY + 1 KEY, 8 topics x 8 queues
+    rebuild-3keys    the same with 3 KEYS per message
+    rebuild-4k       500,000 messages with 4 KiB bodies
+    rebuild-noindex  the first data set with messageIndexEnable: false (ConsumeQueue only)
+    live             a writer appends at 100,000 msgs/s while `reputd run` follows
+    query            `reputd query key` against a full 20,000,000-entry IndexFile: library call and CLI
+    backfill         `reputd backfill` with Spark local[1] and local[2] on the rebuild data set
+
+Rebuilds are timed from process start to exit (`reputd rebuild` as an operator runs it, body CRCs
+checked); peak RSS is the child's own (wait4). Each is compared with a plain sequential read of the same
+CommitLog bytes in the same run, from the same page cache: the physical floor of this machine. Data sets
+are generated once with `reputd produce` (the live and query ones with bench/paced_writer.py, which is
+faster) and kept in the work directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.paced_writer import PacedWriter  # noqa: E402
+from daemon.config import load_config  # noqa: E402
+from daemon.query import query_key  # noqa: E402
+from indexcore.reader import CommitLog, CommitLogReader, ReadStatus  # noqa: E402
+
+REPUTD = [sys.executable, "-m", "daemon.cli"]
+GIB = 1024**3
+MIB = 1024**2
+READ_CHUNK = 16 * MIB
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+DATA_SETS = {
+    # name: (messages, body size, KEYS per message)
+    "256b-1key": (2_000_000, 256, 1),
+    "256b-3keys": (2_000_000, 256, 3),
+    "4k-1key": (500_000, 4096, 1),
+}
+REBUILDS = {
+    # scenario: (data set, extra environment)
+    "rebuild": ("256b-1key", {}),
+    "rebuild-3keys": ("256b-3keys", {}),
+    "rebuild-4k": ("4k-1key", {}),
+    "rebuild-noindex": ("256b-1key", {"REPUTD_STORE_MESSAGE_INDEX_ENABLE": "false"}),
+}
+TOPICS = ",".join(f"BenchTopic{i}" for i in range(8))
+QUERY_MESSAGES = 10_000_000  # UNIQ_KEY + 1 KEY each: 20,000,000 keys, one full IndexFile
+LIVE_RATE = 100_000
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, int, str]:
+    """Run a command to completion; (wall seconds, its own peak RSS in bytes, stdout)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env={**os.environ, **(env or {})})
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err.read()[-3000:]}")
+        return wall, usage.ru_maxrss * 1024, out.read()
+
+
+def last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def write_config(path: Path, store: Path, out: Path, **store_settings) -> Path:
+    path.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(store), **store_settings},
+                                    "output": {"dir": str(out)}, "logging": {"level": "warning"}}))
+    return path
+
+
+def commitlog_bytes(store: Path) -> tuple[list[Path], int]:
+    files = sorted((store / "commitlog").iterdir())
+    return files, sum(f.stat().st_size for f in files)
+
+
+def raw_read_seconds(store: Path, end_offset: int) -> float:
+    """Read the CommitLog's written bytes front to back into one reused buffer: the floor."""
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    left = end_offset
+    t0 = time.perf_counter()
+    for path in sorted((store / "commitlog").iterdir()):
+        with open(path, "rb", buffering=0) as f:
+            while left > 0:
+                n = f.readinto(view[: min(READ_CHUNK, left)])
+                if not n:
+                    break
+                left -= n
+    return time.perf_counter() - t0
+
+
+def same_tree(a: Path, b: Path) -> bool:
+    names_a = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    names_b = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    return names_a == names_b and all(filecmp.cmp(a / n, b / n, shallow=False) for n in names_a)
+
+
+def ensure_data_set(work: Path, name: str, scale: float) -> tuple[Path, int]:
+    """The store of a data set, produced once; (store root, messages)."""
+    messages, body, keys = DATA_SETS[name]
+    messages = max(1000, int(messages * scale))
+    store = work / "data" / name
+    marker = store / "produced.json"
+    if marker.exists() and json.loads(marker.read_text()).get("messages") == messages:
+        return store, messages
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    config = write_config(work / f"produce-{name}.yaml", store, work / "unused")
+    print(f"producing {name}: {messages:,} messages ...", flush=True)
+    wall, _, _ = run_measured([*REPUTD, "produce", "--config", str(config), "--messages", str(messages),
+                               "--body-size", str(body), "--keys", str(keys), "--topics", TOPICS, "--queues", "8"])
+    marker.write_text(json.dumps({"messages": messages, "seconds": round(wall, 1)}))
+    return store, messages
+
+
+# --- scenarios ----------------------------------------------------------------------------------------
+
+def bench_rebuild(work: Path, scenario: str, scale: float, repeat: int) -> dict:
+    data, env = REBUILDS[scenario]
+    store, messages = ensure_data_set(work, data, scale)
+    out = work / "out" / scenario
+    config = write_config(work / f"{scenario}.yaml", store, out)
+    runs = []
+    for _ in range(repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        raw_read_seconds(store, commitlog_bytes(store)[1])  # the same warm page cache for both
+        wall, rss, stdout = run_measured([*REPUTD, "rebuild", "--config", str(config), "--json"], env)
+        summary = last_json(stdout)
+        floor = raw_read_seconds(store, summary["endOffset"])
+        runs.append((wall, rss, summary, floor))
+    wall, rss, summary, floor = min(runs, key=lambda r: r[0])
+    assert summary["messages"] == messages, summary
+    size = summary["bytes"]
+    return {"scenario": scenario, "messages": messages, "bytes": size, "seconds": round(wall, 3),
+            "msgs_per_s": round(messages / wall), "mb_per_s": round(size / MIB / wall, 1),
+            "peak_rss_mb": round(rss / MIB, 1), "raw_read_seconds": round(floor, 3),
+            "raw_read_mb_per_s": round(size / MIB / floor, 1), "ratio_to_raw_read": round(wall / floor, 2),
+            "runs": [round(r[0], 3) for r in runs], "inner_seconds": summary["seconds"]}
+
+
+def _health(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _proc_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _proc_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def bench_live(work: Path, seconds: float, idle_seconds: float, rate: int = LIVE_RATE) -> dict:
+    tmp = work / "live"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    latency_file = tmp / "latency.json"
+    port = 19000 + random.randrange(900)
+    cfg = {"store": {"storePathRootDir": str(tmp / "store")}, "output": {"dir": str(tmp / "out")},
+           "metrics": {"port": port}, "logging": {"level": "warning", "format": "json"},
+           "dispatchers": ["consumequeue", "index",
+                           {"name": "bench.latency:LatencyDispatcher", "options": {"path": str(latency_file)}}]}
+    (tmp / "reputd.yaml").write_text(yaml.safe_dump(cfg))
+    writer = PacedWriter(str(tmp / "store" / "commitlog"), GIB, topics=("LiveTopicA", "LiveTopicB"), queues=8)
+    proc = subprocess.Popen([*REPUTD, "run", "--config", str(tmp / "reputd.yaml")], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _health(port)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.05)
+        cpu0, t0 = _proc_cpu(proc.pid), time.monotonic()
+        wrote = writer.run(rate, seconds)
+        writer.flush()
+        while _health(port)["reputFromOffset"] < writer.max_offset:
+            time.sleep(0.01)
+        busy = (_proc_cpu(proc.pid) - cpu0) / (time.monotonic() - t0)
+        time.sleep(3.0)  # past the daemon's switch to the idle probe interval
+        cpu1, t1 = _proc_cpu(proc.pid), time.monotonic()
+        time.sleep(idle_seconds)
+        idle = (_proc_cpu(proc.pid) - cpu1) / (time.monotonic() - t1)
+        peak_rss = _proc_rss(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        writer.close()
+    lat = np.array(json.loads(latency_file.read_text())["latency_ms"])
+    return {"scenario": "live", "rate_requested": rate, "rate_achieved": wrote["msgs_per_s"],
+            "messages": wrote["messages"], "dispatched": int(lat.size), "seconds": wrote["seconds"],
+            "latency_ms_p50": round(float(np.percentile(lat, 50)), 1),
+            "latency_ms_p99": round(float(np.percentile(lat, 99)), 1), "latency_ms_max": round(float(lat.max()), 1),
+            "daemon_cpu_busy": round(busy, 3), "daemon_cpu_idle": round(idle, 4),
+            "peak_rss_mb": round(peak_rss / MIB, 1), "writer_cpu": wrote["cpu_fraction"], "exit_code": code}
+
+
+def ensure_query_store(work: Path, scale: float) -> tuple[Path, Path, int]:
+    """10,000,000 messages (UNIQ_KEY + KEYS each) and the IndexFiles `reputd rebuild` builds for them."""
+    messages = max(10_000, int(QUERY_MESSAGES * scale))
+    base = work / "data" / "query"
+    store, out = base / "store", base / "out"
+    marker = base / "built.json"
+    if marker.exists() and json.loads(marker.read_text()).get("messages") == messages:
+        return store, out, messages
+    shutil.rmtree(base, ignore_errors=True)
+    print(f"writing the query data set: {messages:,} messages ...", flush=True)
+    with PacedWriter(str(store / "commitlog"), GIB, topics=("QueryTopicA", "QueryTopicB"), queues=8,
+                     body_size=64) as w:
+        while w.count < messages:
+            w.write(min(65536, messages - w.count))
+        w.flush()
+    config = write_config(base / "reputd.yaml", store, out)
+    wall, _, stdout = run_measured([*REPUTD, "rebuild", "--config", str(config), "--json"])
+    print(f"  indexed in {wall:.1f} s: {last_json(stdout)['files']}", flush=True)
+    marker.write_text(json.dumps({"messages": messages}))
+    return store, out, messages
+
+
+def sample_keys(store: Path, count: int, seed: int = 7) -> list[tuple[str, str]]:
+    """(topic, key) of records spread over the whole CommitLog: UNIQ_KEYs and KEYS alike."""
+    log = CommitLog(str(store / "commitlog"), GIB)
+    reader = CommitLogReader(log, batch_bytes=MIB)
+    rng = random.Random(seed)
+    picked: list[tuple[str, str]] = []
+    starts = sorted(rng.randrange(len(log.segments)) for _ in range(count // 8))
+    for seg in starts:
+        seg_start, _ = log.segments[seg]
+        result = reader.read(seg_start)
+        b = result.batch
+        for i in rng.sample(range(len(b)), min(8, len(b))):
+            key = b.uniq_key[i] if rng.random() < 0.5 else b.keys[i].split(" ")[0]
+            picked.append((b.topic_of(i), key))
+        if result.status is not ReadStatus.OK:
+            continue
+    reader.close()
+    return picked[:count]
+
+
+def bench_query(work: Path, scale: float, library_queries: int, cli_queries: int) -> dict:
+    store, out, messages = ensure_query_store(work, scale)
+    config_path = write_config(work / "query.yaml", store, out)
+    config = load_config(str(config_path), {})
+    keys = sample_keys(store, library_queries)
+    index_files = sorted((out / "index").iterdir())
+    for topic, key in keys[:20]:  # warm the page cache for the files the queries touch
+        query_key(config, topic, key)
+    lib = []
+    found = 0
+    for topic, key in keys:
+        t0 = time.perf_counter()
+        got = query_key(config, topic, key)
+        lib.append(time.perf_counter() - t0)
+        found += bool(got)
+    cli = []
+    for topic, key in keys[:cli_queries]:
+        wall, _, _ = run_measured([*REPUTD, "query", "key", "--config", str(config_path), topic, key])
+        cli.append(wall)
+    lib_ms, cli_ms = np.array(lib) * 1000, np.array(cli) * 1000
+    return {"scenario": "query", "messages": messages, "index_files": [p.name for p in index_files],
+            "index_entries": _index_entries(index_files), "queries": len(lib), "found": found,
+            "library_ms_p50": round(float(np.percentile(lib_ms, 50)), 3),
+            "library_ms_p99": round(float(np.percentile(lib_ms, 99)), 3),
+            "cli_queries": len(cli), "cli_ms_p50": round(float(np.percentile(cli_ms, 50)), 1),
+            "cli_ms_p99": round(float(np.percentile(cli_ms, 99)), 1)}
+
+
+def _index_entries(files: list[Path]) -> list[int]:
+    counts = []
+    for f in files:
+        with open(f, "rb") as fh:
+            header = fh.read(40)
+        counts.append(int.from_bytes(header[36:40], "big", signed=True))
+    return counts
+
+
+def bench_backfill(work: Path, scale: float, masters: list[str]) -> list[dict]:
+    store, messages = ensure_data_set(work, "256b-1key", scale)
+    reference = work / "out" / "backfill-reference"
+    config = write_config(work / "backfill.yaml", store, reference)
+    shutil.rmtree(reference, ignore_errors=True)
+    run_measured([*REPUTD, "rebuild", "--config", str(config), "--json"])
+    rows = []
+    for master in masters:
+        out = work / "out" / ("backfill-" + master.replace("[", "").replace("]", ""))
+        shutil.rmtree(out, ignore_errors=True)
+        wall, rss, stdout = run_measured([*REPUTD, "backfill", "--config", str(config), "--out", str(out),
+                                          "--master", master, "--json", "--conf", "spark.ui.enabled=false"])
+        summary = last_json(stdout)
+        rows.append({"scenario": f"backfill {master}", "messages": messages, "seconds": round(wall, 3),
+                     "msgs_per_s": round(messages / wall), "peak_rss_mb_driver": round(rss / MIB, 1),
+                     "identical_to_rebuild": same_tree(reference, out),
+                     "phases": summary.get("phaseSeconds", {})})
+    if len(rows) >= 2:
+        rows[-1]["speedup_vs_first"] = round(rows[0]["seconds"] / rows[-1]["seconds"], 2)
+    return rows
+
+
+# --- report -------------------------------------------------------------------------------------------
+
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    mem = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal"))) // 1024
+    return {"cpu": model, "cores": os.cpu_count(), "memory_mb": mem, "python": platform.python_version(),
+            "kernel": platform.release(), "load_at_start": os.getloadavg()[0]}
+
+
+def print_table(results: list[dict]) -> None:
+    print("\n| scenario | messages | seconds | msgs/s | MB/s | peak RSS MB | raw read s | ratio to raw read |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        if r["scenario"].startswith("rebuild"):
+            print(f"| {r['scenario']} | {r['messages']:,} | {r['seconds']:.2f} | {r['msgs_per_s']:,} | "
+                  f"{r['mb_per_s']:,.0f} | {r['peak_rss_mb']:.0f} | {r['raw_read_seconds']:.2f} | "
+                  f"{r['ratio_to_raw_read']:.2f} |")
+        elif r["scenario"].startswith("backfill"):
+            extra = f" ({r['speedup_vs_first']}x local[1])" if "speedup_vs_first" in r else ""
+            print(f"| {r['scenario']}{extra} | {r['messages']:,} | {r['seconds']:.2f} | {r['msgs_per_s']:,} | | "
+                  f"{r['peak_rss_mb_driver']:.0f} (driver) | | |")
+    for r in results:
+        if r["scenario"] == "live":
+            print(f"\nlive: {r['rate_achieved']:,} msgs/s for {r['seconds']:.0f} s ({r['dispatched']:,} of "
+                  f"{r['messages']:,} dispatched); append-to-dispatch latency ms p50 {r['latency_ms_p50']} "
+                  f"p99 {r['latency_ms_p99']} max {r['latency_ms_max']}; daemon CPU {r['daemon_cpu_busy']:.1%} "
+                  f"of a core busy, {r['daemon_cpu_idle']:.2%} idle; peak RSS {r['peak_rss_mb']:.0f} MB")
+        if r["scenario"] == "query":
+            print(f"query: {r['queries']:,} keys against IndexFiles with {r['index_entries']} entries: library "
+                  f"p50 {r['library_ms_p50']} ms p99 {r['library_ms_p99']} ms; CLI ({r['cli_queries']} runs, "
+                  f"process start included) p50 {r['cli_ms_p50']} ms p99 {r['cli_ms_p99']} ms")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", type=Path, default=ROOT / "bench" / "results" / "suite")
+    ap.add_argument("--only", default="rebuild,rebuild-3keys,rebuild-4k,rebuild-noindex,live,query,backfill")
+    ap.add_argument("--quick", action="store_true", help="a tenth of every data set and short runs (a smoke test)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per rebuild scenario; the fastest is reported")
+    ap.add_argument("--live-seconds", type=float, default=20.0)
+    ap.add_argument("--masters", default="local[1],local[2]")
+    args = ap.parse_args()
+    work = args.workdir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    scale = 0.1 if args.quick else 1.0
+    wanted = args.only.split(",")
+    results: list[dict] = []
+    info = machine()
+    print(f"machine: {info}", flush=True)
+    for scenario in REBUILDS:
+        if scenario in wanted:
+            results.append(bench_rebuild(work, scenario, scale, 1 if args.quick else args.repeat))
+            print(f"{scenario}: {results[-1]['msgs_per_s']:,} msgs/s", flush=True)
+    if "live" in wanted:
+        results.append(bench_live(work, 5.0 if args.quick else args.live_seconds, 3.0 if args.quick else 10.0))
+        print(f"live: p99 {results[-1]['latency_ms_p99']} ms", flush=True)
+    if "query" in wanted:
+        results.append(bench_query(work, 0.01 if args.quick else 1.0, 200 if args.quick else 2000,
+                                   5 if args.quick else 30))
+        print(f"query: library p99 {results[-1]['library_ms_p99']} ms", flush=True)
+    if "backfill" in wanted:
+        results.extend(bench_backfill(work, scale, args.masters.split(",")))
+    print_table(results)
+    out = work / "results.json"
+    out.write_text(json.dumps({"machine": info, "results": results}, indent=2))
+    print(f"\nfigures: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
