@@ -88,6 +88,7 @@ class ConsumeQueueDispatcher:
             start = flushed.get(key, 0)
             if end == start:
                 continue
+            cq.release()  # written pages leave the RSS; the page cache keeps them
             if thorough or least_pages <= 0 or end // PAGE_SIZE - start // PAGE_SIZE >= least_pages:
                 plan.paths.append(cq.writing_path)
                 synced[key] = end
@@ -149,6 +150,7 @@ class IndexDispatcher:
         state = self.service.state()
         if state is None or state == self._flushed:
             return FlushPlan()
+        self.service.last_file.release()  # written pages leave the RSS; the page cache keeps them
 
         def done() -> None:
             self._flushed = state

@@ -6,8 +6,9 @@
  * put_keys       the broker's IndexFile.putKey loop, straight into the mapped file.
  *
  * The record layout is the one commitlog.py documents; the offsets below are exported as module
- * attributes and a test holds them equal to commitlog.py's. Outputs go to buffers the caller owns;
- * when one is full the decoder stops before the record that does not fit (STOP_FULL) and the caller
+ * attributes and a test holds them equal to commitlog.py's. Outputs go to buffers the caller owns, the
+ * record and key tables column by column (column c of a table with room for N rows starts at c * N); when
+ * one is full the decoder stops before the record that does not fit (STOP_FULL) and the caller
  * grows it and calls again from there, so nothing here allocates. The GIL is released while decoding.
  */
 #define PY_SSIZE_T_CLEAN
@@ -79,7 +80,7 @@ enum {
     RECORD_COLUMNS
 };
 enum { K_HASH, K_OWNER, KEY_COLUMNS };
-enum { T_AT, T_LEN, T_FNV, T_JAVA_PREFIX, TOPIC_COLUMNS };
+enum { T_AT, T_LEN, T_FIRST, T_FNV, T_JAVA_PREFIX, TOPIC_COLUMNS };
 /* the in/out counters */
 enum { S_RECORDS, S_KEYS, S_TEXT, S_TOPICS, STATE_COLUMNS };
 
@@ -265,6 +266,7 @@ static int64_t topic_id(Out *o, int64_t at, int64_t n) {
     int64_t *row = o->topics + t * TOPIC_COLUMNS;
     row[T_AT] = at;
     row[T_LEN] = n;
+    row[T_FIRST] = o->n;
     row[T_FNV] = (int64_t)f;
     row[T_JAVA_PREFIX] = java_step(java_hash_utf8(b + at, n, 0), INDEX_KEY_SEPARATOR);
     o->table[s] = t;
@@ -366,49 +368,48 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
             goto done;
         }
 
-        int64_t *row = o->rec + o->n * RECORD_COLUMNS;
-        row[R_PHY] = phy;
-        row[R_SIZE] = total;
-        row[R_QUEUE_ID] = be32(at + QUEUE_ID_OFFSET);
-        row[R_QUEUE_OFFSET] = be64(at + QUEUE_OFFSET_OFFSET);
-        row[R_SYS_FLAG] = sys_flag;
-        row[R_STORE_TIMESTAMP] = be64(buf + born_end);
-        row[R_PREPARED_OFFSET] = be64(buf + store_end + PREPARED_OFFSET_AFTER_STORE_HOST);
-        row[R_TAGS_CODE] = tags_at >= 0 ? (int32_t)java_hash_utf8(buf + tags_at, tags_len, 0) : 0;
-        row[R_TOPIC_ID] = tid;
-        row[R_DELAY_AT] = delay_at;
-        row[R_DELAY_LEN] = delay_len;
-        row[R_UNIQ_AT] = -1;
-        row[R_UNIQ_LEN] = 0;
-        row[R_KEYS_AT] = -1;
-        row[R_KEYS_LEN] = 0;
+#define ROW(c) o->rec[(c) * o->cap_rec + o->n]
+        ROW(R_PHY) = phy;
+        ROW(R_SIZE) = total;
+        ROW(R_QUEUE_ID) = be32(at + QUEUE_ID_OFFSET);
+        ROW(R_QUEUE_OFFSET) = be64(at + QUEUE_OFFSET_OFFSET);
+        ROW(R_SYS_FLAG) = sys_flag;
+        ROW(R_STORE_TIMESTAMP) = be64(buf + born_end);
+        ROW(R_PREPARED_OFFSET) = be64(buf + store_end + PREPARED_OFFSET_AFTER_STORE_HOST);
+        ROW(R_TAGS_CODE) = tags_at >= 0 ? (int32_t)java_hash_utf8(buf + tags_at, tags_len, 0) : 0;
+        ROW(R_TOPIC_ID) = tid;
+        ROW(R_DELAY_AT) = delay_at;
+        ROW(R_DELAY_LEN) = delay_len;
+        ROW(R_UNIQ_AT) = -1;
+        ROW(R_UNIQ_LEN) = 0;
+        ROW(R_KEYS_AT) = -1;
+        ROW(R_KEYS_LEN) = 0;
         uint32_t prefix = (uint32_t)o->topics[tid * TOPIC_COLUMNS + T_JAVA_PREFIX];
         if (uniq_at >= 0) {
             memcpy(o->text + o->ntext, buf + uniq_at, (size_t)uniq_len);
-            row[R_UNIQ_AT] = o->ntext;
-            row[R_UNIQ_LEN] = uniq_len;
+            ROW(R_UNIQ_AT) = o->ntext;
+            ROW(R_UNIQ_LEN) = uniq_len;
             o->ntext += uniq_len;
-            int64_t *k = o->keys + o->nkeys++ * KEY_COLUMNS;
-            k[K_HASH] = index_key_hash(java_hash_utf8(buf + uniq_at, uniq_len, prefix));
-            k[K_OWNER] = o->n;
+            o->keys[K_HASH * o->cap_keys + o->nkeys] = index_key_hash(java_hash_utf8(buf + uniq_at, uniq_len, prefix));
+            o->keys[K_OWNER * o->cap_keys + o->nkeys++] = o->n;
         }
         if (keys_at >= 0) {
             memcpy(o->text + o->ntext, buf + keys_at, (size_t)keys_len);
-            row[R_KEYS_AT] = o->ntext;
-            row[R_KEYS_LEN] = keys_len;
+            ROW(R_KEYS_AT) = o->ntext;
+            ROW(R_KEYS_LEN) = keys_len;
             o->ntext += keys_len;
             int64_t keys_end = keys_at + keys_len;
             for (int64_t t = keys_at; t < keys_end;) {
                 const uint8_t *sp = memchr(buf + t, KEY_SEPARATOR, (size_t)(keys_end - t));
                 int64_t e = sp ? sp - buf : keys_end;
                 if (e > t) {
-                    int64_t *k = o->keys + o->nkeys++ * KEY_COLUMNS;
-                    k[K_HASH] = index_key_hash(java_hash_utf8(buf + t, e - t, prefix));
-                    k[K_OWNER] = o->n;
+                    o->keys[K_HASH * o->cap_keys + o->nkeys] = index_key_hash(java_hash_utf8(buf + t, e - t, prefix));
+                    o->keys[K_OWNER * o->cap_keys + o->nkeys++] = o->n;
                 }
                 t = e + 1;
             }
         }
+#undef ROW
         o->n++;
         pos = end;
     }
@@ -625,7 +626,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         {"R_KEYS_AT", R_KEYS_AT}, {"R_KEYS_LEN", R_KEYS_LEN}, {"R_UNIQ_AT", R_UNIQ_AT},
         {"R_UNIQ_LEN", R_UNIQ_LEN}, {"R_DELAY_AT", R_DELAY_AT}, {"R_DELAY_LEN", R_DELAY_LEN},
         {"RECORD_COLUMNS", RECORD_COLUMNS}, {"K_HASH", K_HASH}, {"K_OWNER", K_OWNER},
-        {"KEY_COLUMNS", KEY_COLUMNS}, {"T_AT", T_AT}, {"T_LEN", T_LEN}, {"TOPIC_COLUMNS", TOPIC_COLUMNS},
+        {"KEY_COLUMNS", KEY_COLUMNS}, {"T_AT", T_AT}, {"T_LEN", T_LEN}, {"T_FIRST", T_FIRST}, {"TOPIC_COLUMNS", TOPIC_COLUMNS},
         {"STATE_COLUMNS", STATE_COLUMNS},
     };
     for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {

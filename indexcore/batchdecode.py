@@ -28,6 +28,7 @@ from indexcore._kernels import (
     K_HASH,
     K_OWNER,
     KEY_COLUMNS,
+    MIN_RECORD_SIZE,
     R_DELAY_AT,
     R_DELAY_LEN,
     R_KEYS_AT,
@@ -51,24 +52,26 @@ from indexcore._kernels import (
     STOP_FULL,
     STOP_LIMIT,
     T_AT,
+    T_FIRST,
     T_LEN,
     TOPIC_COLUMNS,
 )
 
 _S_RECORDS, _S_KEYS, _S_TEXT, _S_TOPICS = range(STATE_COLUMNS)
-_ROWS_PER_MIB = 2048  # a first guess at records per MiB of window (256-byte bodies give about 2,400)
-_MIN_ROWS = 64
+_KEYS_FIRST_GUESS = 4096
+_TEXT_FIRST_GUESS = 1 << 16
 _INITIAL_TOPICS = 16
 
 
 @dataclass(slots=True)
 class WindowDecode:
-    """What the kernel found: `records` rows of R_* columns, `keys` rows of K_* columns in `buildIndex`
-    order (UNIQ_KEY first, then each non-empty KEYS token), the bytes of the KEYS and UNIQ_KEY values,
-    and the T_* spans of each distinct topic spelling, numbered in order of first appearance."""
+    """What the kernel found: `records` (R_* rows, one column per record), `keys` (K_* rows, one column per
+    key, in `buildIndex` order: UNIQ_KEY first, then each non-empty KEYS token), the bytes of the KEYS and
+    UNIQ_KEY values, and the T_* columns of each distinct topic spelling, numbered in order of first
+    appearance. The arrays are views of the scratch buffers: valid until the next decode with them."""
 
-    records: np.ndarray  # int64 [n, RECORD_COLUMNS]
-    keys: np.ndarray  # int64 [k, KEY_COLUMNS]
+    records: np.ndarray  # int64 [RECORD_COLUMNS, n]
+    keys: np.ndarray  # int64 [KEY_COLUMNS, k]
     text: bytes
     topics: np.ndarray  # int64 [t, TOPIC_COLUMNS]
     stop: int  # STOP_LIMIT, STOP_BLANK, STOP_END or STOP_ERROR
@@ -77,43 +80,65 @@ class WindowDecode:
     details: tuple[int, int, int]
 
 
-def _grown(a: np.ndarray, rows: int) -> np.ndarray:
+def _wider(table: np.ndarray, columns: int) -> np.ndarray:
+    """A column-major table with room for at least `columns` (and twice as many) entries per row."""
+    out = np.empty((table.shape[0], max(columns, 2 * table.shape[1])), dtype=table.dtype)
+    out[:, : table.shape[1]] = table
+    return out
+
+
+def _longer(a: np.ndarray, rows: int) -> np.ndarray:
     out = np.empty((max(rows, 2 * len(a)), *a.shape[1:]), dtype=a.dtype)
     out[: len(a)] = a
     return out
 
 
-def decode_window(image, start: int, stop_at: int, file_size: int, base: int, max_size: int,
-                  check_crc: bool) -> WindowDecode:
+class DecodeScratch:
+    """The buffers the kernel writes into, kept from one window to the next so that a reader neither
+    allocates nor faults in fresh memory for every batch."""
+
+    __slots__ = ("keys", "records", "table", "text", "topics")
+
+    def __init__(self) -> None:
+        self.records = np.empty((RECORD_COLUMNS, 0), dtype=np.int64)
+        self.keys = np.empty((KEY_COLUMNS, _KEYS_FIRST_GUESS), dtype=np.int64)
+        self.text = np.empty(_TEXT_FIRST_GUESS, dtype=np.uint8)
+        self.topics = np.empty((_INITIAL_TOPICS, TOPIC_COLUMNS), dtype=np.int64)
+        self.table = np.empty(4 * _INITIAL_TOPICS, dtype=np.int64)
+
+
+def decode_window(image, start: int, stop_at: int, file_size: int, base: int, max_size: int, check_crc: bool,
+                  scratch: DecodeScratch | None = None) -> WindowDecode:
     """Decode the records of the segment image `image` (any byte buffer) from `start`, stopping before the
     first record that starts at or after `stop_at`, at a BLANK, at a zero TOTALSIZE or at a record that
     does not decode. `base` is the segment's CommitLog offset."""
-    rows = max(_MIN_ROWS, min((stop_at - start) // 2**20 + 1, 64) * _ROWS_PER_MIB)
-    records = np.empty((rows, RECORD_COLUMNS), dtype=np.int64)
-    keys = np.empty((2 * rows, KEY_COLUMNS), dtype=np.int64)
-    text = np.empty(64 * rows, dtype=np.uint8)
-    topics = np.empty((_INITIAL_TOPICS, TOPIC_COLUMNS), dtype=np.int64)
-    table = np.empty(4 * _INITIAL_TOPICS, dtype=np.int64)
+    s = scratch or DecodeScratch()
+    # records never outnumber the window's bytes over the smallest record: room for that many (only the
+    # entries written are ever touched); keys, text and topics grow when a window needs more
+    rows = max(0, stop_at - start) // MIN_RECORD_SIZE + 1
+    if s.records.shape[1] < rows:
+        s.records = np.empty((RECORD_COLUMNS, rows), dtype=np.int64)
     state = np.zeros(STATE_COLUMNS, dtype=np.int64)
     pos = start
     while True:
         stop, pos, error, e1, e2, e3 = _kernels.decode_window(
-            image, pos, stop_at, file_size, base, max_size, check_crc, records, keys, text, topics, table, state)
+            image, pos, stop_at, file_size, base, max_size, check_crc, s.records, s.keys, s.text, s.topics,
+            s.table, state)
         if stop != STOP_FULL:
             break
         if e1 & FULL_RECORDS:
-            records = _grown(records, len(records) + 1)
+            s.records = _wider(s.records, s.records.shape[1] + 1)
         if e1 & FULL_KEYS:
-            keys = _grown(keys, int(state[_S_KEYS]) + e2)
+            s.keys = _wider(s.keys, int(state[_S_KEYS]) + e2)
         if e1 & FULL_TEXT:
-            text = _grown(text, int(state[_S_TEXT]) + e3)
+            s.text = _longer(s.text, int(state[_S_TEXT]) + e3)
         if e1 & FULL_TOPICS:
-            topics = _grown(topics, len(topics) + 1)
+            s.topics = _longer(s.topics, len(s.topics) + 1)
         if e1 & FULL_TABLE:
-            table = np.empty(2 * len(table), dtype=np.int64)
+            s.table = np.empty(2 * len(s.table), dtype=np.int64)
     n, nkeys, ntext, ntopics = (int(x) for x in state)
-    return WindowDecode(records[:n], keys[:nkeys], text[:ntext].tobytes(), topics[:ntopics], stop, pos, error,
-                        (e1, e2, e3))
+    return WindowDecode(s.records[:, :n], s.keys[:, :nkeys], s.text[:ntext].tobytes(), s.topics[:ntopics],
+                        stop, pos, error, (e1, e2, e3))
 
 
 java_hash_utf8 = _kernels.java_hash_utf8
@@ -121,6 +146,6 @@ java_hash_utf8 = _kernels.java_hash_utf8
 __all__ = [
     "K_HASH", "K_OWNER", "R_DELAY_AT", "R_DELAY_LEN", "R_KEYS_AT", "R_KEYS_LEN", "R_PHY", "R_PREPARED_OFFSET",
     "R_QUEUE_ID", "R_QUEUE_OFFSET", "R_SIZE", "R_STORE_TIMESTAMP", "R_SYS_FLAG", "R_TAGS_CODE", "R_TOPIC_ID",
-    "R_UNIQ_AT", "R_UNIQ_LEN", "STOP_BLANK", "STOP_END", "STOP_ERROR", "STOP_LIMIT", "T_AT", "T_LEN",
-    "WindowDecode", "decode_window", "java_hash_utf8",
+    "R_UNIQ_AT", "R_UNIQ_LEN", "STOP_BLANK", "STOP_END", "STOP_ERROR", "STOP_LIMIT", "T_AT", "T_FIRST", "T_LEN",
+    "DecodeScratch", "WindowDecode", "decode_window", "java_hash_utf8",
 ]

@@ -40,6 +40,7 @@ BLANK_UNIT = CQ_UNIT.pack(0, BLANK_UNIT_MSG_SIZE, 0)
 DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE = 300_000 * CQ_UNIT_SIZE
 RECOVER_FROM_LAST_FILES = 3  # ConsumeQueue.recover starts at the third-newest file
 CONSUME_QUEUE_DIR = "consumequeue"
+_RADIX_KEYS = 1 << 16
 
 
 class ConsumeQueueUnit(NamedTuple):
@@ -98,6 +99,32 @@ def _valid_prefix(units: np.ndarray, below_phy: int | None = None) -> int:
         stop |= units["commit_log_offset"] >= below_phy
     first = np.flatnonzero(stop)
     return int(first[0]) if len(first) else len(units)
+
+
+def pack_units(commit_log_offset: np.ndarray, msg_size: np.ndarray, tags_code: np.ndarray) -> np.ndarray:
+    """Units as they lie in the file, big-endian, one per element."""
+    units = np.empty(len(commit_log_offset), dtype=CQ_UNIT_DTYPE)
+    units["commit_log_offset"] = commit_log_offset
+    units["msg_size"] = msg_size
+    units["tags_code"] = tags_code
+    return units
+
+
+def _group_by_queue(rows: np.ndarray, topic_id: np.ndarray, queue_id: np.ndarray, topics: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """`rows` reordered queue by queue, CommitLog order kept inside a queue, with each row's queue key.
+
+    A stable sort; when the queues of a batch number at most 2**16, their keys fit 16 bits and numpy's
+    stable sort of them is a radix sort, linear in the batch.
+    """
+    qmin = int(queue_id.min())
+    span = int(queue_id.max()) - qmin + 1
+    if topics * span <= _RADIX_KEYS:
+        key = (topic_id.astype(np.int64) * span + (queue_id - qmin)).astype(np.uint16)
+    else:
+        key = (topic_id.astype(np.int64) << 32) | (queue_id.astype(np.int64) & 0xFFFFFFFF)
+    order = np.argsort(key, kind="stable")
+    return rows[order], key[order]
 
 
 class ConsumeQueue:
@@ -197,16 +224,16 @@ class ConsumeQueue:
                   tags_code: np.ndarray) -> PutStats:
         """`putMessagePositionInfo` for units in CommitLog order, writing each run of consecutive
         queue offsets with one copy. Repeats are skipped, as the broker skips them."""
+        ends = commit_log_offset.astype(np.int64) + msg_size
+        return self.put_packed(queue_offset.astype(np.int64, copy=False), pack_units(commit_log_offset, msg_size,
+                                                                                     tags_code), ends)
+
+    def put_packed(self, qo: np.ndarray, units: np.ndarray, ends: np.ndarray) -> PutStats:
+        """`put_units` with the units already laid out (CQ_UNIT_DTYPE) and each one's CommitLog end."""
         stats = PutStats()
-        n = len(queue_offset)
+        n = len(qo)
         if n == 0:
             return stats
-        qo = queue_offset.astype(np.int64, copy=False)
-        units = np.empty(n, dtype=CQ_UNIT_DTYPE)
-        units["commit_log_offset"] = commit_log_offset
-        units["msg_size"] = msg_size
-        units["tags_code"] = tags_code
-        ends = commit_log_offset.astype(np.int64) + msg_size
         breaks = np.flatnonzero(np.diff(qo) != 1) + 1
         i = 0
         while i < n:
@@ -313,6 +340,11 @@ class ConsumeQueue:
         flushed when the next one is opened."""
         return self._path(self._last_start) if self._files else None
 
+    def release(self) -> None:
+        """Unmap the pages of the writing file from this process (`MappedFile.release`)."""
+        if self._last is not None:
+            self._last.release()
+
     def flush(self) -> None:
         if self._last is not None:
             self._last.flush()
@@ -364,15 +396,15 @@ class ConsumeQueueStore:
         idx = np.flatnonzero(batch.consume_queue_mask())
         if len(idx) == 0:
             return stats
-        group = (batch.topic_id[idx].astype(np.int64) << 32) | batch.queue_id[idx].astype(np.int64)
-        order = np.argsort(group, kind="stable")
-        idx, group = idx[order], group[order]
-        bounds = np.flatnonzero(np.diff(group)) + 1
-        for part in np.split(idx, bounds):
-            first = int(part[0])
+        idx, group = _group_by_queue(idx, batch.topic_id[idx], batch.queue_id[idx], len(batch.topics))
+        phy, size = batch.phy_offset[idx], batch.msg_size[idx]
+        units = pack_units(phy, size, batch.tags_code[idx])
+        qo, ends = batch.queue_offset[idx], phy + size
+        starts = np.flatnonzero(group[1:] != group[:-1]) + 1
+        for lo, hi in zip([0, *starts.tolist()], [*starts.tolist(), len(idx)], strict=True):
+            first = int(idx[lo])
             cq = self.queue(batch.topic_of(first), int(batch.queue_id[first]))
-            stats.add(cq.put_units(batch.queue_offset[part], batch.phy_offset[part], batch.msg_size[part],
-                                   batch.tags_code[part]))
+            stats.add(cq.put_packed(qo[lo:hi], units[lo:hi], ends[lo:hi]))
         return stats
 
     def max_physic_offset(self) -> int:

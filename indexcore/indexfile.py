@@ -342,5 +342,9 @@ class IndexFile:
         (the OS writes back what the puts wrote), so a rolled file with no entry yet keeps indexCount 0."""
         self._file.flush()
 
+    def release(self) -> None:
+        """Unmap this file's pages from this process (`MappedFile.release`)."""
+        self._file.release()
+
     def close(self) -> None:
         self._file.close()

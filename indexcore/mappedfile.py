@@ -56,7 +56,8 @@ def _preallocate(fd: int, path: str, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            raise OSError(e.errno, f"cannot allocate {size} bytes for {path}: {e.strerror}") from None
+            # the path as `filename`, so a caller can name the file without parsing the message
+            raise OSError(e.errno, f"cannot allocate {size} bytes ({e.strerror})", path) from None
         os.ftruncate(fd, size)
 
 
@@ -98,6 +99,13 @@ class MappedFile:
         """Force the mapping to disk (msync); data written before this call survives a crash."""
         if not self.readonly:
             self._mm.flush()
+
+    def release(self) -> None:
+        """Drop this process's page-table entries for the whole mapping (MADV_DONTNEED). The data stays in
+        the page cache, dirty or not, and is faulted back in on the next access; a long-running writer
+        calls this after each flush so its RSS does not grow with the files it has written."""
+        if not self._mm.closed:
+            self._mm.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
         if not self._mm.closed:

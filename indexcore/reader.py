@@ -43,7 +43,9 @@ from indexcore.batchdecode import (
     STOP_ERROR,
     STOP_LIMIT,
     T_AT,
+    T_FIRST,
     T_LEN,
+    DecodeScratch,
     decode_window,
 )
 from indexcore.commitlog import (
@@ -85,64 +87,64 @@ class SegmentDecode:
 
 def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, max_bytes: int,
                    check_crc: bool = True, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-                   delay_table: DelayLevelTable | None = None) -> SegmentDecode:
+                   delay_table: DelayLevelTable | None = None, scratch: DecodeScratch | None = None) -> SegmentDecode:
     """Decode records of one mapped segment from `start` into a DispatchBatch.
 
     Stops before the first record that starts `max_bytes` or more past `start`, at a BLANK, at a zero
     TOTALSIZE, or at a record that fails to decode (the error is returned, not raised, with the
-    records before it, so they can still be dispatched).
+    records before it, so they can still be dispatched). `scratch`, when given, is reused for the kernel's
+    buffers; the batch owns copies of what it needs.
     """
     base = segment_offset
     w = decode_window(buf, start, min(segment_size, start + max_bytes), segment_size, base, max_message_size,
-                      check_crc)
+                      check_crc, scratch)
     rec = w.records
-    n, stop, end = len(rec), w.stop, w.position
+    n, stop, end = rec.shape[1], w.stop, w.position
     error = record_error(w.error, *w.details) if stop == STOP_ERROR else None
     topics: list[str] = []
-    for t, (at, length) in enumerate(w.topics[:, [T_AT, T_LEN]].tolist()):  # numbered by first appearance
-        first = int(np.argmax(rec[:, R_TOPIC_ID] == t))
-        magic = RECORD_PREFIX.unpack_from(buf, int(rec[first, R_PHY]) - base)[1]
+    for at, length, first in w.topics[:, [T_AT, T_LEN, T_FIRST]].tolist():  # in order of first appearance
+        magic = RECORD_PREFIX.unpack_from(buf, int(rec[R_PHY, first]) - base)[1]
         try:
             topics.append(check_topic(bytes(buf[at : at + length]), magic))
         except CorruptRecordError as e:
             if first < n:
                 n, stop, error = first, STOP_ERROR, e
             topics.append("")
-    tags_code = rec[:n, R_TAGS_CODE].copy()
+    tags_code = rec[R_TAGS_CODE, :n].copy()
     if SCHEDULE_TOPIC in topics:
-        scheduled = (rec[:n, R_TOPIC_ID] == topics.index(SCHEDULE_TOPIC)) & (rec[:n, R_DELAY_AT] >= 0)
+        scheduled = (rec[R_TOPIC_ID, :n] == topics.index(SCHEDULE_TOPIC)) & (rec[R_DELAY_AT, :n] >= 0)
         for i in np.flatnonzero(scheduled).tolist():
-            at, length = int(rec[i, R_DELAY_AT]), int(rec[i, R_DELAY_LEN])
+            at, length = int(rec[R_DELAY_AT, i]), int(rec[R_DELAY_LEN, i])
             raw = bytes(buf[at : at + length])
             level = parse_java_int(raw.decode("utf-8", "replace"))
             if level is None:
                 n, stop = i, STOP_ERROR
                 error = CorruptRecordError("properties.DELAY", f"{raw!r} is not an integer")
                 break
-            code = delay_tags_code(level, int(rec[i, R_STORE_TIMESTAMP]), delay_table or DelayLevelTable())
+            code = delay_tags_code(level, int(rec[R_STORE_TIMESTAMP, i]), delay_table or DelayLevelTable())
             if code is not None:
                 tags_code[i] = code
-    if n < len(rec):
-        end = int(rec[n, R_PHY]) - base
+    if n < rec.shape[1]:
+        end = int(rec[R_PHY, n]) - base
     if error is not None:
         error = error.located(None, base + end)
-    rec = rec[:n]
-    keys = w.keys[: int(np.searchsorted(w.keys[:, K_OWNER], n))]
+    rec = rec[:, :n]
+    keys = w.keys[:, : int(np.searchsorted(w.keys[K_OWNER], n))]
     batch = DispatchBatch(
-        phy_offset=rec[:, R_PHY].copy(),
-        msg_size=rec[:, R_SIZE].astype(np.int32),
-        queue_id=rec[:, R_QUEUE_ID].astype(np.int32),
-        queue_offset=rec[:, R_QUEUE_OFFSET].copy(),
-        sys_flag=rec[:, R_SYS_FLAG].astype(np.int32),
-        store_timestamp=rec[:, R_STORE_TIMESTAMP].copy(),
+        phy_offset=rec[R_PHY].copy(),
+        msg_size=rec[R_SIZE].astype(np.int32),
+        queue_id=rec[R_QUEUE_ID].astype(np.int32),
+        queue_offset=rec[R_QUEUE_OFFSET].copy(),
+        sys_flag=rec[R_SYS_FLAG].astype(np.int32),
+        store_timestamp=rec[R_STORE_TIMESTAMP].copy(),
         tags_code=tags_code[:n],
-        prepared_transaction_offset=rec[:, R_PREPARED_OFFSET].copy(),
-        topic_id=rec[:, R_TOPIC_ID].astype(np.int32),
+        prepared_transaction_offset=rec[R_PREPARED_OFFSET].copy(),
+        topic_id=rec[R_TOPIC_ID].astype(np.int32),
         topics=tuple(topics),
-        keys=StringColumn(w.text, rec[:, R_KEYS_AT].copy(), rec[:, R_KEYS_LEN].copy()),
-        uniq_key=StringColumn(w.text, rec[:, R_UNIQ_AT].copy(), rec[:, R_UNIQ_LEN].copy()),
-        key_hash=keys[:, K_HASH].astype(np.int32),
-        key_owner=keys[:, K_OWNER].astype(np.int32),
+        keys=StringColumn(w.text, rec[R_KEYS_AT].copy(), rec[R_KEYS_LEN].copy()),
+        uniq_key=StringColumn(w.text, rec[R_UNIQ_AT].copy(), rec[R_UNIQ_LEN].copy()),
+        key_hash=keys[K_HASH].astype(np.int32),
+        key_owner=keys[K_OWNER].astype(np.int32),
         start_offset=base + start,
         end_offset=base + end,
     )
@@ -281,6 +283,7 @@ class CommitLogReader:
         self.delay_table = delay_table or DelayLevelTable()
         self.batch_bytes = batch_bytes
         self._mapped: tuple[str, mmap.mmap] | None = None
+        self._scratch = DecodeScratch()
 
     def _map(self, path: str) -> mmap.mmap:
         if self._mapped is not None and self._mapped[0] == path:
@@ -349,7 +352,8 @@ class CommitLogReader:
         seg_start = log.segment_start(offset)
         result = decode_segment(mm, offset - seg_start, segment_offset=seg_start, segment_size=size,
                                 max_bytes=self.batch_bytes, check_crc=self.check_crc,
-                                max_message_size=self.max_message_size, delay_table=self.delay_table)
+                                max_message_size=self.max_message_size, delay_table=self.delay_table,
+                                scratch=self._scratch)
         batch, at = result.batch, seg_start + result.position
         _release(mm, offset - seg_start, result.position)
         if result.stop is Stop.LIMIT:

@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from indexcore import _kernels, commitlog, indexfile
-from indexcore.batchdecode import decode_window
+from indexcore.batchdecode import DecodeScratch, decode_window
 from indexcore.commitlog import END_FILE_MIN_BLANK_LENGTH, Host, MessageRecord, body_crc32, encode_properties
 from indexcore.dispatch import index_keys_of
 from indexcore.javahash import index_key_hash, java_string_hash
@@ -83,17 +83,35 @@ def test_outputs_grow_past_every_first_guess() -> None:
         records.append(r)
         pos += r.total_size
     image = _segment(records, 1 << 20)
-    w = decode_window(image, 0, len(image), len(image), 0, 1 << 20, True)
-    assert len(w.records) == 400
+    scratch = DecodeScratch()
+    scratch.keys = np.empty((2, 1), dtype=np.int64)
+    scratch.text = np.empty(1, dtype=np.uint8)
+    w = decode_window(image, 0, len(image), len(image), 0, 1 << 20, True, scratch)
+    assert w.records.shape[1] == 400
     assert len(w.topics) == 150
     expected = []
     for i, r in enumerate(records):
         props = r.property_map()
         expected += [(index_key_hash(k), i) for k in index_keys_of(r.topic, props["UNIQ_KEY"], props["KEYS"])]
-    assert [tuple(k) for k in w.keys.tolist()] == expected
+    assert [tuple(k) for k in w.keys.T.tolist()] == expected
     batch = decode_segment(image, 0, segment_offset=0, segment_size=len(image), max_bytes=len(image)).batch
     assert list(batch.keys) == [r.property_map()["KEYS"] for r in records]
     assert [batch.topic_of(i) for i in range(400)] == [r.topic for r in records]
+
+
+def test_kernel_stops_before_a_record_its_tables_cannot_hold() -> None:
+    """STOP_FULL leaves the record for the next call: position and counters stay at the record before."""
+    records = [_record("t", 0, {"KEYS": "a"})]
+    records.append(_record("t", records[0].total_size, {"KEYS": "b"}))
+    image = _segment(records, 4096)
+    rec = np.empty((_kernels.RECORD_COLUMNS, 1), dtype=np.int64)
+    keys = np.empty((2, 8), dtype=np.int64)
+    state = np.zeros(_kernels.STATE_COLUMNS, dtype=np.int64)
+    stop, pos, _, full, _, _ = _kernels.decode_window(
+        image, 0, 4096, 4096, 0, 1 << 20, True, rec, keys, np.empty(64, np.uint8),
+        np.empty((4, _kernels.TOPIC_COLUMNS), np.int64), np.empty(16, np.int64), state)
+    assert (stop, pos, full) == (_kernels.STOP_FULL, records[0].total_size, _kernels.FULL_RECORDS)
+    assert state.tolist()[:2] == [1, 1]
 
 
 def test_batch_stops_before_the_first_record_of_an_unsafe_topic() -> None:
