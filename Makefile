@@ -24,8 +24,7 @@ lint: $(BIN)/reputd
 	$(BIN)/ruff check .
 
 bench: $(BIN)/reputd
-	$(BIN)/python bench/bench_live.py
-	$(BIN)/python bench/bench_backfill.py
+	$(BIN)/python bench/bench_suite.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -39,6 +39,11 @@ class Dispatcher(Protocol):
     def close(self) -> None: ...
 
 
+# While catching up, an IndexFile gets millions of entries between two flushes: drop its pages from the
+# RSS every this many keys (about 20 MB of entries) instead of only at the flush.
+RELEASE_AFTER_KEYS = 1 << 20
+
+
 @dataclass(slots=True)
 class FlushPlan:
     """Files to fsync outside the dispatch lock. `complete` is False when dispatched data is left
@@ -130,6 +135,7 @@ class IndexDispatcher:
         self.stats = IndexStats()
         self._log = get_logger(dispatcher=self.name)
         self._flushed: IndexState | None = None  # the newest file's state at its last sync
+        self._keys_since_release = 0
 
     def dispatch(self, batch: DispatchBatch) -> None:
         stats = self.service.build_index(batch)
@@ -137,6 +143,10 @@ class IndexDispatcher:
             self._log.info("index_file_rolled", files=self.service.names[-stats.files_created:])
         self.stats.keys_put += stats.keys_put
         self.stats.files_created += stats.files_created
+        self._keys_since_release += stats.keys_put
+        if self._keys_since_release >= RELEASE_AFTER_KEYS and self.service.last_file is not None:
+            self.service.last_file.release()
+            self._keys_since_release = 0
 
     def files(self) -> int:
         return len(self.service.names)
@@ -151,6 +161,7 @@ class IndexDispatcher:
         if state is None or state == self._flushed:
             return FlushPlan()
         self.service.last_file.release()  # written pages leave the RSS; the page cache keeps them
+        self._keys_since_release = 0
 
         def done() -> None:
             self._flushed = state
