@@ -68,7 +68,7 @@ enum { STOP_LIMIT, STOP_BLANK, STOP_END, STOP_ERROR, STOP_FULL };
 enum {
     ERR_NO_BLANK = 1, ERR_BLANK_SIZE, ERR_MAGIC, ERR_TOTAL_SMALL, ERR_TOTAL_MAX, ERR_TOTAL_PAST,
     ERR_PHYSICAL_OFFSET, ERR_BODY_LENGTH, ERR_BODY_CRC, ERR_TOPIC_LENGTH_END, ERR_TOPIC_LENGTH,
-    ERR_PROPERTIES_LENGTH, ERR_PARTS
+    ERR_PROPERTIES_LENGTH, ERR_PARTS, ERR_FIXED_PART
 };
 /* which output is full (bits of e1 with STOP_FULL) */
 enum { FULL_RECORDS = 1, FULL_KEYS = 2, FULL_TEXT = 4, FULL_TOPICS = 8, FULL_TABLE = 16 };
@@ -305,6 +305,7 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
         int64_t born_end = pos + BORN_HOST_OFFSET + ((sys_flag & BORNHOST_V6_FLAG) ? HOST_V6_LENGTH : HOST_V4_LENGTH);
         int64_t store_end = born_end + STORE_HOST_AFTER_BORN_HOST
                             + ((sys_flag & STOREHOSTADDRESS_V6_FLAG) ? HOST_V6_LENGTH : HOST_V4_LENGTH);
+        if (store_end + BODY_AFTER_STORE_HOST > end) FAIL(ERR_FIXED_PART, total, store_end + BODY_AFTER_STORE_HOST - pos);
         int64_t phy = be64(at + PHYSICAL_OFFSET_OFFSET);
         if (phy != base + pos) FAIL(ERR_PHYSICAL_OFFSET, phy, base + pos);
         int64_t body_len = be32(buf + store_end + BODY_LENGTH_AFTER_STORE_HOST);
@@ -619,7 +620,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         {"STOP_ERROR", STOP_ERROR}, {"STOP_FULL", STOP_FULL},
         {"FULL_RECORDS", FULL_RECORDS}, {"FULL_KEYS", FULL_KEYS}, {"FULL_TEXT", FULL_TEXT},
         {"FULL_TOPICS", FULL_TOPICS}, {"FULL_TABLE", FULL_TABLE},
-        {"ERR_NO_BLANK", ERR_NO_BLANK}, {"ERR_PARTS", ERR_PARTS},
+        {"ERR_NO_BLANK", ERR_NO_BLANK}, {"ERR_PARTS", ERR_PARTS}, {"ERR_FIXED_PART", ERR_FIXED_PART},
         {"R_PHY", R_PHY}, {"R_SIZE", R_SIZE}, {"R_QUEUE_ID", R_QUEUE_ID}, {"R_QUEUE_OFFSET", R_QUEUE_OFFSET},
         {"R_SYS_FLAG", R_SYS_FLAG}, {"R_STORE_TIMESTAMP", R_STORE_TIMESTAMP},
         {"R_PREPARED_OFFSET", R_PREPARED_OFFSET}, {"R_TAGS_CODE", R_TAGS_CODE}, {"R_TOPIC_ID", R_TOPIC_ID},

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ipaddress
 import struct
+import unicodedata
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ TOPIC_LENGTH_SIZE_V2 = 2
 PROPERTIES_LENGTH = struct.Struct(">h")
 TOPIC_LENGTH_V2 = struct.Struct(">h")
 MAX_TOPIC_LENGTH_V1 = 127
+MAX_TOPIC_NAME_BYTES = 255  # NAME_MAX: the topic is a directory name under consumequeue/
 MAX_PROPERTIES_LENGTH = 32767
 DEFAULT_MAX_MESSAGE_SIZE = 4 * 1024 * 1024
 DEFAULT_MAPPED_FILE_SIZE_COMMIT_LOG = 1024 * 1024 * 1024
@@ -166,9 +168,11 @@ def check_topic(raw: bytes, magic: int = MESSAGE_MAGIC_CODE) -> str:
         topic = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise CorruptRecordError("topic", f"not valid UTF-8: {raw!r}") from None
+    if len(raw) > MAX_TOPIC_NAME_BYTES:
+        raise CorruptRecordError("topic", f"{len(raw)} bytes, over the {MAX_TOPIC_NAME_BYTES} of a directory name")
     if "/" in topic or "\\" in topic or ".." in topic or topic == ".":
         raise CorruptRecordError("topic", f"path separator or '..' in topic {topic!r}")
-    if any(c.isascii() and not c.isprintable() for c in topic):
+    if any(unicodedata.category(c) == "Cc" for c in topic):  # C0, DEL and C1
         raise CorruptRecordError("topic", f"NUL or control character in topic {topic!r}")
     return topic
 
@@ -319,6 +323,7 @@ ERR_TOPIC_LENGTH_END = 10
 ERR_TOPIC_LENGTH = 11
 ERR_PROPERTIES_LENGTH = 12
 ERR_PARTS = 13
+ERR_FIXED_PART = 14
 RECORD_ERRORS = {
     ERR_NO_BLANK: ("total_size", "segment ends without a BLANK record"),
     ERR_BLANK_SIZE: ("total_size", "BLANK record declares {} bytes, {} are left"),
@@ -333,6 +338,7 @@ RECORD_ERRORS = {
     ERR_TOPIC_LENGTH: ("topic_length", "{} does not fit in the record"),
     ERR_PROPERTIES_LENGTH: ("properties_length", "{} does not fit in the record"),
     ERR_PARTS: ("total_size", "its parts end {} bytes before TOTALSIZE does"),
+    ERR_FIXED_PART: ("total_size", "{} bytes cannot hold the {}-byte fixed part its SYSFLAG host bits imply"),
 }
 
 
@@ -402,6 +408,8 @@ def _decode(cls, buf, pos: int, check_crc: bool, max_message_size: int) -> Messa
     check_total_size(total, len(buf) - pos, max_message_size)
     sys_flag = struct.unpack_from(">i", buf, pos + SYS_FLAG_OFFSET)[0]
     fixed = fixed_part_struct(sys_flag)
+    if total < fixed.size:
+        raise record_error(ERR_FIXED_PART, total, fixed.size)
     (_, _, crc, queue_id, flag, queue_offset, phy, _, born_ts, born_addr, born_port, store_ts, store_addr,
      store_port, reconsume, prepared, body_len) = fixed.unpack_from(buf, pos)
     body_at = pos + fixed.size

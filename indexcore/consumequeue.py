@@ -161,6 +161,11 @@ class ConsumeQueue:
         for start, path in files[max(0, len(files) - RECOVER_FROM_LAST_FILES):]:
             units = _read_units(path)
             n = _valid_prefix(units)
+            if n < len(units) and units[n:].view(np.uint8).any():
+                # units are appended in order and truncation zeroes what it removes: written bytes after
+                # the first invalid unit are damage, and taking the queue as ending there would lose them
+                raise StoreLayoutError(path, f"unit {start // CQ_UNIT_SIZE + n} is not a valid unit, and "
+                                             "written units follow it")
             max_phy = _last_real_unit_end(units[:n])
             if max_phy >= 0:
                 self.max_physic_offset = max_phy

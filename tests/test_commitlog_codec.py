@@ -19,6 +19,7 @@ from indexcore.commitlog import (
     END_FILE_MIN_BLANK_LENGTH,
     MAX_PROPERTIES_LENGTH,
     MAX_TOPIC_LENGTH_V1,
+    MAX_TOPIC_NAME_BYTES,
     MESSAGE_MAGIC_CODE,
     MESSAGE_MAGIC_CODE_V2,
     STOREHOSTADDRESS_V6_FLAG,
@@ -53,7 +54,7 @@ hosts = st.builds(Host, st.one_of(st.binary(min_size=4, max_size=4), st.binary(m
 
 # Topic characters check_topic accepts: no path separators, no C0 control characters or DEL. Dots are
 # allowed, but ".." and "." are not.
-topic_chars = st.characters(min_codepoint=0x20, exclude_characters="/\\\x7f", exclude_categories=("Cs",))
+topic_chars = st.characters(exclude_characters="/\\", exclude_categories=("Cs", "Cc"))
 
 
 def _topic_ok(topic: str, limit: int | None) -> bool:
@@ -63,7 +64,7 @@ def _topic_ok(topic: str, limit: int | None) -> bool:
 
 topics_v1 = st.text(topic_chars, min_size=1, max_size=MAX_TOPIC_LENGTH_V1).filter(
     lambda t: _topic_ok(t, MAX_TOPIC_LENGTH_V1))
-topics_v2 = st.text(topic_chars, min_size=1, max_size=400).filter(lambda t: _topic_ok(t, 2**15 - 1))
+topics_v2 = st.text(topic_chars, min_size=1, max_size=255).filter(lambda t: _topic_ok(t, MAX_TOPIC_NAME_BYTES))
 
 # Property names never hold \x01 or \x02; values never hold \x02 but may hold \x01 (§4.2).
 prop_names = st.text(st.characters(exclude_characters="\x01\x02", exclude_categories=("Cs",)), min_size=1,

@@ -84,7 +84,7 @@ def test_kill_in_the_middle_of_a_batch_before_the_first_checkpoint(store, monkey
     store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
     store.append(800)
     session = open_session(config_of(store), ReputMetrics(lambda: None))
-    real_put = ConsumeQueue.put_units
+    real_put = ConsumeQueue.put_packed
     written = []
 
     def put_then_die(self, *args, **kwargs):
@@ -93,7 +93,7 @@ def test_kill_in_the_middle_of_a_batch_before_the_first_checkpoint(store, monkey
         written.append((self.topic, self.queue_id))
         return real_put(self, *args, **kwargs)
 
-    monkeypatch.setattr(ConsumeQueue, "put_units", put_then_die)
+    monkeypatch.setattr(ConsumeQueue, "put_packed", put_then_die)
     result = session.reader.read(session.dispatched_offset)
     def dispatch_batch():
         for d in session.dispatchers:
