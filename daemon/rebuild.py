@@ -22,6 +22,11 @@ from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import CorruptRecordError, StoreError
 from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
 
+# A rebuild has no latency to keep, and every batch costs a fixed amount of Python per queue: it reads at
+# least this much per batch (measured: 2,000,000 messages took 1.66 CPU-seconds in 4 MiB batches and
+# 1.13 in 32 MiB ones).
+REBUILD_BATCH_BYTES = 32 * 1024 * 1024
+
 
 @dataclass(slots=True)
 class RebuildSummary:
@@ -66,10 +71,11 @@ def open_commit_log(config: Config) -> CommitLog:
     return CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
 
 
-def make_reader(config: Config, log: CommitLog) -> CommitLogReader:
+def make_reader(config: Config, log: CommitLog, batch_bytes: int | None = None) -> CommitLogReader:
     store = config.store
     return CommitLogReader(log, check_crc=store.check_crc_on_recover, max_message_size=store.max_message_size,
-                           delay_table=DelayLevelTable(store.message_delay_level), batch_bytes=config.reput.batch_bytes)
+                           delay_table=DelayLevelTable(store.message_delay_level),
+                           batch_bytes=batch_bytes or config.reput.batch_bytes)
 
 
 def rebuild(config: Config, *, from_offset: int | None = None,
@@ -83,7 +89,7 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     summary = RebuildSummary(start_offset=offset)
     target = commit_log.max_offset
     dispatchers = build_dispatchers(config, out)
-    reader = make_reader(config, commit_log)
+    reader = make_reader(config, commit_log, max(config.reput.batch_bytes, REBUILD_BATCH_BYTES))
     log.info("rebuild_started", store=config.store.store_path_commit_log, output=out, from_offset=offset,
              segments=len(commit_log.segments), dispatchers=[getattr(d, "name", type(d).__name__) for d in dispatchers])
     started = time.perf_counter()
