@@ -12,6 +12,7 @@ CRC32 of its payload, so a torn or edited file is detected rather than trusted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import zlib
@@ -60,7 +61,9 @@ def write_checkpoint(output_dir: str, checkpoint: Checkpoint) -> None:
     tmp = path + _TMP_SUFFIX
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, data)
+        written = os.write(fd, data)
+        if written != len(data):  # a file system running out of room may take part of a write
+            raise OSError(errno.ENOSPC, f"wrote {written} of {len(data)} bytes", tmp)
         os.fsync(fd)
     finally:
         os.close(fd)

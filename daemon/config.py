@@ -529,6 +529,9 @@ class _Layers:
                 default = next(f.default for f in fields(_SECTION_CLASSES[key.section]) if f.name == key.attr)
             self.settings[key] = _Setting(default, cwd, "")
         self.dispatchers = tuple(DispatcherSpec(name, MappingProxyType({})) for name in BUILTIN_DISPATCHERS)
+        # Plug-ins the config file names. A plug-in is code to import, so only the file (trusted input) may
+        # name one; the environment and overrides may only choose among these and the built-ins.
+        self.file_plugins: dict[str, DispatcherSpec] = {}
 
     def set(self, key: _Key, value: Any, base_dir: str, origin: str) -> None:
         self.settings[key] = _Setting(_validate(key, value, origin), base_dir, origin)
@@ -546,6 +549,7 @@ class _Layers:
         for section, body in data.items():
             if section == _DISPATCHERS_SECTION:
                 self.dispatchers = _parse_dispatchers(body, origin)
+                self.file_plugins = {d.name: d for d in self.dispatchers if d.name not in BUILTIN_DISPATCHERS}
                 continue
             if section not in _SECTION_CLASSES:
                 owner = next((k.section for k in _KEY_LIST if k.name == section), None)
@@ -573,7 +577,8 @@ class _Layers:
             raw = env[var]
             origin = f"from {var}"
             if var == _DISPATCHERS_ENV:
-                self.dispatchers = _parse_dispatchers(_split_names(_parse_env_yaml(var, var, raw)), origin)
+                self.dispatchers = self._known_plugins_only(
+                    _parse_dispatchers(_split_names(_parse_env_yaml(var, var, raw)), origin), origin)
                 continue
             key = _ENV_KEYS.get(var)
             if key is None:
@@ -590,7 +595,7 @@ class _Layers:
             if value is None:
                 continue
             if dotted == _DISPATCHERS_SECTION:
-                self.dispatchers = _parse_dispatchers(_split_names(value), origin)
+                self.dispatchers = self._known_plugins_only(_parse_dispatchers(_split_names(value), origin), origin)
                 continue
             section, _, name = dotted.partition(".")
             key = _KEYS.get((section, name))
@@ -601,6 +606,27 @@ class _Layers:
             if isinstance(value, str) and key.kind not in _STRING_KINDS:
                 parsed = _parse_env_yaml(dotted, "override", value)
             self.set(key, parsed, cwd, origin)
+
+    def _known_plugins_only(self, specs: tuple[DispatcherSpec, ...], origin: str) -> tuple[DispatcherSpec, ...]:
+        """A dispatcher list from the environment or an override: built-ins, and plug-ins only as the config
+        file names them (with the file's options). Anything else would let an environment variable or a
+        flag make reputd import code, so it is refused (exit 2) and nothing is imported."""
+        out = []
+        for index, spec in enumerate(specs):
+            if spec.name in BUILTIN_DISPATCHERS:
+                out.append(spec)
+                continue
+            named = self.file_plugins.get(spec.name)
+            if named is None:
+                raise _error(
+                    f"{_DISPATCHERS_SECTION}[{index}]",
+                    f"plug-in {spec.name!r} is not named in the config file's dispatchers: list; a plug-in is "
+                    "code to import, so only the config file may name one (here, only built-ins "
+                    f"{', '.join(BUILTIN_DISPATCHERS)} and the file's plug-ins can be chosen)",
+                    origin,
+                )
+            out.append(named)
+        return tuple(out)
 
     def build(self, source: str | None) -> Config:
         kwargs: dict[str, dict[str, Any]] = {section: {} for section in _SECTION_CLASSES}

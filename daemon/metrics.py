@@ -102,6 +102,9 @@ class ReputMetrics:
         self.batch_messages = Histogram("reputd_batch_messages", "Messages per dispatched batch.",
                                         buckets=BATCH_BUCKETS, registry=r)
         self.checkpoints = Counter("reputd_checkpoints_written", "Checkpoint files written.", registry=r)
+        self.no_space = Counter("reputd_output_space_exhausted",
+                                "Output writes refused for lack of room (ENOSPC, EDQUOT, EFBIG), by stage.",
+                                ["stage"], registry=r)
         self.recoveries = Counter("reputd_recoveries", "Start-up recoveries, by decision.", ["decision"], registry=r)
         self.up = Gauge("reputd_health", "1 for the current health state.", ["state"], registry=r)
         info = Info("reputd_build", "Build information.", registry=r)

@@ -19,7 +19,9 @@ Recovery, in order of trust:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
+import errno
 import json
 import mmap
 import os
@@ -30,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
@@ -41,7 +44,9 @@ from daemon.logs import get_logger
 from daemon.metrics import DEGRADED, DOWN, HEALTHY, Health, Lag, MetricsServer, ReputMetrics
 from daemon.rebuild import make_reader
 from daemon.sdnotify import Notifier
+from indexcore.commitlog import RECORD_PREFIX, MessageRecord
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
+from indexcore.dispatch import DispatchBatch
 from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
 from indexcore.indexservice import INDEX_DIR
 from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
@@ -64,6 +69,11 @@ STATUS_INTERVAL_S = 2.0
 IN_FLIGHT_GRACE_S = 1.0
 MAX_QUARANTINES = 64
 FLUSH_FAILED = "flush failed"
+NO_SPACE = "output space exhausted"
+# errnos that mean "no room for the output": a full file system, a quota, or RLIMIT_FSIZE (SIGXFSZ, which
+# Python ignores, turns into EFBIG). Files are allocated in full when created, so these surface as an
+# OSError naming the file, never as SIGBUS on a write through a mapping.
+NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
 COMMITLOG_UNAVAILABLE = "CommitLog unavailable"
 CORRUPT_REASON = "corrupt"
 
@@ -107,6 +117,23 @@ class Session:
         return 0
 
 
+def no_space_error(error: BaseException) -> OSError | None:
+    """The OSError saying the output has no room, if that is what `error` is or was caused by."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _errno_name(error: BaseException) -> str | None:
+    code = getattr(error, "errno", None)
+    return errno.errorcode.get(code) if isinstance(code, int) else None
+
+
 # --- recovery -------------------------------------------------------------------------------------
 
 def _inside(path: str, directory: str) -> bool:
@@ -147,8 +174,8 @@ def _write_replay_marker(output_dir: str, offset: int, reason: str, log) -> Chec
     return marker
 
 
-def _build_with_quarantine(config: Config, output_dir: str, commit_log: CommitLog,
-                           log) -> tuple[list[Dispatcher], list[str]]:
+def _build_with_quarantine(config: Config, output_dir: str, commit_log: CommitLog, log,
+                           metrics: ReputMetrics | None = None) -> tuple[list[Dispatcher], list[str]]:
     moved: list[str] = []
     for _ in range(MAX_QUARANTINES):
         try:
@@ -159,6 +186,8 @@ def _build_with_quarantine(config: Config, output_dir: str, commit_log: CommitLo
             if not moved:
                 _write_replay_marker(output_dir, commit_log.min_offset, "output files quarantined", log)
             paths = quarantine(output_dir, e.path)
+            if metrics is not None:
+                metrics.errors.labels(kind="recovery").inc()  # one damaged output file, counted as it is moved
             log.error("output_file_quarantined", path=e.path, error=str(e), moved=paths,
                       to=os.path.join(output_dir, QUARANTINE_DIR))
             moved.extend(paths)
@@ -177,10 +206,11 @@ def open_session(config: Config, metrics: ReputMetrics) -> Session:
         log.error("checkpoint_corrupt", path=e.path, error=e.detail, decision="rebuild from the CommitLog")
         metrics.errors.labels(kind="checkpoint").inc()
         checkpoint = None
-    dispatchers, moved = _build_with_quarantine(config, out, commit_log, log)
+    dispatchers, moved = _build_with_quarantine(config, out, commit_log, log, metrics)
     if moved:
         checkpoint = read_checkpoint(out)  # the replay marker written before the first move
     if checkpoint is not None and checkpoint.reput_from_offset > commit_log.max_offset:
+        metrics.errors.labels(kind="checkpoint").inc()
         log.error("checkpoint_distrusted", reason="checkpoint is past the end of the CommitLog",
                   reput_from_offset=checkpoint.reput_from_offset, commit_log_max_offset=commit_log.max_offset)
         checkpoint = None
@@ -232,7 +262,121 @@ def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: d
     return start
 
 
-# --- the CommitLog's head, for the lag gauges --------------------------------------------------------
+# --- the CommitLog's head --------------------------------------------------------------------------
+
+def written_below(commit_log: CommitLog, offset: int, horizon: int) -> int:
+    """A point of the segment holding `offset` below which every byte a front-to-back writer meant to write
+    is in: the end of the last non-zero byte before the first all-zero page past `offset`'s page, found by
+    galloping then bisecting pages (a zero page inside a record only makes it lower), or simply a written
+    page `horizon` bytes on (no read ends past it). A record copied in another order (TOTALSIZE last) does
+    not decode before it is complete: only front-to-back copies need it."""
+    path = commit_log.find_segment(offset)
+    if path is None:
+        return offset
+    start = commit_log.segment_start(offset)
+    size = commit_log.segment_size
+    page = mmap.PAGESIZE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return offset
+
+    def zero(n: int) -> bool:
+        data = os.pread(fd, page, n * page)
+        return data.count(0) == len(data)
+
+    try:
+        first, pages = (offset - start) // page, -(-size // page)
+        far = (offset - start + horizon) // page
+        if far < pages and not zero(far):  # catching up: the writer is far ahead
+            return start + far * page
+        lo, step = first, 1  # page lo holds data (or is offset's own page); find a zero page above it
+        hi = min(lo + step, pages)
+        while hi < pages and not zero(hi):
+            lo, step = hi, step * 2
+            hi = min(lo + step, pages)
+        while hi - lo > 1:  # page lo: data or offset's page; page hi: zero (or the end)
+            mid = (lo + hi) // 2
+            if zero(mid):
+                hi = mid
+            else:
+                lo = mid
+        tail = os.pread(fd, page, lo * page).rstrip(b"\0")
+        return start + lo * page + len(tail)
+    except OSError:
+        return offset
+    finally:
+        os.close(fd)
+
+
+def hold_torn_tail(s: Session, offset: int, result: ReadResult, written: int) -> ReadResult:
+    """Dispatch only records that were complete when they were decoded.
+
+    A record copied front to back decodes as soon as its header, body (CRC-checked), topic and properties
+    length are in, while its properties still end in unwritten zeros: dispatched then, its KEYS, UNIQ_KEY
+    or TAGS would be cut short. `written` was taken before the read (`written_below`): records ending
+    below it were complete. The others were written while the read ran: the last one must be complete
+    now (its final byte written, or data after it, or no NUL in its properties: a record without
+    properties ends in its zero length), then all of them are decoded again and must match what the read
+    saw. The batch is cut before the first that fails; the rest is read again. (tests/test_torn_writes.py)
+    """
+    batch = result.batch
+    n = len(batch)
+    if not n or result.rolled or result.status is ReadStatus.CORRUPT:
+        return result
+    late = batch.phy_offset.astype(np.int64) + batch.msg_size > written
+    if not late.any():
+        return result
+    first = int(np.argmax(late))  # records lie in offset order: the late ones are a suffix
+    cut, pending = n, None
+    at, size = int(batch.phy_offset[n - 1]), int(batch.msg_size[n - 1])
+    path = s.commit_log.find_segment(at)
+    try:
+        with open(path, "rb") as f:  # before reading it again: what is complete now reads complete then
+            data = os.pread(f.fileno(), size + RECORD_PREFIX.size, at - s.commit_log.segment_start(at))
+        if len(data) >= size and not data[size - 1] and not any(data[size:]):
+            properties = MessageRecord.decode(data[:size], check_crc=False, max_message_size=size).properties
+            if b"\0" in properties:
+                cut = n - 1
+                pending = CorruptRecordError("properties", "last byte not written yet (properties end in zeros)",
+                                             path=path, offset=at)
+    except (OSError, TypeError, StoreError):
+        cut = n - 1  # the next read decides
+    start = int(batch.phy_offset[first])
+    again = _read_records(s, start, result.next_offset - start)
+    for i in range(first, cut):
+        j = i - first
+        if j >= len(again.batch) or not _same_dispatch(again.batch, j, batch, i):
+            cut = i
+            break
+    if cut == n:
+        return result
+    head = _read_records(s, offset, int(batch.phy_offset[cut]) - offset) if cut else None
+    if head is None or head.next_offset != int(batch.phy_offset[cut]):
+        head = ReadResult(DispatchBatch.empty(offset), offset, ReadStatus.OK)
+    return dataclasses.replace(result, batch=head.batch, next_offset=head.next_offset, error=None, pending=pending,
+                               status=ReadStatus.OK if pending is None else ReadStatus.END)
+
+
+def _read_records(s: Session, offset: int, max_bytes: int) -> ReadResult:
+    """The records that start in [offset, offset + max_bytes), decoded now."""
+    limit = s.reader.batch_bytes
+    s.reader.batch_bytes = max(max_bytes, 1)
+    try:
+        return s.reader.read(offset, verify_end=False)
+    finally:
+        s.reader.batch_bytes = limit
+
+
+def _same_dispatch(a, i: int, b, j: int) -> bool:
+    """Whether row `i` of batch `a` dispatches as row `j` of batch `b`."""
+    return (a.topic_of(i) == b.topic_of(j) and a.keys[i] == b.keys[j] and a.uniq_key[i] == b.uniq_key[j]
+            and all(int(getattr(a, c)[i]) == int(getattr(b, c)[j]) for c in _DISPATCH_COLUMNS))
+
+
+_DISPATCH_COLUMNS = ("phy_offset", "msg_size", "queue_id", "queue_offset", "sys_flag", "store_timestamp",
+                     "tags_code", "prepared_transaction_offset")
+
 
 def written_end(commit_log: CommitLog, offset: int) -> int:
     """End of the written data of the newest segment, found by bisecting its pages for the first page
@@ -291,6 +435,8 @@ class ReputService:
         self._reported: tuple[int, str] | None = None
         self._suspect: tuple[int, float] | None = None  # (offset, first seen) of a bad record at the head
         self._stalls = 0  # consecutive re-reads of an incomplete record
+        self._failed_at = -1  # dispatched offset when the last session failed: back off while stuck there
+        self._failure_reason = ""  # why the last session failed, kept in /healthz while waiting to retry
         self._last_progress = 0.0
         self.server: MetricsServer | None = None
 
@@ -386,20 +532,25 @@ class ReputService:
                 self.session = open_session(self.config, self.metrics)
             except (StoreError, OSError) as e:
                 self.metrics.errors.labels(kind="recovery").inc()
-                self._log.error("recovery_failed", error=str(e), retry_in_s=None if self.until_caught_up else backoff)
-                self._set_health(DOWN, str(e))
+                self._log.error("recovery_failed", error=str(e), errno=_errno_name(e),
+                                retry_in_s=None if self.until_caught_up else backoff)
+                reason = self._report_no_space("recovery", e) or str(e)
+                self._set_health(DOWN, reason)
                 if self.until_caught_up:
                     return EXIT_FAILURE
                 self._sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
-            started_at = self.session.dispatched_offset
+            self._failure_reason = ""
             outcome = self._run_session(self.session)
             code = self._close_session(self.session, outcome)
-            if self.session.dispatched_offset > started_at:
-                backoff = RETRY_MIN_S  # the failure is a new one, not the last one again
+            if outcome is Outcome.FAILED:
+                if self.session.dispatched_offset > self._failed_at:
+                    backoff = RETRY_MIN_S  # the failure is a new one, not the last one again
+                self._failed_at = self.session.dispatched_offset
             if outcome is Outcome.FAILED and not self.until_caught_up and not self._stop.is_set():
-                self._set_health(DEGRADED, "dispatch failed; restarting from the last checkpoint")
+                reason = self._failure_reason or "dispatch failed"
+                self._set_health(DEGRADED, f"{reason}; restarting from the last checkpoint in {backoff:g} s")
                 self._sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
@@ -461,8 +612,26 @@ class ReputService:
 
     def _flush_failed(self, error: Exception) -> None:
         self.metrics.errors.labels(kind="flush").inc()
-        self._log.error("flush_failed", error=f"{type(error).__name__}: {error}")
+        self._log.error("flush_failed", error=f"{type(error).__name__}: {error}", errno=_errno_name(error))
+        self._report_no_space("flush", error)
         self._set_health(DEGRADED, f"{FLUSH_FAILED}: {error}")
+
+    def _report_no_space(self, stage: str, error: BaseException, **fields) -> str | None:
+        """Name a full output explicitly (event, counter); returns the health reason, None if not that."""
+        cause = no_space_error(error)
+        if cause is None:
+            return None
+        self.metrics.no_space.labels(stage=stage).inc()
+        path = cause.filename or self.config.output.dir
+        free = None
+        with contextlib.suppress(OSError):
+            st = os.statvfs(self.config.output.dir)
+            free = st.f_bavail * st.f_frsize
+        self._log.error("output_space_exhausted", stage=stage, file=path, errno=_errno_name(cause),
+                        error=cause.strerror or str(cause), output_dir=self.config.output.dir, free_bytes=free,
+                        **fields, action="nothing past the checkpoint is trusted; retrying after a back-off"
+                        if stage != "flush" else "the checkpoint waits until a flush succeeds")
+        return f"{NO_SPACE} ({_errno_name(cause)}) writing {path}"
 
     def _watch(self, dirs):
         """Wake the loop on file events in the CommitLog directories: a new segment, a deletion, or data
@@ -496,12 +665,14 @@ class ReputService:
             if verify:
                 verified = now
             try:
+                written = written_below(s.commit_log, offset, s.reader.batch_bytes + s.reader.max_message_size)
                 result = s.reader.read(offset, verify_end=verify)
             except StoreLayoutError as e:  # the CommitLog directory vanished or holds a stray file
                 self._commit_log_unavailable(e)
                 if self.until_caught_up:
                     return Outcome.UNAVAILABLE
                 continue
+            result = hold_torn_tail(s, offset, result, written)
             if result.skipped_from is not None:
                 skipped = result.next_offset - result.skipped_from
                 self.metrics.skipped.labels(reason="retention").inc(skipped)
@@ -515,7 +686,10 @@ class ReputService:
             offset = result.next_offset
             if result.rolled:
                 self._log.info("segment_rolled", next_segment=offset)
-            if result.status is ReadStatus.OK or (result.status is ReadStatus.END and result.pending is None):
+            # only a verified read tells a clean end from a bad record (a zero TOTALSIZE with data after it
+            # reads as a plain end unverified): an unverified one must not restart the in-flight grace
+            if result.status is ReadStatus.OK or (result.status is ReadStatus.END and result.pending is None
+                                                  and verify):
                 self._suspect = None
             if result.status is ReadStatus.OK:
                 self._reported = None
@@ -566,9 +740,12 @@ class ReputService:
                         s.poisoned = True
                         self.metrics.errors.labels(kind="dispatch").inc()
                         self._log.error("dispatch_failed", dispatcher=d.name, error=f"{type(e).__name__}: {e}",
-                                        batch_start=batch.start_offset, batch_end=batch.end_offset,
-                                        checkpoint_offset=s.checkpoint_offset)
-                        self._set_health(DEGRADED, f"dispatcher {d.name} failed: {e}")
+                                        errno=_errno_name(e), batch_start=batch.start_offset,
+                                        batch_end=batch.end_offset, checkpoint_offset=s.checkpoint_offset)
+                        no_space = self._report_no_space("dispatch", e, dispatcher=d.name,
+                                                         checkpoint_offset=s.checkpoint_offset)
+                        self._failure_reason = no_space or f"dispatcher {d.name} failed: {e}"
+                        self._set_health(DEGRADED, self._failure_reason)
                         return False
                     counter.inc(n)
                 s.dispatched_store_timestamp = int(batch.store_timestamp[-1])

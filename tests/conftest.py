@@ -8,8 +8,21 @@ import struct as _struct
 from typing import NamedTuple as _NamedTuple
 
 import numpy as _np
+import pytest
 
 from indexcore.dispatch import DispatchBatch as _DispatchBatch
+from tests.stress import STRESS as _STRESS
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Suites marked `stress_only` belong to `make stress`: outside it they are deselected, not skipped."""
+    if _STRESS:
+        return
+    dropped = [item for item in items if item.get_closest_marker("stress_only")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not item.get_closest_marker("stress_only")]
+
 
 MODEL_INDEX_HEADER = _struct.Struct(">qqqqii")  # §8.2 header
 MODEL_INDEX_SLOT = _struct.Struct(">i")

@@ -293,7 +293,7 @@ def test_env_overrides_file(tmp_path: Path) -> None:
         "REPUTD_OUTPUT_DIR": "out",
         "REPUTD_REPUT_ON_CORRUPTION": "skip-segment",
         "REPUTD_STORE_STORE_PATH_COMMIT_LOG": "{storePathRootDir}/cl",
-        "REPUTD_DISPATCHERS": "index, my.plugins:Audit",
+        "REPUTD_DISPATCHERS": "index, consumequeue",
         "REPUTD_CONFIG": "/etc/reputd.yaml",
         "UNRELATED": "x",
     }
@@ -305,7 +305,7 @@ def test_env_overrides_file(tmp_path: Path) -> None:
     assert config.output.dir == str(tmp_path / "out")
     assert config.reput.on_corruption == "skip-segment"
     assert config.store.commit_log_dirs == (str(tmp_path / "var" / "store" / "cl"),)
-    assert [d.name for d in config.dispatchers] == ["index", "my.plugins:Audit"]
+    assert [d.name for d in config.dispatchers] == ["index", "consumequeue"]
 
 
 def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -282,33 +281,6 @@ def test_skip_segment_logs_counts_and_goes_on(tmp_path):
     assert skipped[0]["skipped_to"] == next_segment
     units = list((store.out / "consumequeue").rglob("0*"))
     assert units
-
-
-CRASH_TRIALS = int(os.environ.get("STRESS_CRASH_TRIALS", "6"))
-CRASH_SEED = int(os.environ.get("STRESS_CRASH_SEED", "20261121"))
-
-
-def test_kill9_at_random_moments_then_restart_is_byte_identical(store):
-    """The promise: kill -9 at any moment, restart, catch up -> the files of a clean rebuild."""
-    rng = random.Random(CRASH_SEED)
-    store.append(2000)
-    decisions = []
-    for trial in range(CRASH_TRIALS):
-        proc = store.start()
-        time.sleep(rng.uniform(0.3, 1.5))
-        store.append(rng.randint(50, 6000))
-        time.sleep(rng.uniform(0.0, 0.4))
-        proc.kill()
-        out, _ = proc.communicate(timeout=20)
-        assert proc.returncode == -signal.SIGKILL, f"trial {trial}: daemon was not running when killed"
-        decisions += [e["decision"] for e in events(out) if e["event"] == "recovered"]
-    res = store.run("--until-caught-up")
-    assert res.returncode == 0, res.stderr
-    decisions += [e["decision"] for e in events(res.stdout) if e["event"] == "recovered"]
-    assert len(decisions) <= CRASH_TRIALS + 1  # a kill during start-up comes before the recovery event
-    assert decisions[0] == "derived"
-    assert "checkpoint" in decisions[1:], "no trial recovered from a checkpoint"
-    assert_same_as_rebuild(store)
 
 
 def test_corrupt_checkpoint_is_reported_and_recovered_from_the_commitlog(store):
