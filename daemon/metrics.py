@@ -102,6 +102,8 @@ class ReputMetrics:
         self.batch_messages = Histogram("reputd_batch_messages", "Messages per dispatched batch.",
                                         buckets=BATCH_BUCKETS, registry=r)
         self.checkpoints = Counter("reputd_checkpoints_written", "Checkpoint files written.", registry=r)
+        self.reads = Counter("reputd_commitlog_reads", "Reads of the CommitLog by the reput loop (each may find "
+                             "nothing new): a few per poll interval when idle.", registry=r)
         self.no_space = Counter("reputd_output_space_exhausted",
                                 "Output writes refused for lack of room (ENOSPC, EDQUOT, EFBIG), by stage.",
                                 ["stage"], registry=r)

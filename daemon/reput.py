@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from watchdog.events import FileSystemEventHandler
+from watchdog.events import EVENT_TYPE_CLOSED_NO_WRITE, EVENT_TYPE_OPENED, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from daemon.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
@@ -75,6 +75,7 @@ NO_SPACE = "output space exhausted"
 # OSError naming the file, never as SIGBUS on a write through a mapping.
 NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
 COMMITLOG_UNAVAILABLE = "CommitLog unavailable"
+_READ_ONLY_EVENTS = frozenset((EVENT_TYPE_OPENED, EVENT_TYPE_CLOSED_NO_WRITE))
 CORRUPT_REASON = "corrupt"
 
 
@@ -640,7 +641,9 @@ class ReputService:
 
         class Wake(FileSystemEventHandler):
             def on_any_event(self, event):
-                wake.set()
+                # opening or reading a segment (reputd itself does, every loop) must not wake the loop
+                if event.event_type not in _READ_ONLY_EVENTS:
+                    wake.set()
 
         observer = Observer()
         try:
@@ -667,6 +670,7 @@ class ReputService:
             try:
                 written = written_below(s.commit_log, offset, s.reader.batch_bytes + s.reader.max_message_size)
                 result = s.reader.read(offset, verify_end=verify)
+                self.metrics.reads.inc()
             except StoreLayoutError as e:  # the CommitLog directory vanished or holds a stray file
                 self._commit_log_unavailable(e)
                 if self.until_caught_up:

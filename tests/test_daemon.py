@@ -199,6 +199,11 @@ def test_follows_a_growing_commitlog_then_stops_on_sigterm(store):
         assert m["reputd_flush_duration_seconds_count"] >= 1
         assert any(k.startswith("reputd_build_info{") for k in m)
         assert store.get("/nope")[0] == 404
+        # idle, the loop reads the CommitLog a few times per poll interval (500 ms), never in a busy loop: its
+        # own opens and reads of a segment raise inotify events, which must not wake it
+        reads = store.metrics()["reputd_commitlog_reads_total"]
+        time.sleep(2.0)
+        assert store.metrics()["reputd_commitlog_reads_total"] - reads <= 40
     finally:
         code, out, err = stop(proc)
     assert code == 0, err
