@@ -32,10 +32,12 @@ clean:
 # The long mode of every stress-capable suite (the test files that import tests.stress, then bench/soak.py
 # when present); each suite's figures are collected in stress-report.jsonl, printed at the end.
 STRESS_REPORT := stress-report.jsonl
+# suites with no long mode of their own whose cases the stress report lists too
+STRESS_ALSO := tests/test_corruption_modes.py tests/test_hostile_input.py
 stress: $(BIN)/reputd
 	@rm -f $(STRESS_REPORT); status=0; \
 	REPUTD_STRESS=1 REPUTD_STRESS_REPORT=$(STRESS_REPORT) $(BIN)/python -m pytest -q -s \
-		$$(grep -l "tests.stress\|from tests import stress" tests/test_*.py) || status=1; \
+		$$(grep -l "tests.stress\|from tests import stress" tests/test_*.py) $(STRESS_ALSO) || status=1; \
 	if test -f bench/soak.py; then \
 		REPUTD_STRESS=1 REPUTD_STRESS_REPORT=$(STRESS_REPORT) $(BIN)/python bench/soak.py || status=1; \
 	fi; \

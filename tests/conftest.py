@@ -12,6 +12,21 @@ import pytest
 
 from indexcore.dispatch import DispatchBatch as _DispatchBatch
 from tests.stress import STRESS as _STRESS
+from tests.stress import report as _report
+
+_OUTCOMES: dict[str, dict[str, list[str]]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """In stress mode, the outcome of every test, so the run's report lists each case tried."""
+    if _STRESS and (report.when == "call" or report.outcome != "passed"):
+        path, _, name = report.nodeid.partition("::")
+        _OUTCOMES.setdefault(path, {}).setdefault(report.outcome, []).append(name)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for path, outcomes in sorted(_OUTCOMES.items()):
+        _report(f"cases {path}", **{k: len(v) for k, v in outcomes.items()}, cases=outcomes)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
