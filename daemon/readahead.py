@@ -23,6 +23,7 @@ class ReadAhead:
         self._offset = offset
         self._results: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._done = False
         self._thread = threading.Thread(target=self._run, name="reputd-readahead", daemon=True)
         self._thread.start()
 
@@ -47,17 +48,20 @@ class ReadAhead:
                 continue
 
     def __iter__(self):
-        while True:
+        """The results, once: iterating again after the last one (or after `close`) yields nothing."""
+        while not self._done:
             item = self._results.get()
             if isinstance(item, BaseException):
+                self._done = True
                 raise item
             yield item
             if item.status is not ReadStatus.OK:
-                return
+                self._done = True
 
     def close(self) -> None:
         """Stop the thread and wait for it: the reader may be closed afterwards."""
         self._stop.set()
+        self._done = True
         self._thread.join()
 
     def __enter__(self) -> ReadAhead:

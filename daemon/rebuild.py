@@ -94,8 +94,9 @@ def rebuild(config: Config, *, from_offset: int | None = None,
              segments=len(commit_log.segments), dispatchers=[getattr(d, "name", type(d).__name__) for d in dispatchers])
     started = time.perf_counter()
     rolls = 0
-    ahead = ReadAhead(reader, offset)
+    ahead = None
     try:
+        ahead = ReadAhead(reader, offset)
         for result in ahead:
             _dispatch(dispatchers, result)
             summary.messages += len(result.batch)
@@ -118,7 +119,8 @@ def rebuild(config: Config, *, from_offset: int | None = None,
         for d in dispatchers:
             d.flush()
     finally:
-        ahead.close()
+        if ahead is not None:
+            ahead.close()
         reader.close()
         for d in dispatchers:
             d.close()

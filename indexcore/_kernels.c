@@ -52,6 +52,8 @@
 #define KEY_SEPARATOR 0x20
 #define INDEX_KEY_SEPARATOR 0x23
 #define REPLACEMENT_CHARACTER 0xFFFD
+#define SURROGATE_MIN 0xD800
+#define SURROGATE_MAX 0xDFFF
 
 /* IndexFile layout (indexfile.py) */
 #define INDEX_HEADER_SIZE 40
@@ -84,7 +86,6 @@ enum { T_AT, T_LEN, T_FIRST, T_FNV, T_JAVA_PREFIX, TOPIC_COLUMNS };
 /* the in/out counters */
 enum { S_RECORDS, S_KEYS, S_TEXT, S_TOPICS, STATE_COLUMNS };
 
-#define MASK32 0xFFFFFFFFULL
 #define FNV_OFFSET 0xCBF29CE484222325ULL
 #define FNV_PRIME 0x100000001B3ULL
 
@@ -159,8 +160,10 @@ static uint32_t body_crc32(const uint8_t *p, size_t len) {
 
 static inline uint32_t java_step(uint32_t h, uint32_t unit) { return h * 31u + unit; }
 
-/* Continue Java's String.hashCode `h` over the UTF-16 units of b[0:n] decoded from UTF-8, each maximal
- * ill-formed subsequence becoming one U+FFFD (the rule both Python's and Java's decoders follow). */
+/* Continue Java's String.hashCode `h` over the UTF-16 units of b[0:n] decoded from UTF-8 as the JDK's
+ * `new String(bytes, UTF_8)` decodes it: each maximal ill-formed subsequence becomes one U+FFFD, except
+ * that an encoded surrogate (ED A0..BF xx) is taken in as a three-byte sequence and replaced whole, where
+ * Python's decoder replaces its bytes one by one (tests/fixtures/java/utf8_hash_code.txt is the oracle). */
 static uint32_t java_hash_utf8(const uint8_t *b, int64_t n, uint32_t h) {
     int64_t i = 0;
     while (i < n) {
@@ -183,7 +186,6 @@ static uint32_t java_hash_utf8(const uint8_t *b, int64_t n, uint32_t h) {
         } else if (b0 >= 0xE0 && b0 <= 0xEF) {
             need = 2; cp = b0 & 0x0F;
             if (b0 == 0xE0) lo = 0xA0;
-            if (b0 == 0xED) hi = 0x9F;
         } else if (b0 >= 0xF0 && b0 <= 0xF4) {
             need = 3; cp = b0 & 0x07;
             if (b0 == 0xF0) lo = 0x90;
@@ -202,7 +204,7 @@ static uint32_t java_hash_utf8(const uint8_t *b, int64_t n, uint32_t h) {
             cp = (cp << 6) | (c & 0x3F);
             j++;
         }
-        if (!ok) {
+        if (!ok || (cp >= SURROGATE_MIN && cp <= SURROGATE_MAX)) {
             h = java_step(h, REPLACEMENT_CHARACTER);
         } else if (cp >= 0x10000) {
             cp -= 0x10000;
@@ -466,8 +468,8 @@ static PyObject *py_decode_window(PyObject *self, PyObject *args) {
         .cap_text = v[3].len, .cap_topics = v[4].len / (8 * TOPIC_COLUMNS), .table_size = table_size,
         .n = state[S_RECORDS], .nkeys = state[S_KEYS], .ntext = state[S_TEXT], .ntopics = state[S_TOPICS],
     };
-    if (o.n > o.cap_rec || o.nkeys > o.cap_keys || o.ntext > o.cap_text || o.ntopics > o.cap_topics
-        || 2 * o.ntopics > table_size) {
+    if (o.n < 0 || o.nkeys < 0 || o.ntext < 0 || o.ntopics < 0 || o.n > o.cap_rec || o.nkeys > o.cap_keys
+        || o.ntext > o.cap_text || o.ntopics > o.cap_topics || 2 * o.ntopics > table_size) {
         PyErr_SetString(PyExc_ValueError, "state: counters exceed the buffers");
         goto fail;
     }
@@ -530,9 +532,11 @@ static PyObject *py_put_keys(PyObject *self, PyObject *args) {
             prev = INVALID_INDEX;
             started++;
         }
-        int64_t diff = ts[i] >= begin_ts ? (ts[i] - begin_ts) / MS_PER_SECOND : 0;
-        if (begin_ts <= 0) diff = 0;
-        else if (diff > MAX_TIME_DIFF) diff = MAX_TIME_DIFF;
+        int64_t diff = 0;  /* seconds since the file's first entry, clamped to [0, MAX_TIME_DIFF] */
+        if (begin_ts > 0 && ts[i] > begin_ts) {
+            diff = (int64_t)(((uint64_t)ts[i] - (uint64_t)begin_ts) / MS_PER_SECOND);
+            if (diff > MAX_TIME_DIFF) diff = MAX_TIME_DIFF;
+        }
         uint8_t *entry = file + entries_at + INDEX_ENTRY_SIZE * index_count;
         put_be(entry, (uint64_t)hash[i], 4);
         put_be(entry + 4, (uint64_t)phy[i], 8);

@@ -141,11 +141,9 @@ def decode_window(image, start: int, stop_at: int, file_size: int, base: int, ma
                         stop, pos, error, (e1, e2, e3))
 
 
-java_hash_utf8 = _kernels.java_hash_utf8
-
 __all__ = [
     "K_HASH", "K_OWNER", "R_DELAY_AT", "R_DELAY_LEN", "R_KEYS_AT", "R_KEYS_LEN", "R_PHY", "R_PREPARED_OFFSET",
     "R_QUEUE_ID", "R_QUEUE_OFFSET", "R_SIZE", "R_STORE_TIMESTAMP", "R_SYS_FLAG", "R_TAGS_CODE", "R_TOPIC_ID",
     "R_UNIQ_AT", "R_UNIQ_LEN", "STOP_BLANK", "STOP_END", "STOP_ERROR", "STOP_LIMIT", "T_AT", "T_FIRST", "T_LEN",
-    "DecodeScratch", "WindowDecode", "decode_window", "java_hash_utf8",
+    "DecodeScratch", "WindowDecode", "decode_window",
 ]

@@ -366,9 +366,9 @@ def locate_parts(buf, body_at: int, body_len: int, end: int, magic: int, body_cr
                  ) -> tuple[int, int, int, int]:
     """Walk BODY, TOPIC and PROPERTIES of the record ending at `end`: each length must fit, the body must
     match `body_crc` (None: not checked; an empty body never is, as in Java), and the parts must fill the
-    record exactly. Returns (topic_at, topic_len, properties_at, properties_len). Both the whole-record
-    decoder and the reader's batch decoder rely on this one walk; pass a memoryview to checksum the body
-    without copying it."""
+    record exactly. Returns (topic_at, topic_len, properties_at, properties_len). The whole-record decoder
+    relies on this walk, and the batch decoder in C (`_kernels.c`) makes the same checks in the same order;
+    pass a memoryview to checksum the body without copying it."""
     if body_len < 0 or body_at + body_len > end:
         raise record_error(ERR_BODY_LENGTH, body_len)
     p = body_at + body_len

@@ -23,7 +23,7 @@ from indexcore.commitlog import (
     TRANSACTION_ROLLBACK_TYPE,
     TRANSACTION_TYPE_MASK,
 )
-from indexcore.javahash import hash_many, index_key_hash_many
+from indexcore.javahash import index_key_hash_many
 
 DEFAULT_MESSAGE_DELAY_LEVEL = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 DELAY_UNIT_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -84,15 +84,6 @@ def delay_tags_code(level: int, store_timestamp: int, table: DelayLevelTable) ->
     return None
 
 
-def tags_codes(tags: Sequence[str | None]) -> np.ndarray:
-    """tagsCode for each TAGS value: the Java hash sign-extended to int64; 0 for absent or empty."""
-    codes = np.zeros(len(tags), dtype=np.int64)
-    present = [i for i, t in enumerate(tags) if t]
-    if present:
-        codes[present] = hash_many([tags[i] for i in present]).astype(np.int64)
-    return codes
-
-
 def index_keys_of(topic: str, uniq_key: str | None, keys: str | None) -> list[str]:
     """`buildIndex` order: `topic#UNIQ_KEY` first, then `topic#token` for each non-empty KEYS token."""
     out = []
@@ -107,7 +98,8 @@ class StringColumn(Sequence):
     """A column of optional strings kept as UTF-8 bytes and decoded only when read.
 
     The dispatch path needs the hashes of KEYS and UNIQ_KEY, never the strings; plug-ins and tools that
-    want the strings get them here, decoded as Java decodes them (malformed bytes become U+FFFD).
+    want the strings get them here, malformed bytes replaced by U+FFFD as Python replaces them (Java differs
+    only on an encoded surrogate: one U+FFFD for its three bytes, which is what the hashes follow).
     """
 
     __slots__ = ("_at", "_length", "_text")
@@ -251,5 +243,4 @@ __all__ = [
     "index_keys_of",
     "parse_delay_levels",
     "parse_java_int",
-    "tags_codes",
 ]

@@ -112,6 +112,7 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
             topics.append("")
     tags_code = rec[R_TAGS_CODE, :n].copy()
     if SCHEDULE_TOPIC in topics:
+        delay_table = delay_table or DelayLevelTable()
         scheduled = (rec[R_TOPIC_ID, :n] == topics.index(SCHEDULE_TOPIC)) & (rec[R_DELAY_AT, :n] >= 0)
         for i in np.flatnonzero(scheduled).tolist():
             at, length = int(rec[R_DELAY_AT, i]), int(rec[R_DELAY_LEN, i])
@@ -121,7 +122,7 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
                 n, stop = i, STOP_ERROR
                 error = CorruptRecordError("properties.DELAY", f"{raw!r} is not an integer")
                 break
-            code = delay_tags_code(level, int(rec[R_STORE_TIMESTAMP, i]), delay_table or DelayLevelTable())
+            code = delay_tags_code(level, int(rec[R_STORE_TIMESTAMP, i]), delay_table)
             if code is not None:
                 tags_code[i] = code
     if n < rec.shape[1]:
