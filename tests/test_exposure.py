@@ -109,7 +109,8 @@ def test_the_non_loopback_probe_does_see_a_wildcard_bind():
     server = MetricsServer("0.0.0.0", free_port(), ReputMetrics(lambda: None), Health())
     server.start()
     try:
-        assert listening_sockets(os.getpid()) == [("0.0.0.0", server.address[1])]
+        # this process may hold other listening sockets (pyspark's accumulator server, in a full run)
+        assert ("0.0.0.0", server.address[1]) in listening_sockets(os.getpid())
         with socket.create_connection((addresses[0], server.address[1]), timeout=5):
             pass
     finally:
