@@ -265,17 +265,11 @@ def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: d
 
 # --- the CommitLog's head --------------------------------------------------------------------------
 
-def written_below(commit_log: CommitLog, offset: int, horizon: int) -> int:
-    """A point of the segment holding `offset` below which every byte a front-to-back writer meant to write
-    is in: the end of the last non-zero byte before the first all-zero page past `offset`'s page, found by
-    galloping then bisecting pages (a zero page inside a record only makes it lower), or simply a written
-    page `horizon` bytes on (no read ends past it). A record copied in another order (TOTALSIZE last) does
-    not decode before it is complete: only front-to-back copies need it."""
-    path = commit_log.find_segment(offset)
-    if path is None:
-        return offset
-    start = commit_log.segment_start(offset)
-    size = commit_log.segment_size
+def _data_frontier(path: str, start: int, size: int, offset: int, horizon: int | None = None) -> int:
+    """In the segment file `path` (CommitLog offsets [start, start + size)): the end of the last non-zero
+    byte before the first all-zero page past `offset`'s page, found by galloping then bisecting pages (a
+    zero page inside a record only makes it lower); with `horizon`, simply a written page that many bytes
+    on when there is one. `offset` itself on any error."""
     page = mmap.PAGESIZE
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -288,9 +282,10 @@ def written_below(commit_log: CommitLog, offset: int, horizon: int) -> int:
 
     try:
         first, pages = (offset - start) // page, -(-size // page)
-        far = (offset - start + horizon) // page
-        if far < pages and not zero(far):  # catching up: the writer is far ahead
-            return start + far * page
+        if horizon is not None:
+            far = (offset - start + horizon) // page
+            if far < pages and not zero(far):  # catching up: the writer is far ahead
+                return start + far * page
         lo, step = first, 1  # page lo holds data (or is offset's own page); find a zero page above it
         hi = min(lo + step, pages)
         while hi < pages and not zero(hi):
@@ -308,6 +303,17 @@ def written_below(commit_log: CommitLog, offset: int, horizon: int) -> int:
         return offset
     finally:
         os.close(fd)
+
+
+def written_below(commit_log: CommitLog, offset: int, horizon: int) -> int:
+    """A point of the segment holding `offset` below which every byte a front-to-back writer meant to write
+    is in (`_data_frontier`, or a written page `horizon` bytes on: no read ends past it). A record copied
+    in another order (TOTALSIZE last) does not decode before it is complete: only front-to-back copies
+    need it."""
+    path = commit_log.find_segment(offset)
+    if path is None:
+        return offset
+    return _data_frontier(path, commit_log.segment_start(offset), commit_log.segment_size, offset, horizon)
 
 
 def hold_torn_tail(s: Session, offset: int, result: ReadResult, written: int) -> ReadResult:
@@ -380,9 +386,8 @@ _DISPATCH_COLUMNS = ("phy_offset", "msg_size", "queue_id", "queue_offset", "sys_
 
 
 def written_end(commit_log: CommitLog, offset: int) -> int:
-    """End of the written data of the newest segment, found by bisecting its pages for the first page
-    that is still all zeros (the broker pre-allocates zeros). Exact unless a message ends in zero
-    bytes; good enough for a lag gauge, and it costs a few page reads per scrape."""
+    """End of the written data of the newest segment (the broker pre-allocates zeros): exact unless a
+    message ends in zero bytes; good enough for a lag gauge, and it costs a few page reads per scrape."""
     segments = commit_log.segments
     if not segments:
         return offset
@@ -390,26 +395,7 @@ def written_end(commit_log: CommitLog, offset: int) -> int:
     size = commit_log.segment_size
     if offset >= start + size:
         return offset
-    page = mmap.PAGESIZE
-    try:
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
-        return offset
-    with mm:
-        lo = max(offset - start, 0) // page
-        hi = len(mm) // page
-        while lo < hi:
-            mid = (lo + hi) // 2
-            chunk = mm[mid * page : (mid + 1) * page]
-            if chunk.count(0) == len(chunk):
-                hi = mid
-            else:
-                lo = mid + 1
-        if lo == 0:
-            return max(offset, start)
-        tail = mm[(lo - 1) * page : lo * page].rstrip(b"\0")
-        return max(offset, start + (lo - 1) * page + len(tail))
+    return max(offset, _data_frontier(path, start, size, max(offset, start)))
 
 
 # --- the service ------------------------------------------------------------------------------------
