@@ -3,7 +3,8 @@
  * decode_window  one pass over a window of CommitLog records: header fields, body CRC, topic, the
  *                KEYS/UNIQ_KEY/TAGS/DELAY properties, the TAGS hash and the IndexFile hash of every
  *                "topic#key" (Java String.hashCode over UTF-16 units of the UTF-8-decoded text).
- * put_keys       the broker's IndexFile.putKey loop, straight into the mapped file.
+ * put_keys       the broker's IndexFile.putKey loop, straight into the mapped file (or, for `reputd verify`,
+ *                into the slots and a window of entries held in memory).
  *
  * The record layout is the one commitlog.py documents; the offsets below are exported as module
  * attributes and a test holds them equal to commitlog.py's. Outputs go to buffers the caller owns, the
@@ -493,9 +494,9 @@ fail:
 
 static PyObject *py_put_keys(PyObject *self, PyObject *args) {
     PyObject *file_obj, *hash_obj, *phy_obj, *ts_obj;
-    long long entries_at, slot_num, index_count, index_num, begin_ts, begin_phy;
-    if (!PyArg_ParseTuple(args, "OLLLLLLOOO", &file_obj, &entries_at, &slot_num, &index_count, &index_num,
-                          &begin_ts, &begin_phy, &hash_obj, &phy_obj, &ts_obj))
+    long long entries_at, slot_num, index_count, index_num, begin_ts, begin_phy, entry_base = 0;
+    if (!PyArg_ParseTuple(args, "OLLLLLLOOO|L", &file_obj, &entries_at, &slot_num, &index_count, &index_num,
+                          &begin_ts, &begin_phy, &hash_obj, &phy_obj, &ts_obj, &entry_base))
         return NULL;
     Py_buffer v[4];
     PyObject *objs[4] = {file_obj, hash_obj, phy_obj, ts_obj};
@@ -508,8 +509,11 @@ static PyObject *py_put_keys(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "key_hash, phy_offset and store_timestamp differ in length");
         goto fail;
     }
+    /* entry_base > 0: `file` holds the header, the slots and a window of entries starting at entry_base */
+    long long entries_held = entry_base == 0 ? index_num : index_count + k - entry_base;
     if (slot_num <= 0 || entries_at != INDEX_HEADER_SIZE + HASH_SLOT_SIZE * slot_num || index_count < FIRST_INDEX
-        || index_count + k > index_num || v[0].len < entries_at + INDEX_ENTRY_SIZE * index_num) {
+        || index_count + k > index_num || entry_base < 0 || entry_base > index_count
+        || v[0].len < entries_at + INDEX_ENTRY_SIZE * entries_held) {
         PyErr_SetString(PyExc_ValueError, "put_keys: keys do not fit the IndexFile");
         goto fail;
     }
@@ -537,7 +541,7 @@ static PyObject *py_put_keys(PyObject *self, PyObject *args) {
             diff = (int64_t)(((uint64_t)ts[i] - (uint64_t)begin_ts) / MS_PER_SECOND);
             if (diff > MAX_TIME_DIFF) diff = MAX_TIME_DIFF;
         }
-        uint8_t *entry = file + entries_at + INDEX_ENTRY_SIZE * index_count;
+        uint8_t *entry = file + entries_at + INDEX_ENTRY_SIZE * (index_count - entry_base);
         put_be(entry, (uint64_t)hash[i], 4);
         put_be(entry + 4, (uint64_t)phy[i], 8);
         put_be(entry + 12, (uint64_t)diff, 4);
@@ -586,7 +590,8 @@ static PyMethodDef methods[] = {
      "table, state) -> (stop, position, error, e1, e2, e3)"},
     {"put_keys", py_put_keys, METH_VARARGS,
      "put_keys(file, entries_at, hash_slot_num, index_count, index_num, begin_timestamp, begin_phy_offset, "
-     "key_hash, phy_offset, store_timestamp) -> (index_count, chains_started, begin_timestamp, begin_phy_offset)"},
+     "key_hash, phy_offset, store_timestamp, entry_base=0) -> (index_count, chains_started, begin_timestamp, "
+     "begin_phy_offset); with entry_base, entry n is written at entries_at + 20 * (n - entry_base)"},
     {"crc32", py_crc32, METH_VARARGS,
      "crc32(data, folded=True) -> the body CRC path's crc32 of data (folded=False: zlib's, for comparison)"},
     {"java_hash_utf8", py_java_hash_utf8, METH_VARARGS,

@@ -61,6 +61,39 @@ class ConsumeQueueUnit(NamedTuple):
 
 
 @dataclass(slots=True)
+class QueueCursor:
+    """What the put rules need to know of a queue: the start of its newest file (None before the first),
+    the logical byte offset of its write position, and the end of the last unit put (maxPhysicOffset)."""
+
+    file_start: int | None = None
+    write_offset: int = 0
+    max_physic_offset: int = -1
+
+
+class Placement(NamedTuple):
+    """Where `place_units` puts units[first:last]: at logical byte offset `logical`, in the file starting
+    at `file_start` (`created`: made for this put), after `blanks` pre-blank units written before them.
+    first == last when the put only creates a file."""
+
+    file_start: int
+    created: bool
+    blanks: int
+    logical: int
+    first: int
+    last: int
+
+
+class QueueUnits(NamedTuple):
+    """The units one queue gets from a batch, in CommitLog order, with each unit's CommitLog end."""
+
+    topic: str
+    queue_id: int
+    queue_offset: np.ndarray
+    units: np.ndarray  # CQ_UNIT_DTYPE
+    ends: np.ndarray
+
+
+@dataclass(slots=True)
 class PutStats:
     """What a put did: units written, units already present, units appended off their queue offset."""
 
@@ -125,6 +158,70 @@ def _group_by_queue(rows: np.ndarray, topic_id: np.ndarray, queue_id: np.ndarray
         key = (topic_id.astype(np.int64) << 32) | (queue_id.astype(np.int64) & 0xFFFFFFFF)
     order = np.argsort(key, kind="stable")
     return rows[order], key[order]
+
+
+def place_units(cursor: QueueCursor, qo: np.ndarray, ends: np.ndarray, file_size: int,
+                stats: PutStats) -> Iterator[Placement]:
+    """`putMessagePositionInfo` for units in CommitLog order, without touching a file: where each run of
+    consecutive queue offsets goes, advancing `cursor`. The writer (`ConsumeQueue.put_packed`) and the
+    verifier (`reputd verify`) both follow these placements. Repeats are skipped, as the broker skips them;
+    a unit off its queue offset is appended at the write position, as the broker appends it."""
+    n = len(qo)
+    if n == 0:
+        return
+    breaks = np.flatnonzero(np.diff(qo) != 1) + 1
+    i = 0
+    while i < n:
+        if ends[i] <= cursor.max_physic_offset:
+            stats.already_built += 1
+            i += 1
+            continue
+        q = int(qo[i])
+        expect = q * CQ_UNIT_SIZE
+        created, blanks = False, 0
+        if cursor.file_start is None:  # `getLastMappedFile` creates the first file, pre-blanked (§7.5 step 6)
+            cursor.file_start = cursor.write_offset = expect - expect % file_size
+            created = True
+            if q != 0:
+                blanks = (expect - cursor.file_start) // CQ_UNIT_SIZE
+                cursor.write_offset = expect
+        elif cursor.write_offset - cursor.file_start >= file_size:
+            cursor.file_start += file_size
+            created = True
+        current = cursor.write_offset
+        if q != 0 and expect < current:
+            stats.already_built += 1
+            if created:
+                yield Placement(cursor.file_start, True, blanks, current, i, i)
+            i += 1
+            continue
+        k = np.searchsorted(breaks, i, side="right")
+        # queue offset 0 skips the order check (§7.5); the units after it are each checked again
+        streak_end = i + 1 if q == 0 else int(breaks[k]) if k < len(breaks) else n
+        j = min(streak_end, i + (file_size - (current - cursor.file_start)) // CQ_UNIT_SIZE)
+        if q != 0 and expect > current:
+            stats.out_of_order += j - i
+        yield Placement(cursor.file_start, created, blanks, current, i, j)
+        cursor.write_offset += (j - i) * CQ_UNIT_SIZE
+        cursor.max_physic_offset = int(ends[j - 1])
+        stats.written += j - i
+        i = j
+
+
+def consume_queue_units(batch: DispatchBatch) -> Iterator[QueueUnits]:
+    """`CommitLogDispatcherBuildConsumeQueue` for a batch: the units of every NOT_TYPE/COMMIT_TYPE record,
+    queue by queue, packed as they lie in the file. What the writer writes and the verifier expects."""
+    idx = np.flatnonzero(batch.consume_queue_mask())
+    if len(idx) == 0:
+        return
+    idx, group = _group_by_queue(idx, batch.topic_id[idx], batch.queue_id[idx], len(batch.topics))
+    phy, size = batch.phy_offset[idx], batch.msg_size[idx]
+    units = pack_units(phy, size, batch.tags_code[idx])
+    qo, ends = batch.queue_offset[idx], phy + size
+    starts = np.flatnonzero(group[1:] != group[:-1]) + 1
+    for lo, hi in zip([0, *starts.tolist()], [*starts.tolist(), len(idx)], strict=True):
+        first = int(idx[lo])
+        yield QueueUnits(batch.topic_of(first), int(batch.queue_id[first]), qo[lo:hi], units[lo:hi], ends[lo:hi])
 
 
 class ConsumeQueue:
@@ -204,26 +301,12 @@ class ConsumeQueue:
     def _last_start(self) -> int:
         return self._files[-1]
 
-    def _file_for(self, expect: int, queue_offset: int) -> None:
-        """`getLastMappedFile` + pre-blank: make sure the last file has room, creating one if needed."""
-        first_create = False
+    def _create_file(self, start: int) -> None:
         if not self._files:
             os.makedirs(self.directory, exist_ok=True)
-            start = expect - expect % self.file_size
-            self._files.append(start)
-            self._open_last(start, create=True)
-            self._write_pos = 0
-            first_create = True
-        elif self._write_pos >= self.file_size:
-            start = self._last_start + self.file_size
-            self._files.append(start)
-            self._open_last(start, create=True)
-            self._write_pos = 0
-        if first_create and queue_offset != 0:
-            self.min_logic_offset = expect
-            blanks = (expect % self.file_size) // CQ_UNIT_SIZE
-            self._last.write(0, BLANK_UNIT * blanks)
-            self._write_pos = blanks * CQ_UNIT_SIZE
+        self._files.append(start)
+        self._open_last(start, create=True)
+        self._write_pos = 0
 
     def put_units(self, queue_offset: np.ndarray, commit_log_offset: np.ndarray, msg_size: np.ndarray,
                   tags_code: np.ndarray) -> PutStats:
@@ -236,35 +319,19 @@ class ConsumeQueue:
     def put_packed(self, qo: np.ndarray, units: np.ndarray, ends: np.ndarray) -> PutStats:
         """`put_units` with the units already laid out (CQ_UNIT_DTYPE) and each one's CommitLog end."""
         stats = PutStats()
-        n = len(qo)
-        if n == 0:
-            return stats
-        breaks = np.flatnonzero(np.diff(qo) != 1) + 1
-        i = 0
-        while i < n:
-            if ends[i] <= self.max_physic_offset:
-                stats.already_built += 1
-                i += 1
-                continue
-            q = int(qo[i])
-            expect = q * CQ_UNIT_SIZE
-            self._file_for(expect, q)
-            current = self._last_start + self._write_pos
-            if q != 0 and expect < current:
-                stats.already_built += 1
-                i += 1
-                continue
-            k = np.searchsorted(breaks, i, side="right")
-            # queue offset 0 skips the order check (§7.5); the units after it are each checked again
-            streak_end = i + 1 if q == 0 else int(breaks[k]) if k < len(breaks) else n
-            j = min(streak_end, i + (self.file_size - self._write_pos) // CQ_UNIT_SIZE)
-            if q != 0 and expect > current:
-                stats.out_of_order += j - i
-            self._last.write(self._write_pos, units[i:j].tobytes())
-            self._write_pos += (j - i) * CQ_UNIT_SIZE
-            self.max_physic_offset = int(ends[j - 1])
-            stats.written += j - i
-            i = j
+        cursor = QueueCursor(self._last_start if self._files else None,
+                             self._last_start + self._write_pos if self._files else 0, self.max_physic_offset)
+        for p in place_units(cursor, qo, ends, self.file_size, stats):
+            if p.created:
+                if not self._files:
+                    self.min_logic_offset = p.logical
+                self._create_file(p.file_start)
+            if p.blanks:
+                self._last.write(p.logical - p.file_start - p.blanks * CQ_UNIT_SIZE, BLANK_UNIT * p.blanks)
+            if p.last > p.first:
+                self._last.write(p.logical - p.file_start, units[p.first : p.last].tobytes())
+            self._write_pos = p.logical - p.file_start + (p.last - p.first) * CQ_UNIT_SIZE
+            self.max_physic_offset = int(ends[p.last - 1]) if p.last > p.first else self.max_physic_offset
         return stats
 
     # --- reading ----------------------------------------------------------------------------------
@@ -398,18 +465,9 @@ class ConsumeQueueStore:
     def dispatch(self, batch: DispatchBatch) -> PutStats:
         """Write the units of every NOT_TYPE/COMMIT_TYPE record of the batch, queue by queue."""
         stats = PutStats()
-        idx = np.flatnonzero(batch.consume_queue_mask())
-        if len(idx) == 0:
-            return stats
-        idx, group = _group_by_queue(idx, batch.topic_id[idx], batch.queue_id[idx], len(batch.topics))
-        phy, size = batch.phy_offset[idx], batch.msg_size[idx]
-        units = pack_units(phy, size, batch.tags_code[idx])
-        qo, ends = batch.queue_offset[idx], phy + size
-        starts = np.flatnonzero(group[1:] != group[:-1]) + 1
-        for lo, hi in zip([0, *starts.tolist()], [*starts.tolist(), len(idx)], strict=True):
-            first = int(idx[lo])
-            cq = self.queue(batch.topic_of(first), int(batch.queue_id[first]))
-            stats.add(cq.put_packed(qo[lo:hi], units[lo:hi], ends[lo:hi]))
+        for group in consume_queue_units(batch):
+            cq = self.queue(group.topic, group.queue_id)
+            stats.add(cq.put_packed(group.queue_offset, group.units, group.ends))
         return stats
 
     def max_physic_offset(self) -> int:

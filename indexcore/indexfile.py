@@ -182,16 +182,22 @@ class IndexFile:
         k = min(len(key_hash), self.room)
         if k == 0:
             return 0
+        buffer, entry_base = self._put_target(k)
         self.index_count, started, self.begin_timestamp, self.begin_phy_offset = _kernels.put_keys(
-            self._file.buffer, self._entries_at, self.hash_slot_num, self.index_count, self.index_num,
+            buffer, self._entries_at, self.hash_slot_num, self.index_count, self.index_num,
             self.begin_timestamp, self.begin_phy_offset, np.ascontiguousarray(key_hash[:k], dtype=np.int64),
             np.ascontiguousarray(phy_offset[:k], dtype=np.int64),
-            np.ascontiguousarray(store_timestamp[:k], dtype=np.int64))
+            np.ascontiguousarray(store_timestamp[:k], dtype=np.int64), entry_base)
         self.hash_slot_count += started
         self.end_phy_offset = int(phy_offset[k - 1])
         self.end_timestamp = int(store_timestamp[k - 1])
         self._file.write(0, self.header.encode())
         return k
+
+    def _put_target(self, keys: int) -> tuple[object, int]:
+        """Where the next `keys` puts go: the buffer holding slots and entries, and the number of the first
+        entry it holds (0: the whole file). The verifier's in-memory image holds a window of entries."""
+        return self._file.buffer, 0
 
     def put_key(self, key_hash: int, phy_offset: int, store_timestamp: int) -> bool:
         """`IndexFile.putKey` for one key; False when the file is full."""

@@ -266,10 +266,8 @@ class IndexService:
         """`getAndCreateLastIndexFile`: a new file seeded with the previous one's end values."""
         prev = self._last
         end_phy, end_ts = (prev.end_phy_offset, prev.end_timestamp) if prev is not None else (0, 0)
-        os.makedirs(self.directory, exist_ok=True)
         name = self._new_name(store_timestamp)
-        created = IndexFile(self._path(name), self.hash_slot_num, self.index_num, create=True,
-                            end_phy_offset=end_phy, end_timestamp=end_ts)
+        created = self._create_file(name, end_phy, end_ts)
         if prev is not None:
             prev.flush()
             prev.close()
@@ -277,6 +275,12 @@ class IndexService:
         self._last = created
         stats.files_created += 1
         return created
+
+    def _create_file(self, name: str, end_phy_offset: int, end_timestamp: int) -> IndexFile:
+        """A new file seeded with its predecessor's end values (the verifier creates an image instead)."""
+        os.makedirs(self.directory, exist_ok=True)
+        return IndexFile(self._path(name), self.hash_slot_num, self.index_num, create=True,
+                         end_phy_offset=end_phy_offset, end_timestamp=end_timestamp)
 
     def build_index(self, batch: DispatchBatch) -> IndexStats:
         """`buildIndex` for every record of the batch, in order.
