@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(handler=cmd_rebuild)
 
+    p = add("verify", "Check consumequeue/ and index/ against what the CommitLog implies, read-only (exit 0 "
+                      "consistent, 1 differences found).")
+    p.add_argument("--from", dest="from_offset", type=_non_negative,
+                   help="CommitLog offset of a record to start at (default: the oldest segment)")
+    p.add_argument("--json", action="store_true", help="one JSON object per finding, then a summary object")
+    p.set_defaults(handler=cmd_verify)
+
     p = add("backfill", "Build consumequeue/ and index/ for CommitLog segments with Spark, byte-identical to rebuild.")
     p.add_argument("--segments", metavar="DIR_OR_URI",
                    help="CommitLog directory (or file:// URI; comma-separated for several) instead of "
@@ -175,6 +182,27 @@ def cmd_rebuild(args, config: Config) -> int:
         bar.finish()
     _print_summary(args, config, "rebuilt", summary)
     return EXIT_OK
+
+
+def cmd_verify(args, config: Config) -> int:
+    from daemon.verify import VerifyUsageError, format_text, verify  # noqa: PLC0415 - only `verify` needs it
+
+    bar = ProgressBar() if sys.stderr.isatty() and not args.json else None
+    try:
+        report = verify(config, from_offset=args.from_offset, progress=bar)
+    except VerifyUsageError as e:
+        print(f"reputd: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        if bar is not None:
+            bar.finish()
+    if args.json:
+        for finding in report.findings:
+            print(json.dumps({"type": "finding", **finding.as_dict()}, ensure_ascii=False))
+        print(json.dumps(report.summary(), ensure_ascii=False))
+    else:
+        print("\n".join(format_text(report)))
+    return EXIT_OK if report.consistent else EXIT_FAILURE
 
 
 def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, where: str = "") -> None:

@@ -137,17 +137,8 @@ class IndexFile:
         self._file = MappedFile(path, index_file_size(hash_slot_num, index_num), create=create, readonly=readonly)
         self._entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
         if create:
-            self.begin_timestamp = self.end_timestamp = 0
-            self.begin_phy_offset = self.end_phy_offset = 0
-            self.hash_slot_count = 0
-            self.index_count = FIRST_INDEX
-            if end_phy_offset > 0:
-                self.begin_phy_offset = self.end_phy_offset = end_phy_offset
-            if end_timestamp > 0:
-                self.begin_timestamp = self.end_timestamp = end_timestamp
-            h = self.header
-            self._file.write(0, INDEX_HEADER.pack(h.begin_timestamp, h.end_timestamp, h.begin_phy_offset,
-                                                  h.end_phy_offset, 0, 0))
+            self._seed(end_phy_offset, end_timestamp)
+            self._file.write(0, self.written_header().encode())
         else:
             h = IndexHeader.decode(self._file.buffer)
             problem = None if readonly else header_problem(h, hash_slot_num, index_num)
@@ -158,10 +149,29 @@ class IndexFile:
              self.hash_slot_count, count) = h
             self.index_count = count if count > 0 else FIRST_INDEX
 
+    def _seed(self, end_phy_offset: int, end_timestamp: int) -> None:
+        """The in-memory header of a new file: its predecessor's end values, when positive, as both begin
+        and end values (`IndexFile` constructor), and indexCount 1."""
+        self.begin_timestamp = self.end_timestamp = 0
+        self.begin_phy_offset = self.end_phy_offset = 0
+        self.hash_slot_count = 0
+        self.index_count = FIRST_INDEX
+        if end_phy_offset > 0:
+            self.begin_phy_offset = self.end_phy_offset = end_phy_offset
+        if end_timestamp > 0:
+            self.begin_timestamp = self.end_timestamp = end_timestamp
+
     @property
     def header(self) -> IndexHeader:
         return IndexHeader(self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
                            self.hash_slot_count, self.index_count)
+
+    def written_header(self) -> IndexHeader:
+        """The header a clean run leaves on disk (module docstring): the in-memory one once a put wrote it;
+        before the first put, the created values with hashSlotCount and indexCount 0."""
+        if self.index_count > FIRST_INDEX:
+            return self.header
+        return self.header._replace(hash_slot_count=0, index_count=0)
 
     def is_write_full(self) -> bool:
         return self.index_count >= self.index_num

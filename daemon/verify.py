@@ -1,0 +1,466 @@
+"""`reputd verify`: does a store's ConsumeQueue and IndexFile hold what its CommitLog implies?
+
+One pass over the CommitLog with the rebuild's reader, each batch followed through the ConsumeQueue and
+index dispatch rules and compared with the existing files (indexcore.verify). Everything is opened
+read-only and no lock is taken, so a broker's store can be verified while the broker runs.
+
+What has to be dispatched already depends on who writes the directory:
+
+* a broker store whose broker stopped cleanly (no `abort`, the `lock` not held): the whole CommitLog,
+  since a 4.9.3 broker leaves `abort` behind unless its reput had caught up;
+* a running broker (`lock` held), a broker that did not exit cleanly (`abort`), or reputd's output:
+  up to the dispatch frontier the files themselves prove, as the broker's recovery reads it: the end of
+  the newest unit over all ConsumeQueues (where a restarted broker resumes its reput), the record at the
+  newest IndexFile's endPhyOffset, the store times the broker's `checkpoint` says were flushed
+  (logicsMsgTimestamp, indexMsgTimestamp) and reputd's `reputFromOffset`. Past it, a missing unit or
+  entry is work in progress, not a difference; the last record before it is left out of the index
+  comparison, since a broker writes its units before its keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from daemon.checkpoint import CheckpointError, read_checkpoint
+from daemon.config import Config
+from daemon.readahead import ReadAhead
+from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader
+from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
+from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE
+from indexcore.errors import StoreError
+from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE
+from indexcore.indexservice import INDEX_DIR
+from indexcore.mappedfile import offset_to_file_name
+from indexcore.reader import CommitLog, ReadStatus
+from indexcore.verify import (
+    COMMIT_LOG_CORRUPT,
+    CQ_FILE_EXTRA,
+    CQ_FILE_MISSING,
+    CQ_FILE_SIZE,
+    CQ_QUEUE_MISSING,
+    CQ_QUEUE_ORPHANED,
+    CQ_UNIT_DANGLING,
+    CQ_UNIT_EXTRA,
+    CQ_UNIT_MISSING,
+    CQ_UNIT_WRONG,
+    STRAY_FILE,
+    ConsumeQueueCheck,
+    Finding,
+    Findings,
+    IndexCheck,
+    RecordLocator,
+)
+
+ABORT_FILE = "abort"
+LOCK_FILE = "lock"
+_FLOCK = struct.Struct("@hhqqi")  # struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid
+_FLOCK_SIZE = 32
+_CQ_KINDS = {CQ_UNIT_MISSING, CQ_UNIT_WRONG, CQ_UNIT_DANGLING, CQ_UNIT_EXTRA, CQ_FILE_MISSING, CQ_FILE_EXTRA,
+             CQ_FILE_SIZE, CQ_QUEUE_MISSING}
+
+MODE_STOPPED = "broker store, stopped cleanly: the whole CommitLog must be dispatched"
+MODE_RUNNING = "broker store, broker running: checked up to its dispatch frontier"
+MODE_CRASHED = "broker store, last exit not clean (abort file): checked up to its dispatch frontier"
+MODE_REPUTD = "reputd output: checked up to its dispatch frontier"
+
+
+class VerifyUsageError(Exception):
+    """What to verify is not there (exit 2): nothing was checked."""
+
+
+@dataclass(slots=True)
+class Frontier:
+    """Where dispatch has provably reached: records ending at or before `offset`, or stored before
+    `timestamp`, are dispatched (the index: ending before `offset`)."""
+
+    offset: int = 0
+    timestamp: int = 0
+    evidence: dict[str, int] = field(default_factory=dict)
+
+    def cut(self, batch, *, index: bool) -> int:
+        """How many leading records of `batch` are dispatched."""
+        end = batch.phy_offset + batch.msg_size
+        done = (end < self.offset) if index else (end <= self.offset)
+        if self.timestamp:
+            done |= batch.store_timestamp < self.timestamp
+        return len(batch) if done.all() else int(np.argmin(done))
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    directory: str
+    mode: str
+    from_offset: int
+    end_offset: int = 0
+    messages: int = 0
+    seconds: float = 0.0
+    frontier: Frontier | None = None
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    queues: int = 0
+    queue_files: int = 0
+    units: int = 0
+    index_files: int = 0
+    entries: int = 0
+    repair: dict | None = None
+
+    @property
+    def consistent(self) -> bool:
+        return not self.findings
+
+    @property
+    def msgs_per_second(self) -> float:
+        return self.messages / self.seconds if self.seconds > 0 else 0.0
+
+    def by_kind(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for f in self.findings:
+            k = out.setdefault(f.kind, {"findings": 0, "count": 0})
+            k["findings"] += 1
+            k["count"] += f.count
+        return out
+
+    def summary(self) -> dict:
+        return {
+            "type": "summary", "consistent": self.consistent, "findings": len(self.findings),
+            "byKind": self.by_kind(), "directory": self.directory, "mode": self.mode,
+            "fromOffset": self.from_offset, "endOffset": self.end_offset,
+            "frontierOffset": None if self.frontier is None else self.frontier.offset,
+            "frontierEvidence": None if self.frontier is None else self.frontier.evidence,
+            "messages": self.messages, "seconds": round(self.seconds, 3), "msgsPerSecond": round(self.msgs_per_second),
+            "queues": self.queues, "queueFiles": self.queue_files, "units": self.units,
+            "indexFiles": self.index_files, "indexEntries": self.entries, "notes": self.notes, "repair": self.repair,
+        }
+
+
+def lock_held(path: str) -> bool:
+    """Whether another process holds a POSIX lock on the file (the broker's `lock`), asked with F_GETLK,
+    which takes no lock itself."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0).ljust(_FLOCK_SIZE, b"\0")
+        l_type = _FLOCK.unpack_from(fcntl.fcntl(fd, fcntl.F_GETLK, query))[0]
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return l_type != fcntl.F_UNLCK
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _queue_end(path: str) -> int:
+    """The CommitLog end of the last unit of a ConsumeQueue file, found as the broker's recovery finds the
+    write position (the first invalid unit), by bisection; -1 when it holds no real unit."""
+    size = os.path.getsize(path)
+    n = size // CQ_UNIT_SIZE
+    with open(path, "rb") as f:
+        def unit(i: int) -> tuple[int, int, int]:
+            return CQ_UNIT.unpack(os.pread(f.fileno(), CQ_UNIT_SIZE, i * CQ_UNIT_SIZE))
+
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            phy, msg_size, _ = unit(mid)
+            if phy >= 0 and msg_size > 0:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            return -1
+        phy, msg_size, _ = unit(lo - 1)
+        return -1 if msg_size == BLANK_UNIT_MSG_SIZE else phy + msg_size
+
+
+def dispatch_frontier(out: str, commit_log: CommitLog, broker_checkpoint: StoreCheckpoint | None,
+                      reput_from_offset: int | None) -> Frontier:
+    """What the files prove dispatched (module docstring)."""
+    frontier = Frontier()
+    cq_end = -1
+    root = os.path.join(out, CONSUME_QUEUE_DIR)
+    if os.path.isdir(root):
+        for topic in os.listdir(root):
+            tdir = os.path.join(root, topic)
+            if not os.path.isdir(tdir):
+                continue
+            for qid in os.listdir(tdir):
+                qdir = os.path.join(tdir, qid)
+                names = sorted(n for n in os.listdir(qdir) if n.isdigit()) if os.path.isdir(qdir) else []
+                if names:
+                    cq_end = max(cq_end, _queue_end(os.path.join(qdir, names[-1])))
+    if cq_end >= 0:
+        frontier.evidence["consumeQueueEnd"] = cq_end
+    index_dir = os.path.join(out, INDEX_DIR)
+    names = sorted(n for n in os.listdir(index_dir) if n.isdigit()) if os.path.isdir(index_dir) else []
+    if names:
+        with open(os.path.join(index_dir, names[-1]), "rb") as f:
+            head = f.read(INDEX_HEADER_SIZE)
+        if len(head) == INDEX_HEADER_SIZE:
+            end_phy = INDEX_HEADER.unpack(head)[3]
+            with contextlib.suppress(StoreError, OSError):
+                frontier.evidence["indexEnd"] = end_phy + commit_log.read_record(end_phy, check_crc=False).total_size
+    if reput_from_offset is not None:
+        frontier.evidence["reputFromOffset"] = reput_from_offset
+    frontier.offset = max(frontier.evidence.values(), default=0)
+    if broker_checkpoint is not None:
+        frontier.timestamp = max(broker_checkpoint.logics_msg_timestamp, broker_checkpoint.index_msg_timestamp)
+        if frontier.timestamp:
+            frontier.evidence["checkpointTimestamp"] = frontier.timestamp
+    return frontier
+
+
+def _read_broker_checkpoint(root: str) -> StoreCheckpoint | None:
+    path = os.path.join(root, CHECKPOINT_FILE)
+    try:
+        with open(path, "rb") as f:
+            return StoreCheckpoint.decode(f.read(), path)
+    except (OSError, StoreError):
+        return None
+
+
+def verify(config: Config, *, from_offset: int | None = None,
+           progress: Callable[[int, int, int], None] | None = None) -> VerifyReport:
+    """Compare the output directory's consumequeue/ and index/ with what the CommitLog implies."""
+    store = config.store
+    out = config.output.dir
+    if not os.path.isdir(out):
+        raise VerifyUsageError(f"{out}: no such directory to verify (output.dir / --out)")
+    for d in store.commit_log_dirs:
+        if not os.path.isdir(d):
+            raise VerifyUsageError(f"{d}: no CommitLog directory (store.storePathCommitLog / --store)")
+    started = time.perf_counter()
+    notes: list[str] = []
+    broker_store = _same_dir(out, store.store_path_root_dir)
+    try:
+        checkpoint = read_checkpoint(out)
+    except CheckpointError as e:
+        checkpoint = None
+        notes.append(f"reputd checkpoint not used: {e}")
+    reputd_output = checkpoint is not None or not broker_store or os.path.exists(os.path.join(out, "reputd.checkpoint"))
+    if reputd_output:
+        mode = MODE_REPUTD
+    elif lock_held(os.path.join(out, LOCK_FILE)):
+        mode = MODE_RUNNING
+    elif os.path.exists(os.path.join(out, ABORT_FILE)):
+        mode = MODE_CRASHED
+    else:
+        mode = MODE_STOPPED
+    live = mode != MODE_STOPPED
+    commit_log = CommitLog(store.commit_log_dirs, store.mapped_file_size_commit_log, follow=live)
+    start = commit_log.min_offset if from_offset is None else from_offset
+    if from_offset is not None and from_offset < commit_log.min_offset:
+        notes.append(f"--from {from_offset} is below the oldest CommitLog segment: verified from "
+                     f"{commit_log.min_offset}")
+        start = commit_log.min_offset
+    report = VerifyReport(out, mode, start)
+    frontier = None
+    if live:
+        frontier = dispatch_frontier(out, commit_log, None if reputd_output else _read_broker_checkpoint(out),
+                                     checkpoint.reput_from_offset if checkpoint is not None else None)
+        report.frontier = frontier
+
+    def read_size(phy: int) -> int | None:
+        try:
+            return commit_log.read_record(phy, check_crc=False, max_message_size=store.max_message_size).total_size
+        except (StoreError, OSError, ValueError):
+            return None
+
+    def store_timestamp_at(phy: int) -> int | None:
+        try:
+            return commit_log.read_record(phy, check_crc=False, max_message_size=store.max_message_size).store_timestamp
+        except (StoreError, OSError, ValueError):
+            return None
+
+    names = {d.name for d in config.dispatchers}
+    findings = Findings()
+    locate = RecordLocator(read_size)
+    frontier_offset = None if frontier is None else frontier.offset
+    cq = ConsumeQueueCheck(out, store.mapped_file_size_consume_queue, findings, locate, from_offset=start,
+                           live=live, frontier=frontier_offset) if "consumequeue" in names else None
+    index = None
+    if "index" in names and store.message_index_enable:
+        index = IndexCheck(out, store.max_hash_slot_num, store.max_index_num, findings, live=live,
+                           frontier=frontier_offset)
+        if start > 0:
+            index.start_at(start, store_timestamp_at)
+    reader = make_reader(config, commit_log, max(config.reput.batch_bytes, REBUILD_BATCH_BYTES))
+    ahead = ReadAhead(reader, start)
+    target = commit_log.max_offset
+    offset = start
+    try:
+        for result in ahead:
+            batch = result.batch
+            stop = False
+            if frontier is not None and len(batch):
+                n_cq = frontier.cut(batch, index=False)
+                n_index = frontier.cut(batch, index=True)
+                if n_cq < len(batch):
+                    notes.append(f"the CommitLog goes on past the dispatch frontier at {int(batch.phy_offset[n_cq])}: "
+                                 "not dispatched yet, not judged")
+                    stop = True
+            else:
+                n_cq = n_index = len(batch)
+            locate.batch = batch
+            if cq is not None and n_cq:
+                cq.check(batch if n_cq == len(batch) else batch.head(n_cq, int(batch.phy_offset[n_cq])))
+            if index is not None and n_index:
+                index.check(batch if n_index == len(batch) else batch.head(n_index, int(batch.phy_offset[n_index])))
+            report.messages += n_cq
+            offset = result.next_offset if n_cq == len(batch) else int(batch.phy_offset[n_cq])
+            if progress is not None:
+                progress(offset - start, target - start, report.messages)
+            if stop or result.status is ReadStatus.END:
+                if result.status is ReadStatus.END and result.pending is not None:
+                    notes.append(f"stopped before an incomplete record at the end of the CommitLog: {result.pending}")
+                break
+            if result.status is ReadStatus.CORRUPT:
+                if offset == start and from_offset is not None and from_offset == start:
+                    raise VerifyUsageError(f"--from {from_offset} is not the start of a record: {result.error}")
+                if frontier is not None and offset >= frontier.offset:
+                    notes.append(f"an unreadable record past the dispatch frontier, not judged: {result.error}")
+                else:
+                    _corrupt(findings, commit_log, offset, result.error)
+                # past the damage nothing is dispatched (a broker's recovery ends its CommitLog there): not judged
+                live = True
+                frontier_offset = offset
+                if cq is not None:
+                    cq.live, cq.frontier = True, offset
+                if index is not None:
+                    index.live, index.frontier = True, offset
+                break
+        report.end_offset = offset
+        locate.batch = None
+        if cq is not None:
+            cq.finish()
+            report.queues, report.queue_files, report.units = len(cq.queues), cq.files_checked, cq.units
+        if index is not None:
+            index.finish()
+            report.index_files, report.entries = index.files_checked(), index.entries
+    finally:
+        ahead.close()
+        reader.close()
+    report.findings = list(findings)
+    report.notes = notes
+    report.seconds = time.perf_counter() - started
+    report.repair = repair_plan(config, report)
+    return report
+
+
+def _corrupt(findings: Findings, commit_log: CommitLog, offset: int, error: Exception | None) -> None:
+    segment = commit_log.segment_start(offset)
+    path = commit_log.find_segment(offset)
+    rel = os.path.basename(path) if path else offset_to_file_name(segment)
+    findings.add(COMMIT_LOG_CORRUPT, f"commitlog/{rel}", offset - segment, offset=offset, error=str(error))
+
+
+def repair_plan(config: Config, report: VerifyReport) -> dict | None:
+    """What to run and what to copy where to make the files what the CommitLog implies."""
+    if report.consistent:
+        return None
+    out = report.directory
+    new = os.path.join(os.path.dirname(os.path.abspath(out)) or ".", "reputd-rebuilt")
+    queues = sorted({f"{CONSUME_QUEUE_DIR}/{f.details['topic']}/{f.details['queueId']}" for f in report.findings
+                     if f.kind in _CQ_KINDS})
+    orphaned = sorted(f.file for f in report.findings if f.kind == CQ_QUEUE_ORPHANED)
+    stray = sorted(f.file for f in report.findings if f.kind == STRAY_FILE)
+    index = any(f.kind.startswith("index") for f in report.findings)
+    corrupt = [f for f in report.findings if f.kind == COMMIT_LOG_CORRUPT]
+    config_arg = f" --config {config.source}" if config.source else ""
+    plan: dict = {"command": f"reputd rebuild{config_arg} --out {new}", "rebuiltDir": new,
+                  "stop": "the broker" if report.mode != MODE_REPUTD else "reputd run",
+                  "replace": [], "remove": [os.path.join(out, p) for p in orphaned + stray]}
+    plan["replace"] = [{"from": os.path.join(new, q), "to": os.path.join(out, q)} for q in queues]
+    if index:
+        plan["replace"].append({"from": os.path.join(new, INDEX_DIR), "to": os.path.join(out, INDEX_DIR),
+                                "note": "the whole directory: rebuilt IndexFiles are named by store time"})
+    if report.mode == MODE_REPUTD:
+        plan["remove"].append(os.path.join(out, "reputd.checkpoint"))
+    if corrupt:
+        plan["note"] = ("the CommitLog is damaged: a rebuild stops at the same record, so what follows it cannot "
+                        "be rebuilt until the segment is repaired or restored")
+    return plan
+
+
+def format_text(report: VerifyReport, examples: int = 3) -> list[str]:
+    """The human summary: one block per kind (count and the first examples), then the verdict."""
+    lines = [f"verified {report.directory} ({report.mode})",
+             f"  {report.messages:,} messages [{report.from_offset}, {report.end_offset}) in {report.seconds:.2f} s "
+             f"({report.msgs_per_second:,.0f} msgs/s); {report.queues:,} queues in {report.queue_files:,} files, "
+             f"{report.units:,} units; {report.index_files:,} IndexFiles, {report.entries:,} entries"]
+    if report.frontier is not None:
+        ev = ", ".join(f"{k} {v}" for k, v in report.frontier.evidence.items()) or "none"
+        lines.append(f"  dispatch frontier {report.frontier.offset} ({ev})")
+    by_kind: dict[str, list[Finding]] = {}
+    for f in report.findings:
+        by_kind.setdefault(f.kind, []).append(f)
+    for kind, fs in by_kind.items():
+        total = sum(f.count for f in fs)
+        lines.append(f"{kind}: {len(fs)} finding{'s' * (len(fs) != 1)}, {total:,} in all")
+        for f in fs[:examples]:
+            lines.append("  " + _describe(f))
+        if len(fs) > examples:
+            lines.append(f"  ... and {len(fs) - examples} more (--json lists them all)")
+    for note in report.notes:
+        lines.append(f"note: {note}")
+    if report.consistent:
+        lines.append("consistent: no difference from what the CommitLog implies")
+    else:
+        lines.append(f"{len(report.findings)} finding{'s' * (len(report.findings) != 1)}: the files differ from "
+                     "what the CommitLog implies")
+        lines.extend(_repair_lines(report.repair))
+    return lines
+
+
+_NOUNS = {"queueOffsets": ("unit", "units", "queue offsets"), "entries": ("entry", "entries", "entries"),
+          "slots": ("slot", "slots", "slots"), "queueOffsetsLost": ("unit lost", "units lost", "queue offsets")}
+
+
+def _describe(f: Finding) -> str:
+    where = f.file if f.position is None else f"{f.file} @ {f.position}"
+    d = f.as_dict()
+    extra = []
+    if f.range_name in d:
+        one, many, what = _NOUNS.get(f.range_name, ("item", "items", f.range_name))
+        ranges = ", ".join(f"[{a}, {b})" for a, b in d[f.range_name][:4]) + (" ..." if len(d[f.range_name]) > 4 else "")
+        extra.append(f"{f.count:,} {one if f.count == 1 else many} at {what} {ranges}")
+    for key in ("expectedSize", "actualSize", "offset", "error", "ordinal", "indexEntries", "beginPhyOffset",
+                "endPhyOffset", "after", "unitsInLastFile"):
+        if key in d:
+            extra.append(f"{key} {d[key]}")
+    if "fields" in d:
+        extra.append(", ".join(f"{k} {v['actual']} (expected {v['expected']})" for k, v in d["fields"].items()))
+    if f.examples and "key" in f.examples[0] and f.examples[0]["key"]:
+        extra.append(f"key {f.examples[0]['key']!r}")
+    return f"{where}" + (f": {'; '.join(extra)}" if extra else "")
+
+
+def _repair_lines(plan: dict | None) -> list[str]:
+    if plan is None:
+        return []
+    lines = [f"repair: {plan['command']}", f"  then, with {plan['stop']} stopped:"]
+    for r in plan["replace"]:
+        lines.append(f"  replace {r['to']} by {r['from']}" + (f" ({r['note']})" if "note" in r else ""))
+    for path in plan["remove"]:
+        lines.append(f"  remove {path}")
+    if "note" in plan:
+        lines.append(f"  note: {plan['note']}")
+    return lines
+
+
+__all__ = ["VerifyReport", "VerifyUsageError", "dispatch_frontier", "format_text", "lock_held", "repair_plan", "verify"]

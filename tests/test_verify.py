@@ -1,0 +1,538 @@
+"""`reputd verify`: broker-written stores verify clean, and each kind of damage is reported exactly.
+
+Every damage is byte surgery on a copy of a conformance store; the expected finding is (kind, file,
+position) with the position written as arithmetic on the layout constants, and nothing else may be found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from daemon.config import load_config
+from daemon.rebuild import rebuild
+from daemon.verify import MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
+from indexcore.commitlog import BODY_CRC_OFFSET
+from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE
+from indexcore.indexfile import (
+    HASH_SLOT,
+    HASH_SLOT_SIZE,
+    INDEX_ENTRY,
+    INDEX_ENTRY_SIZE,
+    INDEX_HEADER,
+    INDEX_HEADER_SIZE,
+)
+from indexcore.mappedfile import offset_to_file_name
+from indexcore.verify import (
+    COMMIT_LOG_CORRUPT,
+    CQ_FILE_EXTRA,
+    CQ_FILE_MISSING,
+    CQ_FILE_SIZE,
+    CQ_QUEUE_MISSING,
+    CQ_QUEUE_ORPHANED,
+    CQ_UNIT_DANGLING,
+    CQ_UNIT_EXTRA,
+    CQ_UNIT_MISSING,
+    CQ_UNIT_WRONG,
+    INDEX_CHAIN_BROKEN,
+    INDEX_ENTRY_EXTRA,
+    INDEX_ENTRY_MISSING,
+    INDEX_ENTRY_WRONG,
+    INDEX_FILE_EXTRA,
+    INDEX_FILE_MISSING,
+    INDEX_FILE_SIZE,
+    INDEX_HEADER_WRONG,
+    STRAY_FILE,
+)
+from tests.conformance import ConformanceStore, discover
+
+STORES = discover()
+REPUTD = [sys.executable, "-m", "daemon.cli"]
+_HEADER_INDEX_COUNT_AT = INDEX_HEADER_SIZE - 4  # the last header field
+
+
+def copy_store(store: ConformanceStore, tmp: Path) -> tuple[Path, Path]:
+    """The whole broker store (CommitLog, consumequeue/, index/, checkpoint, lock) and a config for it."""
+    root = tmp / "store"
+    shutil.copytree(store.store, root)
+    for p in root.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    config = tmp / "reputd.yaml"
+    config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(root), **store.store_settings()},
+                                      "logging": {"level": "warning"}}))
+    return root, config
+
+
+def run_verify(config: Path, **kwargs) -> VerifyReport:
+    return verify(load_config(config, env={}), **kwargs)
+
+
+def found(report: VerifyReport) -> set[tuple[str, str, int | None]]:
+    return {(f.kind, f.file, f.position) for f in report.findings}
+
+
+def entries_at(store: ConformanceStore) -> int:
+    return INDEX_HEADER_SIZE + HASH_SLOT_SIZE * store.store_settings()["maxHashSlotNum"]
+
+
+@pytest.fixture(params=STORES, ids=[s.name for s in STORES])
+def broker_store(request, tmp_path):
+    store = request.param
+    root, config = copy_store(store, tmp_path)
+    return store, root, config
+
+
+# --- clean stores ------------------------------------------------------------------------------------------
+
+def test_conformance_stores_are_present():
+    assert STORES, "no conformance store found"
+
+
+def test_broker_written_store_verifies_clean(broker_store):
+    """As the real 4.9.3 broker wrote it: consistent, every message, queue and IndexFile looked at."""
+    store, root, config = broker_store
+    report = run_verify(config)
+    assert report.findings == []
+    assert report.consistent
+    assert report.mode == MODE_STOPPED
+    assert report.messages == len(store.manifest["messages"])
+    assert report.queues == len([p for p in (root / "consumequeue").glob("*/*") if p.is_dir()])
+    assert report.index_files == len(list((root / "index").iterdir()))
+    assert report.entries == sum(h["index_count"] - 1 for h in _index_headers(root, store))
+
+
+def _index_headers(root: Path, store: ConformanceStore) -> list[dict]:
+    out = []
+    for p in sorted((root / "index").iterdir()):
+        values = INDEX_HEADER.unpack(p.read_bytes()[:INDEX_HEADER_SIZE])
+        out.append(dict(zip(("begin", "end", "begin_phy", "end_phy", "slots", "index_count"), values, strict=True)))
+    return out
+
+
+def test_reputd_rebuild_output_verifies_clean(broker_store, tmp_path):
+    """reputd's own output directory (named by store time, not by the broker's clock) verifies too."""
+    store, _root, config = broker_store
+    out = tmp_path / "rebuilt"
+    cfg = load_config(config, env={}, overrides={"output.dir": str(out)})
+    rebuild(cfg)
+    report = verify(cfg)
+    assert report.findings == []
+    assert report.mode == MODE_REPUTD
+    assert report.messages == len(store.manifest["messages"])
+
+
+def test_reputd_run_output_with_checkpoint_verifies_clean(broker_store, tmp_path):
+    """`reputd run --until-caught-up` leaves reputd.checkpoint: its output verifies clean, frontier from it."""
+    _, _, config = broker_store
+    out = tmp_path / "daemon-out"
+    res = subprocess.run([*REPUTD, "run", "--config", str(config), "--out", str(out), "--until-caught-up"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**_clean_env(), "REPUTD_METRICS_ENABLED": "false"}, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (out / "reputd.checkpoint").exists()
+    report = verify(load_config(config, env={}, overrides={"output.dir": str(out)}))
+    assert report.findings == []
+    assert report.frontier is not None
+    assert report.frontier.evidence["reputFromOffset"] == report.end_offset
+
+
+def test_verify_from_a_record_boundary_is_clean(broker_store):
+    """Starting in the middle: queues and IndexFiles are taken up where they stood at that offset."""
+    store, _, config = broker_store
+    offsets = sorted(m["phy_offset"] for m in store.manifest["messages"])
+    for start in (offsets[len(offsets) // 3], offsets[2 * len(offsets) // 3], offsets[-1]):
+        report = run_verify(config, from_offset=start)
+        assert report.findings == [], start
+        assert report.messages == len([o for o in offsets if o >= start])
+
+
+def test_commitlog_after_retention_verifies_clean(broker_store):
+    """A broker deletes its oldest segments: what is left verifies from the oldest one left."""
+    _, root, config = broker_store
+    segments = sorted((root / "commitlog").iterdir())
+    for p in segments[:5]:
+        p.unlink()
+    report = run_verify(config)
+    assert report.findings == []
+    assert report.from_offset == int(segments[5].name)
+
+
+# --- damage, one kind at a time -----------------------------------------------------------------------------
+
+def _queue_file(root: Path, topic: str, queue_id: int, k: int = 0) -> Path:
+    return sorted((root / "consumequeue" / topic / str(queue_id)).iterdir())[k]
+
+
+def _rel(root: Path, p: Path) -> str:
+    return str(p.relative_to(root))
+
+
+def _patch(path: Path, position: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(position)
+        f.write(data)
+
+
+def _index_files(root: Path) -> list[Path]:
+    return sorted((root / "index").iterdir())
+
+
+def _entry(path: Path, at: int, n: int) -> tuple[int, int, int, int]:
+    return INDEX_ENTRY.unpack_from(path.read_bytes(), at + INDEX_ENTRY_SIZE * n)
+
+
+def _last_unit(path: Path) -> int:
+    units = np.frombuffer(path.read_bytes(), dtype=">i4").reshape(-1, CQ_UNIT_SIZE // 4)
+    return int(np.flatnonzero(units[:, 2] > 0)[-1])  # msg_size column
+
+
+def damage_unit_zeroed(store, root):
+    f = _queue_file(root, "TopicTest", 1)
+    _patch(f, 2 * CQ_UNIT_SIZE, bytes(CQ_UNIT_SIZE))
+    return {(CQ_UNIT_MISSING, _rel(root, f), 2 * CQ_UNIT_SIZE)}
+
+
+def damage_units_swapped(store, root):
+    f = _queue_file(root, "TopicTest", 2)
+    data = f.read_bytes()
+    a, b = 5 * CQ_UNIT_SIZE, 6 * CQ_UNIT_SIZE
+    _patch(f, a, data[b : b + CQ_UNIT_SIZE] + data[a:b])
+    return {(CQ_UNIT_WRONG, _rel(root, f), a)}
+
+
+def damage_queue_file_truncated(store, root):
+    f = _queue_file(root, "TopicTest", 3, 1)
+    os.truncate(f, 30 * CQ_UNIT_SIZE)
+    return {(CQ_FILE_SIZE, _rel(root, f), 30 * CQ_UNIT_SIZE)}
+
+
+def damage_queue_file_extended(store, root):
+    f = _queue_file(root, "TopicTest", 3, 0)
+    size = f.stat().st_size
+    with open(f, "ab") as out:
+        out.write(bytes(CQ_UNIT_SIZE))
+    return {(CQ_FILE_SIZE, _rel(root, f), size + CQ_UNIT_SIZE)}
+
+
+def damage_extra_queue_file(store, root):
+    last = _queue_file(root, "TopicTest", 0, -1)
+    extra = last.parent / offset_to_file_name(int(last.name) + last.stat().st_size)
+    extra.write_bytes(bytes(last.stat().st_size))
+    return {(CQ_FILE_EXTRA, _rel(root, extra), None)}
+
+
+def damage_stray_files(store, root):
+    (root / "consumequeue" / "TopicTest" / "0" / "00000000000000000000.bak").write_bytes(b"x")
+    (root / "index" / "notes.txt").write_bytes(b"x")
+    return {(STRAY_FILE, "consumequeue/TopicTest/0/00000000000000000000.bak", None),
+            (STRAY_FILE, "index/notes.txt", None)}
+
+
+def damage_queue_file_missing(store, root):
+    f = _queue_file(root, "TopicTest", 1, 1)
+    f.unlink()
+    return {(CQ_FILE_MISSING, _rel(root, f), 0)}
+
+
+def damage_queue_missing(store, root):
+    d = root / "consumequeue" / "order-events_v2" / "2"
+    shutil.rmtree(d)
+    return {(CQ_QUEUE_MISSING, _rel(root, d), None)}
+
+
+def damage_queue_orphaned(store, root):
+    d = root / "consumequeue" / "TopicTest" / "9"
+    shutil.copytree(root / "consumequeue" / "TopicTest" / "0", d)
+    return {(CQ_QUEUE_ORPHANED, _rel(root, d), None)}
+
+
+def damage_unit_dangling(store, root):
+    f = _queue_file(root, "TopicTest", 0)
+    _patch(f, 3 * CQ_UNIT_SIZE, (12345).to_bytes(8, "big"))
+    return {(CQ_UNIT_DANGLING, _rel(root, f), 3 * CQ_UNIT_SIZE)}
+
+
+def damage_unit_tags_code(store, root):
+    f = _queue_file(root, "TopicTest", 0)
+    phy, size, tags = CQ_UNIT.unpack_from(f.read_bytes(), 4 * CQ_UNIT_SIZE)
+    _patch(f, 4 * CQ_UNIT_SIZE, CQ_UNIT.pack(phy, size, tags + 1))
+    return {(CQ_UNIT_WRONG, _rel(root, f), 4 * CQ_UNIT_SIZE)}
+
+
+def damage_unit_extra(store, root):
+    f = _queue_file(root, "order-events_v2", 1, -1)
+    n = _last_unit(f)
+    data = f.read_bytes()
+    _patch(f, (n + 1) * CQ_UNIT_SIZE, data[n * CQ_UNIT_SIZE : (n + 1) * CQ_UNIT_SIZE])
+    return {(CQ_UNIT_EXTRA, _rel(root, f), (n + 1) * CQ_UNIT_SIZE)}
+
+
+def damage_index_entry_removed(store, root):
+    f = _index_files(root)[3]
+    at = entries_at(store) + INDEX_ENTRY_SIZE * 10
+    _patch(f, at, bytes(INDEX_ENTRY_SIZE))
+    return {(INDEX_ENTRY_MISSING, _rel(root, f), at)}
+
+
+def damage_index_entry_wrong(store, root):
+    f = _index_files(root)[2]
+    kh, phy, diff, prev = _entry(f, entries_at(store), 7)
+    at = entries_at(store) + INDEX_ENTRY_SIZE * 7
+    _patch(f, at, INDEX_ENTRY.pack(kh, phy + 1, diff, prev))
+    return {(INDEX_ENTRY_WRONG, _rel(root, f), at)}
+
+
+def damage_chain_link_broken(store, root):
+    f = _index_files(root)[1]
+    base = entries_at(store)
+    n = next(i for i in range(1, 400) if _entry(f, base, i)[3] != 0)
+    kh, phy, diff, _ = _entry(f, base, n)
+    _patch(f, base + INDEX_ENTRY_SIZE * n, INDEX_ENTRY.pack(kh, phy, diff, 0))
+    return {(INDEX_CHAIN_BROKEN, _rel(root, f), base + INDEX_ENTRY_SIZE * n + 16)}
+
+
+def damage_slot_broken(store, root):
+    f = _index_files(root)[4]
+    data = f.read_bytes()
+    slot = next(s for s in range(store.store_settings()["maxHashSlotNum"])
+                if HASH_SLOT.unpack_from(data, INDEX_HEADER_SIZE + HASH_SLOT_SIZE * s)[0] > 1)
+    at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * slot
+    _patch(f, at, HASH_SLOT.pack(HASH_SLOT.unpack_from(data, at)[0] - 1))
+    return {(INDEX_CHAIN_BROKEN, _rel(root, f), at)}
+
+
+def damage_header_count_off_by_one(store, root):
+    f = _index_files(root)[5]
+    count = int.from_bytes(f.read_bytes()[_HEADER_INDEX_COUNT_AT:INDEX_HEADER_SIZE], "big")
+    _patch(f, _HEADER_INDEX_COUNT_AT, (count + 1).to_bytes(4, "big"))
+    return {(INDEX_HEADER_WRONG, _rel(root, f), _HEADER_INDEX_COUNT_AT)}
+
+
+def damage_header_begin_timestamp(store, root):
+    f = _index_files(root)[6]
+    begin = int.from_bytes(f.read_bytes()[:8], "big")
+    _patch(f, 0, (begin - 1000).to_bytes(8, "big"))
+    return {(INDEX_HEADER_WRONG, _rel(root, f), 0)}
+
+
+def damage_index_file_missing(store, root):
+    _index_files(root)[4].unlink()
+    return {(INDEX_FILE_MISSING, "index/", None)}
+
+
+def damage_index_file_extra(store, root):
+    files = _index_files(root)
+    extra = root / "index" / str(int(files[-1].name) + 1)
+    extra.write_bytes(bytes(files[-1].stat().st_size))
+    return {(INDEX_FILE_EXTRA, _rel(root, extra), None)}
+
+
+def damage_index_file_truncated(store, root):
+    f = _index_files(root)[-1]
+    os.truncate(f, 5000)
+    return {(INDEX_FILE_SIZE, _rel(root, f), 5000)}
+
+
+def damage_index_entry_extra(store, root):
+    f = _index_files(root)[-1]
+    count = INDEX_HEADER.unpack(f.read_bytes()[:INDEX_HEADER_SIZE])[5]
+    base = entries_at(store)
+    _patch(f, base + INDEX_ENTRY_SIZE * count, INDEX_ENTRY.pack(*_entry(f, base, 1)))
+    return {(INDEX_ENTRY_EXTRA, _rel(root, f), base + INDEX_ENTRY_SIZE * count)}
+
+
+def damage_commitlog_record(store, root):
+    """A record whose body no longer matches its CRC: reported where it is, nothing judged past it."""
+    m = next(m for m in sorted(store.manifest["messages"], key=lambda m: m["phy_offset"])
+             if m["phy_offset"] > 20 * 65536 and m["body_length"] > 0)
+    segment = root / "commitlog" / offset_to_file_name(m["phy_offset"] - m["phy_offset"] % 65536)
+    pos = m["phy_offset"] % 65536
+    _patch(segment, pos + BODY_CRC_OFFSET, (0x1234567).to_bytes(4, "big"))
+    return {(COMMIT_LOG_CORRUPT, _rel(root, segment), pos)}
+
+
+DAMAGE = [damage_unit_zeroed, damage_units_swapped, damage_queue_file_truncated, damage_queue_file_extended,
+          damage_extra_queue_file, damage_stray_files, damage_queue_file_missing, damage_queue_missing,
+          damage_queue_orphaned, damage_unit_dangling, damage_unit_tags_code, damage_unit_extra,
+          damage_index_entry_removed, damage_index_entry_wrong, damage_chain_link_broken, damage_slot_broken,
+          damage_header_count_off_by_one, damage_header_begin_timestamp, damage_index_file_missing,
+          damage_index_file_extra, damage_index_file_truncated, damage_index_entry_extra, damage_commitlog_record]
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=[d.__name__.removeprefix("damage_") for d in DAMAGE])
+def test_damage_is_reported_exactly(broker_store, damage):
+    """One damage, one finding: its kind, its file and the byte position of the damage, and nothing else."""
+    store, root, config = broker_store
+    expected = damage(store, root)
+    report = run_verify(config)
+    assert found(report) == expected
+    assert not report.consistent
+    assert report.repair is not None
+
+
+def test_swapped_units_name_both_queue_offsets(broker_store):
+    store, root, config = broker_store
+    damage_units_swapped(store, root)
+    (finding,) = run_verify(config).findings
+    assert finding.count == 2
+    assert finding.ranges == [[5, 7]]
+    assert finding.details == {"topic": "TopicTest", "queueId": 2}
+
+
+def test_missing_index_entry_names_its_key(broker_store):
+    """An entry missing from the index is reported with the topic#key a lookup would miss."""
+    store, root, config = broker_store
+    damage_index_entry_removed(store, root)
+    (finding,) = run_verify(config).findings
+    key = finding.examples[0]["key"]
+    topic, _, value = key.partition("#")
+    assert any(m["topic"] == topic and (value == m.get("uniq_key") or value in (m.get("keys") or "").split(" "))
+               for m in store.manifest["messages"])
+
+
+def test_damage_before_from_is_history(broker_store):
+    """--from judges what follows the offset only."""
+    store, root, config = broker_store
+    damage_unit_zeroed(store, root)
+    late = sorted(m["phy_offset"] for m in store.manifest["messages"])[-100]
+    assert run_verify(config, from_offset=late).findings == []
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_single_byte_damage_names_the_damaged_file(tmp_path_factory, data):
+    """A random byte of a random ConsumeQueue or IndexFile changed: at least one finding names that file."""
+    store = data.draw(st.sampled_from(STORES))
+    tmp = tmp_path_factory.mktemp("byte")
+    root, config = copy_store(store, tmp)
+    files = sorted(p for p in [*(root / "consumequeue").rglob("*"), *(root / "index").iterdir()] if p.is_file())
+    target = data.draw(st.sampled_from(files))
+    raw = bytearray(target.read_bytes())
+    at = data.draw(st.integers(0, len(raw) - 1))
+    raw[at] = data.draw(st.integers(0, 255).filter(lambda b: b != raw[at]))
+    target.write_bytes(bytes(raw))
+    report = run_verify(config)
+    assert _rel(root, target) in {f.file for f in report.findings}, (target, at, found(report))
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+
+def _clean_env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*REPUTD, "verify", *args], capture_output=True, text=True, timeout=300, env=_clean_env(),
+                          check=False)
+
+
+def test_cli_clean_store_exits_0(broker_store):
+    _, _, config = broker_store
+    res = cli("--config", str(config))
+    assert res.returncode == 0, res.stderr
+    assert "consistent" in res.stdout
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_json_lists_findings_then_a_summary(broker_store):
+    """--json: one object per finding, then the summary with the repair plan; exit 1."""
+    store, root, config = broker_store
+    damage_unit_zeroed(store, root)
+    damage_index_file_missing(store, root)
+    res = cli("--config", str(config), "--json")
+    assert res.returncode == 1, res.stderr
+    lines = [json.loads(line) for line in res.stdout.splitlines()]
+    *findings, summary = lines
+    assert {f["type"] for f in findings} == {"finding"}
+    assert summary["type"] == "summary"
+    assert {f["kind"] for f in findings} == {CQ_UNIT_MISSING, INDEX_FILE_MISSING}
+    assert summary["consistent"] is False
+    assert summary["findings"] == 2
+    assert summary["byKind"] == {CQ_UNIT_MISSING: {"findings": 1, "count": 1},
+                                 INDEX_FILE_MISSING: {"findings": 1, "count": 1}}
+    repair = summary["repair"]
+    assert repair["command"].startswith("reputd rebuild --config ")
+    targets = {r["to"] for r in repair["replace"]}
+    assert targets == {str(root / "consumequeue" / "TopicTest" / "1"), str(root / "index")}
+
+
+def test_cli_human_summary_per_kind(broker_store):
+    store, root, config = broker_store
+    damage_units_swapped(store, root)
+    res = cli("--config", str(config))
+    assert res.returncode == 1
+    assert "cqUnitWrong: 1 finding, 2 in all" in res.stdout
+    assert "repair: reputd rebuild" in res.stdout
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_following_the_repair_plan_makes_the_store_consistent(broker_store):
+    """Run the suggested rebuild, copy what it says where: the store then verifies clean."""
+    store, root, config = broker_store
+    damage_unit_zeroed(store, root)
+    damage_index_entry_removed(store, root)
+    summary = json.loads(cli("--config", str(config), "--json").stdout.splitlines()[-1])
+    repair = summary["repair"]
+    args = repair["command"].split()[1:]
+    res = subprocess.run([*REPUTD, *args], capture_output=True, text=True, env=_clean_env(), timeout=300, check=False)
+    assert res.returncode == 0, res.stderr
+    for r in repair["replace"]:
+        shutil.rmtree(r["to"])
+        shutil.copytree(r["from"], r["to"])
+    for path in repair["remove"]:
+        os.remove(path)
+    assert cli("--config", str(config)).returncode == 0
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--out", "/nonexistent/reputd-verify"], "no such directory to verify"),
+    (["--store", "/nonexistent/reputd-store"], "no such directory to verify"),
+    (["--from", "-5"], "is negative"),
+])
+def test_cli_wrong_paths_and_values_exit_2(broker_store, args, needle):
+    _, _, config = broker_store
+    res = cli("--config", str(config), *args)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert needle in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_missing_commitlog_directory_exits_2(broker_store):
+    _, root, config = broker_store
+    shutil.rmtree(root / "commitlog")
+    res = cli("--config", str(config))
+    assert res.returncode == 2
+    assert "no CommitLog directory" in res.stderr
+
+
+def test_cli_from_inside_a_record_exits_2(broker_store):
+    store, _, config = broker_store
+    inside = sorted(m["phy_offset"] for m in store.manifest["messages"])[10] + 7
+    res = cli("--config", str(config), "--from", str(inside))
+    assert res.returncode == 2
+    assert "not the start of a record" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_missing_config_file_exits_2(tmp_path):
+    res = cli("--config", str(tmp_path / "absent.yaml"))
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+
+
+def test_verify_writes_nothing(broker_store):
+    """Read-only: no file of the store changes, none appears (not even a lock)."""
+    _, root, config = broker_store
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")}
+    assert cli("--config", str(config)).returncode == 0
+    assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")} == before
