@@ -9,6 +9,7 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
     rebuild-3keys    the same with 3 KEYS per message
     rebuild-4k       500,000 messages with 4 KiB bodies
     rebuild-noindex  the first data set with messageIndexEnable: false (ConsumeQueue only)
+    verify           `reputd verify` of the first data set's rebuilt output, beside that rebuild's own time
     live             a writer appends at 100,000 msgs/s while `reputd run` follows
     query            `reputd query key` against a full 20,000,000-entry IndexFile: library call and CLI
     backfill         `reputd backfill` with Spark local[1] and local[2] on the rebuild data set
@@ -167,6 +168,36 @@ def bench_rebuild(work: Path, scenario: str, scale: float, repeat: int) -> dict:
             "peak_rss_mb": round(rss / MIB, 1), "raw_read_seconds": round(floor, 3),
             "raw_read_mb_per_s": round(size / MIB / floor, 1), "ratio_to_raw_read": round(wall / floor, 2),
             "runs": [round(r[0], 3) for r in runs], "inner_seconds": summary["seconds"]}
+
+
+def bench_verify(work: Path, scale: float, repeat: int) -> dict:
+    """`reputd verify` reads what a rebuild writes: timed against the rebuild of the same data, run just before
+    it in the same way (process start to exit, fastest of `repeat`, the same warm page cache)."""
+    store, messages = ensure_data_set(work, REBUILDS["rebuild"][0], scale)
+    out = work / "out" / "verify"
+    config = write_config(work / "verify.yaml", store, out)
+    end = commitlog_bytes(store)[1]
+    rebuilds, verifies = [], []
+    for _ in range(repeat):
+        shutil.rmtree(out, ignore_errors=True)
+        raw_read_seconds(store, end)
+        wall, rss, _ = run_measured([*REPUTD, "rebuild", "--config", str(config), "--json"])
+        rebuilds.append((wall, rss))
+    for _ in range(repeat):
+        raw_read_seconds(store, end)
+        wall, rss, stdout = run_measured([*REPUTD, "verify", "--config", str(config), "--json"])
+        summary = last_json(stdout)
+        if not summary["consistent"] or summary["messages"] != messages:
+            sys.exit(f"verify of the rebuilt output: {summary}")
+        verifies.append((wall, rss, summary))
+    rb_wall, rb_rss = min(rebuilds)
+    wall, rss, summary = min(verifies, key=lambda r: r[0])
+    return {"scenario": "verify", "messages": messages, "bytes": summary["endOffset"] - summary["fromOffset"],
+            "seconds": round(wall, 3), "msgs_per_s": round(messages / wall), "peak_rss_mb": round(rss / MIB, 1),
+            "rebuild_seconds": round(rb_wall, 3), "rebuild_msgs_per_s": round(messages / rb_wall),
+            "rebuild_peak_rss_mb": round(rb_rss / MIB, 1), "ratio_to_rebuild": round(rb_wall / wall, 2),
+            "runs": [round(r[0], 3) for r in verifies], "rebuild_runs": [round(r[0], 3) for r in rebuilds],
+            "inner_seconds": summary["seconds"]}
 
 
 def _health(port: int) -> dict:
@@ -359,6 +390,11 @@ def print_table(results: list[dict]) -> None:
             print(f"| {r['scenario']}{extra} | {r['messages']:,} | {r['seconds']:.2f} | {r['msgs_per_s']:,} | | "
                   f"{r['peak_rss_mb_driver']:.0f} (driver) | | |")
     for r in results:
+        if r["scenario"] == "verify":
+            print(f"\nverify: {r['messages']:,} messages in {r['seconds']:.2f} s ({r['msgs_per_s']:,} msgs/s, peak RSS "
+                  f"{r['peak_rss_mb']:.0f} MB); the rebuild of the same data {r['rebuild_seconds']:.2f} s "
+                  f"({r['rebuild_msgs_per_s']:,} msgs/s, peak RSS {r['rebuild_peak_rss_mb']:.0f} MB): "
+                  f"{r['ratio_to_rebuild']:.2f}x the rebuild's msgs/s")
         if r["scenario"] == "live":
             print(f"\nlive: {r['rate_achieved']:,} msgs/s for {r['seconds']:.0f} s ({r['dispatched']:,} of "
                   f"{r['messages']:,} dispatched); append-to-dispatch latency ms p50 {r['latency_ms_p50']} "
@@ -373,7 +409,7 @@ def print_table(results: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench" / "results" / "suite")
-    ap.add_argument("--only", default="rebuild,rebuild-3keys,rebuild-4k,rebuild-noindex,live,query,backfill")
+    ap.add_argument("--only", default="rebuild,rebuild-3keys,rebuild-4k,rebuild-noindex,verify,live,query,backfill")
     ap.add_argument("--quick", action="store_true", help="a tenth of every data set and short runs (a smoke test)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per rebuild scenario; the fastest is reported")
     ap.add_argument("--live-seconds", type=float, default=20.0)
@@ -390,6 +426,9 @@ def main() -> int:
         if scenario in wanted:
             results.append(bench_rebuild(work, scenario, scale, 1 if args.quick else args.repeat))
             print(f"{scenario}: {results[-1]['msgs_per_s']:,} msgs/s", flush=True)
+    if "verify" in wanted:
+        results.append(bench_verify(work, scale, 1 if args.quick else args.repeat))
+        print(f"verify: {results[-1]['msgs_per_s']:,} msgs/s ({results[-1]['ratio_to_rebuild']}x rebuild)", flush=True)
     if "live" in wanted:
         results.append(bench_live(work, 5.0 if args.quick else args.live_seconds, 3.0 if args.quick else 10.0))
         print(f"live: p99 {results[-1]['latency_ms_p99']} ms", flush=True)

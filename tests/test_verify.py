@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from daemon.config import load_config
 from daemon.rebuild import rebuild
-from daemon.verify import MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
+from daemon.verify import MODE_CRASHED, MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
 from indexcore.commitlog import BODY_CRC_OFFSET
 from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.indexfile import (
@@ -54,6 +54,7 @@ from indexcore.verify import (
     INDEX_HEADER_WRONG,
     STRAY_FILE,
 )
+from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import ConformanceStore, discover
 
 STORES = discover()
@@ -400,6 +401,29 @@ def test_missing_index_entry_names_its_key(broker_store):
                for m in store.manifest["messages"])
 
 
+def test_unclean_exit_judges_up_to_the_frontier(broker_store):
+    """Records the broker appended but never dispatched (it died first): a cleanly stopped store must have
+    them dispatched; with `abort` left behind they lie past the frontier the files prove and are not judged,
+    while damage behind that frontier still is."""
+    store, root, config = broker_store
+    clock = iter(range(max(m["store_timestamp"] for m in store.manifest["messages"]) + 60_000, 2**62, 7))
+    with CommitLogWriter(str(root / "commitlog"), store.store_settings()["mappedFileSizeCommitLog"],
+                         clock=lambda: next(clock)) as w:
+        for i in range(50):
+            w.append(Message("TopicTest", i % 4, bytes(100), {"KEYS": f"late-{i}", "UNIQ_KEY": f"{i:032X}"}))
+    stopped = run_verify(config)
+    assert stopped.mode == MODE_STOPPED
+    assert CQ_UNIT_MISSING in {f.kind for f in stopped.findings}
+    assert INDEX_ENTRY_MISSING in {f.kind for f in stopped.findings}
+    (root / "abort").write_bytes(b"")
+    expected = damage_unit_zeroed(store, root)
+    crashed = run_verify(config)
+    assert crashed.mode == MODE_CRASHED
+    assert found(crashed) == expected
+    assert crashed.messages == len(store.manifest["messages"])
+    assert any("past the dispatch frontier" in note for note in crashed.notes)
+
+
 def test_damage_before_from_is_history(broker_store):
     """--from judges what follows the offset only."""
     store, root, config = broker_store
@@ -536,3 +560,73 @@ def test_verify_writes_nothing(broker_store):
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")}
     assert cli("--config", str(config)).returncode == 0
     assert {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")} == before
+
+
+# --- a broker writing while verify runs (make stress) ------------------------------------------------------
+
+REALBROKER = Path(os.environ.get("REPUTD_REALBROKER_DIR",
+                                 Path(__file__).resolve().parents[2] / "shared" / "realbroker"))
+LIVE_SETTINGS = {"mappedFileSizeCommitLog": 1048576, "mappedFileSizeConsumeQueue": 6000, "maxHashSlotNum": 97,
+                 "maxIndexNum": 400}
+
+
+def _live_writer_command(store: Path, messages: int, rate: int) -> list[str]:
+    missing = [tool for tool in ("java", "javac") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not found: the live broker test runs the real RocketMQ 4.9.3 store")
+    if not (REALBROKER / "build.sh").is_file():
+        pytest.skip(f"no RocketMQ 4.9.3 harness at {REALBROKER} (REPUTD_REALBROKER_DIR)")
+    built = subprocess.run(["bash", str(REALBROKER / "build.sh")], capture_output=True, text=True, timeout=900,
+                           check=False)
+    assert built.returncode == 0, built.stderr[-3000:]
+    b = built.stdout.strip().splitlines()[-1]
+    return ["java", "-Xms256m", "-Xmx512m", "-Duser.timezone=UTC", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+            "--add-opens", "java.base/java.nio=ALL-UNNAMED", "--add-opens", "java.base/jdk.internal.ref=ALL-UNNAMED",
+            "--add-opens", "java.base/sun.nio.ch=ALL-UNNAMED", "--add-exports", "java.base/sun.nio.ch=ALL-UNNAMED",
+            "-cp", f"{b}/harness:{b}/classes:{b}/lib/*", "LiveWriter", "--store", str(store),
+            "--messages", str(messages), "--rate", str(rate), "--seed", "11", "--ha-port", "0", "--linger-ms", "3000",
+            "--commitlog-size", str(LIVE_SETTINGS["mappedFileSizeCommitLog"]),
+            "--cq-size", str(LIVE_SETTINGS["mappedFileSizeConsumeQueue"]),
+            "--hash-slots", str(LIVE_SETTINGS["maxHashSlotNum"]), "--index-num", str(LIVE_SETTINGS["maxIndexNum"])]
+
+
+@pytest.mark.stress_only
+def test_verify_while_the_real_broker_writes_finds_nothing(tmp_path):
+    """The real 4.9.3 store writes (CommitLog, its own reput, ConsumeQueue, IndexFile rolls, scheduled deliveries,
+    transactions) while verify runs again and again on its directory: no false positive, ever. Once the broker
+    has stopped cleanly, the whole CommitLog is held to the files, and they verify clean too."""
+    from daemon.verify import MODE_RUNNING
+    from tests.stress import report as stress_report
+    from tests.stress import scale
+
+    store = tmp_path / "store"
+    messages = scale(6000, 30000)
+    cmd = _live_writer_command(store, messages, 1500)
+    config = tmp_path / "reputd.yaml"
+    config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(store), **LIVE_SETTINGS},
+                                      "logging": {"level": "warning"}}))
+    with open(tmp_path / "writer.err", "w") as err:
+        writer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            assert writer.stdout.readline().startswith("STARTED"), (tmp_path / "writer.err").read_text()[-3000:]
+            runs, checked = 0, []
+            while writer.poll() is None:
+                report = run_verify(config)
+                assert report.findings == [], [f.as_dict() for f in report.findings]
+                runs += 1
+                if report.mode == MODE_RUNNING:
+                    checked.append(report.messages)
+            out = writer.stdout.read()
+        finally:
+            if writer.poll() is None:
+                writer.kill()
+            writer.wait()
+    assert writer.returncode == 0, (tmp_path / "writer.err").read_text()[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    final = run_verify(config)
+    assert final.findings == []
+    assert final.mode == MODE_STOPPED
+    stress_report("verify live broker", runs=runs, runs_while_running=len(checked), messages_checked=checked,
+                  messages_at_end=final.messages, writer=summary)
+    assert len(checked) >= 3, f"only {len(checked)} of {runs} verify runs saw the broker running"
+    assert max(checked) > 0
