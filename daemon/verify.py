@@ -87,6 +87,9 @@ class Frontier:
 
     def cut(self, batch, *, index: bool) -> int:
         """How many leading records of `batch` are dispatched."""
+        last_end = int(batch.phy_offset[-1]) + int(batch.msg_size[-1])
+        if last_end < self.offset or (not index and last_end == self.offset):
+            return len(batch)
         end = batch.phy_offset + batch.msg_size
         done = (end < self.offset) if index else (end <= self.offset)
         if self.timestamp:

@@ -13,6 +13,7 @@ and the logic around them:
     indexservice   IndexService: rolling, naming, loading and querying IndexFiles
     javahash       Java String.hashCode over UTF-16, scalar and vectorised
     writer         CommitLogWriter: appends as the broker lays records out
+    verify         existing ConsumeQueue and IndexFile files compared with what the dispatch rules write
     mappedfile     the pre-allocated, mapped file lifecycle shared by the formats
     errors         CorruptRecordError, StoreLayoutError
 """

@@ -31,6 +31,7 @@ from indexcore.indexfile import (
     INDEX_ENTRY_SIZE,
     INDEX_HEADER,
     INDEX_HEADER_SIZE,
+    IndexFile,
 )
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.verify import (
@@ -53,6 +54,7 @@ from indexcore.verify import (
     INDEX_FILE_SIZE,
     INDEX_HEADER_WRONG,
     STRAY_FILE,
+    IndexImage,
 )
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import ConformanceStore, discover
@@ -166,6 +168,44 @@ def test_commitlog_after_retention_verifies_clean(broker_store):
     report = run_verify(config)
     assert report.findings == []
     assert report.from_offset == int(segments[5].name)
+
+
+# --- the in-memory image puts what the file puts -----------------------------------------------------------
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(keys=st.lists(st.tuples(st.integers(0, 2**31 - 1), st.integers(0, 10_000)), min_size=1, max_size=60),
+       cuts=st.lists(st.integers(1, 9), max_size=12), seed_ts=st.sampled_from([0, 1_700_000_000_000]))
+def test_index_image_puts_what_the_index_file_puts(tmp_path, keys, cuts, seed_ts):
+    """IndexImage (slots and header in memory, entries one window at a time, entry_base in the kernel) and a
+    mapped IndexFile given the same puts in the same pieces hold the same bytes."""
+    slots, index_num = 7, 40
+    path = tmp_path / f"file-{len(list(tmp_path.iterdir()))}"
+    real = IndexFile(str(path), slots, index_num, create=True, end_phy_offset=99 if seed_ts else 0,
+                     end_timestamp=seed_ts)
+    entries: dict[int, bytes] = {}
+
+    def keep(image, first, n):
+        window = image.window_entries(n).tobytes()
+        for i in range(n):
+            entries[first + i] = window[i * INDEX_ENTRY_SIZE : (i + 1) * INDEX_ENTRY_SIZE]
+
+    image = IndexImage(slots, index_num, 99 if seed_ts else 0, seed_ts, keep, lambda _image: None)
+    hashes = np.array([k for k, _ in keys], dtype=np.int64)
+    phys = np.cumsum([d for _, d in keys]).astype(np.int64)
+    ts = 1_700_000_000_000 + phys * 37
+    i = 0
+    for cut in [*cuts, len(keys)]:
+        j = min(len(keys), i + cut)
+        assert image.put_keys(hashes[i:j], phys[i:j], ts[i:j]) == real.put_keys(hashes[i:j], phys[i:j], ts[i:j])
+        i = j
+    real.close()
+    data = path.read_bytes()
+    base = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * slots
+    assert data[:INDEX_HEADER_SIZE] == image.written_header().encode()
+    assert data[INDEX_HEADER_SIZE:base] == image.slot_table().tobytes()
+    for n, raw in entries.items():
+        assert data[base + INDEX_ENTRY_SIZE * n : base + INDEX_ENTRY_SIZE * (n + 1)] == raw
+    assert len(entries) == image.index_count - 1
 
 
 # --- damage, one kind at a time -----------------------------------------------------------------------------
