@@ -36,7 +36,7 @@ from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.errors import StoreError
-from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE
+from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE, index_file_size
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.reader import CommitLog, ReadStatus
@@ -51,6 +51,7 @@ from indexcore.verify import (
     CQ_UNIT_EXTRA,
     CQ_UNIT_MISSING,
     CQ_UNIT_WRONG,
+    INDEX_FILE_SIZE,
     STRAY_FILE,
     ConsumeQueueCheck,
     Finding,
@@ -297,6 +298,8 @@ def verify(config: Config, *, from_offset: int | None = None,
     cq = ConsumeQueueCheck(out, store.mapped_file_size_consume_queue, findings, locate, from_offset=start,
                            live=live, frontier=frontier_offset) if "consumequeue" in names else None
     index = None
+    if not store.message_index_enable:
+        notes.append("messageIndexEnable is false: IndexFiles not checked")
     if "index" in names and store.message_index_enable:
         index = IndexCheck(out, store.max_hash_slot_num, store.max_index_num, findings, live=live,
                            frontier=frontier_offset)
@@ -359,6 +362,21 @@ def verify(config: Config, *, from_offset: int | None = None,
         ahead.close()
         reader.close()
     report.findings = list(findings)
+    sizes = {}
+    for f in report.findings:
+        if f.kind in (CQ_FILE_SIZE, INDEX_FILE_SIZE):
+            sizes.setdefault(f.kind, set()).add(f.details["actualSize"])
+    if report.queue_files and len(sizes.get(CQ_FILE_SIZE, ())) == 1 and sum(
+            f.kind == CQ_FILE_SIZE for f in report.findings) == report.queue_files:
+        notes.insert(0, f"every ConsumeQueue file is {next(iter(sizes[CQ_FILE_SIZE]))} bytes, not "
+                        f"mappedFileSizeConsumeQueue {store.mapped_file_size_consume_queue}: the config's sizes must "
+                        "be the broker's")
+    if report.index_files and len(sizes.get(INDEX_FILE_SIZE, ())) == 1 and sum(
+            f.kind == INDEX_FILE_SIZE for f in report.findings) == report.index_files:
+        notes.insert(0, f"every IndexFile is {next(iter(sizes[INDEX_FILE_SIZE]))} bytes, not the "
+                        f"{index_file_size(store.max_hash_slot_num, store.max_index_num)} that maxHashSlotNum "
+                        f"{store.max_hash_slot_num} and maxIndexNum {store.max_index_num} give: the config's sizes "
+                        "must be the broker's")
     report.notes = notes
     report.seconds = time.perf_counter() - started
     report.repair = repair_plan(config, report)
@@ -404,11 +422,14 @@ def format_text(report: VerifyReport, examples: int = 3) -> list[str]:
     """The human summary: one block per kind (count and the first examples), then the verdict."""
     lines = [f"verified {report.directory} ({report.mode})",
              f"  {report.messages:,} messages [{report.from_offset}, {report.end_offset}) in {report.seconds:.2f} s "
-             f"({report.msgs_per_second:,.0f} msgs/s); {report.queues:,} queues in {report.queue_files:,} files, "
-             f"{report.units:,} units; {report.index_files:,} IndexFiles, {report.entries:,} entries"]
+             f"({report.msgs_per_second:,.0f} msgs/s); {_n(report.queues, 'queue')} in "
+             f"{_n(report.queue_files, 'file')}, {_n(report.units, 'unit')}; {_n(report.index_files, 'IndexFile')}, "
+             f"{_n(report.entries, 'entry', 'entries')}"]
     if report.frontier is not None:
         ev = ", ".join(f"{k} {v}" for k, v in report.frontier.evidence.items()) or "none"
         lines.append(f"  dispatch frontier {report.frontier.offset} ({ev})")
+    for note in report.notes:
+        lines.append(f"note: {note}")
     by_kind: dict[str, list[Finding]] = {}
     for f in report.findings:
         by_kind.setdefault(f.kind, []).append(f)
@@ -419,8 +440,6 @@ def format_text(report: VerifyReport, examples: int = 3) -> list[str]:
             lines.append("  " + _describe(f))
         if len(fs) > examples:
             lines.append(f"  ... and {len(fs) - examples} more (--json lists them all)")
-    for note in report.notes:
-        lines.append(f"note: {note}")
     if report.consistent:
         lines.append("consistent: no difference from what the CommitLog implies")
     else:
@@ -432,6 +451,10 @@ def format_text(report: VerifyReport, examples: int = 3) -> list[str]:
 
 _NOUNS = {"queueOffsets": ("unit", "units", "queue offsets"), "entries": ("entry", "entries", "entries"),
           "slots": ("slot", "slots", "slots"), "queueOffsetsLost": ("unit lost", "units lost", "queue offsets")}
+
+
+def _n(count: int, one: str, many: str | None = None) -> str:
+    return f"{count:,} {one if count == 1 else many or one + 's'}"
 
 
 def _describe(f: Finding) -> str:

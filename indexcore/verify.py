@@ -772,6 +772,7 @@ class IndexCheck(IndexService):
         at = self._entry_at(first)
         got = self._view(actual, at, INDEX_ENTRY_SIZE * n)
         fit = len(got) // INDEX_ENTRY_SIZE
+        got = got[: fit * INDEX_ENTRY_SIZE]
         if not same_bytes(got, want[: fit * INDEX_ENTRY_SIZE]):
             g, w = got.reshape(-1, INDEX_ENTRY_SIZE), want[: fit * INDEX_ENTRY_SIZE].reshape(-1, INDEX_ENTRY_SIZE)
             for r in np.flatnonzero((g != w).any(axis=1)).tolist():

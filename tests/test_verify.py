@@ -150,12 +150,18 @@ def test_reputd_run_output_with_checkpoint_verifies_clean(broker_store, tmp_path
 
 
 def test_verify_from_a_record_boundary_is_clean(broker_store):
-    """Starting in the middle: queues and IndexFiles are taken up where they stood at that offset."""
-    store, _, config = broker_store
+    """Starting in the middle: queues and IndexFiles are taken up where they stood at that offset, wherever
+    it falls (on the first record of an IndexFile, the record after its last one, any record)."""
+    store, root, config = broker_store
     offsets = sorted(m["phy_offset"] for m in store.manifest["messages"])
-    for start in (offsets[len(offsets) // 3], offsets[2 * len(offsets) // 3], offsets[-1]):
+    starts = {offsets[len(offsets) // 3], offsets[-1], *offsets[:: max(1, len(offsets) // 12)]}
+    for h in _index_headers(root, store):
+        i = offsets.index(h["begin_phy"])
+        starts |= {h["begin_phy"], offsets[min(i + 1, len(offsets) - 1)],
+                   offsets[min(offsets.index(h["end_phy"]) + 1, len(offsets) - 1)]}
+    for start in sorted(starts):
         report = run_verify(config, from_offset=start)
-        assert report.findings == [], start
+        assert report.findings == [], (start, [f.as_dict() for f in report.findings])
         assert report.messages == len([o for o in offsets if o >= start])
 
 
@@ -462,6 +468,28 @@ def test_unclean_exit_judges_up_to_the_frontier(broker_store):
     assert found(crashed) == expected
     assert crashed.messages == len(store.manifest["messages"])
     assert any("past the dispatch frontier" in note for note in crashed.notes)
+
+
+AFTER_FROM = [damage_index_entry_removed, damage_slot_broken, damage_header_count_off_by_one, damage_index_file_missing,
+              damage_unit_extra, damage_index_entry_extra, damage_queue_orphaned]
+
+
+@pytest.mark.parametrize("damage", AFTER_FROM, ids=[d.__name__.removeprefix("damage_") for d in AFTER_FROM])
+def test_damage_after_from_is_reported_exactly(broker_store, damage):
+    """Verifying from the start of the third IndexFile: damage past it is found as from the beginning."""
+    store, root, config = broker_store
+    start = _index_headers(root, store)[2]["begin_phy"]
+    expected = damage(store, root)
+    assert found(run_verify(config, from_offset=start)) == expected
+
+
+def test_settings_other_than_the_brokers_are_named(broker_store):
+    """A config whose IndexFile sizes are not the broker's: every file differs, and a note says why."""
+    _, _, config = broker_store
+    cfg = load_config(config, env={"REPUTD_STORE_MAX_HASH_SLOT_NUM": "101"})
+    report = verify(cfg)
+    assert INDEX_FILE_SIZE in {f.kind for f in report.findings}
+    assert "the config's sizes must be the broker's" in report.notes[0]
 
 
 def test_damage_before_from_is_history(broker_store):
