@@ -343,8 +343,6 @@ def verify(config: Config, *, from_offset: int | None = None,
                 else:
                     _corrupt(findings, commit_log, offset, result.error)
                 # past the damage nothing is dispatched (a broker's recovery ends its CommitLog there): not judged
-                live = True
-                frontier_offset = offset
                 if cq is not None:
                     cq.live, cq.frontier = True, offset
                 if index is not None:
@@ -362,6 +360,9 @@ def verify(config: Config, *, from_offset: int | None = None,
         ahead.close()
         reader.close()
     report.findings = list(findings)
+    for sub, used in ((CONSUME_QUEUE_DIR, cq is not None), (INDEX_DIR, index is not None)):
+        if used and not os.path.isdir(os.path.join(out, sub)):
+            notes.insert(0, f"{os.path.join(out, sub)} does not exist: is {out} the directory to verify?")
     sizes = {}
     for f in report.findings:
         if f.kind in (CQ_FILE_SIZE, INDEX_FILE_SIZE):

@@ -528,6 +528,13 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
+def test_cli_help():
+    res = cli("--help")
+    assert res.returncode == 0
+    assert "--from" in res.stdout
+    assert "--json" in res.stdout
+
+
 def test_cli_clean_store_exits_0(broker_store):
     _, _, config = broker_store
     res = cli("--config", str(config))
