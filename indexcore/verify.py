@@ -257,12 +257,12 @@ class _Queue:
 
     __slots__ = ("cursor", "directory", "exists", "expected_files", "files", "queue_id", "rel", "topic")
 
-    def __init__(self, topic: str, queue_id: int, directory: str, rel: str):
+    def __init__(self, root: str, topic: str, queue_id: int):
         self.topic = topic
         self.queue_id = queue_id
-        self.directory = directory
-        self.rel = rel
-        self.exists = os.path.isdir(directory)
+        self.directory = os.path.join(root, topic, str(queue_id))
+        self.rel = f"{CONSUME_QUEUE_DIR}/{topic}/{queue_id}"
+        self.exists = os.path.isdir(self.directory)
         self.files: dict[int, tuple[str, int]] = {}  # start -> (path, size)
         self.expected_files: set[int] = set()
         self.cursor = QueueCursor()
@@ -312,8 +312,7 @@ class ConsumeQueueCheck:
                     self._compare(q, p.file_start, p.logical, group.units[p.first : p.last].view(np.uint8))
 
     def _open_queue(self, topic: str, queue_id: int, first_queue_offset: int) -> _Queue:
-        rel = f"{CONSUME_QUEUE_DIR}/{topic}/{queue_id}"
-        q = self.queues[(topic, queue_id)] = _Queue(topic, queue_id, os.path.join(self.root, topic, str(queue_id)), rel)
+        q = self.queues[(topic, queue_id)] = _Queue(self.root, topic, queue_id)
         self._list_files(q)
         if self.from_offset > 0 and q.files:
             # the queue's history is not read: its next unit goes where its record's queue offset says
@@ -451,8 +450,7 @@ class ConsumeQueueCheck:
                     self._check_orphan(topic, int(name))
 
     def _check_orphan(self, topic: str, queue_id: int) -> None:
-        q = _Queue(topic, queue_id, os.path.join(self.root, topic, str(queue_id)), "")
-        q.rel = f"{CONSUME_QUEUE_DIR}/{topic}/{queue_id}"
+        q = _Queue(self.root, topic, queue_id)
         self._list_files(q)
         self.files_checked += len(q.files)
         if not q.files:
