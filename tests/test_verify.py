@@ -23,7 +23,7 @@ from daemon.config import load_config
 from daemon.rebuild import rebuild
 from daemon.verify import MODE_CRASHED, MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
 from indexcore.commitlog import BODY_CRC_OFFSET
-from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE
+from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.indexfile import (
     HASH_SLOT,
     HASH_SLOT_SIZE,
@@ -216,10 +216,6 @@ def test_index_image_puts_what_the_index_file_puts(tmp_path, keys, cuts, seed_ts
 
 # --- damage, one kind at a time -----------------------------------------------------------------------------
 
-def _queue_file(root: Path, topic: str, queue_id: int, k: int = 0) -> Path:
-    return sorted((root / "consumequeue" / topic / str(queue_id)).iterdir())[k]
-
-
 def _rel(root: Path, p: Path) -> str:
     return str(p.relative_to(root))
 
@@ -230,8 +226,36 @@ def _patch(path: Path, position: int, data: bytes) -> None:
         f.write(data)
 
 
+def _units(path: Path) -> list[tuple[int, int, int]]:
+    data = path.read_bytes()
+    return [CQ_UNIT.unpack_from(data, i) for i in range(0, len(data) - len(data) % CQ_UNIT_SIZE, CQ_UNIT_SIZE)]
+
+
+def _real(unit: tuple[int, int, int]) -> bool:
+    return unit[0] >= 0 and 0 < unit[1] < BLANK_UNIT_MSG_SIZE
+
+
+def _queue_dirs(root: Path) -> list[Path]:
+    """Queue directories, those with the most units first (the store's layout, not its names, picks them)."""
+    dirs = [d for d in (root / "consumequeue").glob("*/*") if d.is_dir()]
+    return sorted(dirs, key=lambda d: (-sum(_real(u) for f in d.iterdir() for u in _units(f)), str(d)))
+
+
+def _files(queue: Path) -> list[Path]:
+    return sorted(queue.iterdir())
+
+
+def _real_units(f: Path) -> list[int]:
+    """Positions (unit numbers) of the real units of a ConsumeQueue file, blanks and zeros left out."""
+    return [i for i, u in enumerate(_units(f)) if _real(u)]
+
+
 def _index_files(root: Path) -> list[Path]:
     return sorted((root / "index").iterdir())
+
+
+def _index_count(f: Path) -> int:
+    return INDEX_HEADER.unpack(f.read_bytes()[:INDEX_HEADER_SIZE])[5]
 
 
 def _entry(path: Path, at: int, n: int) -> tuple[int, int, int, int]:
@@ -239,32 +263,34 @@ def _entry(path: Path, at: int, n: int) -> tuple[int, int, int, int]:
 
 
 def _last_unit(path: Path) -> int:
-    units = np.frombuffer(path.read_bytes(), dtype=">i4").reshape(-1, CQ_UNIT_SIZE // 4)
-    return int(np.flatnonzero(units[:, 2] > 0)[-1])  # msg_size column
+    return _real_units(path)[-1]
 
 
 def damage_unit_zeroed(store, root):
-    f = _queue_file(root, "TopicTest", 1)
-    _patch(f, 2 * CQ_UNIT_SIZE, bytes(CQ_UNIT_SIZE))
-    return {(CQ_UNIT_MISSING, _rel(root, f), 2 * CQ_UNIT_SIZE)}
+    f = _files(_queue_dirs(root)[0])[0]
+    n = _real_units(f)[2]
+    _patch(f, n * CQ_UNIT_SIZE, bytes(CQ_UNIT_SIZE))
+    return {(CQ_UNIT_MISSING, _rel(root, f), n * CQ_UNIT_SIZE)}
 
 
 def damage_units_swapped(store, root):
-    f = _queue_file(root, "TopicTest", 2)
+    f = _files(_queue_dirs(root)[1])[0]
+    n = _real_units(f)[5]
     data = f.read_bytes()
-    a, b = 5 * CQ_UNIT_SIZE, 6 * CQ_UNIT_SIZE
+    a, b = n * CQ_UNIT_SIZE, (n + 1) * CQ_UNIT_SIZE
     _patch(f, a, data[b : b + CQ_UNIT_SIZE] + data[a:b])
     return {(CQ_UNIT_WRONG, _rel(root, f), a)}
 
 
 def damage_queue_file_truncated(store, root):
-    f = _queue_file(root, "TopicTest", 3, 1)
-    os.truncate(f, 30 * CQ_UNIT_SIZE)
-    return {(CQ_FILE_SIZE, _rel(root, f), 30 * CQ_UNIT_SIZE)}
+    f = _files(_queue_dirs(root)[2])[0]
+    keep = _real_units(f)[len(_real_units(f)) // 2] * CQ_UNIT_SIZE
+    os.truncate(f, keep)
+    return {(CQ_FILE_SIZE, _rel(root, f), keep)}
 
 
 def damage_queue_file_extended(store, root):
-    f = _queue_file(root, "TopicTest", 3, 0)
+    f = _files(_queue_dirs(root)[2])[0]
     size = f.stat().st_size
     with open(f, "ab") as out:
         out.write(bytes(CQ_UNIT_SIZE))
@@ -272,52 +298,60 @@ def damage_queue_file_extended(store, root):
 
 
 def damage_extra_queue_file(store, root):
-    last = _queue_file(root, "TopicTest", 0, -1)
+    last = _files(_queue_dirs(root)[0])[-1]
     extra = last.parent / offset_to_file_name(int(last.name) + last.stat().st_size)
     extra.write_bytes(bytes(last.stat().st_size))
     return {(CQ_FILE_EXTRA, _rel(root, extra), None)}
 
 
 def damage_stray_files(store, root):
-    (root / "consumequeue" / "TopicTest" / "0" / "00000000000000000000.bak").write_bytes(b"x")
+    queue = _queue_dirs(root)[0]
+    (queue / "00000000000000000000.bak").write_bytes(b"x")
     (root / "index" / "notes.txt").write_bytes(b"x")
-    return {(STRAY_FILE, "consumequeue/TopicTest/0/00000000000000000000.bak", None),
-            (STRAY_FILE, "index/notes.txt", None)}
+    return {(STRAY_FILE, _rel(root, queue / "00000000000000000000.bak"), None), (STRAY_FILE, "index/notes.txt", None)}
 
 
 def damage_queue_file_missing(store, root):
-    f = _queue_file(root, "TopicTest", 1, 1)
+    files = _files(_queue_dirs(root)[0])
+    f = files[min(1, len(files) - 1)]
     f.unlink()
     return {(CQ_FILE_MISSING, _rel(root, f), 0)}
 
 
 def damage_queue_missing(store, root):
-    d = root / "consumequeue" / "order-events_v2" / "2"
+    d = _queue_dirs(root)[-1]
     shutil.rmtree(d)
     return {(CQ_QUEUE_MISSING, _rel(root, d), None)}
 
 
 def damage_queue_orphaned(store, root):
-    d = root / "consumequeue" / "TopicTest" / "9"
-    shutil.copytree(root / "consumequeue" / "TopicTest" / "0", d)
+    source = _queue_dirs(root)[0]
+    d = source.parent / str(max(int(q.name) for q in source.parent.iterdir()) + 100)
+    shutil.copytree(source, d)
     return {(CQ_QUEUE_ORPHANED, _rel(root, d), None)}
 
 
 def damage_unit_dangling(store, root):
-    f = _queue_file(root, "TopicTest", 0)
-    _patch(f, 3 * CQ_UNIT_SIZE, (12345).to_bytes(8, "big"))
-    return {(CQ_UNIT_DANGLING, _rel(root, f), 3 * CQ_UNIT_SIZE)}
+    """A unit one byte off its record: no record starts there."""
+    f = _files(_queue_dirs(root)[0])[0]
+    n = _real_units(f)[3]
+    phy, size, tags = _units(f)[n]
+    _patch(f, n * CQ_UNIT_SIZE, CQ_UNIT.pack(phy + 1, size, tags))
+    return {(CQ_UNIT_DANGLING, _rel(root, f), n * CQ_UNIT_SIZE)}
 
 
 def damage_unit_tags_code(store, root):
-    f = _queue_file(root, "TopicTest", 0)
-    phy, size, tags = CQ_UNIT.unpack_from(f.read_bytes(), 4 * CQ_UNIT_SIZE)
-    _patch(f, 4 * CQ_UNIT_SIZE, CQ_UNIT.pack(phy, size, tags + 1))
-    return {(CQ_UNIT_WRONG, _rel(root, f), 4 * CQ_UNIT_SIZE)}
+    f = _files(_queue_dirs(root)[0])[0]
+    n = _real_units(f)[4]
+    phy, size, tags = _units(f)[n]
+    _patch(f, n * CQ_UNIT_SIZE, CQ_UNIT.pack(phy, size, tags + 1))
+    return {(CQ_UNIT_WRONG, _rel(root, f), n * CQ_UNIT_SIZE)}
 
 
 def damage_unit_extra(store, root):
-    f = _queue_file(root, "order-events_v2", 1, -1)
+    """A copy of a queue's last unit written after it (it points at a record, just not one for that place)."""
+    f = next(f for d in _queue_dirs(root) for f in _files(d)[-1:]
+             if (_last_unit(f) + 2) * CQ_UNIT_SIZE <= f.stat().st_size)
     n = _last_unit(f)
     data = f.read_bytes()
     _patch(f, (n + 1) * CQ_UNIT_SIZE, data[n * CQ_UNIT_SIZE : (n + 1) * CQ_UNIT_SIZE])
@@ -325,31 +359,34 @@ def damage_unit_extra(store, root):
 
 
 def damage_index_entry_removed(store, root):
-    f = _index_files(root)[3]
-    at = entries_at(store) + INDEX_ENTRY_SIZE * 10
+    files = _index_files(root)
+    f = files[len(files) // 2]
+    n = min(10, _index_count(f) - 1)
+    at = entries_at(store) + INDEX_ENTRY_SIZE * n
     _patch(f, at, bytes(INDEX_ENTRY_SIZE))
     return {(INDEX_ENTRY_MISSING, _rel(root, f), at)}
 
 
 def damage_index_entry_wrong(store, root):
-    f = _index_files(root)[2]
-    kh, phy, diff, prev = _entry(f, entries_at(store), 7)
-    at = entries_at(store) + INDEX_ENTRY_SIZE * 7
+    f = _index_files(root)[0]
+    n = min(7, _index_count(f) - 1)
+    kh, phy, diff, prev = _entry(f, entries_at(store), n)
+    at = entries_at(store) + INDEX_ENTRY_SIZE * n
     _patch(f, at, INDEX_ENTRY.pack(kh, phy + 1, diff, prev))
     return {(INDEX_ENTRY_WRONG, _rel(root, f), at)}
 
 
 def damage_chain_link_broken(store, root):
-    f = _index_files(root)[1]
     base = entries_at(store)
-    n = next(i for i in range(1, 400) if _entry(f, base, i)[3] != 0)
+    f, n = next((f, n) for f in _index_files(root) for n in range(1, _index_count(f)) if _entry(f, base, n)[3] != 0)
     kh, phy, diff, _ = _entry(f, base, n)
     _patch(f, base + INDEX_ENTRY_SIZE * n, INDEX_ENTRY.pack(kh, phy, diff, 0))
     return {(INDEX_CHAIN_BROKEN, _rel(root, f), base + INDEX_ENTRY_SIZE * n + 16)}
 
 
 def damage_slot_broken(store, root):
-    f = _index_files(root)[4]
+    files = _index_files(root)
+    f = files[-1]
     data = f.read_bytes()
     slot = next(s for s in range(store.store_settings()["maxHashSlotNum"])
                 if HASH_SLOT.unpack_from(data, INDEX_HEADER_SIZE + HASH_SLOT_SIZE * s)[0] > 1)
@@ -359,21 +396,22 @@ def damage_slot_broken(store, root):
 
 
 def damage_header_count_off_by_one(store, root):
-    f = _index_files(root)[5]
-    count = int.from_bytes(f.read_bytes()[_HEADER_INDEX_COUNT_AT:INDEX_HEADER_SIZE], "big")
-    _patch(f, _HEADER_INDEX_COUNT_AT, (count + 1).to_bytes(4, "big"))
+    files = _index_files(root)
+    f = files[len(files) // 2]
+    _patch(f, _HEADER_INDEX_COUNT_AT, (_index_count(f) + 1).to_bytes(4, "big"))
     return {(INDEX_HEADER_WRONG, _rel(root, f), _HEADER_INDEX_COUNT_AT)}
 
 
 def damage_header_begin_timestamp(store, root):
-    f = _index_files(root)[6]
+    f = _index_files(root)[-1]
     begin = int.from_bytes(f.read_bytes()[:8], "big")
     _patch(f, 0, (begin - 1000).to_bytes(8, "big"))
     return {(INDEX_HEADER_WRONG, _rel(root, f), 0)}
 
 
 def damage_index_file_missing(store, root):
-    _index_files(root)[4].unlink()
+    files = _index_files(root)
+    files[len(files) // 2].unlink()
     return {(INDEX_FILE_MISSING, "index/", None)}
 
 
@@ -386,13 +424,14 @@ def damage_index_file_extra(store, root):
 
 def damage_index_file_truncated(store, root):
     f = _index_files(root)[-1]
-    os.truncate(f, 5000)
-    return {(INDEX_FILE_SIZE, _rel(root, f), 5000)}
+    keep = min(5000, f.stat().st_size // 2)
+    os.truncate(f, keep)
+    return {(INDEX_FILE_SIZE, _rel(root, f), keep)}
 
 
 def damage_index_entry_extra(store, root):
-    f = _index_files(root)[-1]
-    count = INDEX_HEADER.unpack(f.read_bytes()[:INDEX_HEADER_SIZE])[5]
+    f = next(f for f in reversed(_index_files(root)) if _index_count(f) < store.store_settings()["maxIndexNum"])
+    count = max(_index_count(f), 1)
     base = entries_at(store)
     _patch(f, base + INDEX_ENTRY_SIZE * count, INDEX_ENTRY.pack(*_entry(f, base, 1)))
     return {(INDEX_ENTRY_EXTRA, _rel(root, f), base + INDEX_ENTRY_SIZE * count)}
@@ -400,10 +439,11 @@ def damage_index_entry_extra(store, root):
 
 def damage_commitlog_record(store, root):
     """A record whose body no longer matches its CRC: reported where it is, nothing judged past it."""
-    m = next(m for m in sorted(store.manifest["messages"], key=lambda m: m["phy_offset"])
-             if m["phy_offset"] > 20 * 65536 and m["body_length"] > 0)
-    segment = root / "commitlog" / offset_to_file_name(m["phy_offset"] - m["phy_offset"] % 65536)
-    pos = m["phy_offset"] % 65536
+    segment_size = store.store_settings()["mappedFileSizeCommitLog"]
+    messages = sorted(store.manifest["messages"], key=lambda m: m["phy_offset"])
+    m = next(m for m in messages[2 * len(messages) // 3 :] if m["body_length"] > 0)
+    segment = root / "commitlog" / offset_to_file_name(m["phy_offset"] - m["phy_offset"] % segment_size)
+    pos = m["phy_offset"] % segment_size
     _patch(segment, pos + BODY_CRC_OFFSET, (0x1234567).to_bytes(4, "big"))
     return {(COMMIT_LOG_CORRUPT, _rel(root, segment), pos)}
 
@@ -429,11 +469,13 @@ def test_damage_is_reported_exactly(broker_store, damage):
 
 def test_swapped_units_name_both_queue_offsets(broker_store):
     store, root, config = broker_store
-    damage_units_swapped(store, root)
+    ((_, file, position),) = damage_units_swapped(store, root)
     (finding,) = run_verify(config).findings
+    queue_offset = (int(Path(file).name) + position) // CQ_UNIT_SIZE
     assert finding.count == 2
-    assert finding.ranges == [[5, 7]]
-    assert finding.details == {"topic": "TopicTest", "queueId": 2}
+    assert finding.ranges == [[queue_offset, queue_offset + 2]]
+    topic, queue_id = Path(file).parts[1:3]
+    assert finding.details == {"topic": topic, "queueId": int(queue_id)}
 
 
 def test_missing_index_entry_names_its_key(broker_store):
@@ -455,8 +497,10 @@ def test_unclean_exit_judges_up_to_the_frontier(broker_store):
     clock = iter(range(max(m["store_timestamp"] for m in store.manifest["messages"]) + 60_000, 2**62, 7))
     with CommitLogWriter(str(root / "commitlog"), store.store_settings()["mappedFileSizeCommitLog"],
                          clock=lambda: next(clock)) as w:
+        queue = _queue_dirs(root)[0]
         for i in range(50):
-            w.append(Message("TopicTest", i % 4, bytes(100), {"KEYS": f"late-{i}", "UNIQ_KEY": f"{i:032X}"}))
+            w.append(Message(queue.parent.name, int(queue.name), bytes(100), {"KEYS": f"late-{i}",
+                                                                              "UNIQ_KEY": f"{i:032X}"}))
     stopped = run_verify(config)
     assert stopped.mode == MODE_STOPPED
     assert CQ_UNIT_MISSING in {f.kind for f in stopped.findings}
@@ -546,7 +590,7 @@ def test_cli_clean_store_exits_0(broker_store):
 def test_cli_json_lists_findings_then_a_summary(broker_store):
     """--json: one object per finding, then the summary with the repair plan; exit 1."""
     store, root, config = broker_store
-    damage_unit_zeroed(store, root)
+    ((_, zeroed, _),) = damage_unit_zeroed(store, root)
     damage_index_file_missing(store, root)
     res = cli("--config", str(config), "--json")
     assert res.returncode == 1, res.stderr
@@ -562,7 +606,7 @@ def test_cli_json_lists_findings_then_a_summary(broker_store):
     repair = summary["repair"]
     assert repair["command"].startswith("reputd rebuild --config ")
     targets = {r["to"] for r in repair["replace"]}
-    assert targets == {str(root / "consumequeue" / "TopicTest" / "1"), str(root / "index")}
+    assert targets == {str((root / zeroed).parent), str(root / "index")}
 
 
 def test_cli_human_summary_per_kind(broker_store):
