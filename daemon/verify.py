@@ -34,7 +34,9 @@ from daemon.config import Config
 from daemon.readahead import ReadAhead
 from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
+from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE
+from indexcore.dispatch import index_keys_of
 from indexcore.errors import StoreError
 from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE, index_file_size
 from indexcore.indexservice import INDEX_DIR
@@ -291,6 +293,14 @@ def verify(config: Config, *, from_offset: int | None = None,
         except (StoreError, OSError, ValueError):
             return None
 
+    def keys_at(phy: int) -> list[str]:
+        try:
+            rec = commit_log.read_record(phy, check_crc=False, max_message_size=store.max_message_size)
+        except (StoreError, OSError, ValueError):
+            return []
+        props = rec.property_map()
+        return index_keys_of(rec.topic, props.get(PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX), props.get(PROPERTY_KEYS))
+
     names = {d.name for d in config.dispatchers}
     findings = Findings()
     locate = RecordLocator(read_size)
@@ -302,7 +312,7 @@ def verify(config: Config, *, from_offset: int | None = None,
         notes.append("messageIndexEnable is false: IndexFiles not checked")
     if "index" in names and store.message_index_enable:
         index = IndexCheck(out, store.max_hash_slot_num, store.max_index_num, findings, live=live,
-                           frontier=frontier_offset)
+                           frontier=frontier_offset, keys_at=keys_at)
         if start > 0:
             index.start_at(start, store_timestamp_at)
     reader = make_reader(config, commit_log, max(config.reput.batch_bytes, REBUILD_BATCH_BYTES))
@@ -472,8 +482,10 @@ def _describe(f: Finding) -> str:
             extra.append(f"{key} {d[key]}")
     if "fields" in d:
         extra.append(", ".join(f"{k} {v['actual']} (expected {v['expected']})" for k, v in d["fields"].items()))
-    if f.examples and "key" in f.examples[0] and f.examples[0]["key"]:
+    if f.examples and f.examples[0].get("key"):
         extra.append(f"key {f.examples[0]['key']!r}")
+    if f.examples and f.examples[0].get("actualKey") and f.examples[0].get("actualKey") != f.examples[0].get("key"):
+        extra.append(f"holds key {f.examples[0]['actualKey']!r}")
     return f"{where}" + (f": {'; '.join(extra)}" if extra else "")
 
 

@@ -604,9 +604,11 @@ class IndexCheck(IndexService):
     """
 
     def __init__(self, root: str, hash_slot_num: int, index_num: int, findings: Findings, *,
-                 live: bool = False, frontier: int | None = None):
+                 live: bool = False, frontier: int | None = None,
+                 keys_at: Callable[[int], list[str]] | None = None):
         super().__init__(root, hash_slot_num, index_num)
         self.findings = findings
+        self.keys_at = keys_at  # the `topic#key`s of the record at an offset: names what an existing entry holds
         self.live = live
         self.frontier = frontier
         self.maps = MappedFiles()
@@ -802,12 +804,19 @@ class IndexCheck(IndexService):
             kind, pos = INDEX_CHAIN_BROKEN, pos + _PREV_AT
         else:
             kind = INDEX_ENTRY_WRONG
-        example = {"entry": n, "position": pos, "expected": None if want is None else _entry_json(want),
-                   "actual": _entry_json(got) if got.any() else None}
-        if want is not None:
-            w = IndexEntry.decode(want.tobytes())
-            example["key"] = self._key_of(w.phy_offset, w.key_hash)
-        self.findings.get(kind, self._rel(actual), pos, range_name="entries").add(n, 1, example)
+        finding = self.findings.get(kind, self._rel(actual), pos, range_name="entries")
+        example = None
+        if len(finding.examples) < MAX_EXAMPLES:
+            example = {"entry": n, "position": pos, "expected": None if want is None else _entry_json(want),
+                       "actual": _entry_json(got) if got.any() else None}
+            if want is not None:
+                w = IndexEntry.decode(want.tobytes())
+                example["key"] = self._key_of(w.phy_offset, w.key_hash)
+            if got.any() and self.keys_at is not None:
+                g = IndexEntry.decode(got.tobytes())
+                example["actualKey"] = next((k for k in self.keys_at(g.phy_offset) if index_key_hash(k) == g.key_hash),
+                                            None)
+        finding.add(n, 1, example)
 
     def _closed(self, image: IndexImage) -> None:
         """The image is complete (rolled or at the end): its slots, header and what follows its entries."""

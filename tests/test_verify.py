@@ -33,6 +33,7 @@ from indexcore.indexfile import (
     INDEX_HEADER_SIZE,
     IndexFile,
 )
+from indexcore.javahash import index_key_hash
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.verify import (
     COMMIT_LOG_CORRUPT,
@@ -487,6 +488,16 @@ def test_missing_index_entry_names_its_key(broker_store):
     topic, _, value = key.partition("#")
     assert any(m["topic"] == topic and (value == m.get("uniq_key") or value in (m.get("keys") or "").split(" "))
                for m in store.manifest["messages"])
+
+
+def test_extra_index_entry_names_the_key_it_holds(broker_store):
+    """An extra entry is reported with the `topic#key` of the record it points at, matched by its hash."""
+    store, root, config = broker_store
+    damage_index_entry_extra(store, root)
+    (finding,) = run_verify(config).findings
+    example = finding.examples[0]
+    assert example["expected"] is None
+    assert index_key_hash(example["actualKey"]) == example["actual"]["keyHash"]
 
 
 def test_unclean_exit_judges_up_to_the_frontier(broker_store):
