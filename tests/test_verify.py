@@ -731,7 +731,7 @@ def test_verify_while_the_real_broker_writes_finds_nothing(tmp_path):
 
     store = tmp_path / "store"
     messages = scale(6000, 30000)
-    cmd = _live_writer_command(store, messages, 1500)
+    cmd = _live_writer_command(store, messages, int(os.environ.get("STRESS_VERIFY_RATE", "1500")))
     config = tmp_path / "reputd.yaml"
     config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(store), **LIVE_SETTINGS},
                                       "logging": {"level": "warning"}}))
