@@ -571,6 +571,47 @@ class IndexImage(IndexFile):
             self._on_close(self)
 
 
+class _Predecessor:
+    """Stands for a deleted IndexFile in `IndexService.build_index`: it takes keys, compared with nothing, until
+    the key the first existing file starts with (the last `tail` keys of the record at `first_phy_offset`
+    went there), then is full. Its end values, when it took a key, seed the next file as the real one did."""
+
+    def __init__(self, first_phy_offset: int, tail: int):
+        self.first_phy_offset = first_phy_offset
+        self.tail = tail
+        self.full = False
+        self.put = 0
+        self.end_phy_offset = 0
+        self.end_timestamp = 0
+
+    def is_write_full(self) -> bool:
+        return self.full
+
+    def put_keys(self, key_hash: np.ndarray, phy_offset: np.ndarray, store_timestamp: np.ndarray) -> int:
+        at = np.flatnonzero(phy_offset == self.first_phy_offset)
+        if len(at):
+            cut = max(int(at[0]), int(at[-1]) + 1 - self.tail)
+        else:
+            cut = int(np.searchsorted(phy_offset, self.first_phy_offset))
+        if cut:
+            self.put += cut
+            self.end_phy_offset, self.end_timestamp = int(phy_offset[cut - 1]), int(store_timestamp[cut - 1])
+        self.full = cut < len(key_hash)
+        return cut
+
+    def flush(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass(slots=True)
 class _ActualIndexFile:
     name: str
@@ -664,12 +705,14 @@ class IndexCheck(IndexService):
     def start_at(self, from_offset: int, store_timestamp_at: Callable[[int], int | None]) -> None:
         """Take up the index as it stood just before `from_offset`: the newest existing file that starts below
         it, cut back to its entries below it (slots restored along their chains), as the image to continue.
-        Files before that one are history. With none, the first file is a successor of a file not read."""
+        Files before that one are history. With none, the first file's deleted predecessor stands before it."""
         usable = [i for i, a in enumerate(self.actual) if a.size == self.file_size and a.identity is not None
                   and a.header is not None]
         before = [i for i in usable if self.actual[i].identity < from_offset]
         if not before:
-            self._unknown_seed = True
+            if usable:
+                self._last = self._predecessor_of(self.actual[usable[0]])
+                self.names.append("deleted-predecessor")
             return
         i = before[-1]
         actual = self.actual[i]
@@ -702,6 +745,18 @@ class IndexCheck(IndexService):
         self._last = image
         self._next = i + 1
 
+    def _predecessor_of(self, first: _ActualIndexFile) -> _Predecessor:
+        """The full file the first existing one was rolled from, deleted since (the broker deletes IndexFiles
+        that end below its oldest segment). It takes the keys that precede the first existing file's first
+        entry, among them the leading keys of a record whose keys the roll split between the two."""
+        e1 = self._entry(first, FIRST_INDEX)
+        p1 = e1.phy_offset if any(e1) else first.header.begin_phy_offset
+        tail = 0
+        while FIRST_INDEX + tail < max(first.header.index_count, FIRST_INDEX) and \
+                self._entry(first, FIRST_INDEX + tail).phy_offset == p1:
+            tail += 1
+        return _Predecessor(p1, tail)
+
     def _entry(self, actual: _ActualIndexFile, n: int) -> IndexEntry:
         return IndexEntry.decode(self._view(actual, self._entry_at(n), INDEX_ENTRY_SIZE).tobytes())
 
@@ -717,7 +772,6 @@ class IndexCheck(IndexService):
 
     # --- IndexService hooks --------------------------------------------------------------------------
 
-    _unknown_seed = False
     _finishing = False
 
     def _new_name(self, store_timestamp: int) -> str:
@@ -727,9 +781,8 @@ class IndexCheck(IndexService):
         image = IndexImage(self.hash_slot_num, self.index_num, end_phy_offset, end_timestamp, self._put, self._closed)
         image.ordinal = self._images
         self._images += 1
-        if self._unknown_seed:
-            image.seed_known = False
-            self._unknown_seed = False
+        if isinstance(self._last, _Predecessor):
+            image.seed_known = self._last.put > 0
         return image
 
     def check(self, batch: DispatchBatch) -> None:

@@ -215,6 +215,23 @@ def test_index_image_puts_what_the_index_file_puts(tmp_path, keys, cuts, seed_ts
     assert len(entries) == image.index_count - 1
 
 
+def test_index_files_before_from_deleted_verifies_clean(broker_store):
+    """The broker deletes IndexFiles that end below its oldest segment: verifying from where the first one
+    left starts, that file was seeded by one not there (its first entry's time_diff counts from it)."""
+    store, root, config = broker_store
+    files = _index_files(root)
+    keep = len(files) // 3
+    headers = _index_headers(root, store)
+    offsets = sorted(m["phy_offset"] for m in store.manifest["messages"])
+    inside_deleted = next(o for o in offsets if o > (headers[keep - 1]["begin_phy"] + headers[keep]["begin_phy"]) // 2)
+    for f in files[:keep]:
+        f.unlink()
+    for start in (headers[keep]["begin_phy"], inside_deleted):
+        report = run_verify(config, from_offset=start)
+        assert report.findings == [], (start, [f.as_dict() for f in report.findings])
+        assert report.index_files == len(files) - keep
+
+
 # --- damage, one kind at a time -----------------------------------------------------------------------------
 
 def _rel(root: Path, p: Path) -> str:
