@@ -18,27 +18,42 @@ and the logic around them:
     errors         CorruptRecordError, StoreLayoutError
 """
 
-from indexcore.consumequeue import ConsumeQueue, ConsumeQueueStore
-from indexcore.dispatch import DispatchBatch
-from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
-from indexcore.indexfile import IndexFile
-from indexcore.indexservice import IndexService
-from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
-from indexcore.writer import CommitLogWriter, Message
+import importlib
+
+# name -> module; imported on first use, so that `import indexcore.commitlog` (a query, the config)
+# does not load every format and numpy with it
+_EXPORTS = {
+    "CommitLog": "reader",
+    "CommitLogReader": "reader",
+    "CommitLogWriter": "writer",
+    "ConsumeQueue": "consumequeue",
+    "ConsumeQueueStore": "consumequeue",
+    "CorruptRecordError": "errors",
+    "DispatchBatch": "dispatch",
+    "IndexFile": "indexfile",
+    "IndexService": "indexservice",
+    "Message": "writer",
+    "ReadResult": "reader",
+    "ReadStatus": "reader",
+    "StoreError": "errors",
+    "StoreLayoutError": "errors",
+}
 
 __all__ = [
-    "CommitLog",
-    "CommitLogReader",
-    "CommitLogWriter",
-    "ConsumeQueue",
-    "ConsumeQueueStore",
-    "CorruptRecordError",
-    "DispatchBatch",
-    "IndexFile",
-    "IndexService",
-    "Message",
-    "ReadResult",
-    "ReadStatus",
-    "StoreError",
+    "CommitLog", "CommitLogReader", "CommitLogWriter", "ConsumeQueue", "ConsumeQueueStore", "CorruptRecordError",
+    "DispatchBatch", "IndexFile", "IndexService", "Message", "ReadResult", "ReadStatus", "StoreError",
     "StoreLayoutError",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'indexcore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"indexcore.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -225,6 +225,21 @@ def decode_crc32_digits(digits: str) -> int:
     return int(digits[::-1])
 
 
+PHYSICAL_OFFSET = struct.Struct(">q")
+RECORD_START_SIZE = PHYSICAL_OFFSET_OFFSET + PHYSICAL_OFFSET.size  # the bytes that tell a record's start
+
+
+def is_record_start(head: bytes | memoryview, offset: int) -> bool:
+    """Whether `head`, the RECORD_START_SIZE bytes at CommitLog `offset`, begin a message record: a message
+    magic code and a PHYSICALOFFSET naming `offset`, which the broker writes into every record. A position
+    inside a record, or in a BLANK or unwritten space, fails one or the other."""
+    if len(head) < RECORD_START_SIZE:
+        return False
+    magic = RECORD_PREFIX.unpack_from(head)[1]
+    return (magic in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2)
+            and PHYSICAL_OFFSET.unpack_from(head, PHYSICAL_OFFSET_OFFSET)[0] == offset)
+
+
 # --- hosts --------------------------------------------------------------------------------------------
 
 class Host(NamedTuple):

@@ -34,7 +34,8 @@ from indexcore.mappedfile import MappedFile, list_queue_files, offset_to_file_na
 
 CQ_UNIT = struct.Struct(">qiq")
 CQ_UNIT_SIZE = CQ_UNIT.size
-CQ_UNIT_DTYPE = np.dtype([("commit_log_offset", ">i8"), ("msg_size", ">i4"), ("tags_code", ">i8")])
+# a numpy dtype spec, made into a dtype where it is used, so that importing the format needs no numpy
+CQ_UNIT_DTYPE = [("commit_log_offset", ">i8"), ("msg_size", ">i4"), ("tags_code", ">i8")]
 BLANK_UNIT_MSG_SIZE = 0x7FFFFFFF
 BLANK_UNIT = CQ_UNIT.pack(0, BLANK_UNIT_MSG_SIZE, 0)
 DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE = 300_000 * CQ_UNIT_SIZE

@@ -47,3 +47,12 @@ class StoreLayoutError(StoreError):
 
     def __reduce__(self):
         return (StoreLayoutError, (self.path, self.detail))
+
+
+class SizeMismatchError(StoreLayoutError):
+    """A file whose size is not the one the configured store settings give it: most often settings that
+    differ from the broker's (`mappedFileSizeCommitLog`, `mappedFileSizeConsumeQueue`, `maxHashSlotNum`
+    and `maxIndexNum` are not stored in the files), so callers report it as a configuration error."""
+
+    def __reduce__(self):
+        return (SizeMismatchError, (self.path, self.detail))

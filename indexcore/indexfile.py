@@ -47,7 +47,8 @@ HASH_SLOT = struct.Struct(">i")
 HASH_SLOT_SIZE = HASH_SLOT.size  # 4
 INDEX_ENTRY = struct.Struct(">iqii")
 INDEX_ENTRY_SIZE = INDEX_ENTRY.size  # 20
-INDEX_ENTRY_DTYPE = np.dtype([("key_hash", ">i4"), ("phy_offset", ">i8"), ("time_diff", ">i4"), ("prev_index", ">i4")])
+# a numpy dtype spec, made into a dtype where it is used, so that importing the format needs no numpy
+INDEX_ENTRY_DTYPE = [("key_hash", ">i4"), ("phy_offset", ">i8"), ("time_diff", ">i4"), ("prev_index", ">i4")]
 INVALID_INDEX = 0
 FIRST_INDEX = 1
 DEFAULT_MAX_HASH_SLOT_NUM = 5_000_000

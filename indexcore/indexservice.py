@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from indexcore.dispatch import INDEX_KEY_SEPARATOR, DispatchBatch
-from indexcore.errors import StoreLayoutError
+from indexcore.errors import SizeMismatchError, StoreLayoutError
 from indexcore.indexfile import (
     DEFAULT_MAX_HASH_SLOT_NUM,
     DEFAULT_MAX_INDEX_NUM,
@@ -187,7 +187,7 @@ class IndexService:
                     raise StoreLayoutError(path, "not an IndexFile: names are 17-digit yyyyMMddHHmmssSSS")
                 size = os.path.getsize(path)
                 if size != self.file_size:
-                    raise StoreLayoutError(path, f"IndexFile is {size} bytes; maxHashSlotNum {self.hash_slot_num} "
+                    raise SizeMismatchError(path, f"IndexFile is {size} bytes; maxHashSlotNum {self.hash_slot_num} "
                                                  f"and maxIndexNum {self.index_num} give {self.file_size}")
                 names.append(name)
         return sorted(names)

@@ -14,7 +14,7 @@ import mmap
 import os
 import re
 
-from indexcore.errors import StoreLayoutError
+from indexcore.errors import SizeMismatchError, StoreLayoutError
 
 FILE_NAME_DIGITS = 20
 _FILE_NAME = re.compile(rf"\d{{{FILE_NAME_DIGITS}}}")
@@ -43,7 +43,7 @@ def list_queue_files(directory: str, file_size: int | None = None) -> list[tuple
         if file_size is not None:
             actual = os.path.getsize(path)
             if actual != file_size:
-                raise StoreLayoutError(path, f"file is {actual} bytes, the configured size is {file_size}")
+                raise SizeMismatchError(path, f"file is {actual} bytes, the configured size is {file_size}")
         out.append((int(name), path))
     out.sort()
     return out
@@ -78,7 +78,7 @@ class MappedFile:
             else:
                 actual = os.fstat(fd).st_size
                 if actual != file_size:
-                    raise StoreLayoutError(path, f"file is {actual} bytes, the configured size is {file_size}")
+                    raise SizeMismatchError(path, f"file is {actual} bytes, the configured size is {file_size}")
             self._mm = mmap.mmap(fd, file_size, access=mmap.ACCESS_READ if readonly else mmap.ACCESS_WRITE)
         except BaseException:
             if create:

@@ -59,7 +59,7 @@ from indexcore.commitlog import (
     record_error,
 )
 from indexcore.dispatch import DelayLevelTable, DispatchBatch, StringColumn, delay_tags_code, parse_java_int
-from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
+from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
 from indexcore.mappedfile import list_queue_files, offset_to_file_name
 
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
@@ -195,19 +195,28 @@ class CommitLog:
         segments = []
         for i, (start, path) in enumerate(found):
             if start % self.segment_size:
-                raise StoreLayoutError(path, f"start offset is not a multiple of the segment size "
-                                             f"{self.segment_size}")
+                raise self._refused(found, path, f"start offset is not a multiple of the segment size "
+                                                 f"{self.segment_size}")
             # a segment already seen at full size keeps it: only new files need a stat
             size = self.segment_size if self._by_start.get(start) == path else os.path.getsize(path)
             if size != self.segment_size:
                 if self.follow and i == len(found) - 1 and size < self.segment_size:
                     break
-                raise StoreLayoutError(path, f"segment is {size} bytes, mappedFileSizeCommitLog is "
-                                             f"{self.segment_size}")
+                raise self._refused(found, path, f"segment is {size} bytes, mappedFileSizeCommitLog is "
+                                                 f"{self.segment_size}")
             segments.append((start, path))
         self._segments = segments
         self._by_start = dict(segments)
         return segments
+
+    def _refused(self, found: list[tuple[int, str]], path: str, detail: str) -> StoreLayoutError:
+        """A SizeMismatchError when the segments agree with each other on another size (the setting is not
+        the broker's), a StoreLayoutError when they do not (damage)."""
+        sizes = {os.path.getsize(p) for _, p in found}
+        size = sizes.pop() if len(sizes) == 1 else 0
+        if size > 0 and all(start % size == 0 for start, _ in found):
+            return SizeMismatchError(path, f"{detail}; the segments here are {size} bytes")
+        return StoreLayoutError(path, detail)
 
     @property
     def segments(self) -> list[tuple[int, str]]:
@@ -393,6 +402,15 @@ def _release(mm: mmap.mmap, start: int, end: int) -> None:
         mm.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
+def at_written_end(buf, pos: int, file_size: int, max_message_size: int, *, bad_record: bool) -> bool:
+    """Whether a segment decode that stopped at `pos` (on a zero TOTALSIZE, or with `bad_record` on a
+    record that does not decode) stopped at the end of the written data rather than at damage: the rule
+    `CommitLogReader.read` applies to the newest segment (`_unwritten_after`, `_zeros_from`)."""
+    if bad_record:
+        return _unwritten_after(buf, pos, file_size, max_message_size)
+    return _zeros_from(buf, pos, file_size, max_message_size)
+
+
 def _unwritten_after(buf, pos: int, file_size: int, max_message_size: int) -> bool:
     """Whether a bad record at `pos` is a torn tail, i.e. still being copied in.
 
@@ -417,4 +435,5 @@ def _zeros_from(buf, pos: int, file_size: int, max_message_size: int) -> bool:
     return not np.frombuffer(buf, dtype=np.uint8, count=end - pos, offset=pos).any()
 
 
-__all__ = ["CommitLog", "CommitLogReader", "ReadResult", "ReadStatus", "SegmentDecode", "Stop", "decode_segment"]
+__all__ = ["CommitLog", "CommitLogReader", "ReadResult", "ReadStatus", "SegmentDecode", "Stop", "at_written_end",
+           "decode_segment"]
