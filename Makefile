@@ -1,29 +1,47 @@
-# Set-up and everyday commands. Every target creates .venv from pyproject.toml when it is missing.
+# Set-up and everyday commands. Every target creates .venv from pyproject.toml when it is missing:
+# `make run` with the daemon's own dependencies only, every other target with the test and backfill
+# extras too (PySpark alone is ~490 MB, which trying the daemon does not need).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 CONFIG ?= config/reputd.yaml
+# The package's bytecode is compiled after installing: an environment with PYTHONDONTWRITEBYTECODE would
+# otherwise compile it again in every process (felt by `reputd query`).
+INSTALL = $(BIN)/pip install --quiet -e
+COMPILE = $(BIN)/python -m compileall -q daemon indexcore
+DEPS    := pyproject.toml setup.py indexcore/_kernels.c
 
 .PHONY: run test lint bench clean stress
 
-$(BIN)/reputd: pyproject.toml setup.py indexcore/_kernels.c
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+
+# the daemon only: runtime dependencies and the C extension
+$(VENV)/.installed-run: $(BIN)/python $(DEPS)
+	$(INSTALL) .
+	$(COMPILE)
 	touch $@
 
-run: $(BIN)/reputd
+# the daemon with the test and backfill extras (a superset of the above)
+$(VENV)/.installed-test: $(BIN)/python $(DEPS)
+	$(INSTALL) '.[test,backfill]'
+	$(COMPILE)
+	touch $@ $(VENV)/.installed-run
+
+run: $(VENV)/.installed-run
 	$(BIN)/python -m daemon.sample_store --config $(CONFIG)
 	$(BIN)/reputd run --config $(CONFIG)
 
-test: $(BIN)/reputd
+test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
-lint: $(BIN)/reputd
+lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 
-bench: $(BIN)/reputd
+bench: $(VENV)/.installed-test
+	$(COMPILE)
 	$(BIN)/python bench/bench_suite.py
 
 clean:
@@ -34,7 +52,7 @@ clean:
 STRESS_REPORT := stress-report.jsonl
 # suites with no long mode of their own whose cases the stress report lists too
 STRESS_ALSO := tests/test_corruption_modes.py tests/test_hostile_input.py
-stress: $(BIN)/reputd
+stress: $(VENV)/.installed-test
 	@rm -f $(STRESS_REPORT); status=0; \
 	REPUTD_STRESS=1 REPUTD_STRESS_REPORT=$(STRESS_REPORT) $(BIN)/python -m pytest -q -s \
 		$$(grep -l "tests.stress\|from tests import stress" tests/test_*.py) $(STRESS_ALSO) || status=1; \
