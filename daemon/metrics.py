@@ -8,8 +8,10 @@ the loop's last published progress and a look at the CommitLog's head, never on 
 
 from __future__ import annotations
 
+import errno
 import json
 import platform
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import GaugeMetricFamily
 
 from daemon import __version__
+from daemon.config import ConfigError, env_var_name
 
 HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
 HTTP_OK, HTTP_UNAVAILABLE, HTTP_NOT_FOUND = 200, 503, 404
@@ -171,7 +174,10 @@ class MetricsServer:
             def log_message(self, *args):
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as e:
+            raise _bind_error(host, port, e) from e
         self._server.daemon_threads = True
         self.address = self._server.server_address
         self._thread = threading.Thread(target=self._server.serve_forever, name="reputd-metrics", daemon=True)
@@ -182,3 +188,21 @@ class MetricsServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def _bind_error(host: str, port: int, error: OSError) -> ConfigError:
+    """A metrics endpoint that cannot listen is a configuration problem: say which key to change."""
+    fix = f"set {_key('port')} or {_key('enabled')}: false"
+    if error.errno == errno.EADDRINUSE:
+        return ConfigError("metrics.port", f"{port} on {host} is in use; {fix}")
+    if error.errno == errno.EACCES:
+        return ConfigError("metrics.port", f"{port} on {host} needs privileges this process lacks; {fix}")
+    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        return ConfigError("metrics.host", f"{host!r} is not an address of this machine ({error.strerror or error}); "
+                                           f"set {_key('host')}")
+    return ConfigError("metrics.port", f"cannot listen on {host}:{port}: {error.strerror or error}; {fix}")
+
+
+def _key(name: str) -> str:
+    return f"metrics.{name} ({env_var_name('metrics', name)})"
+

@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -426,6 +427,11 @@ class ReputService:
         self._failure_reason = ""  # why the last session failed, kept in /healthz while waiting to retry
         self._last_progress = 0.0
         self.server: MetricsServer | None = None
+        # what this process dispatched, for the `caught_up` event and `run --until-caught-up`'s summary
+        self.first_offset: int | None = None
+        self.dispatched_messages = 0
+        self.started_at = time.monotonic()
+        self.caught_up_at: float | None = None
 
     # --- control -------------------------------------------------------------------------------
 
@@ -645,6 +651,8 @@ class ReputService:
 
     def _follow(self, s: Session) -> Outcome:
         offset = s.dispatched_offset
+        if self.first_offset is None:
+            self.first_offset = offset
         poll = self.config.reput.poll_interval_ms / MS_PER_SECOND
         verified = 0.0
         while not self._stop.is_set():
@@ -670,6 +678,7 @@ class ReputService:
                                   resumed_at=result.next_offset, skipped_bytes=skipped)
             if not self._dispatch(s, result):
                 return Outcome.FAILED
+            self.dispatched_messages += len(result.batch)
             if result.next_offset != offset:
                 self._stalls = 0
                 self._last_progress = time.monotonic()
@@ -687,6 +696,7 @@ class ReputService:
                 continue
             if result.status is ReadStatus.END:
                 self._recovered_from_stall()
+                self._report_caught_up(offset)
                 if self.until_caught_up:
                     if result.pending is not None:
                         self._log.warning("incomplete_record_at_end", error=str(result.pending))
@@ -704,6 +714,23 @@ class ReputService:
                 return outcome
             offset = s.dispatched_offset
         return Outcome.STOPPED
+
+    def _report_caught_up(self, offset: int) -> None:
+        """Log `caught_up` the first time the loop reaches the end of the written data."""
+        if self.caught_up_at is None:
+            self.caught_up_at = time.monotonic()
+            self._log.info("caught_up", reput_from_offset=offset, dispatched=self.dispatched_messages,
+                           dispatched_bytes=offset - (self.first_offset or 0),
+                           seconds=round(self.caught_up_at - self.started_at, 3))
+
+    def summary(self) -> dict:
+        """What this process dispatched: offsets, messages, seconds (for `run --until-caught-up`)."""
+        first = self.first_offset if self.first_offset is not None else 0
+        end = self.session.dispatched_offset if self.session is not None else first
+        return {"startOffset": first, "endOffset": end, "messages": self.dispatched_messages,
+                "bytes": end - first, "seconds": round(time.monotonic() - self.started_at, 3),
+                "checkpointOffset": self.session.checkpoint_offset if self.session is not None else None,
+                "caughtUp": self.caught_up_at is not None}
 
     def _recovered_from_stall(self) -> None:
         if self.health.state != HEALTHY and self.health.reason.startswith((CORRUPT_REASON, COMMITLOG_UNAVAILABLE)):
@@ -810,8 +837,10 @@ class ReputService:
         return None
 
 
-def run_daemon(config: Config, *, until_caught_up: bool = False) -> int:
-    """Run the service in this process, stopping cleanly on SIGTERM/SIGINT within the shutdown timeout."""
+def run_daemon(config: Config, *, until_caught_up: bool = False,
+               on_exit: Callable[[dict], None] | None = None) -> int:
+    """Run the service in this process, stopping cleanly on SIGTERM/SIGINT within the shutdown timeout;
+    `on_exit` gets the service's `summary()` once it has stopped."""
     service = ReputService(config, until_caught_up=until_caught_up)
     timeout = config.reput.shutdown_timeout_ms / MS_PER_SECOND
     finished = threading.Event()
@@ -836,8 +865,11 @@ def run_daemon(config: Config, *, until_caught_up: bool = False) -> int:
     threading.Thread(target=guard, name="reputd-shutdown-guard", daemon=True).start()
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return service.run()
+        code = service.run()
     finally:
         finished.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if on_exit is not None:
+        on_exit(service.summary())
+    return code
