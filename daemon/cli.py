@@ -1,31 +1,32 @@
-"""The `reputd` command line. Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error."""
+"""The `reputd` command line. Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error,
+130 interrupted (SIGINT or SIGTERM during rebuild).
+
+Operators run `reputd query` by hand in an incident, so its start-up counts: this module imports only
+argparse at the top, each command imports what it uses, and the query commands defer numpy, which no
+query needs (daemon/deferred.py). Every writing command (run, rebuild, backfill) locks the output
+directory first (daemon/outlock.py); readers never do.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from daemon.config import Config, ConfigError, load_config
-from daemon.inspect_file import (
-    file_kind,
-    inspect_checkpoint,
-    inspect_commitlog,
-    inspect_consumequeue,
-    inspect_indexfile,
-    text_line,
-)
-from daemon.logs import configure_logging
-from daemon.produce import produce
-from daemon.query import message_json, query_key, query_msgid, query_offsets, query_queue
-from daemon.rebuild import ProgressBar, RebuildSummary, rebuild
-from indexcore.dispatch import DelayLevelTable
-from indexcore.errors import StoreError
+if TYPE_CHECKING:
+    from daemon.config import Config
+    from daemon.rebuild import RebuildSummary
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 LONG_MAX = 2**63 - 1
+TIME_OPTIONS = ("--begin", "--end")
+FORMATS = ("text", "json")
+
+
+class UsageError(Exception):
+    """Arguments that cannot work, found before anything is read or written: exit 2."""
 
 
 def _int(text: str) -> int:
@@ -56,138 +57,310 @@ def _csv(text: str) -> list[str]:
     return items
 
 
+def _spark_setting(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key.strip(), value
+
+
+class _Version(argparse.Action):
+    """`--version`, looked up only when asked: reading the installed metadata costs start-up time."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from daemon import __version__
+
+        print(f"reputd {__version__}")
+        parser.exit()
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, sized without importing shutil (and bz2, lzma with it): argparse makes one
+    for every option it defines, so this is on every command's start-up path."""
+
+    def __init__(self, prog: str, **kwargs):
+        try:
+            width = int(os.environ.get("COLUMNS") or os.get_terminal_size(sys.__stdout__.fileno()).columns)
+        except (OSError, ValueError, AttributeError):
+            width = 80
+        kwargs.setdefault("width", max(width, 40) - 2)
+        super().__init__(prog, **kwargs)
+
+
+CONFIG_HELP = ("YAML config file (default: $REPUTD_CONFIG, else ./config/reputd.yaml if it exists, "
+               "else built-in defaults)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="reputd",
+        prog="reputd", formatter_class=_HelpFormatter,
         description="Rebuild and query RocketMQ ConsumeQueue and IndexFile files from a broker's CommitLog.",
-        epilog="Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+        epilog="Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 130 interrupted.")
+    parser.add_argument("--version", action=_Version, help="print reputd's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
 
-    def add(name: str, help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--config", default=os.environ.get("REPUTD_CONFIG"),
-                       help="YAML config file (default: $REPUTD_CONFIG, else built-in defaults)")
-        p.add_argument("--store", help="store root, overrides store.storePathRootDir")
-        p.add_argument("--out", help="output directory, overrides output.dir")
+    def command(name: str, help_text: str, *, out_help: str = "output directory for consumequeue/ and index/, "
+                                                              "overrides output.dir (default: the store root)"
+                ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+        p.add_argument("--config", help=CONFIG_HELP)
+        p.add_argument("--store", help="store root, overrides store.storePathRootDir (and the output directory "
+                                        "unless --out is given)")
+        p.add_argument("--out", help=out_help)
         return p
 
-    p = add("run", "Follow the CommitLog as a broker writes it and keep consumequeue/ and index/ current.")
+    p = command("run", "Follow the CommitLog as a broker writes it and keep consumequeue/ and index/ current.")
     p.add_argument("--until-caught-up", action="store_true",
-                   help="dispatch everything readable now, flush, checkpoint and exit 0")
-    p.set_defaults(handler=cmd_run)
+                   help="dispatch everything readable now, flush, checkpoint, print a summary and exit 0")
+    p.add_argument("--metrics", action="store_true",
+                   help="with --until-caught-up: serve /metrics and /healthz too (without it, no port is opened)")
+    p.set_defaults(handler=cmd_run, writes=True)
 
-    p = add("rebuild", "Build consumequeue/ and index/ from the CommitLog, from its start or --from.")
-    p.add_argument("--from", dest="from_offset", type=_non_negative, help="CommitLog offset of a record to start at")
+    p = command("rebuild", "Build consumequeue/ and index/ from the CommitLog, from its start or --from.")
+    p.add_argument("--from", dest="from_offset", type=_non_negative,
+                   help="CommitLog offset of a record to start at (default: the CommitLog's first offset)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(handler=cmd_rebuild)
+    p.set_defaults(handler=cmd_rebuild, writes=True)
 
-    p = add("verify", "Check consumequeue/ and index/ against what the CommitLog implies, read-only (exit 0 "
-                      "consistent, 1 differences found).")
+    p = command("verify", "Check consumequeue/ and index/ against what the CommitLog implies, read-only (exit 0 "
+                          "consistent, 1 differences found).")
     p.add_argument("--from", dest="from_offset", type=_non_negative,
                    help="CommitLog offset of a record to start at (default: the oldest segment)")
     p.add_argument("--json", action="store_true", help="one JSON object per finding, then a summary object")
     p.set_defaults(handler=cmd_verify)
 
-    p = add("backfill", "Build consumequeue/ and index/ for CommitLog segments with Spark, byte-identical to rebuild.")
+    p = command("backfill", "Build consumequeue/ and index/ for CommitLog segments with Spark, byte-identical "
+                            "to rebuild.")
     p.add_argument("--segments", metavar="DIR_OR_URI",
                    help="CommitLog directory (or file:// URI; comma-separated for several) instead of "
                         "store.storePathCommitLog; every executor must see it at this path")
     p.add_argument("--master", default="local[*]",
                    help="Spark master URL: local[*] (default), local[N], spark://HOST:PORT, yarn, k8s://...")
-    p.add_argument("--from", dest="from_offset", type=_non_negative, help="CommitLog offset of a record to start at")
+    p.add_argument("--from", dest="from_offset", type=_non_negative,
+                   help="CommitLog offset of a record to start at (default: the first segment)")
     p.add_argument("--to", dest="to_offset", type=_positive,
-                   help="stop before this CommitLog offset (a record boundary, e.g. where `reputd run` started)")
+                   help="stop before this CommitLog offset (a record boundary, e.g. where `reputd run` started; "
+                        "default: the end of the written data)")
     p.add_argument("--partitions", type=_positive, help="tasks for the ConsumeQueue and IndexFile phases "
                                                         "(default: Spark's default parallelism)")
     p.add_argument("--catalog", metavar="PATH", help="also write the dispatch rows as Parquet, partitioned by topic "
-                                                     "and date (any path or URI Spark can write)")
+                                                     "and date (any path or URI Spark can write; must not exist)")
     p.add_argument("--conf", dest="spark_conf", action="append", type=_spark_setting, default=[],
                    metavar="KEY=VALUE", help="a Spark setting, e.g. spark.executor.memory=4g (repeatable)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(handler=cmd_backfill)
+    p.set_defaults(handler=cmd_backfill, writes=True)
 
-    q = sub.add_parser("query", help="Query messages by key, queue offset or msgId.",
-                       description="Query messages by key, queue offset or msgId.")
-    qs = q.add_subparsers(dest="query", required=True, metavar="KIND")
-    for name, help_text in (("key", "Messages whose topic and key match exactly, newest first."),
-                            ("queue", "Messages of a ConsumeQueue from a queue offset."),
-                            ("msgid", "The message of an offset msgId (store host + CommitLog offset).")):
-        p = qs.add_parser(name, help=help_text, description=help_text)
-        p.add_argument("--config", default=os.environ.get("REPUTD_CONFIG"), help="YAML config file")
+    q = sub.add_parser("query", formatter_class=_HelpFormatter, help="Query messages by key, queue offset or msgId.",
+                       description="Query messages by key, queue offset or msgId. On a terminal the answer is "
+                                   "laid out as mqadmin lays it out; piped, or with --json, it is one JSON object "
+                                   "per message.")
+    qs = q.add_subparsers(dest="query", required=True, metavar="KIND", help="how to find the messages")
+    for name, help_text in (("key", "Messages whose topic and key (a KEYS token or the UNIQ_KEY) match exactly, "
+                                    "newest first."),
+                            ("queue", "Messages of a ConsumeQueue from a queue offset, as the broker's getMessage "
+                                      "returns them."),
+                            ("msgid", "The message of a msgId: an offset msgId (store host + CommitLog offset) or a "
+                                      "client msgId (the UNIQ_KEY), as mqadmin queryMsgById takes them.")):
+        p = qs.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+        p.add_argument("--config", help=CONFIG_HELP)
         p.add_argument("--store", help="store root, overrides store.storePathRootDir")
         p.add_argument("--out", help="directory holding consumequeue/ and index/, overrides output.dir")
-        p.add_argument("--json", action="store_true", help="one JSON object per message")
+        p.add_argument("--format", choices=FORMATS,
+                       help="text: mqadmin's layout; json: one JSON object per message (default: text on a "
+                            "terminal, json otherwise)")
+        p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
         if name == "key":
-            p.add_argument("topic")
-            p.add_argument("key")
-            p.add_argument("--begin", type=_int, default=0, help="earliest store time, ms (default 0)")
-            p.add_argument("--end", type=_int, default=LONG_MAX, help="latest store time, ms (default: no limit)")
+            p.add_argument("topic", help="the topic the key was indexed under")
+            p.add_argument("key", help="a KEYS token or a UNIQ_KEY")
+            p.add_argument("--begin", default="0",
+                           help="earliest store time: epoch milliseconds, ISO 8601 (2026-11-21T10:00:00, local "
+                                "time unless it has an offset or Z) or relative (-1h, -30m, -2d) (default 0)")
+            p.add_argument("--end", default=None, help="latest store time, written as --begin (default: no limit)")
             p.add_argument("--max", dest="max_num", type=_positive, default=64,
                            help="maximum number of candidates (clamped to maxMsgsNumBatch, as the broker does)")
             p.add_argument("--raw", action="store_true",
                            help="print the index's candidate offsets as IndexService.queryOffset returns them")
             p.set_defaults(handler=cmd_query_key)
-        elif name == "queue":
-            p.add_argument("topic")
-            p.add_argument("queue_id", type=_non_negative)
-            p.add_argument("offset", type=_non_negative)
-            p.add_argument("--count", type=_positive, default=32, help="maximum number of messages (default 32)")
-            p.set_defaults(handler=cmd_query_queue)
         else:
-            p.add_argument("msgid")
-            p.set_defaults(handler=cmd_query_msgid)
+            if name == "queue":
+                p.add_argument("topic", help="the ConsumeQueue's topic")
+                p.add_argument("queue_id", type=_non_negative, help="the queue id")
+                p.add_argument("offset", type=_non_negative, help="the queue offset to start at")
+                p.add_argument("--count", type=_positive, default=32, help="maximum number of messages (default 32)")
+                p.set_defaults(handler=cmd_query_queue)
+            else:
+                p.add_argument("msgid", help="an offset msgId or a UNIQ_KEY (32 hex digits, 56 with IPv6)")
+                p.add_argument("--topic", help="look the UNIQ_KEY up under this topic only (default: every topic "
+                                               "the output's ConsumeQueues know)")
+                p.set_defaults(handler=cmd_query_msgid)
+            p.add_argument("--body", action="store_true", help="print each message's body too")
+            p.add_argument("--save-body", metavar="DIR",
+                           help="write each message's body to DIR/<offset msgId>, as mqadmin does")
 
-    p = sub.add_parser("inspect", help="Decode a CommitLog segment, ConsumeQueue file, IndexFile or checkpoint.",
-                       description="Decode a CommitLog segment, ConsumeQueue file, IndexFile or checkpoint.")
-    p.add_argument("path")
-    p.add_argument("--config", default=os.environ.get("REPUTD_CONFIG"),
-                   help="YAML config (its maxHashSlotNum/maxIndexNum shape IndexFiles)")
+    help_text = "Decode a CommitLog segment, ConsumeQueue file, IndexFile or checkpoint file."
+    p = sub.add_parser("inspect", help=help_text, description=help_text, formatter_class=_HelpFormatter)
+    p.add_argument("path", help="the file: a segment, consumequeue/TOPIC/QUEUE/FILE, an IndexFile, the broker's "
+                                "checkpoint or reputd.checkpoint")
+    p.add_argument("--config", help=CONFIG_HELP + "; its maxHashSlotNum/maxIndexNum shape IndexFiles")
     p.add_argument("--hash-slot-num", type=_positive, help="IndexFile slots (default: from the config)")
     p.add_argument("--index-num", type=_positive, help="IndexFile entries (default: from the config)")
     p.add_argument("--limit", type=_non_negative, help="show at most this many entries")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="JSON Lines: the header object, then one object per entry")
     p.set_defaults(handler=cmd_inspect)
 
-    p = add("produce", "Append sample messages to the CommitLog (demos and load).")
-    p.add_argument("--messages", type=_positive, required=True)
+    help_text = "Append sample messages to the CommitLog (demos and load)."
+    p = sub.add_parser("produce", help=help_text, description=help_text, formatter_class=_HelpFormatter)
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--store", help="store root, overrides store.storePathRootDir (the CommitLog is written there)")
+    p.add_argument("--messages", type=_positive, required=True, help="how many messages to append")
     p.add_argument("--topics", type=_csv, default=["TopicTest"], help="comma-separated topics (default TopicTest)")
     p.add_argument("--queues", type=_positive, default=4, help="queues per topic (default 4)")
     p.add_argument("--body-size", type=_non_negative, default=256, help="body bytes (default 256)")
     p.add_argument("--keys", type=_non_negative, default=1, help="KEYS per message (default 1)")
-    p.add_argument("--seed", type=_int, default=0)
+    p.add_argument("--seed", type=_int, default=0, help="random seed: the same seed gives the same messages "
+                                                        "(default 0)")
     p.add_argument("--no-uniq-key", action="store_true", help="leave out the UNIQ_KEY property")
     p.set_defaults(handler=cmd_produce)
     return parser
 
 
+# --- configuration ------------------------------------------------------------------------------------
+
 def _config(args) -> Config:
-    """The config file, the environment and the command's --store/--out flags, loaded once."""
+    """The config file (daemon.config.config_path's rule), the environment and the command's --store/--out
+    flags, loaded once."""
+    from daemon.config import config_path, load_config
+
     overrides = {"store.storePathRootDir": getattr(args, "store", None), "output.dir": getattr(args, "out", None)}
     if overrides["store.storePathRootDir"] and not overrides["output.dir"]:
         overrides["output.dir"] = overrides["store.storePathRootDir"]
-    return load_config(args.config, os.environ, overrides)
+    args.config_file, args.config_origin = config_path(args.config, os.environ, os.getcwd())
+    return load_config(args.config_file, os.environ, overrides)
 
+
+def _config_in_use(args) -> str:
+    if args.config_file is None:
+        return f"config: built-in defaults ({args.config_origin})"
+    return f"config: {args.config_file} ({args.config_origin})"
+
+
+def _size_setting(path: str) -> str:
+    """The store setting that fixes the size of the file at `path`."""
+    from indexcore.consumequeue import CONSUME_QUEUE_DIR
+    from indexcore.indexservice import INDEX_DIR
+
+    parts = os.path.normpath(path).split(os.sep)
+    if INDEX_DIR in parts[-2:-1]:
+        return "store.maxHashSlotNum and store.maxIndexNum"
+    if CONSUME_QUEUE_DIR in parts[:-1]:
+        return "store.mappedFileSizeConsumeQueue"
+    return "store.mappedFileSizeCommitLog"
+
+
+def _output_flag(args) -> str:
+    return "--out" if getattr(args, "out", None) else "--store" if getattr(args, "store", None) else "output.dir"
+
+
+def _lock_output(args, config: Config) -> None:
+    """Take the output directory's writer lock for the rest of the process (daemon/outlock.py)."""
+    from daemon.outlock import OutputLocked, OutputNotWritable, lock_output
+
+    try:
+        args.lock_fd = lock_output(config.output.dir, args.command)
+    except OutputLocked as e:
+        raise UsageError(str(e)) from None
+    except OutputNotWritable as e:
+        raise UsageError(f"{_output_flag(args)}: {e}") from None
+
+
+# --- rebuild, run, backfill ---------------------------------------------------------------------------
 
 def cmd_run(args, config: Config) -> int:
-    configure_logging(config.logging.level, config.logging.format, stream=sys.stdout)
-    from daemon.reput import run_daemon  # noqa: PLC0415 - watchdog, prometheus-client: only `run` needs them
+    import dataclasses
 
-    return run_daemon(config, until_caught_up=args.until_caught_up)
+    from daemon.logs import configure_logging
+
+    configure_logging(config.logging.level, config.logging.format, stream=sys.stdout)
+    from daemon.reput import run_daemon  # watchdog, prometheus-client: only `run` needs them
+
+    if args.metrics and not args.until_caught_up:
+        raise UsageError("--metrics goes with --until-caught-up (`run` serves metrics as metrics.enabled says)")
+    if args.until_caught_up and not args.metrics:
+        config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, enabled=False))
+    _lock_output(args, config)
+
+    def summary(s: dict) -> None:
+        if not args.until_caught_up:
+            return
+        seconds = max(s["seconds"], 1e-9)
+        state = "caught up" if s["caughtUp"] else "stopped before the end"
+        print(f"{state}: dispatched {s['messages']:,} messages, {s['bytes']:,} bytes [{s['startOffset']}, "
+              f"{s['endOffset']}) in {s['seconds']:.2f} s ({s['messages'] / seconds:,.0f} msgs/s); checkpoint "
+              f"at {s['checkpointOffset']}; output {config.output.dir}", file=sys.stderr)
+
+    return run_daemon(config, until_caught_up=args.until_caught_up, on_exit=summary)
 
 
 def cmd_rebuild(args, config: Config) -> int:
+    import signal
+    import threading
+
+    from daemon.logs import configure_logging
+    from daemon.rebuild import FromOffsetError, ProgressBar, RebuildFailed, rebuild
+
+    _lock_output(args, config)
     bar = ProgressBar() if sys.stderr.isatty() else None
-    summary = rebuild(config, from_offset=args.from_offset, progress=bar)
+    if bar is None:
+        configure_logging(config.logging.level, config.logging.format)
+    else:  # log lines go above the bar; info events would only repeat the bar and the summary
+        level = config.logging.level if config.logging.level in ("warning", "error") else "warning"
+        configure_logging(level, config.logging.format, stream=bar)
+    stop = threading.Event()
+    signals: list[str] = []
+
+    def on_signal(signum, _frame) -> None:
+        signals.append(signal.Signals(signum).name)
+        if stop.is_set():  # a second signal: stop now, without the final flush
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        summary = rebuild(config, from_offset=args.from_offset, progress=bar, stop=stop)
+    except FromOffsetError as e:
+        raise UsageError(str(e)) from None
+    except RebuildFailed as e:
+        if bar is not None:
+            bar.finish()
+        _print_summary(args, config, "rebuilt", e.summary)
+        raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if bar is not None:
         bar.finish()
     _print_summary(args, config, "rebuilt", summary)
+    if summary.interrupted:
+        print(f"reputd: interrupted by {signals[0]}: stopped at CommitLog offset {summary.end_offset} (a record "
+              f"boundary; everything before it is written and flushed); continue with: "
+              f"{_continue_command(summary.end_offset)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK
 
 
 def cmd_verify(args, config: Config) -> int:
-    from daemon.verify import VerifyUsageError, format_text, verify  # noqa: PLC0415 - only `verify` needs it
+    """A reader: it takes no lock on the output directory."""
+    import json
+
+    from daemon.logs import configure_logging
+    from daemon.rebuild import ProgressBar
+    from daemon.verify import VerifyUsageError, format_text, verify
 
     bar = ProgressBar() if sys.stderr.isatty() and not args.json else None
+    configure_logging(config.logging.level, config.logging.format, stream=bar)
     try:
         report = verify(config, from_offset=args.from_offset, progress=bar)
     except VerifyUsageError as e:
@@ -205,35 +378,67 @@ def cmd_verify(args, config: Config) -> int:
     return EXIT_OK if report.consistent else EXIT_FAILURE
 
 
+def _continue_command(offset: int) -> str:
+    """This command line with `--from offset`, for a rebuild stopped at `offset`."""
+    import shlex
+
+    argv, out, skip = sys.argv[1:], ["reputd"], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--from":
+            skip = True
+        elif not a.startswith("--from="):
+            out.append(a)
+    return shlex.join([*out, "--from", str(offset)])
+
+
 def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, where: str = "") -> None:
     """The closing line of rebuild and backfill (or the summary as JSON), then the notes."""
+    import json
+
     if args.json:
         print(json.dumps(summary.as_dict()))
         return
     files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
-    print(f"{verb} {summary.messages:,} messages, {summary.bytes:,} bytes "
-          f"[{summary.start_offset}, {summary.end_offset}){where} in {summary.seconds:.2f} s "
-          f"({summary.msgs_per_second:,.0f} msgs/s); {files}; output {config.output.dir}")
+    if summary.messages == 0 and not summary.interrupted:
+        print(f"{verb} 0 new messages: nothing to dispatch from CommitLog offset {summary.start_offset}{where}; "
+              f"{files}; output {config.output.dir}")
+    else:
+        print(f"{verb} {summary.messages:,} messages, {summary.bytes:,} bytes [{summary.start_offset}, "
+              f"{summary.end_offset}){where} in {summary.seconds:.2f} s ({summary.msgs_per_second:,.0f} msgs/s); "
+              f"{files}; output {config.output.dir}")
     for lo, hi, error in summary.skipped:
         print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
     if summary.pending is not None:
         print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
 
 
-def _spark_setting(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
-    return key.strip(), value
+def _backfill_checks(args, config: Config) -> None:
+    """What `backfill` can refuse without reading data or starting Spark (UsageError, exit 2)."""
+    if args.from_offset is not None and args.to_offset is not None and args.from_offset >= args.to_offset:
+        raise UsageError(f"--from {args.from_offset} is not before --to {args.to_offset}")
+    if args.catalog and "://" not in args.catalog and os.path.lexists(args.catalog):
+        raise UsageError(f"--catalog {args.catalog} already exists: the catalog is written once, into a path "
+                         "that does not exist yet")
+    if args.catalog and "://" not in args.catalog:
+        parent = os.path.dirname(os.path.abspath(args.catalog))
+        if os.path.isdir(parent) and not os.access(parent, os.W_OK):
+            raise UsageError(f"--catalog {args.catalog}: its directory {parent} is not writable")
 
 
 def cmd_backfill(args, config: Config) -> int:
+    _backfill_checks(args, config)
+    _lock_output(args, config)
     try:
-        from daemon.backfill import backfill  # noqa: PLC0415 - PySpark is the optional [backfill] extra
+        from daemon.backfill import backfill  # PySpark is the optional [backfill] extra
     except ImportError as e:
         print(f"reputd: error: `reputd backfill` needs PySpark ({e}); install it with "
               f"pip install 'reputd[backfill]'", file=sys.stderr)
         return EXIT_FAILURE
+    from daemon.logs import configure_logging
+
+    configure_logging(config.logging.level, config.logging.format)
 
     def say(text: str) -> None:
         print(f"\r{text}", file=sys.stderr, flush=True)
@@ -246,20 +451,57 @@ def cmd_backfill(args, config: Config) -> int:
     return EXIT_OK
 
 
-def _print_messages(records, as_json: bool) -> None:
+# --- queries ------------------------------------------------------------------------------------------
 
-    for rec in records:
-        m = message_json(rec)
-        if as_json:
-            print(json.dumps(m, ensure_ascii=False))
-        else:
-            print(" ".join(f"{k}={v}" for k, v in m.items() if k != "properties"))
+def _format(args) -> str:
+    return args.format or ("text" if sys.stdout.isatty() else "json")
+
+
+def _note(args, text: str) -> None:
+    """A remark for a person reading a terminal (no message, a result cut short): stderr, text format only."""
+    if _format(args) == "text":
+        print(text, file=sys.stderr)
+
+
+def parse_time(option: str, text: str, now_ms: int | None = None) -> int:
+    """A --begin/--end value as epoch milliseconds: an integer is epoch ms; `now`; a relative time
+    (-90s, -30m, -1h, -2d, -1w, -500ms); or ISO 8601 (local time unless it carries an offset or Z)."""
+    import re
+    import time
+
+    text = text.strip()
+    if re.fullmatch(r"[+-]?\d+", text):
+        return int(text)
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    if text.lower() == "now":
+        return now
+    m = re.fullmatch(r"-(\d+(?:\.\d+)?)(ms|s|m|h|d|w)", text)
+    if m:
+        unit = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}[m[2]]
+        return now - int(float(m[1]) * unit)
+    from datetime import datetime
+
+    try:
+        when = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith(("Z", "z")) else text)
+    except ValueError:
+        raise UsageError(f"{option} {text!r} is not a time: give epoch milliseconds, an ISO 8601 time "
+                         "(2026-11-21T10:00:00, 2026-11-21 10:00:00+08:00) or a relative one (-1h, -30m, -2d)"
+                         ) from None
+    return int(when.timestamp() * 1000)  # a naive time is local, as datetime.timestamp takes it
 
 
 def cmd_query_key(args, config: Config) -> int:
+    from daemon.query import query_key_result, query_offsets
+
+    begin = parse_time("--begin", args.begin)
+    end = LONG_MAX if args.end is None else parse_time("--end", args.end)
+    if begin > end:
+        raise UsageError(f"--begin {args.begin} ({begin}) is later than --end {args.end} ({end})")
     if args.raw:
-        result = query_offsets(config, args.topic, args.key, args.max_num, args.begin, args.end)
-        if args.json:
+        import json
+
+        result = query_offsets(config, args.topic, args.key, args.max_num, begin, end)
+        if args.format == "json":
             print(json.dumps({"phyOffsets": result.phy_offsets,
                               "indexLastUpdateTimestamp": result.index_last_update_timestamp,
                               "indexLastUpdatePhyoffset": result.index_last_update_phy_offset}))
@@ -267,43 +509,86 @@ def cmd_query_key(args, config: Config) -> int:
             for offset in result.phy_offsets:
                 print(offset)
         return EXIT_OK
-    _print_messages(query_key(config, args.topic, args.key, args.max_num, args.begin, args.end), args.json)
+    result = query_key_result(config, args.topic, args.key, args.max_num, begin, end)
+    if _format(args) == "json":
+        from daemon.render import message_json_line
+
+        for rec in result.messages:
+            print(message_json_line(rec))
+    elif result.messages:
+        from daemon.render import key_table
+
+        print("\n".join(key_table(result.messages)))
+    if not result.messages:
+        _note(args, f"no message with key {args.key!r} in topic {args.topic!r}"
+                    + (" in that time range" if (begin, end) != (0, LONG_MAX) else ""))
+    if result.cut:
+        why = (f"--max {args.max_num}" if args.max_num < config.store.max_msgs_num_batch
+               else f"maxMsgsNumBatch {config.store.max_msgs_num_batch}, the most one index query returns")
+        _note(args, f"note: the index gave {result.candidates} candidates, the limit ({why}); older messages "
+                    "with this key may exist: narrow the time range with --begin/--end")
     return EXIT_OK
 
 
+def _print_records(args, records, found_header: str | None = None) -> None:
+    from daemon.render import message_block, message_json_line, save_body
+
+    as_json = _format(args) == "json"
+    for i, rec in enumerate(records):
+        path = save_body(rec, args.save_body) if args.save_body else None
+        if as_json:
+            print(message_json_line(rec, body=args.body, body_path=path))
+        else:
+            if i or found_header:
+                print()
+            print("\n".join(message_block(rec, body=args.body, body_path=path)))
+
+
 def cmd_query_queue(args, config: Config) -> int:
+    from daemon.query import query_queue
+
     result = query_queue(config, args.topic, args.queue_id, args.offset, args.count)
+    where = f"{args.topic}/{args.queue_id} holds queue offsets [{result.min_offset}, {result.max_offset})"
     if result.status != "FOUND":
-        print(f"{result.status}: {args.topic}/{args.queue_id} holds queue offsets "
-              f"[{result.min_offset}, {result.max_offset})", file=sys.stderr)
-    _print_messages(result.messages, args.json)
+        print(f"{result.status}: {where}", file=sys.stderr)
+    else:
+        _note(args, f"FOUND {len(result.messages)} messages at queue offsets [{args.offset}, "
+                    f"{result.next_begin_offset}); {where}")
+    _print_records(args, result.messages)
+    if result.status == "FOUND" and result.next_begin_offset < result.max_offset:
+        _note(args, f"\nnote: more from queue offset {result.next_begin_offset}: reputd query queue "
+                    f"{args.topic} {args.queue_id} {result.next_begin_offset}")
     return EXIT_OK
 
 
 def cmd_query_msgid(args, config: Config) -> int:
-    try:
-        record = query_msgid(config, args.msgid)
-    except ValueError as e:
-        print(f"reputd: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    _print_messages([record], args.json)
+    from daemon.query import query_msgid
+
+    result = query_msgid(config, args.msgid.strip(), args.topic)
+    for note in result.notes:
+        if note.startswith("warning:") or not result.messages:
+            print(f"reputd: {note}" if not note.startswith("warning:") else note, file=sys.stderr)
+    if not result.messages:
+        print(f"reputd: no message with msgId {args.msgid.strip()}", file=sys.stderr)
+        return EXIT_FAILURE
+    if result.found_by == "uniqKey":
+        _note(args, f"msgId {args.msgid.strip()} is a UNIQ_KEY: {len(result.messages)} message(s)")
+    _print_records(args, result.messages)
     return EXIT_OK
 
 
+# --- inspect, produce ---------------------------------------------------------------------------------
+
 def cmd_inspect(args, config: Config) -> int:
+    import json
+
+    from daemon.inspect_file import inspect_path, text_line
+
     if not os.path.isfile(args.path):
         print(f"reputd: error: {args.path}: no such file", file=sys.stderr)
         return EXIT_FAILURE
-    kind = file_kind(args.path)
-    if kind == "commitlog":
-        info = inspect_commitlog(args.path, args.limit, DelayLevelTable(config.store.message_delay_level))
-    elif kind == "consumequeue":
-        info = inspect_consumequeue(args.path, args.limit)
-    elif kind == "indexfile":
-        info = inspect_indexfile(args.path, args.hash_slot_num or config.store.max_hash_slot_num,
-                                 args.index_num or config.store.max_index_num, args.limit)
-    else:
-        info = inspect_checkpoint(args.path)
+    info = inspect_path(args.path, config, limit=args.limit, hash_slot_num=args.hash_slot_num,
+                        index_num=args.index_num)
     if args.json:
         print(json.dumps(info.header, ensure_ascii=False))
         for row in info.rows:
@@ -321,36 +606,75 @@ def cmd_inspect(args, config: Config) -> int:
 
 
 def cmd_produce(args, config: Config) -> int:
+    from daemon.produce import produce
+
+    bar = None
+    if sys.stderr.isatty():
+        from daemon.rebuild import ProgressBar
+
+        bar = ProgressBar(unit="messages")
     s = produce(config, args.messages, topics=args.topics, queues=args.queues, body_size=args.body_size,
-                keys=args.keys, seed=args.seed, uniq_key=not args.no_uniq_key)
+                keys=args.keys, seed=args.seed, uniq_key=not args.no_uniq_key,
+                progress=(lambda done, total: bar(done, total, done)) if bar is not None else None)
+    if bar is not None:
+        bar.finish()
     print(f"produced {s.messages:,} messages, {s.bytes:,} bytes at CommitLog offsets "
           f"[{s.first_offset}, {s.end_offset})")
     return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+# --- main ---------------------------------------------------------------------------------------------
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _joined_time_options(argv: list[str]) -> list[str]:
+    """`--begin -1h` as `--begin=-1h`: argparse would take a value starting with '-' for an option."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in TIME_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(_joined_time_options(list(sys.argv[1:] if argv is None else argv)))
+    if args.command == "query":
+        from daemon.deferred import defer
+
+        defer("numpy")
+    from daemon.config import ConfigError
+    from indexcore.errors import SizeMismatchError, StoreError
+
+    args.config_file, args.config_origin = None, ""
     try:
         config = _config(args)
-        configure_logging(config.logging.level, config.logging.format)
         return args.handler(args, config)
     except ConfigError as e:
         print(f"reputd: config error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except SizeMismatchError as e:
+        print(f"reputd: config error: {e}: set {_size_setting(e.path)} to the broker's values "
+              f"({_config_in_use(args)})", file=sys.stderr)
+        return EXIT_USAGE
+    except UsageError as e:
+        print(f"reputd: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except StoreError as e:
         print(f"reputd: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except BrokenPipeError:
+        _quiet_stdout()
         return EXIT_OK
     except OSError as e:
         print(f"reputd: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print("reputd: interrupted", file=sys.stderr)
-        return 130
-    except ValueError as e:
+        return EXIT_INTERRUPTED
+    except ValueError as e:  # a value the command cannot use (backfill's --segments, --to)
         print(f"reputd: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:
@@ -359,6 +683,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"reputd: internal error: {type(e).__name__}: {e} (REPUTD_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _quiet_stdout() -> None:
+    """After a reader closed the pipe (`| head`), send what is left to /dev/null, so the interpreter's
+    final flush raises nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

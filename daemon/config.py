@@ -7,7 +7,6 @@ Every value is validated as it is read, so a mistake is reported with the dotted
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -25,7 +24,9 @@ from indexcore.indexservice import DEFAULT_MAX_MSGS_NUM_BATCH
 
 __all__ = [
     "BUILTIN_DISPATCHERS",
+    "CONFIG_ENV",
     "CQ_STORE_UNIT_SIZE",
+    "DEFAULT_CONFIG_FILE",
     "DELAY_UNIT_MS",
     "ENV_IGNORED",
     "ENV_PREFIX",
@@ -39,6 +40,7 @@ __all__ = [
     "OutputConfig",
     "ReputConfig",
     "StoreConfig",
+    "config_path",
     "default_config",
     "env_var_name",
     "load_config",
@@ -46,9 +48,11 @@ __all__ = [
 ]
 
 ENV_PREFIX = "REPUTD_"
+CONFIG_ENV = "REPUTD_CONFIG"
+DEFAULT_CONFIG_FILE = os.path.join("config", "reputd.yaml")  # relative to the current directory
 # Names under the prefix that are not config keys (the CLI may read the config file's path from it),
 # so the typo check must not reject them.
-ENV_IGNORED = frozenset({"REPUTD_CONFIG", "REPUTD_DEBUG", "REPUTD_CONFORMANCE_DIR"})
+ENV_IGNORED = frozenset({CONFIG_ENV, "REPUTD_DEBUG", "REPUTD_CONFORMANCE_DIR"})
 
 CQ_STORE_UNIT_SIZE = CQ_UNIT_SIZE
 ON_CORRUPTION_STOP, ON_CORRUPTION_SKIP_SEGMENT = "stop", "skip-segment"
@@ -405,6 +409,8 @@ def _suggest(word: str, candidates: list[str]) -> str:
     by_snake = {_camel_to_snake(c): c for c in candidates}
     if word in by_snake:
         return f"; did you mean {by_snake[word]!r}?"
+    import difflib  # noqa: PLC0415 - only for a message about a mistyped key
+
     close = difflib.get_close_matches(word, candidates, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
 
@@ -709,6 +715,20 @@ def load_config(
     if overrides:
         layers.apply_overrides(overrides, cwd)
     return layers.build(source)
+
+
+def config_path(explicit: str | None, env: Mapping[str, str], cwd: str) -> tuple[str | None, str]:
+    """Which config file a command reads, and why: `--config FILE`, else $REPUTD_CONFIG, else
+    ./config/reputd.yaml when the current directory has one (a checkout, after `make run`), else none,
+    which means the built-in defaults (the broker's own default sizes)."""
+    if explicit:
+        return explicit, "--config"
+    if env.get(CONFIG_ENV):
+        return env[CONFIG_ENV], f"from {CONFIG_ENV}"
+    candidate = os.path.join(cwd, DEFAULT_CONFIG_FILE)
+    if os.path.isfile(candidate):
+        return candidate, f"{DEFAULT_CONFIG_FILE} in the current directory"
+    return None, f"no --config, {CONFIG_ENV} or ./{DEFAULT_CONFIG_FILE}"
 
 
 def default_config() -> Config:

@@ -2,8 +2,13 @@
 
 The kind is told from the path and the name, as the broker lays them out: a 20-digit name under
 `consumequeue/TOPIC/QUEUE/` is a ConsumeQueue file, any other 20-digit name a CommitLog segment, a
-17-digit name an IndexFile, `checkpoint` the store checkpoint. Files are mapped and entries streamed,
-so a 1 GiB segment is shown in bounded memory.
+17-digit name an IndexFile, `checkpoint` the broker's checkpoint and `reputd.checkpoint` reputd's own
+(the file that decides where `reputd run` resumes). Files are mapped and entries streamed, so a 1 GiB
+segment is shown in bounded memory. Every name in the output is camelCase, as the broker names fields.
+
+Where a segment's records stop follows the reader's rule (`indexcore.reader.at_written_end`): in the
+newest segment of its directory, zeros or a last record still being written are the end of the written
+data, not corruption.
 """
 
 from __future__ import annotations
@@ -13,16 +18,22 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from daemon.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
+from daemon.checkpoint import CheckpointError, read_checkpoint
+from daemon.config import Config
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
+from indexcore.commitlog import RECORD_PREFIX
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, CQ_UNIT_SIZE, ConsumeQueueUnit
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import StoreLayoutError
 from indexcore.indexfile import FIRST_INDEX, IndexFile, index_file_size
-from indexcore.reader import DEFAULT_BATCH_BYTES, Stop, decode_segment
+from indexcore.reader import DEFAULT_BATCH_BYTES, Stop, at_written_end, decode_segment
 
 _QUEUE_FILE_NAME = re.compile(r"\d{20}")
 _INDEX_FILE_NAME = re.compile(r"\d{17}")
+_WORD = re.compile(r"_([a-z0-9])")
 
 
 @dataclass
@@ -34,18 +45,51 @@ class Inspection:
     trailer: dict = field(default_factory=dict)
 
 
+def camel(name: str) -> str:
+    """`begin_phy_offset` -> `beginPhyOffset`."""
+    return _WORD.sub(lambda m: m[1].upper(), name)
+
+
+def camel_keys(value: Any) -> Any:
+    """The value with every mapping key in camelCase, at any depth."""
+    if isinstance(value, dict):
+        return {camel(k) if isinstance(k, str) else k: camel_keys(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [camel_keys(v) for v in value]
+    return value
+
+
 def file_kind(path: str) -> str:
     name = os.path.basename(path)
     parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
     if name == CHECKPOINT_FILE:
         return "checkpoint"
+    if name == REPUTD_CHECKPOINT_FILE:
+        return "reputd-checkpoint"
     if _INDEX_FILE_NAME.fullmatch(name):
         return "indexfile"
     if _QUEUE_FILE_NAME.fullmatch(name):
         return "consumequeue" if len(parts) >= 4 and parts[-4] == CONSUME_QUEUE_DIR else "commitlog"
     raise StoreLayoutError(path, "cannot tell the kind of file: expected a CommitLog segment (20-digit name), "
                                  "a ConsumeQueue file (consumequeue/TOPIC/QUEUE/20-digit), an IndexFile "
-                                 "(17-digit name) or checkpoint")
+                                 f"(17-digit name), {CHECKPOINT_FILE} or {REPUTD_CHECKPOINT_FILE}")
+
+
+def inspect_path(path: str, config: Config, *, limit: int | None = None, hash_slot_num: int | None = None,
+                 index_num: int | None = None) -> Inspection:
+    """Inspect the file at `path`, of whatever kind its name says (`file_kind`)."""
+    kind = file_kind(path)
+    store = config.store
+    if kind == "commitlog":
+        return inspect_commitlog(path, limit, DelayLevelTable(store.message_delay_level), store.max_message_size)
+    if kind == "consumequeue":
+        return inspect_consumequeue(path, limit)
+    if kind == "indexfile":
+        return inspect_indexfile(path, hash_slot_num or store.max_hash_slot_num, index_num or store.max_index_num,
+                                 limit)
+    if kind == "reputd-checkpoint":
+        return inspect_reputd_checkpoint(path)
+    return inspect_checkpoint(path)
 
 
 def _limited(rows: Iterator[dict], limit: int | None) -> Iterator[dict]:
@@ -55,7 +99,21 @@ def _limited(rows: Iterator[dict], limit: int | None) -> Iterator[dict]:
         yield row
 
 
-def inspect_commitlog(path: str, limit: int | None, delay_table: DelayLevelTable) -> Inspection:
+def _has_written_successor(path: str, base: int) -> bool:
+    """Whether a later segment in the same directory holds data (a broker pre-creates its next segment,
+    all zeros, before it needs it: that one does not count)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    for name in os.listdir(directory):
+        if _QUEUE_FILE_NAME.fullmatch(name) and int(name) > base:
+            with open(os.path.join(directory, name), "rb") as f:
+                head = f.read(RECORD_PREFIX.size)
+            if len(head) == RECORD_PREFIX.size and RECORD_PREFIX.unpack(head)[0] != 0:
+                return True
+    return False
+
+
+def inspect_commitlog(path: str, limit: int | None, delay_table: DelayLevelTable,
+                      max_message_size: int) -> Inspection:
     size = os.path.getsize(path)
     base = int(os.path.basename(path))
     out = Inspection({"kind": "commitlog", "path": path, "fileFromOffset": base, "fileSize": size}, iter(()))
@@ -65,7 +123,8 @@ def inspect_commitlog(path: str, limit: int | None, delay_table: DelayLevelTable
             pos = 0
             while True:
                 result = decode_segment(mm, pos, segment_offset=base, segment_size=size,
-                                        max_bytes=DEFAULT_BATCH_BYTES, delay_table=delay_table)
+                                        max_bytes=DEFAULT_BATCH_BYTES, max_message_size=max_message_size,
+                                        delay_table=delay_table)
                 b = result.batch
                 for i in range(len(b)):
                     yield {"commitLogOffset": int(b.phy_offset[i]), "size": int(b.msg_size[i]),
@@ -76,13 +135,32 @@ def inspect_commitlog(path: str, limit: int | None, delay_table: DelayLevelTable
                 pos = result.position
                 if result.stop is not Stop.LIMIT:
                     break
-        stops = {Stop.BLANK: "blank", Stop.END: "end of written data", Stop.ERROR: "corrupt"}
-        out.trailer = {"stoppedAt": base + pos, "stop": stops[result.stop]}
-        if result.error is not None:
-            out.trailer["error"] = str(result.error.located(path, base + pos))
+            out.trailer = _where_it_stopped(mm, path, base, size, max_message_size, result)
 
     out.rows = _limited(rows(), limit)
     return out
+
+
+def _where_it_stopped(mm, path: str, base: int, size: int, max_message_size: int, result) -> dict:
+    pos = result.position
+    trailer: dict = {"stoppedAt": base + pos}
+    if result.stop is Stop.BLANK:
+        trailer["stop"] = "blank"
+        return trailer
+    bad = result.stop is Stop.ERROR
+    successor = _has_written_successor(path, base)
+    if not successor and at_written_end(mm, pos, size, max_message_size, bad_record=bad):
+        trailer["stop"] = "end of written data"
+        if bad:
+            trailer["incompleteRecord"] = f"still being written: {result.error.located(path, base + pos)}"
+        return trailer
+    trailer["stop"] = "corrupt"
+    if bad:
+        trailer["error"] = str(result.error.located(path, base + pos))
+    else:
+        where = "before the end of a segment that has a successor" if successor else "with data after it"
+        trailer["error"] = f"{path} @ offset {base + pos}: zero TOTALSIZE {where}"
+    return trailer
 
 
 def inspect_consumequeue(path: str, limit: int | None) -> Inspection:
@@ -96,7 +174,7 @@ def inspect_consumequeue(path: str, limit: int | None) -> Inspection:
                 u = ConsumeQueueUnit.decode(mm, i * CQ_UNIT_SIZE)
                 if not u.is_valid:
                     return
-                yield {"queueOffset": start // CQ_UNIT_SIZE + i, **u._asdict()}
+                yield {"queueOffset": start // CQ_UNIT_SIZE + i, **camel_keys(u._asdict())}
 
     header = {"kind": "consumequeue", "path": path, "topic": parts[-3], "queueId": int(parts[-2]),
               "fileFromOffset": start, "fileSize": size}
@@ -107,17 +185,19 @@ def inspect_indexfile(path: str, hash_slot_num: int, index_num: int, limit: int 
     size = os.path.getsize(path)
     expected = index_file_size(hash_slot_num, index_num)
     if size != expected:
-        raise StoreLayoutError(path, f"IndexFile is {size} bytes; maxHashSlotNum {hash_slot_num} and maxIndexNum "
-                                     f"{index_num} give {expected} (pass the broker's values with --config or "
-                                     "--hash-slot-num/--index-num)")
+        from indexcore.errors import SizeMismatchError  # noqa: PLC0415 - only for this message
+
+        raise SizeMismatchError(path, f"IndexFile is {size} bytes; maxHashSlotNum {hash_slot_num} and maxIndexNum "
+                                      f"{index_num} give {expected} (pass the broker's values with --config or "
+                                      "--hash-slot-num/--index-num)")
     f = IndexFile(path, hash_slot_num, index_num, readonly=True)
     header = {"kind": "indexfile", "path": path, "hashSlotNum": hash_slot_num, "indexNum": index_num,
-              **f.header._asdict()}
+              **camel_keys(f.header._asdict())}
 
     def rows() -> Iterator[dict]:
         try:
             for n in range(FIRST_INDEX, f.index_count):
-                yield {"index": n, **f.entry(n)._asdict()}
+                yield {"index": n, **camel_keys(f.entry(n)._asdict())}
         finally:
             f.close()
 
@@ -125,9 +205,25 @@ def inspect_indexfile(path: str, hash_slot_num: int, index_num: int, limit: int 
 
 
 def inspect_checkpoint(path: str) -> Inspection:
+    """The broker's `checkpoint`."""
     with open(path, "rb") as f:
         cp = StoreCheckpoint.decode(f.read(), path)
-    return Inspection({"kind": "checkpoint", "path": path, **cp._asdict()}, iter(()))
+    return Inspection({"kind": "checkpoint", "path": path, **camel_keys(cp._asdict())}, iter(()))
+
+
+def inspect_reputd_checkpoint(path: str) -> Inspection:
+    """reputd's own checkpoint: the offset `reputd run` resumes from and each dispatcher's state there."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        cp = read_checkpoint(directory)
+    except CheckpointError as e:
+        raise StoreLayoutError(e.path, e.detail) from None
+    if cp is None:
+        raise StoreLayoutError(path, "no such file")
+    header = {"kind": "reputd-checkpoint", "path": path, "reputFromOffset": cp.reput_from_offset,
+              "writtenAtMs": cp.written_at_ms, "dispatchers": sorted(cp.dispatchers)}
+    rows = ({"dispatcher": name, "state": camel_keys(state)} for name, state in sorted(cp.dispatchers.items()))
+    return Inspection(header, rows)
 
 
 def text_line(row: dict) -> str:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from daemon.config import Config
 from indexcore.writer import CommitLogWriter, Message
 
 TAGS = ("TagA", "TagB", "TagC", "order_created", "标签A")
+PROGRESS_EVERY = 4096  # messages between two progress calls
 
 
 @dataclass(slots=True)
@@ -26,7 +27,9 @@ class ProduceSummary:
 
 
 def produce(config: Config, messages: int, *, topics: Sequence[str] = ("TopicTest",), queues: int = 4,
-            body_size: int = 256, keys: int = 1, seed: int = 0, uniq_key: bool = True) -> ProduceSummary:
+            body_size: int = 256, keys: int = 1, seed: int = 0, uniq_key: bool = True,
+            progress: Callable[[int, int], None] | None = None) -> ProduceSummary:
+    """Append `messages` sample messages; `progress(done, messages)` is called as they are written."""
     store = config.store
     directory = store.commit_log_dirs[0]
     os.makedirs(directory, exist_ok=True)
@@ -44,4 +47,6 @@ def produce(config: Config, messages: int, *, topics: Sequence[str] = ("TopicTes
                 props["UNIQ_KEY"] = f"{prefix}{i & 0xFFFFFFFFFFFF:012X}"
             result = w.append(Message(topic, (i // len(topics)) % queues, rng.randbytes(body_size), props))
             written += result.msg_size
+            if progress is not None and (i + 1 == messages or (i + 1) % PROGRESS_EVERY == 0):
+                progress(i + 1, messages)
         return ProduceSummary(messages, written, first, w.max_offset)

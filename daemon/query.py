@@ -1,24 +1,33 @@
-"""Queries over a store: by key (through the IndexFiles), by queue offset, by offset msgId.
+"""Queries over a store: by key (through the IndexFiles), by queue offset, by msgId.
 
-Everything is opened read-only; a query never changes a file.
+Everything is opened read-only; a query never changes a file. A query that cannot look (no `index/` or
+`consumequeue/` where the output should be, a topic or queue the output does not have) raises a
+StoreLayoutError naming what is missing, so it is never mistaken for an empty answer.
+
+This module is on the path of `reputd query`, whose start-up time operators feel: it imports no numpy
+(daemon/deferred.py), no logging and no rebuild machinery.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from daemon.config import Config
-from daemon.rebuild import open_commit_log
 from indexcore.commitlog import (
     KEY_SEPARATOR,
     PROPERTY_KEYS,
     PROPERTY_TAGS,
     PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX,
+    RECORD_START_SIZE,
     MessageRecord,
+    is_record_start,
 )
-from indexcore.consumequeue import ConsumeQueueStore
-from indexcore.indexservice import IndexService, QueryOffsetResult
+from indexcore.consumequeue import CONSUME_QUEUE_DIR, ConsumeQueueStore
+from indexcore.errors import StoreLayoutError
+from indexcore.indexservice import INDEX_DIR, IndexService, QueryOffsetResult
 from indexcore.msgid import create_offset_msg_id, decode_offset_msg_id
+from indexcore.reader import CommitLog
 
 LONG_MAX = 2**63 - 1
 
@@ -50,8 +59,21 @@ def message_json(rec: MessageRecord) -> dict:
     }
 
 
+def open_commit_log(config: Config) -> CommitLog:
+    return CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
+
+
+def _read(config: Config, log: CommitLog, offset: int) -> MessageRecord:
+    return log.read_record(offset, max_message_size=config.store.max_message_size)
+
+
 def _index_service(config: Config) -> IndexService:
     s = config.store
+    directory = os.path.join(config.output.dir, INDEX_DIR)
+    if not os.path.isdir(directory):
+        why = ("the index is off (store.messageIndexEnable: false)" if not s.message_index_enable
+               else "no IndexFiles here: is the output directory (--out, output.dir) the right one?")
+        raise StoreLayoutError(directory, f"no index directory; {why}")
     service = IndexService(config.output.dir, s.max_hash_slot_num, s.max_index_num, s.max_msgs_num_batch)
     service.load(readonly=True)
     return service
@@ -77,14 +99,34 @@ def matches_key(rec: MessageRecord, topic: str, key: str) -> bool:
     return key in props.get(PROPERTY_KEYS, "").split(KEY_SEPARATOR)
 
 
-def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
-              end: int = LONG_MAX) -> list[MessageRecord]:
+@dataclass(frozen=True, slots=True)
+class KeyQueryResult:
+    """The matching messages, newest first, and how many candidates the index gave out of at most `limit`
+    (`maxMsgsNumBatch`, or less with --max): when it gave `limit`, older matches may exist."""
+
+    messages: list[MessageRecord]
+    candidates: int
+    limit: int
+
+    @property
+    def cut(self) -> bool:
+        return self.candidates >= self.limit
+
+
+def query_key_result(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
+                     end: int = LONG_MAX) -> KeyQueryResult:
     """Messages whose topic and key match exactly, newest first, each listed once."""
     candidates = query_offsets(config, topic, key, max_num, begin, end).phy_offsets
     log = open_commit_log(config)
-    records = (log.read_record(offset, max_message_size=config.store.max_message_size)
-               for offset in sorted(set(candidates), reverse=True))
-    return [rec for rec in records if matches_key(rec, topic, key)]
+    records = (_read(config, log, offset) for offset in sorted(set(candidates), reverse=True))
+    return KeyQueryResult([rec for rec in records if matches_key(rec, topic, key)], len(candidates),
+                          min(max_num, config.store.max_msgs_num_batch))
+
+
+def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
+              end: int = LONG_MAX) -> list[MessageRecord]:
+    """Messages whose topic and key match exactly, newest first, each listed once."""
+    return query_key_result(config, topic, key, max_num, begin, end).messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +140,39 @@ class QueueQueryResult:
     messages: list[MessageRecord]
 
 
+def topics(config: Config) -> list[str]:
+    """The topics the output's ConsumeQueues know, sorted."""
+    root = os.path.join(config.output.dir, CONSUME_QUEUE_DIR)
+    try:
+        return sorted(t for t in os.listdir(root) if os.path.isdir(os.path.join(root, t)))
+    except FileNotFoundError:
+        return []
+
+
+def _listing(names: list[str], most: int = 8) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _check_queue(config: Config, topic: str, queue_id: int) -> None:
+    """That the output has this ConsumeQueue; StoreLayoutError naming what it has instead."""
+    root = os.path.join(config.output.dir, CONSUME_QUEUE_DIR)
+    if not os.path.isdir(root):
+        raise StoreLayoutError(root, "no consumequeue directory: is the output directory (--out, output.dir) "
+                                     "the right one?")
+    tdir = os.path.join(root, topic)
+    if not os.path.isdir(tdir):
+        known = topics(config)
+        raise StoreLayoutError(tdir, f"no ConsumeQueue of topic {topic!r} here (topics: {_listing(known) or 'none'})")
+    if not os.path.isdir(os.path.join(tdir, str(queue_id))):
+        queues = sorted(int(q) for q in os.listdir(tdir) if q.isdigit())
+        raise StoreLayoutError(os.path.join(tdir, str(queue_id)),
+                               f"topic {topic!r} has no queue {queue_id} here (queues: "
+                               f"{_listing([str(q) for q in queues]) or 'none'})")
+
+
 def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: int = 32) -> QueueQueryResult:
+    _check_queue(config, topic, queue_id)
     store = ConsumeQueueStore(config.output.dir, config.store.mapped_file_size_consume_queue, readonly=True)
     cq = store.queue(topic, queue_id)
     log = open_commit_log(config)
@@ -114,16 +188,82 @@ def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: i
         if offset > hi:
             return QueueQueryResult("OFFSET_OVERFLOW_BADLY", lo, hi, lo if lo == 0 else hi, [])
         units = cq.read_units(offset, count)
-        msgs = [log.read_record(u.commit_log_offset, max_message_size=config.store.max_message_size)
-                for u in units if u.is_valid]
+        msgs = [_read(config, log, u.commit_log_offset) for u in units if u.is_valid]
         return QueueQueryResult("FOUND", lo, hi, offset + len(units), msgs)
     finally:
         store.close()
 
 
-def query_msgid(config: Config, msg_id: str) -> MessageRecord:
-    _, offset = decode_offset_msg_id(msg_id)
-    return open_commit_log(config).read_record(offset, max_message_size=config.store.max_message_size)
+@dataclass(frozen=True, slots=True)
+class MsgIdResult:
+    """What `query msgid` found: by `offset` (an offset msgId naming a record start) or by `uniqKey`
+    (the UNIQ_KEY looked up in the index), newest first; `notes` say what else the lookup saw."""
+
+    messages: list[MessageRecord]
+    found_by: str | None
+    notes: list[str]
 
 
-__all__ = ["matches_key", "message_json", "query_key", "query_msgid", "query_offsets", "query_queue"]
+def _record_starts_at(log: CommitLog, offset: int) -> bool:
+    """Whether a message record starts at `offset` (`is_record_start`). Anything else is not damage: the
+    id may name another broker's CommitLog, or not be an offset msgId at all."""
+    path = log.find_segment(offset) if offset >= 0 else None
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = os.pread(f.fileno(), RECORD_START_SIZE, offset - log.segment_start(offset))
+    except OSError:
+        return False
+    return is_record_start(head, offset)
+
+
+def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdResult:
+    """The message(s) a msgId names, as `mqadmin queryMsgById` finds them: an offset msgId (store host +
+    CommitLog offset, `MessageDecoder.decodeMessageId`) when a record starts at its offset, else the id
+    as a UNIQ_KEY (`MessageClientIDSetter`), looked up in the index under `topic`, or under every topic
+    the output's ConsumeQueues know. Both kinds are 32 (or, with IPv6, 56) hex digits."""
+    notes: list[str] = []
+    log = open_commit_log(config)
+    try:
+        host, offset = decode_offset_msg_id(msg_id)
+    except ValueError:
+        host, offset = None, -1
+    if host is not None:
+        if _record_starts_at(log, offset):
+            rec = _read(config, log, offset)
+            if rec.store_host != host:
+                notes.append(f"warning: msgId {msg_id} names store host {host}, the record at CommitLog "
+                             f"offset {offset} was stored by {rec.store_host}: is this the broker that "
+                             f"stored it?")
+            if topic is None or rec.topic == topic:
+                return MsgIdResult([rec], "offset", notes)
+            notes.append(f"the record at offset {offset} belongs to topic {rec.topic!r}, not {topic!r}")
+        else:
+            notes.append(f"as an offset msgId ({host}, CommitLog offset {offset}): no message at that "
+                         f"offset (the CommitLog's segments span [{log.min_offset}, {log.max_offset}))")
+    names = [topic] if topic is not None else topics(config)
+    if not names:
+        notes.append(f"as a UNIQ_KEY: no topics to look under (no consumequeue/ in {config.output.dir}); "
+                     "name one with --topic")
+        return MsgIdResult([], None, notes)
+    service = _index_service(config)
+    found: dict[int, MessageRecord] = {}
+    try:
+        for name in names:
+            result = service.query_offset(name, msg_id, config.store.max_msgs_num_batch, 0, LONG_MAX)
+            for candidate in result.phy_offsets:
+                if candidate not in found:
+                    rec = _read(config, log, candidate)
+                    if rec.topic == name and rec.property_map().get(PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX) == msg_id:
+                        found[candidate] = rec
+    finally:
+        service.close()
+    if not found:
+        where = f"topic {topic!r}" if topic is not None else f"any of {len(names)} topics"
+        notes.append(f"as a UNIQ_KEY: not in the index under {where}")
+    return MsgIdResult([found[o] for o in sorted(found, reverse=True)], "uniqKey" if found else None, notes)
+
+
+__all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "matches_key", "message_json", "open_commit_log",
+           "query_key", "query_key_result", "query_msgid", "query_offsets", "query_queue", "topics"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class RebuildSummary:
     files: dict[str, int] = field(default_factory=dict)
     pending: CorruptRecordError | None = None  # a torn record at the end of the written data
     skipped: list[tuple[int, int, str]] = field(default_factory=list)  # [from, to) left out by skip-segment
+    interrupted: bool = False  # stopped on request at end_offset, a record boundary, everything before flushed
 
     @property
     def bytes(self) -> int:
@@ -54,6 +56,7 @@ class RebuildSummary:
             "msgsPerSecond": round(self.msgs_per_second), "files": self.files,
             "pendingTail": str(self.pending) if self.pending else None,
             "skipped": [{"from": a, "to": b, "error": e} for a, b, e in self.skipped],
+            "interrupted": self.interrupted,
         }
 
 
@@ -65,6 +68,10 @@ class RebuildFailed(StoreError):
         self.summary = summary
         self.hint = hint
         super().__init__(f"{cause} ({hint})" if hint else str(cause))
+
+
+class FromOffsetError(ValueError):
+    """`--from` names no offset of the CommitLog's written data: a usage error."""
 
 
 def open_commit_log(config: Config) -> CommitLog:
@@ -79,15 +86,24 @@ def make_reader(config: Config, log: CommitLog, batch_bytes: int | None = None) 
 
 
 def rebuild(config: Config, *, from_offset: int | None = None,
-            progress: Callable[[int, int, int], None] | None = None) -> RebuildSummary:
-    """Dispatch every record from `from_offset` (default: the CommitLog's first offset) to the end."""
+            progress: Callable[[int, int, int], None] | None = None,
+            stop: threading.Event | None = None) -> RebuildSummary:
+    """Dispatch every record from `from_offset` (default: the CommitLog's first offset) to the end.
+
+    `progress(done, total, messages)` is called after each batch with bytes done and the bytes of written
+    data from the start (the end of the written data as found at the start, or later if more came), and
+    once more at the end with done == total. When `stop` is set, the rebuild ends after the batch in hand
+    at a record boundary, flushes, and returns with `interrupted` set."""
     log = get_logger(command="rebuild")
     commit_log = open_commit_log(config)
     out = config.output.dir
     os.makedirs(out, exist_ok=True)
     offset = commit_log.min_offset if from_offset is None else from_offset
-    summary = RebuildSummary(start_offset=offset)
-    target = commit_log.max_offset
+    target = written_end_of(commit_log) if progress is not None or from_offset is not None else offset
+    if from_offset is not None and not commit_log.min_offset <= from_offset <= target:
+        raise FromOffsetError(f"--from {from_offset} is outside the CommitLog, which holds "
+                              f"[{commit_log.min_offset}, {target}) in {config.store.store_path_commit_log}")
+    summary = RebuildSummary(start_offset=offset, end_offset=offset)
     dispatchers = build_dispatchers(config, out)
     reader = make_reader(config, commit_log, max(config.reput.batch_bytes, REBUILD_BATCH_BYTES))
     log.info("rebuild_started", store=config.store.store_path_commit_log, output=out, from_offset=offset,
@@ -103,12 +119,15 @@ def rebuild(config: Config, *, from_offset: int | None = None,
             rolls += result.rolled
             offset = result.next_offset
             summary.end_offset = offset
+            target = max(target, offset)
             if progress is not None:
                 progress(offset - summary.start_offset, target - summary.start_offset, summary.messages)
             if result.skipped_from is not None:
                 log.warning("offset_below_oldest_segment", requested=result.skipped_from, resumed_at=offset)
             if result.status is ReadStatus.END:
                 summary.pending = result.pending
+                if progress is not None:
+                    progress(offset - summary.start_offset, offset - summary.start_offset, summary.messages)
                 break
             if result.status is ReadStatus.CORRUPT:
                 log.error("corrupt_commitlog", error=str(result.error), offset=offset)
@@ -116,6 +135,9 @@ def rebuild(config: Config, *, from_offset: int | None = None,
                 if from_offset is not None and offset == from_offset:
                     hint = f"--from {from_offset} may not be the start of a record"
                 raise RebuildFailed(result.error, summary, hint)
+            if stop is not None and stop.is_set():
+                summary.interrupted = True
+                break
         for d in dispatchers:
             d.flush()
     finally:
@@ -129,8 +151,18 @@ def rebuild(config: Config, *, from_offset: int | None = None,
         summary.files = {getattr(d, "name", type(d).__name__): d.files() for d in dispatchers if hasattr(d, "files")}
     if summary.pending is not None:
         log.warning("incomplete_record_at_end", error=str(summary.pending))
+    if summary.interrupted:
+        log.warning("rebuild_interrupted", stopped_at=summary.end_offset, messages=summary.messages)
     log.info("rebuild_finished", **summary.as_dict())
     return summary
+
+
+def written_end_of(commit_log: CommitLog) -> int:
+    """Where the written data ends (the live daemon's rule, the one behind its lag gauge): what a rebuild
+    reads up to, for the progress display and the check of --from."""
+    from daemon.reput import written_end  # noqa: PLC0415 - the live daemon's module, loaded for this only
+
+    return written_end(commit_log, commit_log.min_offset)
 
 
 def _dispatch(dispatchers: list[Dispatcher], result: ReadResult) -> None:
@@ -140,23 +172,70 @@ def _dispatch(dispatchers: list[Dispatcher], result: ReadResult) -> None:
 
 
 class ProgressBar:
-    """A one-line progress display on a terminal: bytes done, messages, rate."""
+    """A one-line progress display on a terminal: percent of the written data, messages, rate.
 
-    def __init__(self, stream=None):
+    It is also a text stream: lines written to it (log events) appear above the bar, which is drawn again
+    below them, so nothing is ever printed onto it. `finish` draws the final state and ends the line."""
+
+    def __init__(self, stream=None, interval: float = 0.2, unit: str = "bytes"):
         self.stream = stream or sys.stderr
+        self.unit = unit
+        self.interval = interval
         self.started = time.perf_counter()
         self.last = 0.0
+        self.line = ""
+        self._state: tuple[int, int, int] | None = None
+        self._partial = ""
+        self._lock = threading.Lock()
 
     def __call__(self, done: int, total: int, messages: int) -> None:
+        self._state = (done, total, messages)
         now = time.perf_counter()
-        if now - self.last < 0.2:
-            return
-        self.last = now
+        if now - self.last >= self.interval or done >= total:
+            self.last = now
+            self._draw()
+
+    def _text(self) -> str:
+        if self._state is None:
+            return ""
+        done, total, messages = self._state
         pct = 100.0 * done / total if total > 0 else 100.0
-        rate = messages / max(now - self.started, 1e-9)
-        self.stream.write(f"\r  {min(pct, 100.0):5.1f}%  {messages:,} messages  {rate:,.0f} msgs/s ")
+        rate = messages / max(time.perf_counter() - self.started, 1e-9)
+        count = f"  {messages:,} messages" if self.unit != "messages" else ""
+        return f"  {min(pct, 100.0):5.1f}%  {done:,} of {total:,} {self.unit}{count}  {rate:,.0f} msgs/s"
+
+    def _draw(self) -> None:
+        with self._lock:
+            text = self._text()
+            self.stream.write("\r" + text + " " * max(0, len(self.line) - len(text)))
+            self.line = text
+            self.stream.flush()
+
+    def write(self, text: str) -> int:
+        """Print `text` above the bar, a whole line at a time (a writer may send a line in pieces)."""
+        with self._lock:
+            self._partial += text
+            if "\n" in self._partial:
+                lines, _, self._partial = self._partial.rpartition("\n")
+                self.stream.write("\r" + " " * len(self.line) + "\r" + lines + "\n" + self.line)
+                self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
         self.stream.flush()
 
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
     def finish(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        """Draw the final state (100% when the rebuild reached the end) and end the line."""
+        if self._state is not None:
+            self._draw()
+        with self._lock:
+            if self.line:
+                self.stream.write("\n")
+            self.line = ""
+            if self._partial:
+                self.stream.write(self._partial + "\n")
+                self._partial = ""
+            self.stream.flush()

@@ -192,10 +192,11 @@ def test_handoff_backfill_below_then_daemon_continues(spark, generated, tmp_path
 
 
 def test_handoff_daemon_first_then_backfill_below_it(spark, generated, tmp_path):
-    """A daemon that started at X (`rebuild --from X` standing in for its start) keeps following a broker
-    that appends, while backfill writes [first, X) into the same output: the ConsumeQueues end up those of
-    one rebuild (the daemon's pre-blank heads filled in), the backfilled IndexFiles sort before the
-    daemon's, every key is found, and the daemon carries on with the store."""
+    """A daemon that started at X (`rebuild --from X` standing in for its start) follows a broker that
+    appends; it is stopped (one writer per output), backfill writes [first, X) into the same output, and
+    the daemon is started again: the ConsumeQueues end up those of one rebuild (the daemon's pre-blank
+    heads filled in), the backfilled IndexFiles sort before the daemon's, every key is found, and the
+    daemon carries on with the store."""
     tmp, results, _ = generated
     shutil.copytree(tmp / "store" / "commitlog", tmp_path / "store" / "commitlog")
     handoff = results[len(results) // 2 + 1].phy_offset
@@ -218,12 +219,12 @@ def test_handoff_daemon_first_then_backfill_below_it(spark, generated, tmp_path)
     try:
         writer = threading.Thread(target=broker)
         writer.start()
-        summary = backfill(config, spark=spark, to_offset=handoff)
         writer.join()
     finally:
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(60) == 0
-    res = run_cli("run", "--config", str(tmp_path / "out.yaml"), "--until-caught-up")  # the tail it had not read
+    summary = backfill(config, spark=spark, to_offset=handoff)
+    res = run_cli("run", "--config", str(tmp_path / "out.yaml"), "--until-caught-up")  # started again
     assert res.returncode == 0, res.stderr
     reference = make_config(tmp_path, "reference", tmp_path / "store")
     rebuild(reference)

@@ -19,3 +19,25 @@ class SlowFlushDispatcher:
 
     def close(self) -> None:
         pass
+
+
+class SlowDispatchDispatcher:
+    """Takes `options.dispatch_seconds` over every batch and touches `options.started` at the first one,
+    so a test can signal a rebuild while it is in the middle of the CommitLog."""
+
+    name = "slow-dispatch"
+
+    def __init__(self, options, store, output_dir):
+        self.seconds = float(options["dispatch_seconds"])
+        self.started = options["started"]
+
+    def dispatch(self, batch) -> None:
+        with open(self.started, "a", encoding="utf-8") as f:
+            f.write(f"{batch.start_offset}\n")
+        time.sleep(self.seconds)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
