@@ -2,9 +2,10 @@
 130 interrupted (SIGINT or SIGTERM during rebuild).
 
 Operators run `reputd query` by hand in an incident, so its start-up counts: this module imports only
-argparse at the top, each command imports what it uses, and the query commands defer numpy, which no
-query needs (daemon/deferred.py). Every writing command (run, rebuild, backfill) locks the output
-directory first (daemon/outlock.py); readers never do.
+argparse at the top, each command imports what it uses, and the query commands defer the modules their
+imports pull in but a query never uses, numpy first (daemon/deferred.py; `make bench` measures it). Every
+writing command (run, rebuild, backfill) locks the output directory first (daemon/outlock.py); readers
+never do.
 """
 
 from __future__ import annotations
@@ -641,10 +642,13 @@ def _joined_time_options(argv: list[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(_joined_time_options(list(sys.argv[1:] if argv is None else argv)))
-    if args.command == "query":
+    if args.command == "query":  # modules a query imports but never uses (daemon/deferred.py)
         from daemon.deferred import defer
 
-        defer("numpy")
+        defer("numpy")  # indexcore's batch paths
+        defer("inspect")  # dataclasses, for classes without a docstring
+        defer("datetime")  # yaml, for timestamps (and --begin/--end in ISO 8601)
+        defer("base64")  # yaml, for !!binary
     from daemon.config import ConfigError
     from indexcore.errors import SizeMismatchError, StoreError
 

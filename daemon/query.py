@@ -5,13 +5,14 @@ Everything is opened read-only; a query never changes a file. A query that canno
 StoreLayoutError naming what is missing, so it is never mistaken for an empty answer.
 
 This module is on the path of `reputd query`, whose start-up time operators feel: it imports no numpy
-(daemon/deferred.py), no logging and no rebuild machinery.
+(daemon/deferred.py), no logging and no rebuild machinery, and its results are NamedTuples (a dataclass
+costs a millisecond or more to create at import).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from daemon.config import Config
 from indexcore.commitlog import (
@@ -99,8 +100,7 @@ def matches_key(rec: MessageRecord, topic: str, key: str) -> bool:
     return key in props.get(PROPERTY_KEYS, "").split(KEY_SEPARATOR)
 
 
-@dataclass(frozen=True, slots=True)
-class KeyQueryResult:
+class KeyQueryResult(NamedTuple):
     """The matching messages, newest first, and how many candidates the index gave out of at most `limit`
     (`maxMsgsNumBatch`, or less with --max): when it gave `limit`, older matches may exist."""
 
@@ -129,8 +129,7 @@ def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: in
     return query_key_result(config, topic, key, max_num, begin, end).messages
 
 
-@dataclass(frozen=True, slots=True)
-class QueueQueryResult:
+class QueueQueryResult(NamedTuple):
     """`GetMessageResult` in brief: status as the broker names it, the queue's bounds, the messages."""
 
     status: str
@@ -194,8 +193,7 @@ def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: i
         store.close()
 
 
-@dataclass(frozen=True, slots=True)
-class MsgIdResult:
+class MsgIdResult(NamedTuple):
     """What `query msgid` found: by `offset` (an offset msgId naming a record start) or by `uniqKey`
     (the UNIQ_KEY looked up in the index), newest first; `notes` say what else the lookup saw."""
 

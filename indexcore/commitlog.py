@@ -37,7 +37,6 @@ of 0 is where the written data ends; a crash can leave a record torn at that poi
 
 from __future__ import annotations
 
-import ipaddress
 import struct
 import unicodedata
 import zlib
@@ -251,6 +250,8 @@ class Host(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> Host:
         """`192.0.2.1:10911` or `[2001:db8::1]:10911`."""
+        import ipaddress  # noqa: PLC0415 - see __str__
+
         addr, _, port = text.rpartition(":")
         ip = ipaddress.ip_address(addr.strip("[]"))
         return cls(ip.packed, int(port))
@@ -260,8 +261,12 @@ class Host(NamedTuple):
         return len(self.address) == 16
 
     def __str__(self) -> str:
-        ip = ipaddress.ip_address(self.address)
-        return f"[{ip}]:{self.port}" if ip.version == 6 else f"{ip}:{self.port}"
+        if len(self.address) == 4:
+            return f"{'.'.join(map(str, self.address))}:{self.port}"
+        # ipaddress only for IPv6 (its import is a good part of a `reputd query`'s start-up)
+        import ipaddress  # noqa: PLC0415
+
+        return f"[{ipaddress.ip_address(self.address)}]:{self.port}"
 
 
 # --- whole records ------------------------------------------------------------------------------------

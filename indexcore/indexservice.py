@@ -147,6 +147,8 @@ class TruncateReport:
 
 @dataclass(slots=True)
 class IndexStats:
+    """What one `build_index` call did."""
+
     keys_put: int = 0
     files_created: int = 0
 

@@ -79,6 +79,8 @@ _STOPS = {STOP_LIMIT: Stop.LIMIT, STOP_BLANK: Stop.BLANK, STOP_END: Stop.END, ST
 
 @dataclass(slots=True)
 class SegmentDecode:
+    """The records one `decode_segment` call decoded, and where and why it stopped."""
+
     batch: DispatchBatch
     stop: Stop
     position: int  # in-segment position where decoding stopped

@@ -630,3 +630,21 @@ def test_backfill_into_a_read_only_output_names_out(tmp_path):
     assert res.returncode == 2, res.stderr
     assert f"reputd: error: --out: output directory {tmp_path / 'ro'} is not writable" in res.stderr
     assert "Java" not in res.stderr
+
+
+# --- speed: a query imports only what it needs ---------------------------------------------------------
+
+def test_a_query_process_imports_only_what_it_needs(built):
+    """The figure itself is `make bench`'s (scenario query); here, what would slow every query down again:
+    numpy, structlog, the daemon's machinery or inspect being imported by `reputd query key`."""
+    _tmp, config, results = built
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "daemon.cli", "query", "key", "TopicA", "order-4",
+                          "--config", str(config)], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert [m["commitLogOffset"] for m in json_lines(res.stdout)] == [results[4].phy_offset]
+    imported = {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    heavy = {m for m in imported if m.split(".")[0] in ("numpy", "structlog", "watchdog", "prometheus_client",
+                                                        "inspect", "pyspark")
+             or m in ("daemon.rebuild", "daemon.dispatchers", "daemon.reput", "daemon.logs", "shutil")}
+    assert heavy == set()

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon.outlock import LOCK_FILE
 from indexcore.commitlog import MessageRecord
 from indexcore.errors import CorruptRecordError, StoreError
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus, Stop, decode_segment
@@ -41,7 +42,7 @@ BORN = (bytes([192, 0, 2, 100]), 50000)
 STORE_HOST = (bytes([192, 0, 2, 1]), 10911)
 TS = 1_700_000_000_000
 REPUTD = [sys.executable, "-m", "daemon.cli"]
-ALLOWED_OUTPUT = {"consumequeue", "index", "reputd.checkpoint", "reputd.checkpoint.tmp"}
+ALLOWED_OUTPUT = {"consumequeue", "index", "reputd.checkpoint", "reputd.checkpoint.tmp", LOCK_FILE}
 # the fields a CorruptRecordError names (indexcore/commitlog.py, indexcore/reader.py)
 DOCUMENTED_FIELDS = {"total_size", "magic_code", "body_crc", "body_length", "topic_length", "topic",
                      "properties_length", "physical_offset", "properties.DELAY"}
