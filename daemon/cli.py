@@ -95,46 +95,73 @@ CONFIG_HELP = ("YAML config file (default: $REPUTD_CONFIG, else ./config/reputd.
                "else built-in defaults)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = ("run", "rebuild", "verify", "backfill", "query", "inspect", "produce")
+QUERY_KINDS = ("key", "queue", "msgid")
+OUT_HELP = "output directory for consumequeue/ and index/, overrides output.dir (default: the store root)"
+
+
+def build_parser(command: str | None = None, kind: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or with `command` (and for `query`, `kind`) of that one only: a
+    process parses one command line, and defining every command's options is a good part of a query's
+    start-up."""
     parser = argparse.ArgumentParser(
         prog="reputd", formatter_class=_HelpFormatter,
         description="Rebuild and query RocketMQ ConsumeQueue and IndexFile files from a broker's CommitLog.",
         epilog="Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 130 interrupted.")
     parser.add_argument("--version", action=_Version, help="print reputd's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
+    adders = {"run": _add_run, "rebuild": _add_rebuild, "verify": _add_verify, "backfill": _add_backfill,
+              "query": lambda s: _add_query(s, kind), "inspect": _add_inspect, "produce": _add_produce}
+    for name in COMMANDS:
+        if command is None or command == name:
+            adders[name](sub)
+    return parser
 
-    def command(name: str, help_text: str, *, out_help: str = "output directory for consumequeue/ and index/, "
-                                                              "overrides output.dir (default: the store root)"
-                ) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
-        p.add_argument("--config", help=CONFIG_HELP)
-        p.add_argument("--store", help="store root, overrides store.storePathRootDir (and the output directory "
-                                        "unless --out is given)")
-        p.add_argument("--out", help=out_help)
-        return p
 
-    p = command("run", "Follow the CommitLog as a broker writes it and keep consumequeue/ and index/ current.")
+def _subparser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+
+
+def _store_command(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A command that takes --config, --store and --out."""
+    p = _subparser(sub, name, help_text)
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--store", help="store root, overrides store.storePathRootDir (and the output directory "
+                                    "unless --out is given)")
+    p.add_argument("--out", help=OUT_HELP)
+    return p
+
+
+def _add_run(sub) -> None:
+    p = _store_command(sub, "run", "Follow the CommitLog as a broker writes it and keep consumequeue/ and index/ "
+                                   "current.")
     p.add_argument("--until-caught-up", action="store_true",
                    help="dispatch everything readable now, flush, checkpoint, print a summary and exit 0")
     p.add_argument("--metrics", action="store_true",
                    help="with --until-caught-up: serve /metrics and /healthz too (without it, no port is opened)")
-    p.set_defaults(handler=cmd_run, writes=True)
+    p.set_defaults(handler=cmd_run)
 
-    p = command("rebuild", "Build consumequeue/ and index/ from the CommitLog, from its start or --from.")
+
+def _add_rebuild(sub) -> None:
+    p = _store_command(sub, "rebuild", "Build consumequeue/ and index/ from the CommitLog, from its start or --from.")
     p.add_argument("--from", dest="from_offset", type=_non_negative,
                    help="CommitLog offset of a record to start at (default: the CommitLog's first offset)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(handler=cmd_rebuild, writes=True)
+    p.set_defaults(handler=cmd_rebuild)
 
-    p = command("verify", "Check consumequeue/ and index/ against what the CommitLog implies, read-only (exit 0 "
-                          "consistent, 1 differences found).")
+
+def _add_verify(sub) -> None:
+    p = _store_command(sub, "verify", "Check consumequeue/ and index/ against what the CommitLog implies, read-only "
+                                      "(exit 0 consistent, 1 differences found).")
     p.add_argument("--from", dest="from_offset", type=_non_negative,
                    help="CommitLog offset of a record to start at (default: the oldest segment)")
     p.add_argument("--json", action="store_true", help="one JSON object per finding, then a summary object")
     p.set_defaults(handler=cmd_verify)
 
-    p = command("backfill", "Build consumequeue/ and index/ for CommitLog segments with Spark, byte-identical "
-                            "to rebuild.")
+
+def _add_backfill(sub) -> None:
+    p = _store_command(sub, "backfill", "Build consumequeue/ and index/ for CommitLog segments with Spark, "
+                                        "byte-identical to rebuild.")
     p.add_argument("--segments", metavar="DIR_OR_URI",
                    help="CommitLog directory (or file:// URI; comma-separated for several) instead of "
                         "store.storePathCommitLog; every executor must see it at this path")
@@ -152,20 +179,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conf", dest="spark_conf", action="append", type=_spark_setting, default=[],
                    metavar="KEY=VALUE", help="a Spark setting, e.g. spark.executor.memory=4g (repeatable)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.set_defaults(handler=cmd_backfill, writes=True)
+    p.set_defaults(handler=cmd_backfill)
 
+
+_QUERY_HELP = {
+    "key": "Messages whose topic and key (a KEYS token or the UNIQ_KEY) match exactly, newest first.",
+    "queue": "Messages of a ConsumeQueue from a queue offset, as the broker's getMessage returns them.",
+    "msgid": "The message of a msgId: an offset msgId (store host + CommitLog offset) or a client msgId (the "
+             "UNIQ_KEY), as mqadmin queryMsgById takes them.",
+}
+
+
+def _add_query(sub, kind: str | None) -> None:
     q = sub.add_parser("query", formatter_class=_HelpFormatter, help="Query messages by key, queue offset or msgId.",
                        description="Query messages by key, queue offset or msgId. On a terminal the answer is "
                                    "laid out as mqadmin lays it out; piped, or with --json, it is one JSON object "
                                    "per message.")
     qs = q.add_subparsers(dest="query", required=True, metavar="KIND", help="how to find the messages")
-    for name, help_text in (("key", "Messages whose topic and key (a KEYS token or the UNIQ_KEY) match exactly, "
-                                    "newest first."),
-                            ("queue", "Messages of a ConsumeQueue from a queue offset, as the broker's getMessage "
-                                      "returns them."),
-                            ("msgid", "The message of a msgId: an offset msgId (store host + CommitLog offset) or a "
-                                      "client msgId (the UNIQ_KEY), as mqadmin queryMsgById takes them.")):
-        p = qs.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+    for name in QUERY_KINDS:
+        if kind is not None and kind != name:
+            continue
+        p = _subparser(qs, name, _QUERY_HELP[name])
         p.add_argument("--config", help=CONFIG_HELP)
         p.add_argument("--store", help="store root, overrides store.storePathRootDir")
         p.add_argument("--out", help="directory holding consumequeue/ and index/, overrides output.dir")
@@ -185,24 +219,25 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--raw", action="store_true",
                            help="print the index's candidate offsets as IndexService.queryOffset returns them")
             p.set_defaults(handler=cmd_query_key)
+            continue
+        if name == "queue":
+            p.add_argument("topic", help="the ConsumeQueue's topic")
+            p.add_argument("queue_id", type=_non_negative, help="the queue id")
+            p.add_argument("offset", type=_non_negative, help="the queue offset to start at")
+            p.add_argument("--count", type=_positive, default=32, help="maximum number of messages (default 32)")
+            p.set_defaults(handler=cmd_query_queue)
         else:
-            if name == "queue":
-                p.add_argument("topic", help="the ConsumeQueue's topic")
-                p.add_argument("queue_id", type=_non_negative, help="the queue id")
-                p.add_argument("offset", type=_non_negative, help="the queue offset to start at")
-                p.add_argument("--count", type=_positive, default=32, help="maximum number of messages (default 32)")
-                p.set_defaults(handler=cmd_query_queue)
-            else:
-                p.add_argument("msgid", help="an offset msgId or a UNIQ_KEY (32 hex digits, 56 with IPv6)")
-                p.add_argument("--topic", help="look the UNIQ_KEY up under this topic only (default: every topic "
-                                               "the output's ConsumeQueues know)")
-                p.set_defaults(handler=cmd_query_msgid)
-            p.add_argument("--body", action="store_true", help="print each message's body too")
-            p.add_argument("--save-body", metavar="DIR",
-                           help="write each message's body to DIR/<offset msgId>, as mqadmin does")
+            p.add_argument("msgid", help="an offset msgId or a UNIQ_KEY (32 hex digits, 56 with IPv6)")
+            p.add_argument("--topic", help="look the UNIQ_KEY up under this topic only (default: every topic the "
+                                           "output's ConsumeQueues know)")
+            p.set_defaults(handler=cmd_query_msgid)
+        p.add_argument("--body", action="store_true", help="print each message's body too")
+        p.add_argument("--save-body", metavar="DIR",
+                       help="write each message's body to DIR/<offset msgId>, as mqadmin does")
 
-    help_text = "Decode a CommitLog segment, ConsumeQueue file, IndexFile or checkpoint file."
-    p = sub.add_parser("inspect", help=help_text, description=help_text, formatter_class=_HelpFormatter)
+
+def _add_inspect(sub) -> None:
+    p = _subparser(sub, "inspect", "Decode a CommitLog segment, ConsumeQueue file, IndexFile or checkpoint file.")
     p.add_argument("path", help="the file: a segment, consumequeue/TOPIC/QUEUE/FILE, an IndexFile, the broker's "
                                 "checkpoint or reputd.checkpoint")
     p.add_argument("--config", help=CONFIG_HELP + "; its maxHashSlotNum/maxIndexNum shape IndexFiles")
@@ -212,8 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON Lines: the header object, then one object per entry")
     p.set_defaults(handler=cmd_inspect)
 
-    help_text = "Append sample messages to the CommitLog (demos and load)."
-    p = sub.add_parser("produce", help=help_text, description=help_text, formatter_class=_HelpFormatter)
+
+def _add_produce(sub) -> None:
+    p = _subparser(sub, "produce", "Append sample messages to the CommitLog (demos and load).")
     p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--store", help="store root, overrides store.storePathRootDir (the CommitLog is written there)")
     p.add_argument("--messages", type=_positive, required=True, help="how many messages to append")
@@ -225,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "(default 0)")
     p.add_argument("--no-uniq-key", action="store_true", help="leave out the UNIQ_KEY property")
     p.set_defaults(handler=cmd_produce)
-    return parser
 
 
 # --- configuration ------------------------------------------------------------------------------------
@@ -239,7 +274,8 @@ def _config(args) -> Config:
     if overrides["store.storePathRootDir"] and not overrides["output.dir"]:
         overrides["output.dir"] = overrides["store.storePathRootDir"]
     args.config_file, args.config_origin = config_path(args.config, os.environ, os.getcwd())
-    return load_config(args.config_file, os.environ, overrides)
+    # commands that import no plug-ins may take the file's parsed text from daemon/configmemo.py
+    return load_config(args.config_file, os.environ, overrides, memo=args.command in ("query", "inspect"))
 
 
 def _config_in_use(args) -> str:
@@ -640,8 +676,18 @@ def _joined_time_options(argv: list[str]) -> list[str]:
     return out
 
 
+def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the command `argv` names (all of them when it names none: help, a mistyped name)."""
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    kind = argv[1] if command == "query" and len(argv) > 1 and argv[1] in QUERY_KINDS else None
+    if command == "query" and kind is None:
+        command = None
+    return build_parser(command, kind)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(_joined_time_options(list(sys.argv[1:] if argv is None else argv)))
+    argv = _joined_time_options(list(sys.argv[1:] if argv is None else argv))
+    args = _parser_for(argv).parse_args(argv)
     if args.command == "query":  # modules a query imports but never uses (daemon/deferred.py)
         from daemon.deferred import defer
 

@@ -7,14 +7,13 @@ Every value is validated as it is read, so a mistake is reported with the dotted
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, NamedTuple
-
-import yaml
 
 from indexcore.commitlog import DEFAULT_MAPPED_FILE_SIZE_COMMIT_LOG, DEFAULT_MAX_MESSAGE_SIZE
 from indexcore.consumequeue import CQ_UNIT_SIZE, DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE
@@ -166,6 +165,7 @@ class Config:
     source: str | None
 
 
+@functools.cache
 def _camel_to_snake(name: str) -> str:
     return _CAMEL_TAIL.sub(r"\1_\2", _CAMEL_WORD.sub(r"\1_\2", name)).lower()
 
@@ -482,34 +482,41 @@ def _split_names(raw: Any) -> Any:
     return raw
 
 
-class _StrictLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-    """SafeLoader that rejects duplicate keys, which plain PyYAML silently resolves to the last one; on
-    LibYAML's parser when PyYAML has it (most builds), which parses a config file in a fraction of the
-    pure-Python parser's time (felt by every `reputd query`)."""
+_strict_loader: type | None = None
 
 
-def _construct_unique_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            duplicate = key in seen
-        except TypeError:
-            continue
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)
+def _loader() -> type:
+    """PyYAML's safe loader, rejecting duplicate keys (which plain PyYAML silently resolves to the last one),
+    on LibYAML's parser when PyYAML has it (most builds). Made on first use: importing PyYAML is a third of
+    a query's start-up, and a query with a remembered config file (daemon/configmemo.py) does without it."""
+    global _strict_loader  # noqa: PLW0603 - one class, made once
+    if _strict_loader is None:
+        import yaml  # noqa: PLC0415 - see above
+
+        def construct_unique_mapping(loader, node) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = loader.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
+                    )
+                seen.add(key)
+            return loader.construct_mapping(node, deep=True)
+
+        loader = type("StrictLoader", (getattr(yaml, "CSafeLoader", yaml.SafeLoader),), {})
+        loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_unique_mapping)
+        _strict_loader = loader
+    return _strict_loader
 
 
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
-
-
-def _read_yaml(source: str) -> Any:
+def _read_yaml(source: str, *, memo: bool = False) -> Any:
     try:
         with open(source, encoding="utf-8") as handle:
             text = handle.read()
@@ -517,13 +524,24 @@ def _read_yaml(source: str) -> Any:
         raise ConfigError("", f"cannot read config file {source}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
         raise ConfigError("", f"config file {source} is not UTF-8 text: {exc}") from exc
+    if memo:
+        from daemon import configmemo  # noqa: PLC0415 - the query commands only
+
+        found, data = configmemo.recall(source, text)
+        if found:
+            return data
+    import yaml  # noqa: PLC0415 - see _loader
+
     try:
-        return yaml.load(text, Loader=_StrictLoader)
+        data = yaml.load(text, Loader=_loader())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
         problem = ": ".join(p for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
         raise ConfigError("", f"{where}: invalid YAML: {problem or exc}") from exc
+    if memo:
+        configmemo.remember(source, text, data)
+    return data
 
 
 class _Layers:
@@ -691,6 +709,8 @@ class _Layers:
 
 
 def _parse_env_yaml(key: str, var: str, raw: str) -> Any:
+    import yaml  # noqa: PLC0415 - see _loader
+
     try:
         return yaml.safe_load(raw)
     except yaml.YAMLError as exc:
@@ -701,20 +721,23 @@ def load_config(
     path: str | os.PathLike[str] | None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    *,
+    memo: bool = False,
 ) -> Config:
     """Load and validate the configuration.
 
     ``env`` defaults to ``os.environ``; pass ``{}`` to ignore the environment. ``overrides`` maps dotted keys
     (``"store.storePathRootDir"``, or ``"dispatchers"``) to values and wins over everything; a None value
     means "not given", so CLI flags can be passed straight through. Relative paths in the file are resolved
-    against the file's directory, all others (defaults included) against the current directory.
+    against the file's directory, all others (defaults included) against the current directory. ``memo``
+    lets the file's parsed text come from daemon/configmemo.py (commands that import no plug-ins only).
     """
     cwd = os.getcwd()
     layers = _Layers(cwd)
     source = None
     if path is not None:
         source = os.path.abspath(os.path.expanduser(os.fspath(path)))
-        layers.apply_file(_read_yaml(source), source)
+        layers.apply_file(_read_yaml(source, memo=memo), source)
     layers.apply_env(os.environ if env is None else env, cwd)
     if overrides:
         layers.apply_overrides(overrides, cwd)

@@ -4,6 +4,7 @@
 # Plain-Python models written straight from STORE_FORMAT.md §7.5/§8.2–§8.8; they share no code with
 # indexcore, so a test compares two independent readings of the spec.
 
+import os as _os
 import struct as _struct
 from typing import NamedTuple as _NamedTuple
 
@@ -27,6 +28,19 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     for path, outcomes in sorted(_OUTCOMES.items()):
         _report(f"cases {path}", **{k: len(v) for k, v in outcomes.items()}, cases=outcomes)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """The CLI remembers parsed config files under $XDG_CACHE_HOME (daemon/configmemo.py): keep the
+    suite's out of the runner's home."""
+    previous = _os.environ.get("XDG_CACHE_HOME")
+    _os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if previous is None:
+        _os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        _os.environ["XDG_CACHE_HOME"] = previous
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

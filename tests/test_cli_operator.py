@@ -648,3 +648,49 @@ def test_a_query_process_imports_only_what_it_needs(built):
                                                         "inspect", "pyspark")
              or m in ("daemon.rebuild", "daemon.dispatchers", "daemon.reput", "daemon.logs", "shutil")}
     assert heavy == set()
+
+
+def test_a_remembered_config_spares_the_yaml_parser_and_follows_every_edit(built, tmp_path):
+    """The second query with one config file takes its parsed text from the memo (PyYAML is not even
+    imported); an edit of the file is seen at once; a memo of another text is never used; a writing command
+    never reads a memo."""
+    tmp, config, _ = built
+    cache = tmp_path / "cache"
+    env = {"XDG_CACHE_HOME": str(cache)}
+
+    def imports(*args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+        full = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+        full.update(env)
+        res = subprocess.run([sys.executable, "-X", "importtime", "-m", "daemon.cli", *args], capture_output=True,
+                             text=True, env=full, timeout=120, check=False)
+        return res, {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+
+    query = ("query", "key", "TopicA", "order-4", "--config", str(config))
+    first, modules = imports(*query)
+    assert first.returncode == 0, first.stderr
+    assert "yaml" in modules
+    (memo,) = (cache / "reputd").iterdir()
+    second, modules = imports(*query)
+    assert second.stdout == first.stdout
+    assert "yaml" not in modules
+    cfg = yaml.safe_load(config.read_text())
+    cfg["store"]["maxIndexNum"] = 60  # the files have 50: an edit that must be noticed
+    config.write_text(yaml.safe_dump(cfg))
+    res = run(*query, env=env)
+    assert res.returncode == 2
+    assert "maxIndexNum 60" in res.stderr
+    doc = json.loads(memo.read_text())
+    assert doc["data"]["store"]["maxIndexNum"] == 60
+    doc["data"]["output"]["dir"] = str(tmp / "elsewhere")  # values that are not the parser's for this text
+    doc["text"] += "\n# another text\n"
+    memo.write_text(json.dumps(doc))
+    res = run(*query, env=env)
+    assert "maxIndexNum 60" in res.stderr  # not the memo's values: it is of another text
+    doc["text"] = config.read_text()
+    memo.write_text(json.dumps(doc))  # a memo of this text with other values: a query believes it...
+    res = run(*query, env=env)
+    assert f"{tmp / 'elsewhere' / 'index'}: no index directory" in res.stderr
+    res = run("rebuild", "--config", str(config), "--json", env=env)  # ...a writing command never reads it
+    assert res.returncode == 2
+    assert "maxIndexNum 60" in res.stderr
+    assert not (tmp / "elsewhere").exists()
