@@ -609,7 +609,8 @@ def cmd_query_msgid(args, config: Config) -> int:
         print(f"reputd: no message with msgId {args.msgid.strip()}", file=sys.stderr)
         return EXIT_FAILURE
     if result.found_by == "uniqKey":
-        _note(args, f"msgId {args.msgid.strip()} is a UNIQ_KEY: {len(result.messages)} message(s)")
+        n = len(result.messages)
+        _note(args, f"msgId {args.msgid.strip()} is a UNIQ_KEY (a client msgId): {n} message{'s' * (n > 1)}")
     _print_records(args, result.messages)
     return EXIT_OK
 
