@@ -620,7 +620,7 @@ def cmd_query_msgid(args, config: Config) -> int:
 def cmd_inspect(args, config: Config) -> int:
     import json
 
-    from daemon.inspect_file import inspect_path, text_line
+    from daemon.inspect_file import inspect_path, text_line, text_value
 
     if not os.path.isfile(args.path):
         print(f"reputd: error: {args.path}: no such file", file=sys.stderr)
@@ -633,7 +633,7 @@ def cmd_inspect(args, config: Config) -> int:
             print(json.dumps(row, ensure_ascii=False))
     else:
         for key, value in info.header.items():
-            print(f"{key}: {value}")
+            print(f"{key}: {text_value(value)}")
         for row in info.rows:
             print(text_line(row))
     for key, value in info.trailer.items():

@@ -226,5 +226,16 @@ def inspect_reputd_checkpoint(path: str) -> Inspection:
     return Inspection(header, rows)
 
 
+def text_value(value: Any) -> str:
+    """A value as the text output shows it: lists comma-separated, mappings as JSON."""
+    if isinstance(value, list | tuple):
+        return ", ".join(map(str, value))
+    if isinstance(value, dict):
+        import json  # noqa: PLC0415 - text output of checkpoint states only
+
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return str(value)
+
+
 def text_line(row: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in row.items())
+    return " ".join(f"{k}={text_value(v)}" for k, v in row.items())
