@@ -36,7 +36,7 @@ class OutputNotWritable(Exception):
     def __init__(self, directory: str, error: OSError):
         self.directory = directory
         self.error = error
-        super().__init__(f"output directory {directory} is not writable: {error.strerror or error}")
+        super().__init__(f"output directory {directory} cannot be created or written: {error.strerror or error}")
 
 
 def lock_output(directory: str, command: str) -> int:
@@ -47,7 +47,7 @@ def lock_output(directory: str, command: str) -> int:
         os.makedirs(directory, exist_ok=True)
         fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST):
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT):
             raise OutputNotWritable(directory, e) from None
         raise
     try:

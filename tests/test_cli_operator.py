@@ -603,7 +603,7 @@ def test_backfill_refuses_bad_arguments_before_spark_starts(tmp_path):
     assert not (tmp_path / "out").exists()
     res = run("backfill", "--config", str(config), "--out", str(tmp_path / "reputd.yaml" / "out"), env=env)
     assert res.returncode == 2
-    assert f"--out: output directory {tmp_path / 'reputd.yaml' / 'out'} is not writable" in res.stderr
+    assert f"--out: output directory {tmp_path / 'reputd.yaml' / 'out'} cannot be created or written" in res.stderr
 
 
 def test_backfill_into_a_read_only_output_names_out(tmp_path):
@@ -628,7 +628,7 @@ def test_backfill_into_a_read_only_output_names_out(tmp_path):
     if "mount:" in res.stderr:
         pytest.skip(f"cannot mount a read-only tmpfs here: {res.stderr.strip()}")
     assert res.returncode == 2, res.stderr
-    assert f"reputd: error: --out: output directory {tmp_path / 'ro'} is not writable" in res.stderr
+    assert f"reputd: error: --out: output directory {tmp_path / 'ro'} cannot be created or written" in res.stderr
     assert "Java" not in res.stderr
 
 
