@@ -31,6 +31,7 @@ __all__ = [
     "ENV_PREFIX",
     "ON_CORRUPTION_SKIP_SEGMENT",
     "ON_CORRUPTION_STOP",
+    "BackfillConfig",
     "Config",
     "ConfigError",
     "DispatcherSpec",
@@ -145,6 +146,20 @@ class ReputConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class BackfillConfig:
+    """How `reputd backfill` cuts segments into tasks and reaches archives on S3 (empty: the standard AWS_*
+    environment variables, as AWS tools read them)."""
+
+    range_bytes: int = 64 * 1024 * 1024
+    read_bytes: int = 16 * 1024 * 1024
+    s3_endpoint: str = ""
+    s3_region: str = ""
+    s3_access_key_id: str = ""
+    s3_secret_access_key: str = ""
+    catalog_body: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class LoggingConfig:
     """Log verbosity and rendering; ``auto`` picks console output on a TTY and JSON otherwise."""
 
@@ -163,6 +178,7 @@ class Config:
     metrics: MetricsConfig
     logging: LoggingConfig
     source: str | None
+    backfill: BackfillConfig = BackfillConfig()
 
 
 @functools.cache
@@ -256,6 +272,7 @@ _SECTION_CLASSES: dict[str, type] = {
     "reput": ReputConfig,
     "metrics": MetricsConfig,
     "logging": LoggingConfig,
+    "backfill": BackfillConfig,
 }
 
 _KEY_LIST = (
@@ -283,6 +300,13 @@ _KEY_LIST = (
     _Key("metrics", "port", "int", (_in_range(1, 65535),)),
     _Key("logging", "level", "str", (_one_of("debug", "info", "warning", "error"),)),
     _Key("logging", "format", "str", (_one_of("json", "console", "auto"),)),
+    _Key("backfill", "rangeBytes", "int", (_in_range(1),)),
+    _Key("backfill", "readBytes", "int", (_in_range(1024 * 1024, 1024**3),)),
+    _Key("backfill", "s3Endpoint", "str"),
+    _Key("backfill", "s3Region", "str"),
+    _Key("backfill", "s3AccessKeyId", "str"),
+    _Key("backfill", "s3SecretAccessKey", "str"),
+    _Key("backfill", "catalogBody", "bool"),
 )
 _KEYS: dict[tuple[str, str], _Key] = {(k.section, k.name): k for k in _KEY_LIST}
 _DISPATCHERS_SECTION = "dispatchers"

@@ -121,6 +121,10 @@ class StringColumn(Sequence):
     def __len__(self) -> int:
         return len(self._at)
 
+    def arrays(self) -> tuple[bytes, np.ndarray, np.ndarray]:
+        """The UTF-8 bytes and each value's start in them (-1: None) and length, for columnar consumers."""
+        return self._text, self._at, self._length
+
     def _get(self, i: int) -> str | None:
         at = int(self._at[i])
         if at < 0:

@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -366,33 +366,49 @@ class CommitLogReader:
                                 max_bytes=self.batch_bytes, check_crc=self.check_crc,
                                 max_message_size=self.max_message_size, delay_table=self.delay_table,
                                 scratch=self._scratch)
-        batch, at = result.batch, seg_start + result.position
         _release(mm, offset - seg_start, result.position)
-        if result.stop is Stop.LIMIT:
-            return ReadResult(batch, at, ReadStatus.OK)
-        if result.stop is Stop.BLANK:
-            nxt = seg_start + size
-            return ReadResult(dataclasses.replace(batch, end_offset=nxt), nxt, ReadStatus.OK, rolled=True)
-        if not verify_end:
-            pending = None if result.stop is Stop.END else result.error.located(path, at)
-            return ReadResult(batch, at, ReadStatus.END, pending=pending)
-        last = not self._written_successor(offset)
-        if result.stop is Stop.END:
-            if last and _zeros_from(mm, result.position, size, self.max_message_size):
-                return ReadResult(batch, at, ReadStatus.END)
-            where = "before the end of a segment that has a successor" if not last else "with data after it"
-            err = CorruptRecordError("total_size", f"zero TOTALSIZE {where}", path=path, offset=at)
-            return ReadResult(batch, at, ReadStatus.CORRUPT, err)
-        err = result.error.located(path, at)
-        if last and _unwritten_after(mm, result.position, size, self.max_message_size):
-            return ReadResult(batch, at, ReadStatus.END, pending=err)
-        return ReadResult(batch, at, ReadStatus.CORRUPT, err)
+        return read_result(result, mm, seg_start, size, path, self.max_message_size,
+                           (lambda: self._written_successor(offset)) if verify_end else None)
 
     def _written_successor(self, offset: int) -> bool:
         """Whether data exists past this segment, looking again at the directory first: a successor
         may have appeared since the last scan."""
         self.commit_log.refresh()
         return self.commit_log.has_written_segment_after(offset)
+
+
+def read_result(result: SegmentDecode, image, seg_start: int, size: int, path: str, max_message_size: int,
+                written_successor: Callable[[], bool] | None) -> ReadResult:
+    """What a segment decode means for the reader: go on, roll to the next segment, the end of the written
+    data (with a torn tail as `pending`), or corruption. `image` holds the segment's bytes at least one
+    maximal message past the stop twice over; `written_successor` says whether a later segment holds data
+    (None: do not verify, report END). The one rule for `reputd rebuild`, `run` and the backfill's tasks."""
+    batch, at = result.batch, seg_start + result.position
+    if result.stop is Stop.LIMIT:
+        return ReadResult(batch, at, ReadStatus.OK)
+    if result.stop is Stop.BLANK:
+        nxt = seg_start + size
+        return ReadResult(dataclasses.replace(batch, end_offset=nxt), nxt, ReadStatus.OK, rolled=True)
+    if written_successor is None:
+        pending = None if result.stop is Stop.END else result.error.located(path, at)
+        return ReadResult(batch, at, ReadStatus.END, pending=pending)
+    last = not written_successor()
+    if result.stop is Stop.END:
+        if last and _zeros_from(image, result.position, size, max_message_size):
+            return ReadResult(batch, at, ReadStatus.END)
+        where = "before the end of a segment that has a successor" if not last else "with data after it"
+        err = CorruptRecordError("total_size", f"zero TOTALSIZE {where}", path=path, offset=at)
+        return ReadResult(batch, at, ReadStatus.CORRUPT, err)
+    err = result.error.located(path, at)
+    if last and _unwritten_after(image, result.position, size, max_message_size):
+        return ReadResult(batch, at, ReadStatus.END, pending=err)
+    return ReadResult(batch, at, ReadStatus.CORRUPT, err)
+
+
+def release_pages(mm: mmap.mmap, start: int, end: int) -> None:
+    """Drop the whole pages of [start, end) from this mapping once decoded: the batch holds copies,
+    the page cache keeps the data, and the process stays small whatever the segment's size."""
+    _release(mm, start, end)
 
 
 def _release(mm: mmap.mmap, start: int, end: int) -> None:
@@ -438,4 +454,4 @@ def _zeros_from(buf, pos: int, file_size: int, max_message_size: int) -> bool:
 
 
 __all__ = ["CommitLog", "CommitLogReader", "ReadResult", "ReadStatus", "SegmentDecode", "Stop", "at_written_end",
-           "decode_segment"]
+           "decode_segment", "read_result", "release_pages"]

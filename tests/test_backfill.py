@@ -411,9 +411,10 @@ def test_spark_errors_become_the_task_error_line():
 
 def test_recomputed_rows_are_cut_back_to_what_phase_1_reported(tmp_path):
     """A lost cached partition is decoded again; if the broker appended since, the extra records are dropped."""
+    from daemon.backfill.rows import ReadSettings, RowChunk, decode_segment_rows
+
     from daemon.backfill.job import _planned
     from daemon.backfill.plan import plan_segments
-    from daemon.backfill.rows import ReadSettings, RowChunk, decode_segment_rows
     from indexcore.reader import CommitLog
 
     def decode() -> list:

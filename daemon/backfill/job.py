@@ -1,60 +1,79 @@
-"""The Spark job: a thin adapter that runs the phases as Spark stages and turns Spark's failures into
+"""The Spark job: a thin adapter that runs the phases as two Spark jobs and turns Spark's failures into
 one-line errors.
 
-    phase 1  decode      one task per segment -> RowChunks (cached) + one SegmentOutcome per segment
-             plan        driver: what is dispatched (walk_outcomes), IndexFile roll points and names
-    phase 2  consumequeue  pieces by (topic, queue) -> sorted -> one task writes each queue's files
-    phase 3  index       keys by file -> sorted -> one task builds each IndexFile
-             catalog     optional: the rows as Parquet, partitioned by topic and date
+    job 1  decode   one task per byte range (`ranges.py`) -> Arrow rows of final bytes, cached in the JVM;
+                    the driver collects each range's outcome and checks the chain (`plan.walk_ranges`);
+                    a broken link is re-read from the right boundary (a small extra job, rarely needed)
+    job 2  write    the cached rows, partitioned and sorted by Spark's shuffle: ConsumeQueue runs by
+                    (topic, queue), IndexFile key runs by file, catalog groups by (topic, day); every
+                    writer task stages its files (`writers.py`)
+           commit   the driver names the IndexFiles, checks the output and links everything into place
 
-Segments are read by mapping their files, so every executor must see the CommitLog and the output at
-the same POSIX path (a local disk with `local[*]`, a shared mount on a cluster).
+Local segments are mapped, so with a cluster they must be on a mount every executor sees at the same
+path; s3:// and hdfs:// segments are read by each task from the store. The output directory must be
+shared by the driver and the executors (the staged files are linked into place).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import shutil
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import numpy as np
 from pyspark import StorageLevel, TaskContext
 from pyspark.sql import SparkSession
-from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
+from pyspark.sql import functions as F
 
-from daemon.backfill.commit import attempt_dir, remove_tree, staging_root
+from daemon.backfill.catalog import catalog_filesystem
+from daemon.backfill.commit import (
+    attempt_dir,
+    commit_index_file,
+    commit_queue_dir,
+    file_counts,
+    remove_tree,
+    staging_root,
+)
 from daemon.backfill.plan import (
     BackfillError,
-    ChunkRef,
-    KeyOwner,
+    IndexLayout,
     ReadPlan,
+    Reread,
     check_existing_index,
-    chunk_refs,
+    index_file_names,
     keys_per_file,
     plan_index_files,
-    plan_segments,
-    walk_outcomes,
+    walk_ranges,
 )
-from daemon.backfill.rows import ReadSettings, RowChunk, SegmentOutcome, decode_segment_rows
+from daemon.backfill.ranges import (
+    CATALOG,
+    DECODED_DDL,
+    KEYS,
+    LIMIT,
+    META,
+    UNITS,
+    DecodeSettings,
+    RangeOutcome,
+    RangeTask,
+    decode_range,
+    plan_ranges,
+)
+from daemon.backfill.source import LOCAL, S3Options, SegmentDir, SegmentListing, parse_segment_dirs
 from daemon.backfill.writers import (
-    CATALOG_COLUMNS,
-    FILE_PLAN,
+    PLAN_ROW,
     Attempt,
     Fault,
     WriteStats,
-    catalog_rows,
-    index_partition,
-    index_pieces,
-    queue_partition,
-    queue_pieces,
+    result_rows,
+    write_catalog,
     write_index_files,
     write_queues,
 )
@@ -66,7 +85,6 @@ from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UN
 from indexcore.errors import StoreError
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import list_queue_files
-from indexcore.reader import CommitLog
 
 DEFAULT_MASTER = "local[*]"
 MIN_JAVA = 17
@@ -84,11 +102,16 @@ class BackfillSummary(RebuildSummary):
     master: str = ""
     partitions: int = 0
     catalog: str | None = None
+    ranges: int = 0
+    reread_ranges: int = 0
+    spark_jobs: int = 0
+    bytes_read_remote: int = 0
     phases: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {
             **RebuildSummary.as_dict(self), "master": self.master, "partitions": self.partitions,
+            "ranges": self.ranges, "rereadRanges": self.reread_ranges, "sparkJobs": self.spark_jobs,
             "phaseSeconds": {k: round(v, 3) for k, v in self.phases.items()}, "catalog": self.catalog,
         }
 
@@ -128,7 +151,9 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
         os.environ["PYSPARK_PYTHON"] = sys.executable
     builder = SparkSession.builder.appName("reputd-backfill").master(master)
     settings = {"spark.ui.showConsoleProgress": "true", "spark.log.level": "FATAL",
-                "spark.python.worker.reuse": "true"}
+                "spark.python.worker.reuse": "true",
+                # one job per action: adaptive execution would run every shuffle stage as a job of its own
+                "spark.sql.adaptive.enabled": "false"}
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
@@ -164,28 +189,21 @@ class BackfillTaskError(RuntimeError):
 
 # --- the job -----------------------------------------------------------------------------------------
 
-def commit_log_dirs(config: Config, segments: str | None) -> tuple[str, ...]:
-    """The CommitLog directories: `--segments` (paths or file:// URIs, comma-separated) or the store's."""
+RESULT_DDL = "kind string, value binary"
+QUEUES, INDEX_FILES, CATALOG_FILES = "queues", "index", "catalog"
+
+
+def segment_dirs(config: Config, segments: str | None) -> tuple[SegmentDir, ...]:
+    """The CommitLog directories: `--segments` (paths or file://, s3://, hdfs:// URIs, comma-separated)
+    or the store's."""
     if segments is None:
-        return config.store.commit_log_dirs
-    dirs = []
-    for part in (p.strip() for p in segments.split(",")):
-        if not part:
-            continue
-        uri = urlparse(part)
-        if uri.scheme in ("", "file"):
-            path = uri.path if uri.scheme else part
-            if uri.scheme and uri.netloc not in ("", "localhost"):
-                raise ValueError(f"--segments {part}: a file:// URI names a local path (file:///dir), not host "
-                                 f"{uri.netloc}")
-            dirs.append(os.path.abspath(os.path.expanduser(path)))
-        else:
-            raise ValueError(f"--segments {part}: {uri.scheme}:// cannot be mapped; segments are read by mapping "
-                             f"their files, so give a POSIX path every executor sees (a local disk, or NFS, CephFS, "
-                             f"Lustre, a FUSE mount of {uri.scheme})")
-    if not dirs:
-        raise ValueError("--segments names no directory")
-    return tuple(dirs)
+        return tuple(SegmentDir(LOCAL, d) for d in config.store.commit_log_dirs)
+    return parse_segment_dirs(segments)
+
+
+def commit_log_dirs(config: Config, segments: str | None) -> tuple[str, ...]:
+    """The CommitLog directories as paths or URIs."""
+    return tuple(d.uri for d in segment_dirs(config, segments))
 
 
 def backfill(config: Config, *, spark=None, master: str | None = None, segments: str | None = None,
@@ -193,27 +211,28 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
              catalog: str | None = None, spark_conf: Mapping[str, str] | None = None,
              progress: Callable[[str], None] | None = None, fault: Fault | None = None) -> BackfillSummary:
     """Build consumequeue/ and index/ for [from, to) of the CommitLog with Spark: the files `rebuild`
-    writes for the same range and settings, whatever the partitioning. `spark`: an existing session
-    (kept open); otherwise one is created with `master` and stopped at the end."""
+    writes for the same range and settings, whatever the ranges and partitions. `spark`: an existing
+    session (kept open); otherwise one is created with `master` and stopped at the end."""
     log = get_logger(command="backfill")
     if to_offset is not None and from_offset is not None and to_offset <= from_offset:
         raise ValueError(f"--to {to_offset} must be greater than --from {from_offset}")
     out = os.path.abspath(config.output.dir)
-    commit_log = CommitLog(commit_log_dirs(config, segments), config.store.mapped_file_size_commit_log)
-    start = commit_log.min_offset if from_offset is None else from_offset
-    if commit_log.segments and start < commit_log.min_offset:
-        log.warning("offset_below_oldest_segment", requested=start, resumed_at=commit_log.min_offset)
-        start = commit_log.min_offset
+    s3 = S3Options.resolve(config.backfill)
+    listing = SegmentListing(segment_dirs(config, segments), config.store.mapped_file_size_commit_log, s3)
+    start = listing.min_offset if from_offset is None else from_offset
+    if listing.segments and start < listing.min_offset:
+        log.warning("offset_below_oldest_segment", requested=start, resumed_at=listing.min_offset)
+        start = listing.min_offset
     names = [d.name for d in config.dispatchers]
     build_cq = ConsumeQueueDispatcher.name in names
     build_index = IndexDispatcher.name in names and config.store.message_index_enable
     others = [n for n in names if n not in (ConsumeQueueDispatcher.name, IndexDispatcher.name)]
     if others:
         log.warning("dispatchers_not_run", dispatchers=others, reason="backfill builds consumequeue and index only")
-    tasks = plan_segments(commit_log, start, to_offset)
+    tasks = plan_ranges(listing.segments, listing.segment_size, start, to_offset, config.backfill.range_bytes)
     owns_session = spark is None
     master = master or DEFAULT_MASTER
-    summary = BackfillSummary(start_offset=start, end_offset=start, catalog=catalog)
+    summary = BackfillSummary(start_offset=start, end_offset=start, catalog=catalog, ranges=len(tasks))
     started = time.perf_counter()
     say = progress or (lambda _text: None)
     if spark is None:
@@ -223,26 +242,21 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     summary.master = sc.master
     summary.partitions = partitions or max(1, sc.defaultParallelism)
     job_id = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    stage_root = staging_root(out, job_id)
-    log.info("backfill_started", segments=len(tasks), from_offset=start, to_offset=to_offset, output=out,
-             master=summary.master, partitions=summary.partitions, job=job_id)
-    job = _Job(config, commit_log, out, job_id, summary, say, log, fault)
-    rows = None
+    group = f"reputd-backfill-{job_id}"
+    sc.setJobGroup(group, "reputd backfill")
+    log.info("backfill_started", segments=len(listing.segments), ranges=len(tasks), from_offset=start,
+             to_offset=to_offset, output=out, master=summary.master, partitions=summary.partitions, job=job_id)
+    store = config.store
+    settings = DecodeSettings(store.mapped_file_size_commit_log, store.check_crc_on_recover, store.max_message_size,
+                              store.message_delay_level, config.reput.batch_bytes, config.backfill.read_bytes,
+                              build_index, catalog is not None, config.backfill.catalog_body, s3)
+    job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
     try:
         if catalog is not None:
-            _check_catalog_absent(sc, catalog)
+            _check_catalog_absent(catalog, s3)
         if tasks:
-            rows = job.decode(sc, tasks, build_index, catalog is not None)
-            plan = job.read_plan(rows, start, to_offset, from_offset is not None)
-            dispatched = rows.flatMap(_planned(job.outcomes, plan.included))
-            index_plans = job.plan_index(dispatched, build_index, plan)
-            if build_cq:
-                job.check_existing_queues(dispatched)
-                job.write_consume_queues(dispatched, summary.partitions)
-            if build_index:
-                job.write_index(sc, dispatched, index_plans, summary.partitions)
-            if catalog is not None:
-                job.write_catalog(spark, dispatched, catalog)
+            plan = job.decode(tasks, listing, start, to_offset, from_offset is not None)
+            job.write(plan, build_cq, build_index, catalog)
     except Exception as e:
         if isinstance(e, StoreError | ValueError | OSError):
             raise
@@ -250,10 +264,10 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
             raise BackfillError(f"backfill failed in Spark: {spark_error_line(e)}") from None
         raise
     finally:
-        if rows is not None:
-            with contextlib.suppress(Exception):  # the context may be gone
-                rows.unpersist()
-        remove_tree(stage_root)
+        with contextlib.suppress(Exception):  # the context may be gone
+            summary.spark_jobs = len(sc.statusTracker().getJobIdsForGroup(group))
+        job.release()
+        remove_tree(staging_root(out, job_id))
         if owns_session:
             spark.stop()
         summary.seconds = time.perf_counter() - started
@@ -275,210 +289,296 @@ def first_real_unit(directory: str) -> tuple[str, int] | None:
     return None
 
 
-def _check_catalog_absent(sc, catalog: str) -> None:
-    """Refuse an existing catalog before anything is written (Spark would only refuse at the very end)."""
-    jvm = sc._jvm
-    path = jvm.org.apache.hadoop.fs.Path(catalog)
-    if path.getFileSystem(sc._jsc.hadoopConfiguration()).exists(path):
+def _check_catalog_absent(catalog: str, s3: S3Options) -> None:
+    """Refuse an existing catalog before anything is written."""
+    from pyarrow import fs  # noqa: PLC0415
+
+    filesystem, path = catalog_filesystem(catalog, s3)
+    if filesystem.get_file_info(path).type != fs.FileType.NotFound:
         raise BackfillError(f"--catalog {catalog}: already exists; give a new path")
 
 
-def _planned(outcomes: Sequence[SegmentOutcome], included: frozenset[int]) -> Callable[[object], Iterator[RowChunk]]:
-    """The chunks phase 1 reported, as it reported them. Spark recomputes a lost cached partition; if the
-    broker has appended to the newest segment since, the recomputed last window holds more records."""
-    limits = {o.number: (len(o.windows), o.windows[-1].records if o.windows else 0)
-              for o in outcomes if o.number in included}
+def _decode_rows(settings: DecodeSettings, fault: Fault | None):
+    """The mapInArrow function of the decode: each input row is a pickled RangeTask or Reread."""
 
-    def keep(item) -> Iterator[RowChunk]:
-        if isinstance(item, RowChunk) and item.segment in limits:
-            windows, last_records = limits[item.segment]
-            if item.window < windows - 1:
-                yield item
-            elif item.window == windows - 1:
-                yield item.head(last_records) if item.records > last_records else item
+    def run(batches):
+        for rb in batches:
+            for blob in rb.column("task").to_pylist():
+                work = pickle.loads(blob)
+                attempt = _task_attempt()
+                if fault is not None:
+                    fault.check("decode", "started", attempt.partition, attempt.attempt_number)
+                try:
+                    if isinstance(work, Reread):
+                        yield from _reread(work, settings)
+                    else:
+                        yield from decode_range(work, settings)
+                except Exception as e:
+                    name = work.tasks[0].location if isinstance(work, Reread) else work.location
+                    raise BackfillTaskError(f"decode task for {name}: {e}") from e
 
-    return keep
+    return run
+
+
+def _reread(work: Reread, settings: DecodeSettings):
+    """Decode consecutive ranges from a known boundary, until one's own first record is where the range
+    before it stopped."""
+    offset = work.start
+    for i, t in enumerate(work.tasks):
+        if i and work.claimed[i] == offset:
+            return
+        if offset >= t.seg_start + t.end:
+            continue
+        outcome = yield from decode_range(t, settings, start=offset)
+        if outcome.status != LIMIT or t.to_limit:
+            return
+        offset = outcome.next_offset
 
 
 class _Job:
-    """The phases, sharing the job's settings; each method runs one or two Spark jobs."""
+    """The phases of one backfill, sharing the config, the session and the summary."""
 
-    def __init__(self, config: Config, commit_log: CommitLog, out: str, job_id: str, summary: BackfillSummary,
-                 say: Callable[[str], None], log, fault: Fault | None):
+    def __init__(self, config: Config, spark, out: str, job_id: str, summary: BackfillSummary,
+                 settings: DecodeSettings, say, log, fault: Fault | None, s3: S3Options):
         self.config = config
-        self.commit_log = commit_log
+        self.spark = spark
         self.out = out
         self.job_id = job_id
         self.summary = summary
+        self.settings = settings
         self.say = say
         self.log = log
         self.fault = fault
-        self.outcomes: list[SegmentOutcome] = []
-        self.refs: list[ChunkRef] = []  # the dispatched chunks, numbered by index keys (plan_index)
+        self.s3 = s3
+        self.frames: list = []  # cached decode outputs: the first pass, then each round of re-reads
+        self.source: dict[int, int] = {}  # range number -> the frame its accepted rows are in
+        self.outcomes: dict[int, RangeOutcome] = {}
 
     def _timed(self, phase: str, t0: float) -> None:
         self.summary.phases[phase] = self.summary.phases.get(phase, 0.0) + time.perf_counter() - t0
 
-    def decode(self, sc, tasks, build_index: bool, keep_strings: bool):
-        """Phase 1: decode every segment in parallel; rows are cached for the later phases."""
+    def release(self) -> None:
+        for frame in self.frames:
+            with contextlib.suppress(Exception):
+                frame.unpersist()
+
+    def _decode_frame(self, work: Sequence) -> list[RangeOutcome]:
+        sc = self.spark.sparkContext
+        rows = sc.parallelize([(pickle.dumps(w),) for w in work], len(work))
+        frame = (self.spark.createDataFrame(rows, "task binary")
+                 .mapInArrow(_decode_rows(self.settings, self.fault), DECODED_DDL)
+                 .persist(StorageLevel.MEMORY_AND_DISK))
+        self.frames.append(frame)
+        metas = frame.filter(F.col("kind") == META).select("data").collect()
+        found = [pickle.loads(m.data) for m in metas]
+        for o in found:
+            self.outcomes[o.number] = o
+            self.source[o.number] = len(self.frames) - 1
+        return found
+
+    def decode(self, tasks: Sequence[RangeTask], listing: SegmentListing, start: int, to_offset: int | None,
+               from_given: bool) -> ReadPlan:
+        """Job 1: decode every range in parallel; re-read where the chain breaks; the read plan."""
         t0 = time.perf_counter()
-        store = self.config.store
-        settings = ReadSettings(store.check_crc_on_recover, store.max_message_size, store.message_delay_level,
-                                self.config.reput.batch_bytes, build_index, keep_strings)
-        commit_log = self.commit_log
-        self.say(f"phase 1/3: decoding {len(tasks)} segments")
-
-        def run(iterator):
-            for task in iterator:
-                try:
-                    yield from decode_segment_rows(task, commit_log, settings)
-                except Exception as e:
-                    raise BackfillTaskError(f"decode task for {task.path}: {e}") from e
-
-        rows = sc.parallelize(tasks, len(tasks)).mapPartitions(run).persist(StorageLevel.MEMORY_AND_DISK)
-        self.outcomes = sorted(rows.filter(lambda item: isinstance(item, SegmentOutcome)).collect(),
-                               key=lambda o: o.number)
+        segments = len({t.segment for t in tasks})
+        self.say(f"decoding {len(tasks)} ranges of {segments} segments")
+        self._decode_frame(tasks)
         self._timed("decode", t0)
-        return rows
-
-    def read_plan(self, rows, start: int, to_offset: int | None, from_given: bool) -> ReadPlan:
-        plan = walk_outcomes(self.outcomes, self.commit_log, start, to_offset, self.config.reput.on_corruption,
-                             from_given)
-        included = plan.included
+        t0 = time.perf_counter()
+        on_corruption = self.config.reput.on_corruption
+        while True:
+            plan, rereads = walk_ranges(tasks, self.outcomes, listing.segment_size, listing.missing, start, to_offset,
+                                        on_corruption, from_given)
+            if plan is not None:
+                break
+            self.log.info("ranges_reread", ranges=[r.tasks[0].number for r in rereads],
+                          starts=[r.start for r in rereads])
+            self.say(f"re-reading {len(rereads)} ranges whose first record was not where the previous one ended")
+            found = self._decode_frame(rereads)
+            self.summary.reread_ranges += len(found)
         s = self.summary
         s.end_offset = plan.end_offset
         s.pending = plan.pending
-        s.segments = len(plan.segments)
-        s.messages = sum(o.records for o in self.outcomes if o.number in included)
+        s.segments = plan.segments
+        s.messages = plan.messages
+        s.bytes_read_remote = sum(o.bytes_read for o in self.outcomes.values())
         for lo, hi, error in plan.skipped:
             s.skipped.append((lo, hi, str(error)))
             self.log.warning("segment_skipped", file=getattr(error, "path", None), skipped_from=lo, skipped_to=hi,
                              skipped_bytes=hi - lo, error=str(error))
         self.say(f"decoded {s.messages:,} messages in {s.segments} segments, [{s.start_offset}, {s.end_offset})")
+        self._timed("plan", t0)
         return plan
 
-    def plan_index(self, dispatched, build_index: bool, plan: ReadPlan):
-        if not build_index:
-            return []
+    def _selected(self, plan: ReadPlan, kind: int):
+        """The rows of one kind of the dispatched ranges, each range from the frame that decoded it last."""
+        by_frame: dict[int, list[int]] = {}
+        for n in plan.ranges:
+            by_frame.setdefault(self.source[n], []).append(n)
+        parts = [self.frames[i].filter((F.col("kind") == kind) & F.col("range").isin(numbers))
+                 for i, numbers in sorted(by_frame.items())]
+        frame = parts[0]
+        for p in parts[1:]:
+            frame = frame.unionByName(p)
+        return frame
+
+    def write(self, plan: ReadPlan, build_cq: bool, build_index: bool, catalog: str | None) -> None:
+        """Job 2: every writer in one job, then the commit."""
         t0 = time.perf_counter()
-        self.refs = chunk_refs(self.outcomes, plan.included)
-        index_num = self.config.store.max_index_num
+        s = self.summary
+        parts = s.partitions
+        outputs = []
+        layout = None
+        if plan.ranges and build_cq:
+            outputs.append(self._queue_writer(plan, parts))
+        if plan.ranges and build_index:
+            layout = plan_index_files([self.outcomes[n] for n in plan.ranges], self.config.store.max_index_num)
+            if layout.files:
+                outputs.append(self._index_writer(plan, layout, parts))
+        if plan.ranges and catalog is not None:
+            outputs.append(self._catalog_writer(plan, parts, catalog))
+        results: dict[str, list] = {QUEUES: [], INDEX_FILES: [], CATALOG_FILES: []}
+        if outputs:
+            frame = outputs[0]
+            for o in outputs[1:]:
+                frame = frame.union(o)
+            self.say(f"writing {len(outputs)} outputs in one job")
+            for row in frame.collect():
+                results[row.kind].append(pickle.loads(row.value))
+        self._timed("write", t0)
+        t0 = time.perf_counter()
+        self._commit(results, build_cq, build_index, catalog)
+        self._timed("commit", t0)
 
-        def lookup(wanted):
-            def owners(chunk):
-                ends = chunk.key_count.cumsum()
-                for local in wanted.get(chunk.chunk_id, ()):
-                    r = int((ends > local).argmax())
-                    nxt = int(chunk.store_timestamp[r + 1]) if r + 1 < chunk.records else None
-                    yield ((chunk.segment, chunk.window, local),
-                           KeyOwner(int(chunk.phy_offset[r]), int(chunk.store_timestamp[r]), bool(ends[r] > local + 1),
-                                    nxt))
+    def _queue_writer(self, plan: ReadPlan, parts: int):
+        out, job_id, fault = self.out, self.job_id, self.fault
+        file_size = self.config.store.mapped_file_size_consume_queue
 
-            return dict(dispatched.filter(lambda c: c.chunk_id in wanted).flatMap(owners).collect())
+        def run(batches):
+            attempt = _task_attempt()
+            stage = attempt_dir(out, job_id, "cq", attempt.partition, attempt.attempt_id)
+            try:
+                stats, staged = write_queues(batches, stage_dir=stage, file_size=file_size, attempt=attempt,
+                                             fault=fault)
+            except Exception as e:
+                remove_tree(stage)
+                raise BackfillTaskError(f"consumequeue task {attempt.partition}: {e}") from e
+            yield from result_rows(QUEUES, (stats, staged))
 
-        plans = plan_index_files(self.refs, index_num, lookup)
-        check_existing_index(os.path.join(self.out, INDEX_DIR), plans, self.summary.end_offset)
-        self._timed("plan", t0)
-        return plans
+        return (self._selected(plan, UNITS).select("topic", "queue", "pos", "aux", "count", "data")
+                .repartition(parts, "topic", "queue").sortWithinPartitions("topic", "queue", "pos")
+                .mapInArrow(run, RESULT_DDL))
 
-    def check_existing_queues(self, dispatched) -> None:
+    def _index_writer(self, plan: ReadPlan, layout: IndexLayout, parts: int):
+        out, job_id, fault = self.out, self.job_id, self.fault
+        store = self.config.store
+        capacity = keys_per_file(store.max_index_num)
+        last = len(layout.files) - 1
+
+        def run(batches):
+            attempt = _task_attempt()
+            stage = attempt_dir(out, job_id, "index", attempt.partition, attempt.attempt_id)
+            try:
+                stats, staged = write_index_files(batches, stage_dir=stage, hash_slot_num=store.max_hash_slot_num,
+                                                  index_num=store.max_index_num, attempt=attempt, fault=fault)
+            except Exception as e:
+                remove_tree(stage)
+                raise BackfillTaskError(f"index task {attempt.partition}: {e}") from e
+            yield from result_rows(INDEX_FILES, (stats, staged))
+
+        bases = self.spark.createDataFrame(list(layout.key_base.items()), "range int, base bigint")
+        keys = (self._selected(plan, KEYS).join(F.broadcast(bases), "range")
+                .select((F.col("base") + F.col("pos")).alias("g0"), "count", "data"))
+        first_file = F.expr(f"g0 div {capacity}").cast("int")
+        last_file = F.least(F.expr(f"(g0 + count) div {capacity}"), F.lit(last)).cast("int")
+        keys = keys.select(F.explode(F.sequence(first_file, last_file)).alias("file"), "g0", "count", "data")
+        plans = self.spark.createDataFrame([(p.number, PLAN_ROW, 0, pickle.dumps(p)) for p in layout.files],
+                                           "file int, g0 bigint, count int, data binary")
+        return (keys.unionByName(plans).repartition(min(parts, len(layout.files)), "file")
+                .sortWithinPartitions("file", "g0").mapInArrow(run, RESULT_DDL))
+
+    def _catalog_writer(self, plan: ReadPlan, parts: int, catalog: str):
+        s3, job_id = self.s3, self.job_id
+
+        def run(batches):
+            attempt = _task_attempt()
+            filesystem, base = catalog_filesystem(catalog, s3)
+            stage = f"{base.rstrip('/')}/{CATALOG_STAGING}/{job_id}/a{attempt.attempt_id}"
+            try:
+                written = write_catalog(batches, stage=stage, filesystem=filesystem, attempt=attempt)
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    filesystem.delete_dir(stage)
+                raise BackfillTaskError(f"catalog task {attempt.partition}: {e}") from e
+            yield from result_rows(CATALOG_FILES, written)
+
+        return (self._selected(plan, CATALOG).select("topic", "aux", "range", "seq", "data")
+                .repartition(parts, "topic", "aux").sortWithinPartitions("topic", "aux", "range", "seq")
+                .select("topic", "aux", "data").mapInArrow(run, RESULT_DDL))
+
+    def _commit(self, results: dict[str, list], build_cq: bool, build_index: bool, catalog: str | None) -> None:
+        """Check the output, then link every staged file into place (the IndexFiles under their names)."""
+        s = self.summary
+        staged_files = sorted((f for _, files in results[INDEX_FILES] for f in files), key=lambda f: f.number)
+        names = index_file_names([f.creator_ts for f in staged_files])
+        queues = [q for _, staged in results[QUEUES] for q in staged]
+        index_dir = os.path.join(self.out, INDEX_DIR)
+        check_existing_index(index_dir, names, s.end_offset)
+        self._check_existing_queues(queues)
+        stats = WriteStats()
+        for part, _ in results[QUEUES] + results[INDEX_FILES]:
+            stats.add(part)
+        if stats.out_of_order:
+            self.log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order)
+        counts = file_counts()
+        for q in queues:
+            for k, v in commit_queue_dir(q.directory, os.path.join(self.out, CONSUME_QUEUE_DIR, q.topic,
+                                                                   str(q.queue_id))).items():
+                counts[k] += v
+        if build_cq:
+            s.files["consumequeue"] = sum(counts.values())
+            self.log.info("consumequeues_written", queues=stats.queues, units=stats.units, **counts)
+        index_counts = file_counts()
+        for f, name in zip(staged_files, names, strict=True):
+            index_counts[commit_index_file(f.path, os.path.join(index_dir, name))] += 1
+        if build_index:
+            s.files["index"] = len(names)
+            self.log.info("index_files_written", files=len(names), keys=stats.keys, **index_counts)
+        if catalog is not None:
+            filesystem, base = catalog_filesystem(catalog, self.s3)
+            rows = 0
+            base = base.rstrip("/")
+            for written in results[CATALOG_FILES]:
+                for staged, relative, n in written:
+                    final = f"{base}/{relative}"
+                    filesystem.create_dir(final.rsplit("/", 1)[0], recursive=True)
+                    filesystem.move(staged, final)
+                    rows += n
+            with contextlib.suppress(Exception):
+                filesystem.delete_dir(f"{base}/{CATALOG_STAGING}")
+            if not results[CATALOG_FILES] or not any(results[CATALOG_FILES]):
+                filesystem.create_dir(base, recursive=True)
+            s.files["catalog"] = sum(len(w) for w in results[CATALOG_FILES])
+            self.log.info("catalog_written", path=catalog, files=s.files["catalog"], rows=rows)
+
+    def _check_existing_queues(self, queues) -> None:
         """A queue already in the output must be a daemon's that started at or after the range's end (its
         first unit lies there) or this backfill's own (a rerun: its first unit is ours); anything else,
-        older data or an overlap, is refused here, before any file is written."""
+        older data or an overlap, is refused here, before any file is linked."""
         root = os.path.join(self.out, CONSUME_QUEUE_DIR)
         if not os.path.isdir(root):
             return
-        existing = {(t, int(q)) for t in os.listdir(root) if os.path.isdir(os.path.join(root, t))
-                    for q in os.listdir(os.path.join(root, t)) if q.isdigit() and os.listdir(os.path.join(root, t, q))}
-        if not existing:
-            return
-
-        def firsts(chunk):
-            for (topic, qid, phy), _units in queue_pieces(chunk):
-                if (topic, qid) in existing:
-                    yield (topic, qid), phy
-
-        ours = dispatched.flatMap(firsts).reduceByKey(min).collectAsMap()
         end = self.summary.end_offset
-        for (topic, qid), our_first in sorted(ours.items()):
-            directory = os.path.join(root, topic, str(qid))
+        for q in sorted(queues, key=lambda q: (q.topic, q.queue_id)):
+            directory = os.path.join(root, q.topic, str(q.queue_id))
+            if not os.path.isdir(directory):
+                continue
             found = first_real_unit(directory)
-            if found is not None and found[1] < end and found[1] != our_first:
+            if found is not None and found[1] < end and found[1] != q.first_phy:
                 raise BackfillError(f"{found[0]}: the queue holds a unit for CommitLog offset {found[1]}, inside or "
                                     f"below the backfilled range [{self.summary.start_offset}, {end}); backfill "
                                     f"into an empty output, or below the files of a daemon that started at or "
                                     f"after --to")
 
-    def write_consume_queues(self, dispatched, partitions: int) -> None:
-        """Phase 2: one task per group of queues, each queue whole and in CommitLog order."""
-        t0 = time.perf_counter()
-        self.say(f"phase 2/3: writing ConsumeQueues in {partitions} partitions")
-        out, job_id, fault = self.out, self.job_id, self.fault
-        file_size = self.config.store.mapped_file_size_consume_queue
 
-        def run(iterator):
-            attempt = _task_attempt()
-            stage = attempt_dir(out, job_id, "cq", attempt.partition, attempt.attempt_id)
-            try:
-                yield write_queues(iterator, output_dir=out, stage_dir=stage, file_size=file_size, attempt=attempt,
-                                   fault=fault)
-            except Exception as e:
-                raise BackfillTaskError(f"consumequeue task {attempt.partition}: {e}") from e
-            finally:
-                remove_tree(stage)
-
-        pieces = dispatched.flatMap(queue_pieces).repartitionAndSortWithinPartitions(partitions, queue_partition)
-        stats = WriteStats()
-        for s in pieces.mapPartitions(run).collect():
-            stats.add(s)
-        if stats.out_of_order:
-            self.log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order)
-        self.summary.files["consumequeue"] = sum(stats.files.values())
-        self.log.info("consumequeues_written", queues=stats.queues, units=stats.units, **stats.files)
-        self._timed("consumequeue", t0)
-
-    def write_index(self, sc, dispatched, plans: Sequence, partitions: int) -> None:
-        """Phase 3: each IndexFile built whole by one task, files in parallel."""
-        if not plans:
-            self.summary.files["index"] = 0
-            return
-        t0 = time.perf_counter()
-        self.say(f"phase 3/3: writing {len(plans)} IndexFiles")
-        out, job_id, fault = self.out, self.job_id, self.fault
-        store = self.config.store
-        capacity = keys_per_file(store.max_index_num)
-        key_base = sc.broadcast({(r.segment, r.window): r.key_base for r in self.refs})
-
-        def pieces(chunk):
-            return index_pieces(chunk, key_base.value, capacity)
-
-        def run(iterator):
-            attempt = _task_attempt()
-            stage = attempt_dir(out, job_id, "index", attempt.partition, attempt.attempt_id)
-            try:
-                yield write_index_files(iterator, output_dir=out, stage_dir=stage,
-                                        hash_slot_num=store.max_hash_slot_num, index_num=store.max_index_num,
-                                        attempt=attempt, fault=fault)
-            except Exception as e:
-                raise BackfillTaskError(f"index task {attempt.partition}: {e}") from e
-            finally:
-                remove_tree(stage)
-
-        specs = sc.parallelize([((p.number, FILE_PLAN), p) for p in plans], min(len(plans), partitions))
-        keyed = sc.union([specs, dispatched.flatMap(pieces)])
-        n = min(partitions, len(plans))
-        stats = WriteStats()
-        for s in keyed.repartitionAndSortWithinPartitions(n, index_partition).mapPartitions(run).collect():
-            stats.add(s)
-        self.summary.files["index"] = stats.index_files
-        self.log.info("index_files_written", files=stats.index_files, keys=stats.keys, **stats.files)
-        self._timed("index", t0)
-
-    def write_catalog(self, spark, dispatched, path: str) -> None:
-        t0 = time.perf_counter()
-        self.say(f"catalog: writing Parquet to {path}")
-        types = {"long": LongType(), "int": IntegerType(), "string": StringType()}
-        schema = StructType([StructField(name, types[t], nullable=t == "string") for name, t in CATALOG_COLUMNS])
-        frame = spark.createDataFrame(dispatched.flatMap(catalog_rows), schema)
-        frame.write.partitionBy("topic", "date").mode("errorifexists").parquet(path)
-        self._timed("catalog", t0)
+CATALOG_STAGING = "_reputd-staging"

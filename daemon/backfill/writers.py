@@ -1,36 +1,40 @@
-"""Phases 2 and 3 of the backfill: the pieces rows are shuffled as, and the tasks that write files.
+"""Phase 2 of the backfill: the tasks that write files from the rows Spark's shuffle brings them.
 
-Phase 2 keys each chunk's ConsumeQueue units by `(topic, queue id, first physical offset)`; pieces are
-partitioned by queue and sorted, so a task sees each of its queues whole and in CommitLog order and
-hands them to `ConsumeQueue.put_units`, the broker's rules (pre-blank, repeats, out-of-order appends)
-included. Phase 3 keys index keys by `(file number, global key number)`, the files having been fixed
-beforehand (`plan.plan_index_files`); each file's task creates it as `IndexService` would have (seeded
-with its predecessor's end values) and puts its keys with `IndexFile.put_keys`. Both stream their sorted
-partition, so memory holds one piece at a time, whatever the size of a queue or a file.
+Rows arrive as Arrow batches, partitioned and sorted by Spark's JVM shuffle; nothing is sorted or
+spilled in Python, and each task holds one batch at a time.
 
-Every task writes into its attempt's staging directory and commits (`commit.py`) only once all its
-files are written.
+* ConsumeQueue: runs of units partitioned by (topic, queue id) and sorted by physical offset, so a task
+  sees each of its queues whole and in CommitLog order and hands them to `ConsumeQueue.put_packed`, the
+  broker's rules (pre-blank, repeats, out-of-order appends) included.
+* IndexFile: key runs partitioned by file number and sorted by global key number, each file's plan row
+  first. A run that crosses a file boundary, or ends at one, goes to both files: the later file reads its
+  seed (the end values of the one before: physical offset and store time of the previous key) and the
+  store time of the record that creates it from the previous key, then puts its own keys with
+  `IndexFile.put_keys`. The file is staged under its number; the driver names it.
+* Catalog: (topic, day) groups partitioned by (topic, day) and sorted in CommitLog order: one Parquet
+  file per partition value and task.
+
+Every task writes into its attempt's staging directory; the driver commits (`commit.py`) once every task
+has succeeded and the output has been checked.
 """
 
 from __future__ import annotations
 
 import os
-import zlib
-from collections.abc import Iterable, Iterator, Mapping
+import pickle
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from daemon.backfill.commit import commit_index_file, commit_queue_dir, file_counts
+from daemon.backfill.commit import file_counts
 from daemon.backfill.plan import BackfillError, IndexFilePlan
-from daemon.backfill.rows import RowChunk
-from indexcore.consumequeue import CONSUME_QUEUE_DIR, ConsumeQueueStore
+from daemon.backfill.ranges import NO_CREATOR
+from indexcore.consumequeue import CQ_UNIT_DTYPE, ConsumeQueueStore
 from indexcore.indexfile import IndexFile
 from indexcore.indexservice import INDEX_DIR
 
-QueueKey = tuple[str, int, int]  # topic, queue id, physical offset of the piece's first unit
-IndexKey = tuple[int, int]  # file number, global number of the piece's first key (-1: the file's plan)
-FILE_PLAN = -1
+PLAN_ROW = -1  # the g0 of a file's plan row: sorts before its keys
 
 
 class InjectedFault(RuntimeError):
@@ -39,10 +43,10 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """Fail the first attempt of one task at a point: 'staged' (all files staged, none committed) or
-    'committing' (after committing the first file)."""
+    """Fail the first attempt of one task at a point: phase 'decode' at 'started' (before its first row),
+    or phase 'consumequeue' or 'index' at 'staged' (all its files staged)."""
 
-    phase: str  # "consumequeue" or "index"
+    phase: str  # "decode", "consumequeue" or "index"
     point: str
     partition: int = 0
     marker: str | None = None  # a file created when the fault fires, for tests to see that it did
@@ -81,143 +85,166 @@ class WriteStats:
             self.files[k] = self.files.get(k, 0) + v
 
 
-# --- phase 2: ConsumeQueue -------------------------------------------------------------------------
+# --- ConsumeQueue ---------------------------------------------------------------------------------
 
-def queue_pieces(chunk: RowChunk) -> Iterator[tuple[QueueKey, tuple[np.ndarray, ...]]]:
-    """The units of a chunk, one piece per queue: (queue offsets, phy offsets, sizes, tags codes)."""
-    idx = np.flatnonzero(chunk.consume_queue)
-    if len(idx) == 0:
-        return
-    group = (chunk.topic_id[idx].astype(np.int64) << 32) | (chunk.queue_id[idx].astype(np.int64) & 0xFFFFFFFF)
-    order = np.argsort(group, kind="stable")
-    idx, group = idx[order], group[order]
-    for part in np.split(idx, np.flatnonzero(np.diff(group)) + 1):
-        first = int(part[0])
-        key = (chunk.topics[chunk.topic_id[first]], int(chunk.queue_id[first]), int(chunk.phy_offset[first]))
-        yield key, (chunk.queue_offset[part], chunk.phy_offset[part], chunk.msg_size[part], chunk.tags_code[part])
+@dataclass(slots=True)
+class StagedQueue:
+    topic: str
+    queue_id: int
+    directory: str
+    first_phy: int  # CommitLog offset of the queue's first unit in this backfill
 
 
-def queue_partition(key: QueueKey) -> int:
-    """A stable hash of (topic, queue id): every piece of a queue goes to the same task."""
-    return zlib.crc32(f"{key[0]}\0{key[1]}".encode("utf-8", "surrogatepass"))
-
-
-def write_queues(items: Iterable[tuple[QueueKey, tuple[np.ndarray, ...]]], *, output_dir: str, stage_dir: str,
-                 file_size: int, attempt: Attempt, fault: Fault | None = None) -> WriteStats:
-    """Build the queues of one sorted partition in `stage_dir`, then commit them into `output_dir`."""
+def write_queues(batches: Iterable, *, stage_dir: str, file_size: int, attempt: Attempt,
+                 fault: Fault | None = None) -> tuple[WriteStats, list[StagedQueue]]:
+    """Build the queues of one sorted partition (rows: topic, queue, pos, aux, count, data) in `stage_dir`."""
     stats = WriteStats()
     store = ConsumeQueueStore(stage_dir, file_size)
+    staged: list[StagedQueue] = []
     cq = None
-    for (topic, queue_id, _), (queue_offset, phy, size, tags) in items:
-        if cq is None or (cq.topic, cq.queue_id) != (topic, queue_id):
-            if cq is not None:
-                cq.close()  # a queue's pieces are contiguous: one file mapped at a time
-            cq = store.queue(topic, queue_id)
-        put = cq.put_units(queue_offset, phy, size, tags)
-        stats.units += put.written
-        stats.already_built += put.already_built
-        stats.out_of_order += put.out_of_order
+    for rb in batches:
+        cols = rb.to_pydict()
+        for topic, queue_id, phy, first_qo, count, data in zip(cols["topic"], cols["queue"], cols["pos"], cols["aux"],
+                                                               cols["count"], cols["data"], strict=True):
+            if cq is None or (cq.topic, cq.queue_id) != (topic, queue_id):
+                if cq is not None:
+                    cq.close()  # a queue's runs are contiguous: one file mapped at a time
+                cq = store.queue(topic, queue_id)
+                staged.append(StagedQueue(topic, queue_id, cq.directory, phy))
+            units = np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=count)
+            ends = units["commit_log_offset"].astype(np.int64) + units["msg_size"]
+            put = cq.put_packed(np.arange(first_qo, first_qo + count, dtype=np.int64), units, ends)
+            stats.units += put.written
+            stats.already_built += put.already_built
+            stats.out_of_order += put.out_of_order
     if cq is not None:
         cq.close()
-    stats.queues = len(store.queues)
+    stats.queues = len(staged)
     if fault is not None:
         fault.check("consumequeue", "staged", attempt.partition, attempt.attempt_number)
-    for i, staged in enumerate(store):
-        final = os.path.join(output_dir, CONSUME_QUEUE_DIR, staged.topic, str(staged.queue_id))
-        for k, v in commit_queue_dir(staged.directory, final).items():
-            stats.files[k] += v
-        if i == 0 and fault is not None:
-            fault.check("consumequeue", "committing", attempt.partition, attempt.attempt_number)
-    return stats
+    return stats, staged
 
 
-# --- phase 3: IndexFile ----------------------------------------------------------------------------
+# --- IndexFile ---------------------------------------------------------------------------------------
 
-def index_pieces(chunk: RowChunk, key_base: Mapping[tuple[int, int], int], capacity: int
-                 ) -> Iterator[tuple[IndexKey, tuple[np.ndarray, ...]]]:
-    """The keys of a chunk with the offset and store time of their records, cut at file boundaries."""
-    n = len(chunk.key_hash)
-    if n == 0:
-        return
-    base = key_base[chunk.chunk_id]
-    owners = np.repeat(np.arange(chunk.records), chunk.key_count)
-    phy, ts = chunk.phy_offset[owners], chunk.store_timestamp[owners]
-    g, end = base, base + n
-    while g < end:
-        stop = min(end, (g // capacity + 1) * capacity)
-        a, b = g - base, stop - base
-        yield (g // capacity, g), (chunk.key_hash[a:b], phy[a:b], ts[a:b])
-        g = stop
+@dataclass(slots=True)
+class StagedIndexFile:
+    number: int
+    path: str
+    creator_ts: int
+    keys: int
 
 
-def index_partition(key: IndexKey) -> int:
-    return key[0]
+def _key_columns(data: bytes, count: int) -> tuple[np.ndarray, ...]:
+    """hash, physical offset, store time and creator time of each key of a run."""
+    hashes = np.frombuffer(data, dtype="<i4", count=count)
+    rest = np.frombuffer(data, dtype="<i8", count=3 * count, offset=4 * count).reshape(3, count)
+    return hashes, rest[0], rest[1], rest[2]
 
 
-def write_index_files(items: Iterable[tuple[IndexKey, object]], *, output_dir: str, stage_dir: str,
-                      hash_slot_num: int, index_num: int, attempt: Attempt, fault: Fault | None = None) -> WriteStats:
-    """Build the IndexFiles of one sorted partition (each file's plan first, then its keys in order) in
-    `stage_dir`, then commit them into `output_dir`."""
+def write_index_files(batches: Iterable, *, stage_dir: str, hash_slot_num: int, index_num: int,
+                      attempt: Attempt, fault: Fault | None = None) -> tuple[WriteStats, list[StagedIndexFile]]:
+    """Build the IndexFiles of one sorted partition (rows: file, g0, count, data; each file's plan row
+    first) in `stage_dir`, each under its number."""
     stats = WriteStats()
     stage = os.path.join(stage_dir, INDEX_DIR)
     os.makedirs(stage, exist_ok=True)
-    staged: list[str] = []
+    staged: list[StagedIndexFile] = []
     current: IndexFile | None = None
     plan: IndexFilePlan | None = None
     put = 0
 
     def finish() -> None:
-        if current is None:
+        if plan is None:
             return
+        if current is None:
+            raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} received no seed key")
         if put != plan.key_end - plan.key_start:
             raise BackfillError(f"{current.path}: {put} keys put, the plan has {plan.key_end - plan.key_start}")
         current.sync()  # as IndexService leaves it: only a put writes the header (indexCount 0 before one)
         current.close()
+        staged[-1].keys = put
 
-    for (number, first_key), value in items:
-        if first_key == FILE_PLAN:
-            finish()
-            plan = value
-            current = IndexFile(os.path.join(stage, plan.name), hash_slot_num, index_num, create=True,
-                                end_phy_offset=plan.seed_phy_offset, end_timestamp=plan.seed_timestamp)
-            staged.append(plan.name)
-            put = 0
-            continue
-        hashes, phy, ts = value
-        if plan is None or number != plan.number or first_key != plan.key_start + put:
-            raise BackfillError(f"index task {attempt.partition}: keys from {first_key} of file {number} arrived "
-                                f"out of order")
-        done = current.put_keys(hashes, phy, ts)
-        if done != len(hashes):
-            raise BackfillError(f"{current.path}: full after {put + done} keys, the plan has "
-                                f"{plan.key_end - plan.key_start}")
-        put += done
-        stats.keys += done
+    def create(seed_phy: int, seed_ts: int, creator_ts: int) -> IndexFile:
+        path = os.path.join(stage, f"{plan.number:010d}")
+        staged.append(StagedIndexFile(plan.number, path, creator_ts, 0))
+        return IndexFile(path, hash_slot_num, index_num, create=True, end_phy_offset=seed_phy,
+                         end_timestamp=seed_ts)
+
+    for rb in batches:
+        cols = rb.to_pydict()
+        for number, g0, count, data in zip(cols["file"], cols["g0"], cols["count"], cols["data"], strict=True):
+            if g0 == PLAN_ROW:
+                finish()
+                plan, current, put = pickle.loads(data), None, 0
+                if plan.key_start == 0:
+                    current = create(0, 0, plan.creator_ts)
+                continue
+            if plan is None or number != plan.number:
+                raise BackfillError(f"index task {attempt.partition}: keys of file {number} arrived without its plan")
+            hashes, phy, ts, creators = _key_columns(data, count)
+            if current is None:
+                e = plan.key_start - 1 - g0  # the previous file's last key, in this run
+                if not 0 <= e < count:
+                    raise BackfillError(f"index task {attempt.partition}: file {number} did not get key "
+                                        f"{plan.key_start - 1} first")
+                creator = int(creators[e])
+                current = create(int(phy[e]), int(ts[e]), plan.creator_ts if creator == NO_CREATOR else creator)
+            lo = max(g0, plan.key_start + put) - g0
+            hi = min(g0 + count, plan.key_end) - g0
+            if lo >= hi:
+                continue
+            if g0 + lo != plan.key_start + put:
+                raise BackfillError(f"index task {attempt.partition}: keys from {g0 + lo} of file {number} arrived "
+                                    f"out of order")
+            done = current.put_keys(hashes[lo:hi], phy[lo:hi], ts[lo:hi])
+            if done != hi - lo:
+                raise BackfillError(f"{current.path}: full after {put + done} keys, the plan has "
+                                    f"{plan.key_end - plan.key_start}")
+            put += done
+            stats.keys += done
     finish()
     stats.index_files = len(staged)
     if fault is not None:
         fault.check("index", "staged", attempt.partition, attempt.attempt_number)
-    for i, name in enumerate(staged):
-        stats.files[commit_index_file(os.path.join(stage, name), os.path.join(output_dir, INDEX_DIR, name))] += 1
-        if i == 0 and fault is not None:
-            fault.check("index", "committing", attempt.partition, attempt.attempt_number)
-    return stats
+    return stats, staged
 
 
-# --- optional catalog -------------------------------------------------------------------------------
+# --- catalog ------------------------------------------------------------------------------------------
 
-CATALOG_COLUMNS = (("phy_offset", "long"), ("msg_size", "int"), ("topic", "string"), ("queue_id", "int"),
-                   ("queue_offset", "long"), ("tags_code", "long"), ("store_timestamp", "long"),
-                   ("sys_flag", "int"), ("keys", "string"), ("uniq_key", "string"), ("date", "string"))
+def write_catalog(batches: Iterable, *, stage: str, filesystem, attempt: Attempt) -> list[tuple[str, str, int]]:
+    """One Parquet file per (topic, day) of a sorted partition, under `stage` (a catalog staging path);
+    (staged path, path relative to the catalog, rows) of each."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    from daemon.backfill.catalog import partition_dir, read_group, write_parquet  # noqa: PLC0415
+
+    out: list[tuple[str, str, int]] = []
+    key, tables = None, []
+
+    def flush() -> None:
+        if not tables:
+            return
+        table = pa.concat_tables(tables)
+        relative = f"{partition_dir(*key)}/part-{attempt.partition:05d}.parquet"
+        path = f"{stage}/{relative}"
+        write_parquet(filesystem, path, table)
+        out.append((path, relative, table.num_rows))
+
+    for rb in batches:
+        cols = rb.to_pydict()
+        for topic, day, data in zip(cols["topic"], cols["aux"], cols["data"], strict=True):
+            if (topic, day) != key:
+                flush()
+                key, tables = (topic, day), []
+            tables.append(read_group(data))
+    flush()
+    return out
 
 
-def catalog_rows(chunk: RowChunk) -> Iterator[tuple]:
-    """One tuple per record, in CATALOG_COLUMNS order; `date` is the UTC day of the store time."""
-    days = chunk.store_timestamp.astype("datetime64[ms]").astype("datetime64[D]").astype(str)
-    keys = chunk.keys or [None] * chunk.records
-    uniq = chunk.uniq_key or [None] * chunk.records
-    columns = zip(chunk.phy_offset.tolist(), chunk.msg_size.tolist(), chunk.topic_id.tolist(),
-                  chunk.queue_id.tolist(), chunk.queue_offset.tolist(), chunk.tags_code.tolist(),
-                  chunk.store_timestamp.tolist(), chunk.sys_flag.tolist(), keys, uniq, days.tolist(), strict=True)
-    for phy, size, tid, qid, qoff, tags, ts, flag, k, u, day in columns:
-        yield phy, size, chunk.topics[tid], qid, qoff, tags, ts, flag, k, u, day
+def result_rows(kind: str, value) -> Iterator:
+    """A task's result as one Arrow row (kind, pickled value)."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    yield pa.RecordBatch.from_pydict({"kind": [kind], "value": [pickle.dumps(value)]},
+                                     schema=pa.schema([("kind", pa.string()), ("value", pa.binary())]))

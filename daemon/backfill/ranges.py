@@ -1,0 +1,371 @@
+"""Phase 1 of the backfill: a byte range of a segment, decoded into the final bytes of the output.
+
+Segments are cut into ranges of `backfill.rangeBytes`; a task owns the records whose first byte lies in
+its range. A range that starts at a known record boundary (the segment's start, or `--from`) decodes from
+there; any other finds its first record by scanning for a header that validates itself: MAGICCODE at +4,
+PHYSICALOFFSET at +28 equal to the file offset plus the position, a TOTALSIZE within bounds, and the same
+of the record after it (or a BLANK, or the end of the written data). The task then decodes, with the
+rebuild's reader rules (`indexcore.reader.read_result`), every record starting before its range's end,
+reading past the end to finish the last one, and reports where it started and where it stopped. A body
+may hold a forged header; the driver checks the chain (`plan.walk_ranges`) and has a range re-read from
+the right boundary where the chain breaks, so the result is that of reading each segment from its start.
+
+What a task emits is the output itself, as Arrow rows (`DECODED_SCHEMA`), never per-record objects:
+
+    UNITS    a run of ConsumeQueue units of one queue with consecutive queue offsets: the 20-byte units as
+             they lie in the file, keyed by (topic, queue id, physical offset of the first unit) and the
+             first queue offset; units come from `consumequeue.consume_queue_units`, as the rebuild's do
+    KEYS     the IndexFile keys of a window in `buildIndex` order: hash (int32), physical offset and store
+             time (int64) of the owning record, and the store time of the record that would create the next
+             IndexFile if one filled at this key (int64; -1 when that record is in the next range)
+    CATALOG  the window's catalog rows of one (topic, day), an Arrow IPC stream (`catalog.py`)
+    META     the range's `RangeOutcome`, pickled, always the last row
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from daemon.backfill.source import S3Options, open_image
+from indexcore.batchdecode import DecodeScratch
+from indexcore.commitlog import (
+    BLANK_MAGIC_CODE,
+    MESSAGE_MAGIC_CODE,
+    MESSAGE_MAGIC_CODE_V2,
+    MIN_RECORD_SIZE,
+    PHYSICAL_OFFSET_OFFSET,
+    RECORD_PREFIX,
+)
+from indexcore.consumequeue import CQ_UNIT_SIZE, consume_queue_units
+from indexcore.dispatch import DelayLevelTable, DispatchBatch
+from indexcore.errors import CorruptRecordError, StoreError
+from indexcore.reader import ReadStatus, decode_segment, read_result
+
+ROLLED, END, LIMIT, CORRUPT, EMPTY = "rolled", "end", "limit", "corrupt", "empty"
+META, UNITS, KEYS, CATALOG = 0, 1, 2, 3
+DECODED_DDL = ("kind tinyint, range int, seq int, topic string, queue int, pos bigint, aux bigint, count int, "
+               "data binary")
+NO_CREATOR = -1
+KEY_RECORD_BYTES = 4 + 8 + 8 + 8  # hash, physical offset, store time, creator time
+PHYSICAL_OFFSET = struct.Struct(">q")
+_MAGICS = tuple(struct.pack(">i", m) for m in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2, BLANK_MAGIC_CODE))
+_MAGIC_AT = 4  # MAGICCODE's offset in a record
+_END_CHECK_SLACK = 64
+MAX_ROW_ITEMS = 16384  # units or keys per row: rows of at most 448 KiB
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSettings:
+    """What a decode task needs from the config (the Config itself holds unpicklable mappings)."""
+
+    segment_size: int
+    check_crc: bool
+    max_message_size: int
+    message_delay_level: str
+    batch_bytes: int
+    read_bytes: int
+    index: bool  # emit index keys
+    catalog: bool  # emit catalog rows
+    catalog_body: bool
+    s3: S3Options = field(default_factory=S3Options)
+
+    @property
+    def lookahead(self) -> int:
+        """Bytes past a window a decode may read: its last record, then the end-of-data checks."""
+        return 2 * self.max_message_size + _END_CHECK_SLACK
+
+
+@dataclass(frozen=True, slots=True)
+class RangeTask:
+    """Records starting in [seg_start + begin, seg_start + end) of one segment; `known`: begin is a record
+    boundary (the segment's start or --from); `to_limit`: end is --to."""
+
+    number: int
+    segment: int
+    seg_start: int
+    location: str
+    begin: int
+    end: int
+    known: bool
+    to_limit: bool
+    written_successor: bool
+
+
+@dataclass(slots=True)
+class RangeOutcome:
+    """Where a range's decode started and stopped, and what the driver needs to plan the IndexFiles."""
+
+    number: int
+    segment: int
+    seg_start: int
+    location: str
+    begin: int
+    end: int
+    status: str = EMPTY
+    first: int | None = None  # CommitLog offset of its first record; None: no record starts in the range
+    next_offset: int | None = None  # where reading stopped
+    error: StoreError | None = None
+    pending: CorruptRecordError | None = None
+    records: int = 0
+    keys: int = 0
+    first_ts: int = 0
+    last_key_owner_is_last: bool = False  # no record of the range follows the owner of its last key
+    reread: bool = False
+    bytes_read: int = 0
+
+
+def plan_ranges(segments, segment_size: int, from_offset: int, to_offset: int | None,
+                range_bytes: int) -> list[RangeTask]:
+    """The ranges of [from, to): cut at multiples of `range_bytes` from each segment's start."""
+    tasks: list[RangeTask] = []
+    for index, seg in enumerate(segments):
+        if seg.start + segment_size <= from_offset or (to_offset is not None and seg.start >= to_offset):
+            continue
+        lo = max(0, from_offset - seg.start)
+        hi = segment_size if to_offset is None else min(segment_size, to_offset - seg.start)
+        begin = lo
+        while begin < hi:
+            end = min(hi, (begin // range_bytes + 1) * range_bytes)
+            tasks.append(RangeTask(len(tasks), index, seg.start, seg.location, begin, end, begin == lo,
+                                   end == hi and to_offset is not None and seg.start + hi == to_offset,
+                                   seg.written_successor))
+            begin = end
+    return tasks
+
+
+# --- finding the first record of a range ----------------------------------------------------------------
+
+def header_at(buf, p: int, seg_start: int, seg_size: int, max_size: int, follow: int = 1) -> bool:
+    """Whether a record (or BLANK) that validates itself starts at p, and, `follow` deep, the one after."""
+    if p + RECORD_PREFIX.size > seg_size:
+        return False
+    total, magic = RECORD_PREFIX.unpack_from(buf, p)
+    if magic == BLANK_MAGIC_CODE:
+        return total == seg_size - p
+    if magic not in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2):
+        return False
+    if not MIN_RECORD_SIZE <= total <= min(max_size, seg_size - p):
+        return False
+    if PHYSICAL_OFFSET.unpack_from(buf, p + PHYSICAL_OFFSET_OFFSET)[0] != seg_start + p:
+        return False
+    if follow == 0:
+        return True
+    nxt = p + total
+    if nxt + RECORD_PREFIX.size > seg_size:
+        return False
+    if RECORD_PREFIX.unpack_from(buf, nxt)[0] == 0:
+        return True  # the end of the written data
+    return header_at(buf, nxt, seg_start, seg_size, max_size, follow - 1)
+
+
+def find_first_record(image, task: RangeTask, settings: DecodeSettings) -> int | None:
+    """The in-segment position of the first self-validating header in [begin, end), or None."""
+    size, max_size = settings.segment_size, settings.max_message_size
+    pos = task.begin
+    while pos < task.end:
+        hi = min(task.end, pos + settings.read_bytes)
+        image.ensure(pos, hi + settings.lookahead)
+        buf = image.buffer
+        upcoming = {m: buf.find(m, pos + _MAGIC_AT, hi + _MAGIC_AT) for m in _MAGICS}
+        while True:
+            live = [at for at in upcoming.values() if at >= 0]
+            if not live:
+                break
+            at = min(live)
+            p = at - _MAGIC_AT
+            if header_at(buf, p, task.seg_start, size, max_size):
+                return p
+            for m, found in upcoming.items():
+                if found == at:
+                    upcoming[m] = buf.find(m, at + 1, hi + _MAGIC_AT)
+        image.release(pos, hi)
+        pos = hi
+    return None
+
+
+# --- the decode ------------------------------------------------------------------------------------------
+
+class RangeRows:
+    """Turns the decoded windows of one range into Arrow record batches of DECODED_SCHEMA."""
+
+    def __init__(self, task: RangeTask, outcome: RangeOutcome, settings: DecodeSettings):
+        import pyarrow as pa  # noqa: PLC0415
+
+        from daemon.backfill.catalog import catalog_groups  # noqa: PLC0415
+
+        self.pa = pa
+        self.catalog_groups = catalog_groups
+        self.task = task
+        self.outcome = outcome
+        self.settings = settings
+        self.seq = 0
+        self.held: dict | None = None  # the last key run, whose final creator time waits for the next record
+        self.schema = decoded_arrow_schema()
+
+    def add(self, batch: DispatchBatch, image) -> Iterator:
+        n = len(batch)
+        o = self.outcome
+        if o.records == 0:
+            o.first_ts = int(batch.store_timestamp[0])
+        rows = self._units(batch)
+        if self.held is not None:
+            self.held["creators"][-1] = batch.store_timestamp[0]
+            rows.extend(self._key_rows(self.held))
+            self.held = None
+        if self.settings.index:
+            hashes, owners = batch.index_keys(batch.index_mask())
+            k = len(hashes)
+            if k:
+                last_of_owner = np.ones(k, dtype=bool)
+                last_of_owner[:-1] = owners[1:] != owners[:-1]
+                ts = batch.store_timestamp
+                following = np.minimum(owners + 1, n - 1)
+                creators = np.where(last_of_owner, ts[following], ts[owners]).astype(np.int64)
+                key_run = {"pos": o.keys, "hashes": hashes, "phy": batch.phy_offset[owners], "ts": ts[owners],
+                           "creators": creators}
+                o.keys += k
+                if int(owners[-1]) == n - 1:
+                    creators[-1] = NO_CREATOR
+                    self.held = key_run
+                    o.last_key_owner_is_last = True
+                else:
+                    rows.extend(self._key_rows(key_run))
+                    o.last_key_owner_is_last = False
+            elif o.keys:
+                o.last_key_owner_is_last = False
+        if self.settings.catalog:
+            for topic, day, blob, count in self.catalog_groups(batch, image.buffer, self.task.seg_start,
+                                                               self.settings.catalog_body):
+                rows.append({"kind": CATALOG, "topic": topic, "aux": day, "count": count, "data": blob})
+        o.records += n
+        if rows:
+            yield self._batch(rows)
+
+    def finish(self) -> Iterator:
+        rows = []
+        if self.held is not None:
+            rows.extend(self._key_rows(self.held))
+            self.held = None
+        rows.append({"kind": META, "data": pickle.dumps(self.outcome)})
+        yield self._batch(rows)
+
+    def _units(self, batch: DispatchBatch) -> list[dict]:
+        """One row per run of a queue's units with consecutive queue offsets (at most MAX_ROW_ITEMS), in
+        CommitLog order."""
+        rows = []
+        for q in consume_queue_units(batch):
+            n = len(q.units)
+            cut = np.ones(n, dtype=bool)
+            cut[1:] = np.diff(q.queue_offset) != 1
+            cut[::MAX_ROW_ITEMS] = True
+            starts = np.flatnonzero(cut)
+            ends = np.append(starts[1:], n)
+            data = q.units.view(np.uint8).reshape(-1)
+            phy = q.units["commit_log_offset"]
+            rows.extend({"kind": UNITS, "topic": q.topic, "queue": q.queue_id, "pos": int(phy[a]),
+                         "aux": int(q.queue_offset[a]), "count": int(b - a),
+                         "data": data[a * CQ_UNIT_SIZE : b * CQ_UNIT_SIZE]}
+                        for a, b in zip(starts.tolist(), ends.tolist(), strict=True))
+        return rows
+
+    def _key_rows(self, run: dict) -> list[dict]:
+        """A key run as rows of at most MAX_ROW_ITEMS keys (large values strain the JVM's heap)."""
+        rows = []
+        for a in range(0, len(run["hashes"]), MAX_ROW_ITEMS):
+            b = a + MAX_ROW_ITEMS
+            data = b"".join((run["hashes"][a:b].astype("<i4").tobytes(), run["phy"][a:b].astype("<i8").tobytes(),
+                             run["ts"][a:b].astype("<i8").tobytes(), run["creators"][a:b].astype("<i8").tobytes()))
+            rows.append({"kind": KEYS, "pos": run["pos"] + a, "count": len(run["hashes"][a:b]), "data": data})
+        return rows
+
+    def _batch(self, rows: list[dict]):
+        pa = self.pa
+        n = len(rows)
+        seq = list(range(self.seq, self.seq + n))
+        self.seq += n
+        return pa.RecordBatch.from_arrays([
+            pa.array([r["kind"] for r in rows], pa.int8()),
+            pa.array([self.task.number] * n, pa.int32()),
+            pa.array(seq, pa.int32()),
+            pa.array([r.get("topic") for r in rows], pa.string()),
+            pa.array([r.get("queue") for r in rows], pa.int32()),
+            pa.array([r.get("pos") for r in rows], pa.int64()),
+            pa.array([r.get("aux") for r in rows], pa.int64()),
+            pa.array([r.get("count") for r in rows], pa.int32()),
+            pa.array([memoryview(r["data"]) if isinstance(r["data"], np.ndarray) else r["data"] for r in rows],
+                     pa.binary()),
+        ], schema=self.schema)
+
+
+def decoded_arrow_schema():
+    import pyarrow as pa  # noqa: PLC0415
+
+    return pa.schema([("kind", pa.int8()), ("range", pa.int32()), ("seq", pa.int32()), ("topic", pa.string()),
+                      ("queue", pa.int32()), ("pos", pa.int64()), ("aux", pa.int64()), ("count", pa.int32()),
+                      ("data", pa.binary())])
+
+
+def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = None) -> Iterator:
+    """The Arrow batches of one range, its META row last. `start`: a record boundary (CommitLog offset)
+    to read from instead of scanning (the driver's re-read of a range whose chain broke)."""
+    outcome = RangeOutcome(task.number, task.segment, task.seg_start, task.location, task.begin, task.end,
+                           reread=start is not None)
+    rows = RangeRows(task, outcome, settings)
+    size = settings.segment_size
+    image = open_image(task.location, size, settings.read_bytes, settings.s3)
+    try:
+        if start is not None:
+            first = start - task.seg_start
+        elif task.known:
+            first = task.begin
+        else:
+            first = find_first_record(image, task, settings)
+        if first is not None and first < task.end:
+            outcome.first = task.seg_start + first
+            yield from _decode_from(first, task, settings, image, rows, outcome)
+        elif first is not None:
+            outcome.first = task.seg_start + first  # a re-read from a boundary past the range: nothing owned
+            outcome.next_offset = outcome.first
+    finally:
+        outcome.bytes_read = getattr(image, "bytes_read", 0)
+        image.close()
+    yield from rows.finish()
+    return outcome
+
+
+def _decode_from(pos: int, task: RangeTask, settings: DecodeSettings, image, rows: RangeRows,
+                 outcome: RangeOutcome) -> Iterator:
+    scratch = DecodeScratch()
+    delay_table = DelayLevelTable(settings.message_delay_level)
+    size = settings.segment_size
+    while True:
+        window_end = min(pos + settings.batch_bytes, task.end)
+        image.ensure(pos, window_end + settings.lookahead)
+        decoded = decode_segment(image.buffer, pos, segment_offset=task.seg_start, segment_size=size,
+                                 max_bytes=window_end - pos, check_crc=settings.check_crc,
+                                 max_message_size=settings.max_message_size, delay_table=delay_table,
+                                 scratch=scratch)
+        result = read_result(decoded, image.buffer, task.seg_start, size, task.location, settings.max_message_size,
+                             lambda: task.written_successor)
+        if len(result.batch):
+            yield from rows.add(result.batch, image)
+        image.release(pos, decoded.position)
+        outcome.next_offset = result.next_offset
+        if result.status is ReadStatus.END:
+            outcome.status, outcome.pending = END, result.pending
+            return
+        if result.status is ReadStatus.CORRUPT:
+            outcome.status, outcome.error = CORRUPT, result.error
+            return
+        if result.rolled:
+            outcome.status = ROLLED
+            return
+        pos = result.next_offset - task.seg_start
+        if pos >= task.end:
+            outcome.status = LIMIT
+            return

@@ -1,0 +1,233 @@
+"""Splitting segments into byte ranges: whatever the range size, the ranges' output, chained and re-read by
+the driver's rules, is exactly what one sequential read of every segment gives (no Spark here: the decode
+tasks and the driver's walk are plain functions; tests/test_backfill.py runs them under Spark)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from daemon.backfill.job import _reread
+from daemon.backfill.plan import BackfillFailed, Reread, walk_ranges
+from daemon.backfill.ranges import CATALOG, KEYS, META, UNITS, DecodeSettings, decode_range, plan_ranges
+from daemon.backfill.source import LOCAL, SegmentDir, SegmentListing
+from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, ON_CORRUPTION_STOP
+from indexcore.consumequeue import consume_queue_units
+from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
+from indexcore.reader import CommitLog, CommitLogReader, ReadStatus
+from tests.backfill_stores import corrupt_record, tear_tail, write_forged_store
+
+SEGMENT = 256 * 1024
+MIB = 1024 * 1024
+
+
+def settings(index: bool = True) -> DecodeSettings:
+    return DecodeSettings(SEGMENT, True, 4 * MIB, DEFAULT_MESSAGE_DELAY_LEVEL, 8192, MIB, index, False, False)
+
+
+def ranged(commitlog: Path, range_bytes: int, on_corruption: str = ON_CORRUPTION_STOP, segment: int = SEGMENT,
+           s: DecodeSettings | None = None, start: int | None = None, to: int | None = None):
+    """Run the decode tasks and the driver's walk as the job does; (plan, units by queue, keys, rereads)."""
+    s = s or settings()
+    listing = SegmentListing([SegmentDir(LOCAL, str(commitlog))], segment)
+    start = listing.min_offset if start is None else start
+    tasks = plan_ranges(listing.segments, segment, start, to, range_bytes)
+    rows: dict[int, list[dict]] = {}
+    outcomes = {}
+    rereads = 0
+
+    def run(work) -> None:
+        gen = _reread(work, s) if isinstance(work, Reread) else decode_range(work, s)
+        fresh: dict[int, list[dict]] = {}
+        for rb in gen:
+            for row in rb.to_pylist():
+                if row["kind"] == META:
+                    o = pickle.loads(row["data"])
+                    outcomes[o.number] = o
+                else:
+                    fresh.setdefault(row["range"], []).append(row)
+        for o in outcomes.values():
+            if isinstance(work, Reread) and o.reread and o.number in {t.number for t in work.tasks}:
+                rows[o.number] = fresh.get(o.number, [])
+        if not isinstance(work, Reread):
+            rows.update(fresh)
+
+    for t in tasks:
+        run(t)
+    while True:
+        plan, again = walk_ranges(tasks, outcomes, segment, listing.missing, start, to, on_corruption, False)
+        if plan is not None:
+            break
+        for r in again:
+            rereads += 1
+            run(r)
+    queues: dict[tuple[str, int], list] = {}
+    keys = []
+    for n in plan.ranges:
+        for row in sorted(rows.get(n, []), key=lambda r: r["seq"]):
+            if row["kind"] == UNITS:
+                units = np.frombuffer(row["data"], dtype=">i8,>i4,>i8")
+                q = queues.setdefault((row["topic"], row["queue"]), [])
+                q.extend(zip(range(row["aux"], row["aux"] + row["count"]), units.tolist(), strict=True))
+            elif row["kind"] == KEYS:
+                c = row["count"]
+                data = row["data"]
+                hashes = np.frombuffer(data, "<i4", c)
+                rest = np.frombuffer(data, "<i8", 3 * c, 4 * c).reshape(3, c)
+                keys.extend(zip(hashes.tolist(), rest[0].tolist(), rest[1].tolist(), strict=True))
+            else:
+                assert row["kind"] == CATALOG
+    return plan, queues, keys, rereads
+
+
+def sequential(commitlog: Path, on_corruption: str = ON_CORRUPTION_STOP, segment: int = SEGMENT,
+               start: int | None = None):
+    """One read from the first segment's start, as `reputd rebuild` (and `run` with skip-segment) reads."""
+    log = CommitLog(str(commitlog), segment)
+    reader = CommitLogReader(log, batch_bytes=8192)
+    offset = log.min_offset if start is None else start
+    queues: dict[tuple[str, int], list] = {}
+    keys = []
+    error = None
+    while True:
+        res = reader.read(offset)
+        b = res.batch
+        for q in consume_queue_units(b):
+            queues.setdefault((q.topic, q.queue_id), []).extend(
+                zip(q.queue_offset.tolist(), q.units.tolist(), strict=True))
+        hashes, owners = b.index_keys(b.index_mask())
+        keys.extend(zip(hashes.tolist(), b.phy_offset[owners].tolist(), b.store_timestamp[owners].tolist(),
+                        strict=True))
+        offset = res.next_offset
+        if res.status is ReadStatus.END:
+            break
+        if res.status is ReadStatus.CORRUPT:
+            error = res.error
+            if on_corruption != ON_CORRUPTION_SKIP_SEGMENT or not log.has_segment_after(offset):
+                break
+            offset = log.segment_start(offset) + segment
+    reader.close()
+    for q in queues.values():  # a queue keeps a unit once: the broker skips repeats
+        q.sort(key=lambda u: u[1][0])
+    return offset, queues, keys, error
+
+
+@pytest.fixture(scope="module")
+def forged(tmp_path_factory):
+    root = tmp_path_factory.mktemp("forged")
+    results = write_forged_store(root / "commitlog", SEGMENT, 1500)
+    return root / "commitlog", results
+
+
+def same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k, units in a.items():
+        assert sorted(units, key=lambda u: u[1][0]) == b[k], k
+
+
+@pytest.mark.parametrize("range_bytes", [997, 4099, 20_000, 65_537, SEGMENT, 4 * SEGMENT])
+def test_ranges_chain_to_one_sequential_read(forged, range_bytes):
+    """Forged headers and whole forged records in bodies, BLANKs, v2 records: the same units and keys."""
+    commitlog, results = forged
+    plan, queues, keys, rereads = ranged(commitlog, range_bytes)
+    end, ref_queues, ref_keys, error = sequential(commitlog)
+    assert error is None
+    assert plan.end_offset == end == results[-1].phy_offset + results[-1].msg_size
+    assert plan.messages == len(results)
+    same(queues, ref_queues)
+    assert keys == ref_keys
+    if range_bytes == 997:
+        assert rereads > 0  # forgeries were found first, and the chain check caught them
+
+
+def test_forgeries_are_found_first(forged):
+    """Without the chain check the forged records would be taken: some range starts at one."""
+    commitlog, _ = forged
+    listing = SegmentListing([SegmentDir(LOCAL, str(commitlog))], SEGMENT)
+    tasks = plan_ranges(listing.segments, SEGMENT, 0, None, 997)
+    starts: set[int] = set()
+    log = CommitLog(str(commitlog), SEGMENT)
+    reader = CommitLogReader(log, batch_bytes=1 << 30)
+    offset = 0
+    while True:
+        res = reader.read(offset)
+        starts.update(res.batch.phy_offset.tolist())
+        offset = res.next_offset
+        if res.status is not ReadStatus.OK:
+            break
+    forged_firsts = 0
+    for t in tasks[:200]:
+        o = None
+        for rb in decode_range(t, settings()):
+            for row in rb.to_pylist():
+                if row["kind"] == META:
+                    o = pickle.loads(row["data"])
+        if o.first is not None and o.first not in starts:
+            forged_firsts += 1
+    assert forged_firsts > 3
+
+
+@pytest.mark.parametrize("policy", [ON_CORRUPTION_STOP, ON_CORRUPTION_SKIP_SEGMENT])
+@pytest.mark.parametrize("range_bytes", [1500, 30_000, SEGMENT])
+def test_corrupt_record_mid_segment(tmp_path, policy, range_bytes):
+    """`stop`: the walk fails at the record the sequential reader fails at; `skip-segment`: the same records
+    are dispatched and the same range skipped."""
+    results = write_forged_store(tmp_path / "commitlog", SEGMENT, 900, seed=5)
+    victim = next(r for r in results if r.phy_offset // SEGMENT == 1 and r.phy_offset % SEGMENT > SEGMENT // 3)
+    corrupt_record(tmp_path / "commitlog", SEGMENT, victim)
+    _, ref_queues, ref_keys, error = sequential(tmp_path / "commitlog", policy)
+    assert error is not None
+    assert error.offset == victim.phy_offset
+    if policy == ON_CORRUPTION_STOP:
+        with pytest.raises(BackfillFailed) as failed:
+            ranged(tmp_path / "commitlog", range_bytes, policy)
+        assert str(failed.value) == str(error)
+        return
+    plan, queues, keys, _ = ranged(tmp_path / "commitlog", range_bytes, policy)
+    assert [(a, b) for a, b, _ in plan.skipped] == [(victim.phy_offset, 2 * SEGMENT)]
+    same(queues, ref_queues)
+    assert keys == ref_keys
+
+
+@pytest.mark.parametrize("range_bytes", [1500, 30_000, SEGMENT])
+def test_incomplete_tail_is_the_end_of_the_data(tmp_path, range_bytes):
+    results = write_forged_store(tmp_path / "commitlog", SEGMENT, 700, seed=9)
+    tear_tail(tmp_path / "commitlog", SEGMENT, results[-1])
+    plan, queues, keys, _ = ranged(tmp_path / "commitlog", range_bytes)
+    end, ref_queues, ref_keys, error = sequential(tmp_path / "commitlog")
+    assert error is None
+    assert plan.end_offset == end == results[-1].phy_offset
+    assert plan.pending is not None
+    same(queues, ref_queues)
+    assert keys == ref_keys
+
+
+def test_from_and_to_cut_ranges_at_record_boundaries(forged):
+    commitlog, results = forged
+    start, to = results[200].phy_offset, results[1200].phy_offset
+    plan, _, _, _ = ranged(commitlog, 3001, start=start, to=to)
+    assert (plan.start_offset, plan.end_offset) == (start, to)
+    assert plan.messages == 1000
+    with pytest.raises(BackfillFailed, match="not a record boundary"):
+        ranged(commitlog, 3001, start=start, to=to + 5)
+
+
+@pytest.mark.parametrize("range_bytes", [MIB, 7 * MIB, 64 * MIB, 128 * MIB])
+def test_large_segments_at_the_range_sizes_of_a_deployment(tmp_path_factory, range_bytes):
+    """128 MiB segments holding 70 MB of messages (forgeries in the bodies): 1, 7 and 64 MiB ranges and
+    whole segments read what one sequential read does."""
+    root = tmp_path_factory.getbasetemp() / "large-forged"
+    segment = 128 * MIB
+    if not (root / "done").exists():
+        write_forged_store(root / "commitlog", segment, 1400, big_every=2, big_body=160_000)
+        (root / "done").touch()
+    s = DecodeSettings(segment, True, 4 * MIB, DEFAULT_MESSAGE_DELAY_LEVEL, 4 * MIB, 16 * MIB, True, False, False)
+    plan, queues, keys, _ = ranged(root / "commitlog", range_bytes, segment=segment, s=s)
+    end, ref_queues, ref_keys, _ = sequential(root / "commitlog", segment=segment)
+    assert end > 64 * MIB
+    assert plan.end_offset == end
+    same(queues, ref_queues)
+    assert keys == ref_keys
