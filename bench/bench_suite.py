@@ -14,7 +14,8 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
     query            `reputd query key` against a full 20,000,000-entry IndexFile: the library call, and the
                      installed `reputd` command from process start to answer (300 runs; targets p50 80 ms,
                      p99 120 ms)
-    backfill         `reputd backfill` with Spark local[1] and local[2] on the rebuild data set
+    backfill         `reputd backfill` on the rebuild data set: local[1], local[2], a standalone cluster of two
+                     one-core workers, and local[2] reading the segments from an S3 server (moto)
 
 Rebuilds are timed from process start to exit (`reputd rebuild` as an operator runs it, body CRCs
 checked); peak RSS is the child's own (wait4). Each is compared with a plain sequential read of the same
@@ -359,25 +360,168 @@ def _index_entries(files: list[Path]) -> list[int]:
     return counts
 
 
+class TreeSampler:
+    """CPU seconds and peak RSS of a process and all its descendants (the Spark JVM, the Python workers),
+    sampled from /proc ten times a second: a JVM that py4j leaves to init is not in the child's rusage."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.cpu: dict[int, float] = {}
+        self.rss: dict[str, int] = {"driver": 0, "jvm": 0, "python_worker": 0}
+        self._stop = False
+        import threading  # noqa: PLC0415
+
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _tree(self) -> list[int]:
+        parent: dict[int, int] = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    parent[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+        tree, frontier = [self.pid], [self.pid]
+        while frontier:
+            frontier = [p for p, pp in parent.items() if pp in frontier]
+            tree.extend(frontier)
+        return tree
+
+    def _run(self) -> None:
+        while not self._stop:
+            for pid in self._tree():
+                try:
+                    self.cpu[pid] = max(self.cpu.get(pid, 0.0), _proc_cpu(pid))
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    rss = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                                   if line.startswith("VmRSS:"))) * 1024
+                except (OSError, StopIteration, ValueError):
+                    continue
+                kind = ("driver" if pid == self.pid else "jvm" if b"java" in cmd.split(b"\0")[0]
+                        else "python_worker" if b"pyspark" in cmd else None)
+                if kind:
+                    self.rss[kind] = max(self.rss[kind], rss)
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop = True
+        self.thread.join()
+
+    @property
+    def cpu_seconds(self) -> float:
+        return sum(self.cpu.values())
+
+
+def run_sampled(cmd: list[str], env: dict | None = None) -> tuple[float, str, TreeSampler, float]:
+    """Run a command to completion sampling its process tree; (wall, stdout, sampler, rusage CPU seconds)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env={**os.environ, **(env or {})})
+        sampler = TreeSampler(proc.pid)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        sampler.stop()
+        out.seek(0)
+        err.seek(0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            sys.exit(f"{' '.join(cmd)} failed:\n{err.read()[-3000:]}")
+        return wall, out.read(), sampler, usage.ru_utime + usage.ru_stime
+
+
+def _s3_source(work: Path, store: Path):
+    """A moto S3 server (subprocess, free port) holding the data set's segments; (process, env, URI)."""
+    from pyarrow import fs  # noqa: PLC0415
+
+    from bench.spark_cluster import free_port  # noqa: PLC0415
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.2)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
+    s3 = fs.S3FileSystem(access_key="bench", secret_key="bench", region="us-east-1",
+                         endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True)
+    s3.create_dir("bench")
+    for path in sorted((store / "commitlog").iterdir()):
+        with open(path, "rb") as src, s3.open_output_stream(f"bench/commitlog/{path.name}") as dst:
+            while chunk := src.read(16 * MIB):
+                dst.write(chunk)
+    return proc, env, "s3://bench/commitlog"
+
+
 def bench_backfill(work: Path, scale: float, masters: list[str]) -> list[dict]:
+    """`reputd backfill` on the rebuild's data set: local[1], local[2], a standalone cluster of two one-core
+    workers, and local[2] reading the segments from an S3 server; beside the rebuild of the same data."""
     store, messages = ensure_data_set(work, "256b-1key", scale)
     reference = work / "out" / "backfill-reference"
     config = write_config(work / "backfill.yaml", store, reference)
     shutil.rmtree(reference, ignore_errors=True)
-    run_measured([*REPUTD, "rebuild", "--config", str(config), "--json"])
-    rows = []
+    raw_read_seconds(store, commitlog_bytes(store)[1])
+    wall, stdout, sampler, cpu = run_sampled([*REPUTD, "rebuild", "--config", str(config), "--json"])
+    rows = [{"scenario": "backfill-reference rebuild", "messages": messages, "seconds": round(wall, 3),
+             "work_seconds": round(wall, 3), "msgs_per_s": round(messages / wall),
+             "cpu_us_per_msg": round(1e6 * max(cpu, sampler.cpu_seconds) / messages, 3)}]
+    rebuild_cpu = rows[0]["cpu_us_per_msg"]
     for master in masters:
-        out = work / "out" / ("backfill-" + master.replace("[", "").replace("]", ""))
+        name = master.replace("[", "").replace("]", "").replace(":", "-").replace("/", "")
+        out = work / "out" / f"backfill-{name}"
         shutil.rmtree(out, ignore_errors=True)
-        wall, rss, stdout = run_measured([*REPUTD, "backfill", "--config", str(config), "--out", str(out),
-                                          "--master", master, "--json", "--conf", "spark.ui.enabled=false"])
+        cmd = [*REPUTD, "backfill", "--config", str(config), "--out", str(out), "--json",
+               "--conf", "spark.ui.enabled=false"]
+        env, cleanup, label = {}, [], master
+        if master == "cluster":
+            from bench.spark_cluster import StandaloneCluster  # noqa: PLC0415
+
+            cluster = StandaloneCluster(workers=2, work_dir=work / "spark-cluster", worker_memory="2g").start()
+            cleanup.append(cluster.stop)
+            cmd += ["--master", cluster.url]
+            env = {"PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+            label = "standalone cluster, 2 one-core workers"
+        elif master == "s3":
+            proc, env, uri = _s3_source(work, store)
+            cleanup.append(lambda p=proc: (p.terminate(), p.wait(30)))
+            cmd += ["--master", "local[2]", "--segments", uri]
+            label = "local[2], segments on S3 (moto)"
+        else:
+            cmd += ["--master", master]
+        try:
+            wall, stdout, sampler, _ = run_sampled(cmd, env)
+        finally:
+            for stop in cleanup:
+                stop()
         summary = last_json(stdout)
-        rows.append({"scenario": f"backfill {master}", "messages": messages, "seconds": round(wall, 3),
-                     "msgs_per_s": round(messages / wall), "peak_rss_mb_driver": round(rss / MIB, 1),
-                     "identical_to_rebuild": same_tree(reference, out),
-                     "phases": summary.get("phaseSeconds", {})})
-    if len(rows) >= 2:
-        rows[-1]["speedup_vs_first"] = round(rows[0]["seconds"] / rows[-1]["seconds"], 2)
+        startup = summary["phaseSeconds"].get("startup", 0.0)
+        work_seconds = summary["seconds"] - startup
+        task_seconds = summary["decodeTaskSeconds"] + summary["writeTaskSeconds"]
+        rows.append({
+            "scenario": f"backfill {label}", "master": master, "messages": messages, "seconds": round(wall, 3),
+            "work_seconds": round(work_seconds, 3), "msgs_per_s": round(messages / wall),
+            "msgs_per_s_after_startup": round(messages / work_seconds),
+            "per_slot_decode_msgs_per_s": round(messages / summary["decodeTaskSeconds"]),
+            "per_slot_msgs_per_s": round(messages / task_seconds),
+            "cpu_us_per_msg": round(1e6 * sampler.cpu_seconds / messages, 3),
+            "cpu_vs_rebuild": round(sampler.cpu_seconds / messages * 1e6 / rebuild_cpu, 2),
+            "python_jvm_bytes_per_msg": round((summary["arrowBytesToJvm"] + summary["arrowBytesFromJvm"]) / messages,
+                                              1),
+            "peak_rss_mb": {k: round(v / MIB, 1) for k, v in sampler.rss.items()},
+            "ratio_to_rebuild": round(wall / rows[0]["seconds"], 2), "spark_jobs": summary["sparkJobs"],
+            "ranges": summary["ranges"], "identical_to_rebuild": same_tree(reference, out),
+            "phases": summary["phaseSeconds"]})
+    locals_ = {r["master"]: r for r in rows[1:]}
+    if "local[1]" in locals_ and "local[2]" in locals_:
+        locals_["local[2]"]["scaling_vs_local1"] = round(locals_["local[1]"]["work_seconds"]
+                                                         / locals_["local[2]"]["work_seconds"], 2)
     return rows
 
 
@@ -400,10 +544,25 @@ def print_table(results: list[dict]) -> None:
             print(f"| {r['scenario']} | {r['messages']:,} | {r['seconds']:.2f} | {r['msgs_per_s']:,} | "
                   f"{r['mb_per_s']:,.0f} | {r['peak_rss_mb']:.0f} | {r['raw_read_seconds']:.2f} | "
                   f"{r['ratio_to_raw_read']:.2f} |")
-        elif r["scenario"].startswith("backfill"):
-            extra = f" ({r['speedup_vs_first']}x local[1])" if "speedup_vs_first" in r else ""
-            print(f"| {r['scenario']}{extra} | {r['messages']:,} | {r['seconds']:.2f} | {r['msgs_per_s']:,} | | "
-                  f"{r['peak_rss_mb_driver']:.0f} (driver) | | |")
+    backfills = [r for r in results if r["scenario"].startswith("backfill")]
+    if backfills:
+        print("\n| backfill (256-byte bodies, 1 KEY) | messages | s end to end | s after start-up | msgs/s | "
+              "x rebuild time | per slot msgs/s (decode) | CPU us/msg (x rebuild) | Py<->JVM B/msg | "
+              "peak RSS MB driver/JVM/worker | identical |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+        for r in backfills:
+            if "master" not in r:
+                print(f"| rebuild (same data) | {r['messages']:,} | {r['seconds']:.2f} | | {r['msgs_per_s']:,} | 1 | "
+                      f"| {r['cpu_us_per_msg']} | | | |")
+                continue
+            extra = f" ({r['scaling_vs_local1']}x local[1] after start-up)" if "scaling_vs_local1" in r else ""
+            rss = r["peak_rss_mb"]
+            print(f"| {r['scenario']}{extra} | {r['messages']:,} | {r['seconds']:.2f} | {r['work_seconds']:.2f} | "
+                  f"{r['msgs_per_s']:,} | {r['ratio_to_rebuild']} | {r['per_slot_msgs_per_s']:,} "
+                  f"({r['per_slot_decode_msgs_per_s']:,}) | {r['cpu_us_per_msg']} ({r['cpu_vs_rebuild']}x) | "
+                  f"{r['python_jvm_bytes_per_msg']} | "
+                  f"{rss['driver']:.0f}/{rss['jvm']:.0f}/{rss['python_worker']:.0f} | "
+                  f"{r['identical_to_rebuild']} |")
     for r in results:
         if r["scenario"] == "verify":
             print(f"\nverify: {r['messages']:,} messages in {r['seconds']:.2f} s ({r['msgs_per_s']:,} msgs/s, peak RSS "
@@ -430,7 +589,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a tenth of every data set and short runs (a smoke test)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per rebuild scenario; the fastest is reported")
     ap.add_argument("--live-seconds", type=float, default=20.0)
-    ap.add_argument("--masters", default="local[1],local[2]")
+    ap.add_argument("--masters", default="local[1],local[2],cluster,s3",
+                    help="backfill runs: local[N], cluster (a standalone master and 2 workers), s3 (moto source)")
     ap.add_argument("--cli-queries", type=int, default=CLI_QUERIES, help="`reputd query key` processes to time")
     args = ap.parse_args()
     work = args.workdir.resolve()

@@ -163,8 +163,9 @@ def _add_backfill(sub) -> None:
     p = _store_command(sub, "backfill", "Build consumequeue/ and index/ for CommitLog segments with Spark, "
                                         "byte-identical to rebuild.")
     p.add_argument("--segments", metavar="DIR_OR_URI",
-                   help="CommitLog directory (or file:// URI; comma-separated for several) instead of "
-                        "store.storePathCommitLog; every executor must see it at this path")
+                   help="CommitLog directory or URI instead of store.storePathCommitLog: a path or file:// (every "
+                        "executor must see it at this path), s3://bucket/prefix or hdfs://namenode:port/path "
+                        "(comma-separated for several)")
     p.add_argument("--master", default="local[*]",
                    help="Spark master URL: local[*] (default), local[N], spark://HOST:PORT, yarn, k8s://...")
     p.add_argument("--from", dest="from_offset", type=_non_negative,
@@ -174,8 +175,8 @@ def _add_backfill(sub) -> None:
                         "default: the end of the written data)")
     p.add_argument("--partitions", type=_positive, help="tasks for the ConsumeQueue and IndexFile phases "
                                                         "(default: Spark's default parallelism)")
-    p.add_argument("--catalog", metavar="PATH", help="also write the dispatch rows as Parquet, partitioned by topic "
-                                                     "and date (any path or URI Spark can write; must not exist)")
+    p.add_argument("--catalog", metavar="PATH", help="also write a Parquet catalog of the messages, one file per "
+                                                     "topic and day (a path, file://, s3:// or hdfs://; must not exist)")
     p.add_argument("--conf", dest="spark_conf", action="append", type=_spark_setting, default=[],
                    metavar="KEY=VALUE", help="a Spark setting, e.g. spark.executor.memory=4g (repeatable)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

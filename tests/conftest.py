@@ -18,6 +18,18 @@ from tests.stress import report as _report
 _OUTCOMES: dict[str, dict[str, list[str]]] = {}
 
 
+@pytest.fixture(scope="session")
+def spark():
+    """One local Spark for every backfill test: 2 cores, 3 attempts per task (so a failed attempt is retried)."""
+    from daemon.backfill import create_session
+
+    session = create_session("local[2,3]", {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
+                                            "spark.driver.memory": "512m", "spark.default.parallelism": "2",
+                                            "spark.sql.shuffle.partitions": "2"})
+    yield session
+    session.stop()
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """In stress mode, the outcome of every test, so the run's report lists each case tried."""
     if _STRESS and (report.when == "call" or report.outcome != "passed"):

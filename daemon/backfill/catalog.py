@@ -59,6 +59,14 @@ SCHEMA = pa.schema([
 ])
 BODY_FIELD = pa.field("body", pa.binary())
 
+# The README's examples, over `spark.read.parquet(PATH).createOrReplaceTempView("catalog")`.
+CATALOG_QUERIES = {
+    "key": ("SELECT commitLogOffset, msgId, queueId, queueOffset, storeTime, tags, keys FROM catalog "
+            "WHERE topic = '{topic}' AND array_contains(keys, '{key}') "
+            "AND date >= DATE'{start}' AND date < DATE'{end}' ORDER BY storeTime"),
+    "per_day": "SELECT topic, date, count(*) AS messages FROM catalog GROUP BY topic, date ORDER BY topic, date",
+}
+
 
 def _be(img: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
     """Big-endian signed integers of `width` bytes at positions `at`."""

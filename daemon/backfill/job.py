@@ -106,12 +106,19 @@ class BackfillSummary(RebuildSummary):
     reread_ranges: int = 0
     spark_jobs: int = 0
     bytes_read_remote: int = 0
+    arrow_bytes_to_jvm: int = 0
+    arrow_bytes_from_jvm: int = 0
+    decode_task_seconds: float = 0.0
+    write_task_seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {
             **RebuildSummary.as_dict(self), "master": self.master, "partitions": self.partitions,
             "ranges": self.ranges, "rereadRanges": self.reread_ranges, "sparkJobs": self.spark_jobs,
+            "bytesReadRemote": self.bytes_read_remote, "arrowBytesToJvm": self.arrow_bytes_to_jvm,
+            "arrowBytesFromJvm": self.arrow_bytes_from_jvm, "decodeTaskSeconds": round(self.decode_task_seconds, 3),
+            "writeTaskSeconds": round(self.write_task_seconds, 3),
             "phaseSeconds": {k: round(v, 3) for k, v in self.phases.items()}, "catalog": self.catalog,
         }
 
@@ -307,7 +314,7 @@ def _decode_rows(settings: DecodeSettings, fault: Fault | None):
                 work = pickle.loads(blob)
                 attempt = _task_attempt()
                 if fault is not None:
-                    fault.check("decode", "started", attempt.partition, attempt.attempt_number)
+                    fault.check("decode", "started", attempt.attempt_number)
                 try:
                     if isinstance(work, Reread):
                         yield from _reread(work, settings)
@@ -353,6 +360,7 @@ class _Job:
         self.frames: list = []  # cached decode outputs: the first pass, then each round of re-reads
         self.source: dict[int, int] = {}  # range number -> the frame its accepted rows are in
         self.outcomes: dict[int, RangeOutcome] = {}
+        self.all_outcomes: list[RangeOutcome] = []  # every decode task's, re-reads included
 
     def _timed(self, phase: str, t0: float) -> None:
         self.summary.phases[phase] = self.summary.phases.get(phase, 0.0) + time.perf_counter() - t0
@@ -371,6 +379,7 @@ class _Job:
         self.frames.append(frame)
         metas = frame.filter(F.col("kind") == META).select("data").collect()
         found = [pickle.loads(m.data) for m in metas]
+        self.all_outcomes.extend(found)
         for o in found:
             self.outcomes[o.number] = o
             self.source[o.number] = len(self.frames) - 1
@@ -401,7 +410,9 @@ class _Job:
         s.pending = plan.pending
         s.segments = plan.segments
         s.messages = plan.messages
-        s.bytes_read_remote = sum(o.bytes_read for o in self.outcomes.values())
+        s.bytes_read_remote = sum(o.bytes_read for o in self.all_outcomes)
+        s.arrow_bytes_to_jvm = sum(o.arrow_bytes for o in self.all_outcomes)
+        s.decode_task_seconds = sum(o.seconds for o in self.all_outcomes)
         for lo, hi, error in plan.skipped:
             s.skipped.append((lo, hi, str(error)))
             self.log.warning("segment_skipped", file=getattr(error, "path", None), skipped_from=lo, skipped_to=hi,
@@ -530,6 +541,8 @@ class _Job:
             stats.add(part)
         if stats.out_of_order:
             self.log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order)
+        s.arrow_bytes_from_jvm = stats.arrow_bytes
+        s.write_task_seconds = stats.seconds
         counts = file_counts()
         for q in queues:
             for k, v in commit_queue_dir(q.directory, os.path.join(self.out, CONSUME_QUEUE_DIR, q.topic,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -116,7 +117,9 @@ class RangeOutcome:
     first_ts: int = 0
     last_key_owner_is_last: bool = False  # no record of the range follows the owner of its last key
     reread: bool = False
-    bytes_read: int = 0
+    bytes_read: int = 0  # from a remote store
+    arrow_bytes: int = 0  # the Arrow batches this task handed to the JVM
+    seconds: float = 0.0  # the task's decode time
 
 
 def plan_ranges(segments, segment_size: int, from_offset: int, to_offset: int | None,
@@ -284,6 +287,11 @@ class RangeRows:
         return rows
 
     def _batch(self, rows: list[dict]):
+        batch = self._arrow(rows)
+        self.outcome.arrow_bytes += batch.nbytes
+        return batch
+
+    def _arrow(self, rows: list[dict]):
         pa = self.pa
         n = len(rows)
         seq = list(range(self.seq, self.seq + n))
@@ -313,6 +321,7 @@ def decoded_arrow_schema():
 def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = None) -> Iterator:
     """The Arrow batches of one range, its META row last. `start`: a record boundary (CommitLog offset)
     to read from instead of scanning (the driver's re-read of a range whose chain broke)."""
+    started = time.perf_counter()
     outcome = RangeOutcome(task.number, task.segment, task.seg_start, task.location, task.begin, task.end,
                            reread=start is not None)
     rows = RangeRows(task, outcome, settings)
@@ -334,6 +343,7 @@ def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = 
     finally:
         outcome.bytes_read = getattr(image, "bytes_read", 0)
         image.close()
+    outcome.seconds = time.perf_counter() - started
     yield from rows.finish()
     return outcome
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -43,20 +44,24 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """Fail the first attempt of one task at a point: phase 'decode' at 'started' (before its first row),
-    or phase 'consumequeue' or 'index' at 'staged' (all its files staged)."""
+    """Fail the first attempt of a task at a point: phase 'decode' at 'started' (before its first row), or
+    phase 'consumequeue' or 'index' at 'staged' (all its files staged). With a `marker`, only the first
+    task to get there fails (the marker records that it did)."""
 
     phase: str  # "decode", "consumequeue" or "index"
     point: str
-    partition: int = 0
-    marker: str | None = None  # a file created when the fault fires, for tests to see that it did
+    marker: str | None = None
 
-    def check(self, phase: str, point: str, partition: int, attempt_number: int) -> None:
-        if (phase, point, partition, attempt_number) == (self.phase, self.point, self.partition, 0):
-            if self.marker is not None:
-                with open(self.marker, "a"):
+    def check(self, phase: str, point: str, attempt_number: int) -> None:
+        if (phase, point, attempt_number) != (self.phase, self.point, 0):
+            return
+        if self.marker is not None:
+            try:
+                with open(self.marker, "x"):
                     pass
-            raise InjectedFault(f"injected failure of {phase} task {partition} at '{point}'")
+            except FileExistsError:
+                return
+        raise InjectedFault(f"injected failure of a {phase} task at '{point}'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +81,13 @@ class WriteStats:
     out_of_order: int = 0
     index_files: int = 0
     keys: int = 0
+    arrow_bytes: int = 0  # Arrow batches received from the JVM
+    seconds: float = 0.0  # task time
     files: dict[str, int] = field(default_factory=file_counts)
 
     def add(self, other: WriteStats) -> None:
-        for name in ("queues", "units", "already_built", "out_of_order", "index_files", "keys"):
+        for name in ("queues", "units", "already_built", "out_of_order", "index_files", "keys", "arrow_bytes",
+                     "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.files.items():
             self.files[k] = self.files.get(k, 0) + v
@@ -102,7 +110,9 @@ def write_queues(batches: Iterable, *, stage_dir: str, file_size: int, attempt: 
     store = ConsumeQueueStore(stage_dir, file_size)
     staged: list[StagedQueue] = []
     cq = None
+    started = time.perf_counter()
     for rb in batches:
+        stats.arrow_bytes += rb.nbytes
         cols = rb.to_pydict()
         for topic, queue_id, phy, first_qo, count, data in zip(cols["topic"], cols["queue"], cols["pos"], cols["aux"],
                                                                cols["count"], cols["data"], strict=True):
@@ -120,8 +130,9 @@ def write_queues(batches: Iterable, *, stage_dir: str, file_size: int, attempt: 
     if cq is not None:
         cq.close()
     stats.queues = len(staged)
+    stats.seconds = time.perf_counter() - started
     if fault is not None:
-        fault.check("consumequeue", "staged", attempt.partition, attempt.attempt_number)
+        fault.check("consumequeue", "staged", attempt.attempt_number)
     return stats, staged
 
 
@@ -153,6 +164,7 @@ def write_index_files(batches: Iterable, *, stage_dir: str, hash_slot_num: int, 
     current: IndexFile | None = None
     plan: IndexFilePlan | None = None
     put = 0
+    started = time.perf_counter()
 
     def finish() -> None:
         if plan is None:
@@ -172,6 +184,7 @@ def write_index_files(batches: Iterable, *, stage_dir: str, hash_slot_num: int, 
                          end_timestamp=seed_ts)
 
     for rb in batches:
+        stats.arrow_bytes += rb.nbytes
         cols = rb.to_pydict()
         for number, g0, count, data in zip(cols["file"], cols["g0"], cols["count"], cols["data"], strict=True):
             if g0 == PLAN_ROW:
@@ -205,8 +218,9 @@ def write_index_files(batches: Iterable, *, stage_dir: str, hash_slot_num: int, 
             stats.keys += done
     finish()
     stats.index_files = len(staged)
+    stats.seconds = time.perf_counter() - started
     if fault is not None:
-        fault.check("index", "staged", attempt.partition, attempt.attempt_number)
+        fault.check("index", "staged", attempt.attempt_number)
     return stats, staged
 
 

@@ -1,0 +1,111 @@
+"""Segments read where they live: an S3-compatible server (moto, started here as a subprocess on a free
+port) serves the CommitLog, and the backfill reads it in ranges: the same rows and files as from disk."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from daemon.backfill import backfill
+from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
+from daemon.backfill.source import LOCAL, S3, S3Options, SegmentDir, SegmentListing
+from daemon.rebuild import rebuild
+from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
+from tests.backfill_stores import write_forged_store
+from tests.conformance import files_under
+from tests.test_backfill import SEGMENT, assert_same_files, make_config
+
+pytest.importorskip("moto")
+fs = pytest.importorskip("pyarrow.fs")
+
+BUCKET = "rocketmq-archive"
+KEYS = {"AWS_ACCESS_KEY_ID": "reputd-test", "AWS_SECRET_ACCESS_KEY": "reputd-secret", "AWS_REGION": "eu-west-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"moto server did not start on {endpoint}")
+            time.sleep(0.2)
+    yield endpoint
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def archived(s3_server, tmp_path_factory):
+    """A forged store on local disk and the same segments uploaded to the S3 server."""
+    root = tmp_path_factory.mktemp("s3store")
+    results = write_forged_store(root / "store" / "commitlog", SEGMENT, 500)
+    s3 = fs.S3FileSystem(access_key=KEYS["AWS_ACCESS_KEY_ID"], secret_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+                         region=KEYS["AWS_REGION"], endpoint_override=s3_server.split("://")[1], scheme="http",
+                         allow_bucket_creation=True)
+    s3.create_dir(BUCKET)
+    for path in sorted((root / "store" / "commitlog").iterdir()):
+        with s3.open_output_stream(f"{BUCKET}/broker-a/commitlog/{path.name}") as out:
+            out.write(path.read_bytes())
+    return root, results
+
+
+def options(endpoint: str) -> S3Options:
+    return S3Options(endpoint, KEYS["AWS_REGION"], KEYS["AWS_ACCESS_KEY_ID"], KEYS["AWS_SECRET_ACCESS_KEY"])
+
+
+@pytest.mark.parametrize("range_bytes", [4099, SEGMENT])
+def test_ranges_read_from_s3_give_the_rows_read_from_disk(s3_server, archived, range_bytes):
+    """Each range task's rows, reading 64 KiB at a time from S3 with read-ahead, equal those from the mapped
+    local file; only the ranges' bytes (and the look-ahead) are fetched."""
+    root, _ = archived
+    s3 = options(s3_server)
+    local = SegmentListing([SegmentDir(LOCAL, str(root / "store" / "commitlog"))], SEGMENT)
+    remote = SegmentListing([SegmentDir(S3, f"{BUCKET}/broker-a/commitlog")], SEGMENT, s3)
+    assert [s.start for s in remote.segments] == [s.start for s in local.segments]
+    assert [s.written_successor for s in remote.segments] == [s.written_successor for s in local.segments]
+    settings = DecodeSettings(SEGMENT, True, 64 * 1024, DEFAULT_MESSAGE_DELAY_LEVEL, 8192, 64 * 1024, True, True,
+                              True, s3)
+    fetched = 0
+    for a, b in zip(plan_ranges(local.segments, SEGMENT, 0, None, range_bytes),
+                    plan_ranges(remote.segments, SEGMENT, 0, None, range_bytes), strict=True):
+        assert b.location.startswith("s3://")
+        rows_a = [r for rb in decode_range(a, settings) for r in rb.to_pylist()]
+        rows_b = [r for rb in decode_range(b, settings) for r in rb.to_pylist()]
+        meta_a, meta_b = pickle.loads(rows_a.pop()["data"]), pickle.loads(rows_b.pop()["data"])
+        assert rows_a == rows_b
+        assert (meta_a.first, meta_a.next_offset, meta_a.status, meta_a.records, meta_a.keys) == (
+            meta_b.first, meta_b.next_offset, meta_b.status, meta_b.records, meta_b.keys)
+        fetched += meta_b.bytes_read
+    assert fetched > 0
+
+
+def test_backfill_from_s3_writes_the_rebuilds_files(spark, s3_server, archived, tmp_path, monkeypatch):
+    """`--segments s3://bucket/prefix`, endpoint and credentials from the AWS_* environment: the files of a
+    rebuild of the same segments on disk."""
+    root, results = archived
+    rebuild(make_config(tmp_path, "reference", root / "store"))
+    for k, v in {**KEYS, "AWS_ENDPOINT_URL": s3_server}.items():
+        monkeypatch.setenv(k, v)
+    config = make_config(tmp_path, "bf", Path("/nonexistent"), backfill={"rangeBytes": 50_000, "readBytes": 1 << 20})
+    summary = backfill(config, spark=spark, segments=f"s3://{BUCKET}/broker-a/commitlog", partitions=2)
+    assert summary.messages == len(results)
+    assert_same_files(files_under(tmp_path / "bf"), files_under(tmp_path / "reference"))
