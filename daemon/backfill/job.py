@@ -80,7 +80,7 @@ from daemon.backfill.writers import (
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.logs import get_logger
-from daemon.rebuild import RebuildSummary
+from daemon.rebuild import REBUILD_BATCH_BYTES, RebuildSummary
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE
 from indexcore.errors import StoreError
 from indexcore.indexservice import INDEX_DIR
@@ -160,7 +160,9 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
     settings = {"spark.ui.showConsoleProgress": "true", "spark.log.level": "FATAL",
                 "spark.python.worker.reuse": "true",
                 # one job per action: adaptive execution would run every shuffle stage as a job of its own
-                "spark.sql.adaptive.enabled": "false"}
+                "spark.sql.adaptive.enabled": "false",
+                # rows are runs of units or keys of up to a few MB: a few per batch keeps a writer's batch small
+                "spark.sql.execution.arrow.maxRecordsPerBatch": "8"}
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
@@ -254,8 +256,9 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     log.info("backfill_started", segments=len(listing.segments), ranges=len(tasks), from_offset=start,
              to_offset=to_offset, output=out, master=summary.master, partitions=summary.partitions, job=job_id)
     store = config.store
+    window = max(config.reput.batch_bytes, min(REBUILD_BATCH_BYTES, config.backfill.range_bytes))
     settings = DecodeSettings(store.mapped_file_size_commit_log, store.check_crc_on_recover, store.max_message_size,
-                              store.message_delay_level, config.reput.batch_bytes, config.backfill.read_bytes,
+                              store.message_delay_level, window, config.backfill.read_bytes,
                               build_index, catalog is not None, config.backfill.catalog_body, s3)
     job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
     try:
@@ -497,9 +500,12 @@ class _Job:
                 raise BackfillTaskError(f"index task {attempt.partition}: {e}") from e
             yield from result_rows(INDEX_FILES, (stats, staged))
 
-        bases = self.spark.createDataFrame(list(layout.key_base.items()), "range int, base bigint")
-        keys = (self._selected(plan, KEYS).join(F.broadcast(bases), "range")
-                .select((F.col("base") + F.col("pos")).alias("g0"), "count", "data"))
+        # each range's first global key number, as a literal array indexed by range number (no join, no job)
+        bases = [0] * (max(layout.key_base) + 1)
+        for number, base in layout.key_base.items():
+            bases[number] = base
+        base_of = F.element_at(F.array(*[F.lit(b).cast("bigint") for b in bases]), F.col("range") + 1)
+        keys = self._selected(plan, KEYS).select((base_of + F.col("pos")).alias("g0"), "count", "data")
         first_file = F.expr(f"g0 div {capacity}").cast("int")
         last_file = F.least(F.expr(f"(g0 + count) div {capacity}"), F.lit(last)).cast("int")
         keys = keys.select(F.explode(F.sequence(first_file, last_file)).alias("file"), "g0", "count", "data")
