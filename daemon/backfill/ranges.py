@@ -58,6 +58,7 @@ _MAGICS = tuple(struct.pack(">i", m) for m in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC
 _MAGIC_AT = 4  # MAGICCODE's offset in a record
 _END_CHECK_SLACK = 64
 MAX_ROW_ITEMS = 16384  # units or keys per row: rows of at most 448 KiB
+_ZERO_PROBE = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +172,11 @@ def find_first_record(image, task: RangeTask, settings: DecodeSettings) -> int |
     size, max_size = settings.segment_size, settings.max_message_size
     pos = task.begin
     while pos < task.end:
+        if _unwritten(image, pos, min(size, pos + settings.lookahead)):
+            # zeros this long cannot lie inside a record: the sequential reader stops (end of the written data,
+            # or corruption) at the record boundary within their first maximal message, so nothing from here
+            # on is ever dispatched
+            return None
         hi = min(task.end, pos + settings.read_bytes)
         image.ensure(pos, hi + settings.lookahead)
         buf = image.buffer
@@ -189,6 +195,15 @@ def find_first_record(image, task: RangeTask, settings: DecodeSettings) -> int |
         image.release(pos, hi)
         pos = hi
     return None
+
+
+def _unwritten(image, start: int, end: int) -> bool:
+    """Whether [start, end) holds only zeros (a hole, by SEEK_DATA, or read a MiB at a time)."""
+    if image.next_data(start) >= end:
+        return True
+    image.ensure(start, end)
+    view = np.frombuffer(image.buffer, dtype=np.uint8, count=end - start, offset=start)
+    return not any(np.count_nonzero(view[i : i + _ZERO_PROBE]) for i in range(0, len(view), _ZERO_PROBE))
 
 
 # --- the decode ------------------------------------------------------------------------------------------

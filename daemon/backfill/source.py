@@ -223,6 +223,7 @@ class LocalImage:
     """A local segment, mapped read-only."""
 
     def __init__(self, path: str, size: int):
+        self.path = path
         with open(path, "rb") as f:
             self.buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if len(self.buffer) != size:
@@ -231,6 +232,16 @@ class LocalImage:
 
     def ensure(self, start: int, end: int) -> None:
         """Make [start, end) readable (always, for a mapped file)."""
+
+    def next_data(self, pos: int) -> int:
+        """Where the file's next data at or after `pos` is (SEEK_DATA: holes read as zeros), or its size."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError:
+            return len(self.buffer)  # no data past pos (ENXIO), or no SEEK_DATA here: nothing to skip
+        finally:
+            os.close(fd)
 
     def release(self, start: int, end: int) -> None:
         from indexcore.reader import release_pages  # noqa: PLC0415
@@ -288,6 +299,9 @@ class RemoteImage:
                 self._filled_to = self._read(self._filled_to)
         if self._ahead is None and self._filled_to < self.size:
             self._ahead = (self._filled_to, self._pool.submit(self._read, self._filled_to))
+
+    def next_data(self, pos: int) -> int:
+        return pos
 
     def _drain(self) -> None:
         if self._ahead is not None:
