@@ -31,6 +31,7 @@ import numpy as np
 from daemon.backfill.commit import file_counts
 from daemon.backfill.plan import BackfillError, IndexFilePlan
 from daemon.backfill.ranges import NO_CREATOR
+from daemon.dispatchers import RELEASE_AFTER_KEYS
 from indexcore.consumequeue import CQ_UNIT_DTYPE, ConsumeQueueStore
 from indexcore.indexfile import IndexFile
 from indexcore.indexservice import INDEX_DIR
@@ -163,7 +164,7 @@ def write_index_files(batches: Iterable, *, stage_dir: str, hash_slot_num: int, 
     staged: list[StagedIndexFile] = []
     current: IndexFile | None = None
     plan: IndexFilePlan | None = None
-    put = 0
+    put = since_release = 0
     started = time.perf_counter()
 
     def finish() -> None:
@@ -216,6 +217,10 @@ def write_index_files(batches: Iterable, *, stage_dir: str, hash_slot_num: int, 
                                     f"{plan.key_end - plan.key_start}")
             put += done
             stats.keys += done
+            since_release += done
+            if since_release >= RELEASE_AFTER_KEYS:
+                current.release()  # written pages leave the worker's RSS; the page cache keeps them
+                since_release = 0
     finish()
     stats.index_files = len(staged)
     stats.seconds = time.perf_counter() - started
