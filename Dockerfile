@@ -64,8 +64,9 @@ VOLUME ["/store", "/out"]
 
 # --- backfill: `reputd backfill` runs PySpark, which needs a Java 17 runtime -------------------------
 FROM base AS backfill
-# PySpark is the project's [backfill] extra (same spec as in pyproject.toml), kept out of the daemon image.
-RUN /opt/reputd/bin/pip install --no-cache-dir "pyspark>=3.5,<5"
+# PySpark (with pandas and pyarrow, its Arrow exchange) is the project's [backfill] extra (same specs as in
+# pyproject.toml), kept out of the daemon image.
+RUN /opt/reputd/bin/pip install --no-cache-dir "pyspark[sql]>=3.5,<5" "pyarrow>=15" "pandas>=2.2,<3"
 # The man1 directory: some openjdk packages' postinst fails on slim images without it (harmless otherwise).
 RUN mkdir -p /usr/share/man/man1 \
     && apt-get update \

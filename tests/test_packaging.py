@@ -457,7 +457,8 @@ def test_docker_backfill_stage_adds_the_backfill_extra(stages):
     assert not any("pyspark" in d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
                    ["dependencies"]), "the daemon image must not carry PySpark"
     runs = " ".join(stage(stages, "backfill").all("RUN"))
-    specs = re.findall(r'pip install --no-cache-dir "([^"]+)"', runs)
+    specs = [spec for line in re.findall(r'pip install --no-cache-dir ((?:"[^"]+" ?)+)', runs)
+             for spec in re.findall(r'"([^"]+)"', line)]
     assert specs == extras["backfill"]
 
 
