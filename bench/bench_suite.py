@@ -429,8 +429,9 @@ def run_sampled(cmd: list[str], env: dict | None = None) -> tuple[float, str, Tr
         return wall, out.read(), sampler, usage.ru_utime + usage.ru_stime
 
 
-def _s3_source(work: Path, store: Path):
-    """A moto S3 server (subprocess, free port) holding the data set's segments; (process, env, URI)."""
+def _s3_source(store: Path, cleanup: list):
+    """A moto S3 server (subprocess, free port; its stop appended to `cleanup`) holding the data set's
+    segments; (environment for the backfill, URI)."""
     from pyarrow import fs  # noqa: PLC0415
 
     from bench.spark_cluster import free_port  # noqa: PLC0415
@@ -438,6 +439,7 @@ def _s3_source(work: Path, store: Path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cleanup.append(lambda: (proc.terminate(), proc.wait(30)))
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -445,19 +447,20 @@ def _s3_source(work: Path, store: Path):
             break
         except OSError:
             if time.monotonic() > deadline:
-                proc.kill()
                 raise
             time.sleep(0.2)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
            "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
+    # moto assembles a multipart upload (and serves every ranged GET) from the whole object: allow it time
     s3 = fs.S3FileSystem(access_key="bench", secret_key="bench", region="us-east-1",
-                         endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True)
+                         endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True,
+                         request_timeout=900, connect_timeout=30)
     s3.create_dir("bench")
     for path in sorted((store / "commitlog").iterdir()):
         with open(path, "rb") as src, s3.open_output_stream(f"bench/commitlog/{path.name}") as dst:
             while chunk := src.read(16 * MIB):
                 dst.write(chunk)
-    return proc, env, "s3://bench/commitlog"
+    return env, "s3://bench/commitlog"
 
 
 def bench_backfill(work: Path, scale: float, masters: list[str]) -> list[dict]:
@@ -479,24 +482,27 @@ def bench_backfill(work: Path, scale: float, masters: list[str]) -> list[dict]:
         shutil.rmtree(out, ignore_errors=True)
         cmd = [*REPUTD, "backfill", "--config", str(config), "--out", str(out), "--json",
                "--conf", "spark.ui.enabled=false"]
-        env, cleanup, label = {}, [], master
-        if master == "cluster":
-            from bench.spark_cluster import StandaloneCluster  # noqa: PLC0415
-
-            cluster = StandaloneCluster(workers=2, work_dir=work / "spark-cluster", worker_memory="2g").start()
-            cleanup.append(cluster.stop)
-            cmd += ["--master", cluster.url]
-            env = {"PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
-            label = "standalone cluster, 2 one-core workers"
-        elif master == "s3":
-            proc, env, uri = _s3_source(work, store)
-            cleanup.append(lambda p=proc: (p.terminate(), p.wait(30)))
-            cmd += ["--master", "local[2]", "--segments", uri]
-            label = "local[2], segments on S3 (moto)"
-        else:
-            cmd += ["--master", master]
+        env, cleanup, label = {}, [], {"cluster": "standalone cluster, 2 one-core workers",
+                                         "s3": "local[2], segments on S3 (moto)"}.get(master, master)
         try:
+            if master == "cluster":
+                from bench.spark_cluster import StandaloneCluster  # noqa: PLC0415
+
+                cluster = StandaloneCluster(workers=2, work_dir=work / "spark-cluster", worker_memory="2g")
+                cleanup.append(cluster.stop)
+                cluster.start()
+                cmd += ["--master", cluster.url]
+                env = {"PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+            elif master == "s3":
+                env, uri = _s3_source(store, cleanup)
+                cmd += ["--master", "local[2]", "--segments", uri]
+            else:
+                cmd += ["--master", master]
             wall, stdout, sampler, _ = run_sampled(cmd, env)
+        except (OSError, SystemExit, RuntimeError) as e:
+            print(f"backfill {label}: failed: {e}", flush=True)
+            rows.append({"scenario": f"backfill {label}", "master": master, "error": str(e)[-500:]})
+            continue
         finally:
             for stop in cleanup:
                 stop()
@@ -517,8 +523,9 @@ def bench_backfill(work: Path, scale: float, masters: list[str]) -> list[dict]:
             "peak_rss_mb": {k: round(v / MIB, 1) for k, v in sampler.rss.items()},
             "ratio_to_rebuild": round(wall / rows[0]["seconds"], 2), "spark_jobs": summary["sparkJobs"],
             "ranges": summary["ranges"], "identical_to_rebuild": same_tree(reference, out),
-            "phases": summary["phaseSeconds"]})
-    locals_ = {r["master"]: r for r in rows[1:]}
+            "phases": summary["phaseSeconds"], "load": os.getloadavg()[0]})
+        print(f"backfill {label}: {json.dumps(rows[-1])}", flush=True)
+    locals_ = {r["master"]: r for r in rows[1:] if "error" not in r}
     if "local[1]" in locals_ and "local[2]" in locals_:
         locals_["local[2]"]["scaling_vs_local1"] = round(locals_["local[1]"]["work_seconds"]
                                                          / locals_["local[2]"]["work_seconds"], 2)
@@ -551,6 +558,9 @@ def print_table(results: list[dict]) -> None:
               "peak RSS MB driver/JVM/worker | identical |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
         for r in backfills:
+            if "error" in r:
+                print(f"| {r['scenario']} | failed: {r['error'][:100]} |")
+                continue
             if "master" not in r:
                 print(f"| rebuild (same data) | {r['messages']:,} | {r['seconds']:.2f} | | {r['msgs_per_s']:,} | 1 | "
                       f"| {r['cpu_us_per_msg']} | | | |")
