@@ -80,7 +80,7 @@ from daemon.backfill.writers import (
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.logs import get_logger
-from daemon.rebuild import REBUILD_BATCH_BYTES, RebuildSummary
+from daemon.rebuild import RebuildSummary
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE
 from indexcore.errors import StoreError
 from indexcore.indexservice import INDEX_DIR
@@ -199,6 +199,9 @@ class BackfillTaskError(RuntimeError):
 # --- the job -----------------------------------------------------------------------------------------
 
 RESULT_DDL = "kind string, value binary"
+# A decode task reads this much per window (at least reput.batchBytes): large enough that per-window Python
+# costs little, small enough that a worker's mapped pages and decoded columns stay well under its budget.
+DECODE_WINDOW_BYTES = 8 * 1024 * 1024
 QUEUES, INDEX_FILES, CATALOG_FILES = "queues", "index", "catalog"
 
 
@@ -256,7 +259,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     log.info("backfill_started", segments=len(listing.segments), ranges=len(tasks), from_offset=start,
              to_offset=to_offset, output=out, master=summary.master, partitions=summary.partitions, job=job_id)
     store = config.store
-    window = max(config.reput.batch_bytes, min(REBUILD_BATCH_BYTES, config.backfill.range_bytes))
+    window = max(config.reput.batch_bytes, min(DECODE_WINDOW_BYTES, config.backfill.range_bytes))
     settings = DecodeSettings(store.mapped_file_size_commit_log, store.check_crc_on_recover, store.max_message_size,
                               store.message_delay_level, window, config.backfill.read_bytes,
                               build_index, catalog is not None, config.backfill.catalog_body, s3)
