@@ -176,7 +176,8 @@ def _add_backfill(sub) -> None:
     p.add_argument("--partitions", type=_positive, help="tasks for the ConsumeQueue and IndexFile phases "
                                                         "(default: Spark's default parallelism)")
     p.add_argument("--catalog", metavar="PATH", help="also write a Parquet catalog of the messages, one file per "
-                                                     "topic and day (a path, file://, s3:// or hdfs://; must not exist)")
+                                                     "topic and day (a path, file://, s3:// or hdfs://; must not "
+                                                     "exist)")
     p.add_argument("--conf", dest="spark_conf", action="append", type=_spark_setting, default=[],
                    metavar="KEY=VALUE", help="a Spark setting, e.g. spark.executor.memory=4g (repeatable)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
