@@ -262,6 +262,11 @@ def _add_produce(sub) -> None:
     p.add_argument("--seed", type=_int, default=0, help="random seed: the same seed gives the same messages "
                                                         "(default 0)")
     p.add_argument("--no-uniq-key", action="store_true", help="leave out the UNIQ_KEY property")
+    p.add_argument("--lmq-queues", type=_non_negative, default=0,
+                   help="LMQ queues (%%LMQ%%q-0 ...) to spread messages over (needs store.enableMultiDispatch and "
+                        "store.enableLmq)")
+    p.add_argument("--lmq-per-message", type=_non_negative, default=1,
+                   help="distinct LMQ queues each message names in INNER_MULTI_DISPATCH (default 1)")
     p.set_defaults(handler=cmd_produce)
 
 
@@ -654,7 +659,8 @@ def cmd_produce(args, config: Config) -> int:
 
         bar = ProgressBar(unit="messages")
     s = produce(config, args.messages, topics=args.topics, queues=args.queues, body_size=args.body_size,
-                keys=args.keys, seed=args.seed, uniq_key=not args.no_uniq_key,
+                keys=args.keys, seed=args.seed, uniq_key=not args.no_uniq_key, lmq_queues=args.lmq_queues,
+                lmq_per_message=args.lmq_per_message if args.lmq_queues else 0,
                 progress=(lambda done, total: bar(done, total, done)) if bar is not None else None)
     if bar is not None:
         bar.finish()

@@ -99,6 +99,10 @@ class StoreConfig:
     flush_interval_consume_queue: int = 1000
     flush_consume_queue_least_pages: int = 2
     flush_consume_queue_thorough_interval: int = 60000
+    enable_multi_dispatch: bool = False
+    enable_lmq: bool = False
+    max_transfer_bytes_on_message_in_memory: int = 256 * 1024
+    max_transfer_count_on_message_in_memory: int = 32
 
     @property
     def commit_log_dirs(self) -> tuple[str, ...]:
@@ -290,6 +294,10 @@ _KEY_LIST = (
     _Key("store", "flushIntervalConsumeQueue", "int", (_java_int(1),)),
     _Key("store", "flushConsumeQueueLeastPages", "int", (_java_int(0),)),
     _Key("store", "flushConsumeQueueThoroughInterval", "int", (_java_int(0),)),
+    _Key("store", "enableMultiDispatch", "bool"),
+    _Key("store", "enableLmq", "bool"),
+    _Key("store", "maxTransferBytesOnMessageInMemory", "int", (_java_int(1),)),
+    _Key("store", "maxTransferCountOnMessageInMemory", "int", (_java_int(1),)),
     _Key("output", "dir", "path"),
     _Key("reput", "pollIntervalMs", "int", (_in_range(1),)),
     _Key("reput", "batchBytes", "int", (_in_range(1),)),
@@ -327,7 +335,7 @@ BROKER_RUNTIME_STORE_KEYS = frozenset({
     "flushIntervalCommitLog", "flushLeastPagesWhenWarmMapedFile", "forceVerifyPropCRC", "haHousekeepingInterval",
     "haListenPort", "haMasterAddress", "haSendHeartbeatInterval", "haSlaveFallbehindMax", "haTransferBatchSize",
     "mappedFileSizeConsumeQueueExt", "maxLmqConsumeQueueNum", "maxTransferBytesOnMessageInDisk",
-    "maxTransferBytesOnMessageInMemory", "maxTransferCountOnMessageInDisk", "maxTransferCountOnMessageInMemory",
+    "maxTransferCountOnMessageInDisk",
     "messageIndexSafe", "offsetCheckInSlave", "osPageCacheBusyTimeOutMills", "preferredLeaderId",
     "putMsgIndexHightWater", "recheckReputOffsetFromCq", "redeleteHangedFileInterval",
     "scheduleAsyncDeliverMaxPendingLimit", "scheduleAsyncDeliverMaxResendNum2Blocked", "slaveTimeout",
@@ -338,15 +346,11 @@ BROKER_RUNTIME_STORE_KEYS = frozenset({
 # accepted only at these (default) values, so they can never silently give different files.
 UNSUPPORTED_STORE_SETTINGS: dict[str, Any] = {
     "enableConsumeQueueExt": False,
-    "enableMultiDispatch": False,
-    "enableLmq": False,
     "enableDLegerCommitLog": False,
     "readOnlyCommitLogStorePaths": None,
 }
 _UNSUPPORTED_WHY = {
     "enableConsumeQueueExt": "ConsumeQueueExt files are not written by reputd",
-    "enableMultiDispatch": "LMQ multi-dispatch queues are not written by reputd",
-    "enableLmq": "LMQ multi-dispatch queues are not written by reputd",
     "enableDLegerCommitLog": "a DLedger CommitLog wraps records in DLedger entries, which reputd does not read",
     "readOnlyCommitLogStorePaths": "list those directories in storePathCommitLog instead",
 }

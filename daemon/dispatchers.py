@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import mmap
+import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,6 +44,29 @@ class Dispatcher(Protocol):
 # While catching up, an IndexFile gets millions of entries between two flushes: drop its pages from the
 # RSS every this many keys (about 20 MB of entries) instead of only at the flush.
 RELEASE_AFTER_KEYS = 1 << 20
+# Files synced at once: each fdatasync waits for a journal commit, and concurrent ones share it, which
+# matters with thousands of LMQ queues (1,064 files: 3.4 s one after the other here).
+SYNC_THREADS = 16
+
+
+def _fdatasync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_paths(paths: list[str]) -> None:
+    """fdatasync every file, SYNC_THREADS at a time, through descriptors of our own; the first error
+    is raised once all are done."""
+    if len(paths) <= 1:
+        for path in paths:
+            _fdatasync(path)
+        return
+    with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="reputd-sync") as pool:
+        for _ in pool.map(_fdatasync, paths):
+            pass
 
 
 @dataclass(slots=True)
@@ -66,12 +91,16 @@ class ConsumeQueueDispatcher:
         self.stats = PutStats()
         self._log = get_logger(dispatcher=self.name)
         self._flushed: dict[tuple[str, int], int] = {}  # write offset of each queue at its last sync
+        self._unsynced: set[tuple[str, int]] = set()  # queues left with unsynced units by the last plan
 
     def dispatch(self, batch: DispatchBatch) -> None:
         stats = self.queues.dispatch(batch)
         if stats.out_of_order:
             self._log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order,
                               batch_start=batch.start_offset)
+        for row in batch.multi_count_mismatch.tolist():  # the broker logs it and writes no extra unit
+            self._log.warning("multi_dispatch_count_mismatch", commit_log_offset=int(batch.phy_offset[row]),
+                              topic=batch.topic_of(row))
         self.stats.add(stats)
 
     def files(self) -> int:
@@ -79,8 +108,9 @@ class ConsumeQueueDispatcher:
         return sum(cq.file_count for cq in list(self.queues.queues.values()))
 
     def flush(self) -> None:
-        self.queues.flush()
+        self.queues.flush(sync_paths)
         self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
+        self._unsynced, self.queues.touched = set(), set()
 
     def prepare_flush(self, thorough: bool, least_pages: int) -> FlushPlan:
         """`ConsumeQueue.flush(flushLeastPages)` for every queue: sync a queue's writing file when it has
@@ -88,20 +118,29 @@ class ConsumeQueueDispatcher:
         flushed = self._flushed
         plan = FlushPlan()
         synced: dict[tuple[str, int], int] = {}
-        for key, cq in self.queues.queues.items():
+        # only queues written since the last plan, or left unsynced by it: tens of thousands of LMQ
+        # queues are not walked every interval
+        candidates = self._unsynced | self.queues.touched
+        self.queues.touched = set()
+        unsynced = set()
+        for key in candidates:
+            cq = self.queues.queues[key]
             end = cq.write_offset
             start = flushed.get(key, 0)
             if end == start:
                 continue
-            cq.release()  # written pages leave the RSS; the page cache keeps them
             if thorough or least_pages <= 0 or end // PAGE_SIZE - start // PAGE_SIZE >= least_pages:
                 plan.paths.append(cq.writing_path)
                 synced[key] = end
             else:
                 plan.complete = False
+                unsynced.add(key)
+
+        self._unsynced = unsynced | synced.keys()  # a sync that fails leaves them for the next plan
 
         def done() -> None:
-            self._flushed = {**flushed, **synced}
+            self._flushed.update(synced)
+            self._unsynced -= synced.keys()
 
         plan.done = done
         return plan
@@ -113,6 +152,7 @@ class ConsumeQueueDispatcher:
         """Remove every unit at or past the checkpoint: those records are dispatched again."""
         self.queues.truncate_to(reput_from_offset)
         self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
+        self._unsynced, self.queues.touched = set(), set()
 
     def resume_offset(self) -> int | None:
         """Where the broker would restart its reput: the end of the last unit over all queues; None when

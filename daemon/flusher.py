@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from daemon.checkpoint import Checkpoint, write_checkpoint
-from daemon.dispatchers import FlushPlan
+from daemon.dispatchers import FlushPlan, sync_paths
 from daemon.logs import get_logger
 
 if TYPE_CHECKING:
@@ -113,9 +113,8 @@ class Flusher:
                     plans.append(prepare(thorough, least_pages))
             states = {d.name: d.checkpoint_state() for d in s.dispatchers if hasattr(d, "checkpoint_state")}
         started = time.perf_counter()
+        sync_paths([path for plan in plans for path in plan.paths])  # thousands of LMQ queues: in parallel
         for plan in plans:
-            for path in plan.paths:
-                sync_file(path)
             sync_new_entries(plan.paths, s.output_dir, s.synced_paths)
         for plan in plans:
             if plan.done is not None:

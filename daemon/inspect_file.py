@@ -24,7 +24,7 @@ from daemon.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.checkpoint import CheckpointError, read_checkpoint
 from daemon.config import Config
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
-from indexcore.commitlog import RECORD_PREFIX
+from indexcore.commitlog import RECORD_PREFIX, MessageRecord
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, CQ_UNIT_SIZE, ConsumeQueueUnit
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import StoreLayoutError
@@ -127,11 +127,13 @@ def inspect_commitlog(path: str, limit: int | None, delay_table: DelayLevelTable
                                         delay_table=delay_table)
                 b = result.batch
                 for i in range(len(b)):
+                    at = int(b.phy_offset[i]) - base
                     yield {"commitLogOffset": int(b.phy_offset[i]), "size": int(b.msg_size[i]),
                            "topic": b.topic_of(i), "queueId": int(b.queue_id[i]),
                            "queueOffset": int(b.queue_offset[i]), "sysFlag": int(b.sys_flag[i]),
                            "storeTimestamp": int(b.store_timestamp[i]), "tagsCode": int(b.tags_code[i]),
-                           "keys": b.keys[i], "uniqKey": b.uniq_key[i]}
+                           "keys": b.keys[i], "uniqKey": b.uniq_key[i],
+                           "properties": MessageRecord.decode(mm, at, check_crc=False).property_map()}
                 pos = result.position
                 if result.stop is not Stop.LIMIT:
                     break

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from daemon.config import Config
+from daemon.config import Config, StoreConfig
 from indexcore.commitlog import (
     KEY_SEPARATOR,
     PROPERTY_KEYS,
@@ -31,6 +31,7 @@ from indexcore.msgid import create_offset_msg_id, decode_offset_msg_id
 from indexcore.reader import CommitLog
 
 LONG_MAX = 2**63 - 1
+MAX_FILTER_MESSAGE_UNITS = 16000 // 20  # getMessage looks at no more units than this (or maxMsgNums)
 
 
 def message_json(rec: MessageRecord) -> dict:
@@ -170,7 +171,18 @@ def _check_queue(config: Config, topic: str, queue_id: int) -> None:
                                f"{_listing([str(q) for q in queues]) or 'none'})")
 
 
+def _batch_full(taken: int, taken_bytes: int, size: int, count: int, store: StoreConfig) -> bool:
+    """`isTheBatchFull` for messages in memory: the broker's page-cache limits on one pull."""
+    if taken == 0:
+        return False
+    return (taken >= count or taken_bytes + size > store.max_transfer_bytes_on_message_in_memory
+            or taken > store.max_transfer_count_on_message_in_memory - 1)
+
+
 def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: int = 32) -> QueueQueryResult:
+    """`getMessage` without a filter, with the transfer limits of messages in memory (a broker whose
+    CommitLog outgrows its memory ratio uses the smaller on-disk ones; that depends on its RAM). An LMQ is
+    read as topic = its name, queue 0."""
     _check_queue(config, topic, queue_id)
     store = ConsumeQueueStore(config.output.dir, config.store.mapped_file_size_consume_queue, readonly=True)
     cq = store.queue(topic, queue_id)
@@ -186,9 +198,15 @@ def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: i
             return QueueQueryResult("OFFSET_OVERFLOW_ONE", lo, hi, offset, [])
         if offset > hi:
             return QueueQueryResult("OFFSET_OVERFLOW_BADLY", lo, hi, lo if lo == 0 else hi, [])
-        units = cq.read_units(offset, count)
-        msgs = [_read(config, log, u.commit_log_offset) for u in units if u.is_valid]
-        return QueueQueryResult("FOUND", lo, hi, offset + len(units), msgs)
+        units = cq.read_units(offset, max(count, MAX_FILTER_MESSAGE_UNITS))
+        taken = taken_bytes = 0
+        for u in units:
+            if _batch_full(taken, taken_bytes, u.msg_size, count, config.store):
+                break
+            taken += 1
+            taken_bytes += u.msg_size
+        msgs = [_read(config, log, u.commit_log_offset) for u in units[:taken] if u.is_valid]
+        return QueueQueryResult("FOUND", lo, hi, offset + taken, msgs)
     finally:
         store.close()
 

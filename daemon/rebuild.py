@@ -21,6 +21,7 @@ from daemon.logs import get_logger
 from daemon.readahead import ReadAhead
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import CorruptRecordError, StoreError
+from indexcore.multidispatch import multi_dispatch_flags
 from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
 
 # A rebuild has no latency to keep, and every batch costs a fixed amount of Python per queue: it reads at
@@ -82,7 +83,8 @@ def make_reader(config: Config, log: CommitLog, batch_bytes: int | None = None) 
     store = config.store
     return CommitLogReader(log, check_crc=store.check_crc_on_recover, max_message_size=store.max_message_size,
                            delay_table=DelayLevelTable(store.message_delay_level),
-                           batch_bytes=batch_bytes or config.reput.batch_bytes)
+                           batch_bytes=batch_bytes or config.reput.batch_bytes,
+                           multi_flags=multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq))
 
 
 def rebuild(config: Config, *, from_offset: int | None = None,

@@ -2,7 +2,9 @@
  *
  * decode_window  one pass over a window of CommitLog records: header fields, body CRC, topic, the
  *                KEYS/UNIQ_KEY/TAGS/DELAY properties, the TAGS hash and the IndexFile hash of every
- *                "topic#key" (Java String.hashCode over UTF-16 units of the UTF-8-decoded text).
+ *                "topic#key" (Java String.hashCode over UTF-16 units of the UTF-8-decoded text); with
+ *                multi-dispatch on, also the queues and offsets of INNER_MULTI_DISPATCH /
+ *                INNER_MULTI_QUEUE_OFFSET (multidispatch.py states the rules), one row per target.
  * put_keys       the broker's IndexFile.putKey loop, straight into the mapped file (or, for `reputd verify`,
  *                into the slots and a window of entries held in memory).
  *
@@ -56,6 +58,17 @@
 #define SURROGATE_MIN 0xD800
 #define SURROGATE_MAX 0xDFFF
 
+/* multi-dispatch (multidispatch.py) */
+#define TRANSACTION_TYPE_MASK 0xC
+#define TRANSACTION_NOT_TYPE 0x0
+#define TRANSACTION_COMMIT_TYPE 0x8
+#define MULTI_DISPATCH_QUEUE_SPLITTER 0x2C
+#define LMQ_PREFIX "%LMQ%"
+#define LMQ_PREFIX_LENGTH 5
+#define LMQ_QUEUE_ID 0
+#define CQ_UNIT_SIZE 20
+#define MAX_MULTI_QUEUE_OFFSET (INT64_MAX / CQ_UNIT_SIZE)
+
 /* IndexFile layout (indexfile.py) */
 #define INDEX_HEADER_SIZE 40
 #define HASH_SLOT_SIZE 4
@@ -71,21 +84,30 @@ enum { STOP_LIMIT, STOP_BLANK, STOP_END, STOP_ERROR, STOP_FULL };
 enum {
     ERR_NO_BLANK = 1, ERR_BLANK_SIZE, ERR_MAGIC, ERR_TOTAL_SMALL, ERR_TOTAL_MAX, ERR_TOTAL_PAST,
     ERR_PHYSICAL_OFFSET, ERR_BODY_LENGTH, ERR_BODY_CRC, ERR_TOPIC_LENGTH_END, ERR_TOPIC_LENGTH,
-    ERR_PROPERTIES_LENGTH, ERR_PARTS, ERR_FIXED_PART
+    ERR_PROPERTIES_LENGTH, ERR_PARTS, ERR_FIXED_PART, ERR_MULTI_NO_PROPERTIES, ERR_MULTI_QUEUE_OFFSET
 };
+/* why a multi-dispatch queue offset is refused (e2 of ERR_MULTI_QUEUE_OFFSET) */
+enum { OFFSET_NOT_A_NUMBER, OFFSET_NEGATIVE, OFFSET_TOO_LARGE };
+/* the decode_window flags argument */
+enum { MULTI_DISPATCH = 1, MULTI_DISPATCH_LMQ = 2 };
+/* R_MULTI: what multi-dispatch made of a record */
+enum { MULTI_NONE, MULTI_DISPATCHED, MULTI_COUNT_MISMATCH };
 /* which output is full (bits of e1 with STOP_FULL) */
-enum { FULL_RECORDS = 1, FULL_KEYS = 2, FULL_TEXT = 4, FULL_TOPICS = 8, FULL_TABLE = 16 };
+enum { FULL_RECORDS = 1, FULL_KEYS = 2, FULL_TEXT = 4, FULL_TOPICS = 8, FULL_TABLE = 16, FULL_MULTI = 32 };
 
 /* columns */
 enum {
     R_PHY, R_SIZE, R_QUEUE_ID, R_QUEUE_OFFSET, R_SYS_FLAG, R_STORE_TIMESTAMP, R_PREPARED_OFFSET,
     R_TAGS_CODE, R_TOPIC_ID, R_KEYS_AT, R_KEYS_LEN, R_UNIQ_AT, R_UNIQ_LEN, R_DELAY_AT, R_DELAY_LEN,
-    RECORD_COLUMNS
+    R_MULTI, RECORD_COLUMNS
 };
 enum { K_HASH, K_OWNER, KEY_COLUMNS };
-enum { T_AT, T_LEN, T_FIRST, T_FNV, T_JAVA_PREFIX, TOPIC_COLUMNS };
+enum { M_OWNER, M_TOPIC_ID, M_QUEUE_ID, M_QUEUE_OFFSET, MULTI_COLUMNS };
+enum { T_AT, T_LEN, T_FIRST, T_FNV, T_JAVA_PREFIX, T_ROLE, TOPIC_COLUMNS };
+/* T_ROLE: how a name was first met in the window */
+enum { ROLE_TOPIC, ROLE_MULTI_DISPATCH };
 /* the in/out counters */
-enum { S_RECORDS, S_KEYS, S_TEXT, S_TOPICS, STATE_COLUMNS };
+enum { S_RECORDS, S_KEYS, S_TEXT, S_TOPICS, S_MULTI, STATE_COLUMNS };
 
 #define FNV_OFFSET 0xCBF29CE484222325ULL
 #define FNV_PRIME 0x100000001B3ULL
@@ -231,10 +253,10 @@ static inline int name_is(const uint8_t *b, int64_t n, const char *name, int64_t
 
 typedef struct {
     const uint8_t *buf;
-    int64_t *rec, *keys, *topics, *table;
+    int64_t *rec, *keys, *topics, *table, *multi;
     uint8_t *text;
-    int64_t cap_rec, cap_keys, cap_text, cap_topics, table_size;
-    int64_t n, nkeys, ntext, ntopics;
+    int64_t cap_rec, cap_keys, cap_text, cap_topics, table_size, cap_multi;
+    int64_t n, nkeys, ntext, ntopics, nmulti;
 } Out;
 
 static uint64_t fnv(const uint8_t *b, int64_t n) {
@@ -250,8 +272,9 @@ static void table_insert(Out *o, int64_t t) {
     o->table[s] = t;
 }
 
-/* The id of the topic spelled b[at:at+n] in this window, or -1 if it is new and there is no room. */
-static int64_t topic_id(Out *o, int64_t at, int64_t n) {
+/* The id of the topic spelled b[at:at+n] in this window, or -1 if it is new and there is no room.
+ * Multi-dispatch queue names share the table: each becomes a directory under consumequeue/ too. */
+static int64_t topic_id(Out *o, int64_t at, int64_t n, int64_t role) {
     const uint8_t *b = o->buf;
     uint64_t f = fnv(b + at, n);
     uint64_t mask = (uint64_t)o->table_size - 1;
@@ -272,14 +295,79 @@ static int64_t topic_id(Out *o, int64_t at, int64_t n) {
     row[T_FIRST] = o->n;
     row[T_FNV] = (int64_t)f;
     row[T_JAVA_PREFIX] = java_step(java_hash_utf8(b + at, n, 0), INDEX_KEY_SEPARATOR);
+    row[T_ROLE] = role;
     o->table[s] = t;
     return t;
+}
+
+/* StringUtils.isBlank of b[0:n] decoded as Java decodes it: every char is Character.isWhitespace. Beyond
+ * ASCII only these are: U+1680, U+2000..U+2006, U+2008..U+200A, U+2028, U+2029, U+205F, U+3000 (all three
+ * UTF-8 bytes); anything else, U+FFFD for malformed bytes included, is not. */
+static int java_blank(const uint8_t *b, int64_t n) {
+    for (int64_t i = 0; i < n;) {
+        uint8_t c = b[i];
+        if ((c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20)) {
+            i++;
+            continue;
+        }
+        if (i + 3 > n) return 0;
+        uint32_t cp = ((uint32_t)c << 16) | ((uint32_t)b[i + 1] << 8) | b[i + 2];
+        int ws = cp == 0xE19A80 || (cp >= 0xE28080 && cp <= 0xE2808A && cp != 0xE28087) || cp == 0xE280A8
+                 || cp == 0xE280A9 || cp == 0xE2819F || cp == 0xE38080;
+        if (!ws) return 0;
+        i += 3;
+    }
+    return 1;
+}
+
+/* Java's String.split(","): where the pieces of b[at:at+n] end once trailing empty pieces are dropped,
+ * and how many pieces are left (no piece at all when the text is only commas). */
+static int64_t split_pieces(const uint8_t *b, int64_t at, int64_t n, int64_t *end) {
+    int64_t e = at + n;
+    while (e > at && b[e - 1] == MULTI_DISPATCH_QUEUE_SPLITTER) e--;
+    *end = e;
+    if (e == at) return 0;
+    int64_t pieces = 1;
+    for (const uint8_t *p = b + at; (p = memchr(p, MULTI_DISPATCH_QUEUE_SPLITTER, (size_t)(b + e - p))) != NULL; p++)
+        pieces++;
+    return pieces;
+}
+
+/* Long.parseLong of b[at:e] for a queue offset: an optional sign, then ASCII digits (what the broker
+ * writes), in [0, MAX_MULTI_QUEUE_OFFSET]. Returns -1 with *why set otherwise. */
+static int64_t parse_queue_offset(const uint8_t *b, int64_t at, int64_t e, int64_t *why) {
+    int negative = 0;
+    if (at < e && (b[at] == '+' || b[at] == '-')) negative = b[at++] == '-';
+    if (at == e) {
+        *why = OFFSET_NOT_A_NUMBER;
+        return -1;
+    }
+    uint64_t v = 0;
+    int big = 0;
+    for (; at < e; at++) {
+        if (b[at] < '0' || b[at] > '9') {
+            *why = OFFSET_NOT_A_NUMBER;
+            return -1;
+        }
+        if (v > (uint64_t)MAX_MULTI_QUEUE_OFFSET) big = 1;  /* stop before v * 10 could wrap */
+        else v = v * 10 + (uint64_t)(b[at] - '0');
+    }
+    if (negative && v != 0) {  /* Java parses "-5"; the unit would go before the queue's first file */
+        *why = OFFSET_NEGATIVE;
+        return -1;
+    }
+    if (big || v > (uint64_t)MAX_MULTI_QUEUE_OFFSET) {  /* Long.MAX_VALUE or its byte position overflow */
+        *why = OFFSET_TOO_LARGE;
+        return -1;
+    }
+    return (int64_t)v;
 }
 
 typedef struct { int64_t stop, pos, err, e1, e2, e3; } Result;
 
 static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, int64_t base, int64_t max_size,
-                     int check_crc) {
+                     int check_crc, int64_t multi_flags) {
+    const int multi = (multi_flags & MULTI_DISPATCH) != 0, lmq = (multi_flags & MULTI_DISPATCH_LMQ) != 0;
     const uint8_t *buf = o->buf;
     Result r = {STOP_LIMIT, start, 0, 0, 0, 0};
     int64_t pos = start;
@@ -339,8 +427,8 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
         if (p + props_len != end) FAIL(ERR_PARTS, end - p - props_len, 0);
 
         /* properties: the last non-empty value of each wanted name wins */
-        int64_t keys_at = -1, uniq_at = -1, tags_at = -1, delay_at = -1;
-        int64_t keys_len = 0, uniq_len = 0, tags_len = 0, delay_len = 0;
+        int64_t keys_at = -1, uniq_at = -1, tags_at = -1, delay_at = -1, names_at = -1, offsets_at = -1;
+        int64_t keys_len = 0, uniq_len = 0, tags_len = 0, delay_len = 0, names_len = 0, offsets_len = 0;
         for (int64_t s = p; s < end;) {
             const uint8_t *sep = memchr(buf + s, PROPERTY_SEPARATOR, (size_t)(end - s));
             int64_t e = sep ? sep - buf : end;
@@ -352,8 +440,33 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
                 else if (name_is(name, name_len, "UNIQ_KEY", 8)) { uniq_at = value_at; uniq_len = value_len; }
                 else if (name_is(name, name_len, "TAGS", 4)) { tags_at = value_at; tags_len = value_len; }
                 else if (name_is(name, name_len, "DELAY", 5)) { delay_at = value_at; delay_len = value_len; }
+                else if (multi && name_is(name, name_len, "INNER_MULTI_DISPATCH", 20)) {
+                    names_at = value_at;
+                    names_len = value_len;
+                } else if (multi && name_is(name, name_len, "INNER_MULTI_QUEUE_OFFSET", 24)) {
+                    offsets_at = value_at;
+                    offsets_len = value_len;
+                }
             }
             s = e + 1;
+        }
+
+        /* multi-dispatch targets (checkMultiDispatchQueue, multiDispatchLmqQueue): only records that get
+         * a ConsumeQueue unit, NOT and COMMIT, have any */
+        int64_t multi_state = MULTI_NONE, targets = 0, names_end = 0, offsets_end = 0;
+        int64_t type = sys_flag & TRANSACTION_TYPE_MASK;
+        if (multi && (type == TRANSACTION_NOT_TYPE || type == TRANSACTION_COMMIT_TYPE)) {
+            if (props_len == 0) FAIL(ERR_MULTI_NO_PROPERTIES, 0, 0);
+            if (names_at >= 0 && offsets_at >= 0 && !java_blank(buf + names_at, names_len)
+                && !java_blank(buf + offsets_at, offsets_len)) {
+                targets = split_pieces(buf, names_at, names_len, &names_end);
+                if (targets == split_pieces(buf, offsets_at, offsets_len, &offsets_end)) {
+                    multi_state = MULTI_DISPATCHED;
+                } else {
+                    multi_state = MULTI_COUNT_MISMATCH;
+                    targets = 0;
+                }
+            }
         }
 
         /* room for this record's outputs, or stop before it */
@@ -362,8 +475,32 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
         if (o->n == o->cap_rec) full |= FULL_RECORDS;
         if (o->nkeys + keys_needed > o->cap_keys) full |= FULL_KEYS;
         if (o->ntext + keys_len + uniq_len > o->cap_text) full |= FULL_TEXT;
-        int64_t tid = full ? 0 : topic_id(o, topic_at, topic_len);
+        if (o->nmulti + targets > o->cap_multi) full |= FULL_MULTI;
+        int64_t tid = full ? 0 : topic_id(o, topic_at, topic_len, ROLE_TOPIC);
         if (tid < 0) full |= (o->ntopics == o->cap_topics ? FULL_TOPICS : 0) | FULL_TABLE;
+        /* one row per target, past the committed ones until the record is taken */
+        int64_t queue_id = be32(at + QUEUE_ID_OFFSET);
+        for (int64_t k = 0, a = names_at, q = offsets_at; !full && k < targets; k++) {
+            const uint8_t *sep = memchr(buf + a, MULTI_DISPATCH_QUEUE_SPLITTER, (size_t)(names_end - a));
+            int64_t e = sep && sep - buf < names_end ? sep - buf : names_end;
+            const uint8_t *qsep = memchr(buf + q, MULTI_DISPATCH_QUEUE_SPLITTER, (size_t)(offsets_end - q));
+            int64_t qe = qsep && qsep - buf < offsets_end ? qsep - buf : offsets_end;
+            int64_t why = 0, queue_offset = parse_queue_offset(buf, q, qe, &why);
+            if (queue_offset < 0) FAIL(ERR_MULTI_QUEUE_OFFSET, k, why);
+            int64_t id = topic_id(o, a, e - a, ROLE_MULTI_DISPATCH);
+            if (id < 0) {
+                full |= (o->ntopics == o->cap_topics ? FULL_TOPICS : 0) | FULL_TABLE;
+                break;
+            }
+            int64_t row = o->nmulti + k;
+            int is_lmq = lmq && e - a >= LMQ_PREFIX_LENGTH && memcmp(buf + a, LMQ_PREFIX, LMQ_PREFIX_LENGTH) == 0;
+            o->multi[M_OWNER * o->cap_multi + row] = o->n;
+            o->multi[M_TOPIC_ID * o->cap_multi + row] = id;
+            o->multi[M_QUEUE_ID * o->cap_multi + row] = is_lmq ? LMQ_QUEUE_ID : queue_id;
+            o->multi[M_QUEUE_OFFSET * o->cap_multi + row] = queue_offset;
+            a = e + 1;
+            q = qe + 1;
+        }
         if (full) {
             r.stop = STOP_FULL;
             r.e1 = full;
@@ -371,11 +508,12 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
             r.e3 = keys_len + uniq_len;
             goto done;
         }
+        o->nmulti += targets;
 
 #define ROW(c) o->rec[(c) * o->cap_rec + o->n]
         ROW(R_PHY) = phy;
         ROW(R_SIZE) = total;
-        ROW(R_QUEUE_ID) = be32(at + QUEUE_ID_OFFSET);
+        ROW(R_QUEUE_ID) = queue_id;
         ROW(R_QUEUE_OFFSET) = be64(at + QUEUE_OFFSET_OFFSET);
         ROW(R_SYS_FLAG) = sys_flag;
         ROW(R_STORE_TIMESTAMP) = be64(buf + born_end);
@@ -388,6 +526,7 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
         ROW(R_UNIQ_LEN) = 0;
         ROW(R_KEYS_AT) = -1;
         ROW(R_KEYS_LEN) = 0;
+        ROW(R_MULTI) = multi_state;
         uint32_t prefix = (uint32_t)o->topics[tid * TOPIC_COLUMNS + T_JAVA_PREFIX];
         if (uniq_at >= 0) {
             memcpy(o->text + o->ntext, buf + uniq_at, (size_t)uniq_len);
@@ -435,22 +574,24 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t i
 }
 
 static PyObject *py_decode_window(PyObject *self, PyObject *args) {
-    PyObject *image_obj, *rec_obj, *keys_obj, *text_obj, *topics_obj, *table_obj, *state_obj;
-    long long start, stop_at, file_size, base, max_size;
+    PyObject *image_obj, *rec_obj, *keys_obj, *text_obj, *topics_obj, *table_obj, *multi_obj, *state_obj;
+    long long start, stop_at, file_size, base, max_size, multi_flags;
     int check_crc;
-    if (!PyArg_ParseTuple(args, "OLLLLLpOOOOOO", &image_obj, &start, &stop_at, &file_size, &base, &max_size,
-                          &check_crc, &rec_obj, &keys_obj, &text_obj, &topics_obj, &table_obj, &state_obj))
+    if (!PyArg_ParseTuple(args, "OLLLLLpLOOOOOOO", &image_obj, &start, &stop_at, &file_size, &base, &max_size,
+                          &check_crc, &multi_flags, &rec_obj, &keys_obj, &text_obj, &topics_obj, &table_obj,
+                          &multi_obj, &state_obj))
         return NULL;
-    Py_buffer v[7];
-    PyObject *objs[7] = {image_obj, rec_obj, keys_obj, text_obj, topics_obj, table_obj, state_obj};
-    const Py_ssize_t sizes[7] = {1, 8, 8, 1, 8, 8, 8};
-    const char *names[7] = {"image", "records", "keys", "text", "topics", "table", "state"};
+    enum { NBUF = 8 };
+    Py_buffer v[NBUF];
+    PyObject *objs[NBUF] = {image_obj, rec_obj, keys_obj, text_obj, topics_obj, table_obj, multi_obj, state_obj};
+    const Py_ssize_t sizes[NBUF] = {1, 8, 8, 1, 8, 8, 8, 8};
+    const char *names[NBUF] = {"image", "records", "keys", "text", "topics", "table", "multi", "state"};
     int got = 0;
-    for (; got < 7; got++)
+    for (; got < NBUF; got++)
         if (get_buffer(objs[got], &v[got], got > 0, sizes[got], names[got]) < 0) goto fail;
-    int64_t *state = v[6].buf;
-    if (v[6].len < (Py_ssize_t)(STATE_COLUMNS * sizeof(int64_t))) {
-        PyErr_SetString(PyExc_ValueError, "state: needs 4 counters");
+    int64_t *state = v[7].buf;
+    if (v[7].len < (Py_ssize_t)(STATE_COLUMNS * sizeof(int64_t))) {
+        PyErr_Format(PyExc_ValueError, "state: needs %d counters", STATE_COLUMNS);
         goto fail;
     }
     if (start < 0 || file_size > v[0].len || start > file_size || stop_at > file_size) {
@@ -465,12 +606,15 @@ static PyObject *py_decode_window(PyObject *self, PyObject *args) {
     }
     Out o = {
         .buf = v[0].buf, .rec = v[1].buf, .keys = v[2].buf, .text = v[3].buf, .topics = v[4].buf,
-        .table = v[5].buf, .cap_rec = v[1].len / (8 * RECORD_COLUMNS), .cap_keys = v[2].len / (8 * KEY_COLUMNS),
-        .cap_text = v[3].len, .cap_topics = v[4].len / (8 * TOPIC_COLUMNS), .table_size = table_size,
+        .table = v[5].buf, .multi = v[6].buf, .cap_rec = v[1].len / (8 * RECORD_COLUMNS),
+        .cap_keys = v[2].len / (8 * KEY_COLUMNS), .cap_text = v[3].len, .cap_topics = v[4].len / (8 * TOPIC_COLUMNS),
+        .table_size = table_size, .cap_multi = v[6].len / (8 * MULTI_COLUMNS),
         .n = state[S_RECORDS], .nkeys = state[S_KEYS], .ntext = state[S_TEXT], .ntopics = state[S_TOPICS],
+        .nmulti = state[S_MULTI],
     };
-    if (o.n < 0 || o.nkeys < 0 || o.ntext < 0 || o.ntopics < 0 || o.n > o.cap_rec || o.nkeys > o.cap_keys
-        || o.ntext > o.cap_text || o.ntopics > o.cap_topics || 2 * o.ntopics > table_size) {
+    if (o.n < 0 || o.nkeys < 0 || o.ntext < 0 || o.ntopics < 0 || o.nmulti < 0 || o.n > o.cap_rec
+        || o.nkeys > o.cap_keys || o.ntext > o.cap_text || o.ntopics > o.cap_topics || o.nmulti > o.cap_multi
+        || 2 * o.ntopics > table_size) {
         PyErr_SetString(PyExc_ValueError, "state: counters exceed the buffers");
         goto fail;
     }
@@ -478,13 +622,14 @@ static PyObject *py_decode_window(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t s = 0; s < table_size; s++) o.table[s] = -1;
     for (int64_t t = 0; t < o.ntopics; t++) table_insert(&o, t);
-    r = decode(&o, start, stop_at, file_size, base, max_size, check_crc);
+    r = decode(&o, start, stop_at, file_size, base, max_size, check_crc, multi_flags);
     Py_END_ALLOW_THREADS
     state[S_RECORDS] = o.n;
     state[S_KEYS] = o.nkeys;
     state[S_TEXT] = o.ntext;
     state[S_TOPICS] = o.ntopics;
-    for (int i = 0; i < 7; i++) PyBuffer_Release(&v[i]);
+    state[S_MULTI] = o.nmulti;
+    for (int i = 0; i < NBUF; i++) PyBuffer_Release(&v[i]);
     return Py_BuildValue("(LLLLLL)", (long long)r.stop, (long long)r.pos, (long long)r.err, (long long)r.e1,
                          (long long)r.e2, (long long)r.e3);
 fail:
@@ -586,8 +731,8 @@ static PyObject *py_java_hash_utf8(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_window", py_decode_window, METH_VARARGS,
-     "decode_window(image, start, stop_at, file_size, base, max_size, check_crc, records, keys, text, topics, "
-     "table, state) -> (stop, position, error, e1, e2, e3)"},
+     "decode_window(image, start, stop_at, file_size, base, max_size, check_crc, multi_flags, records, keys, "
+     "text, topics, table, multi, state) -> (stop, position, error, e1, e2, e3)"},
     {"put_keys", py_put_keys, METH_VARARGS,
      "put_keys(file, entries_at, hash_slot_num, index_count, index_num, begin_timestamp, begin_phy_offset, "
      "key_hash, phy_offset, store_timestamp, entry_base=0) -> (index_count, chains_started, begin_timestamp, "
@@ -628,8 +773,16 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         {"STOP_LIMIT", STOP_LIMIT}, {"STOP_BLANK", STOP_BLANK}, {"STOP_END", STOP_END},
         {"STOP_ERROR", STOP_ERROR}, {"STOP_FULL", STOP_FULL},
         {"FULL_RECORDS", FULL_RECORDS}, {"FULL_KEYS", FULL_KEYS}, {"FULL_TEXT", FULL_TEXT},
-        {"FULL_TOPICS", FULL_TOPICS}, {"FULL_TABLE", FULL_TABLE},
+        {"FULL_TOPICS", FULL_TOPICS}, {"FULL_TABLE", FULL_TABLE}, {"FULL_MULTI", FULL_MULTI},
         {"ERR_NO_BLANK", ERR_NO_BLANK}, {"ERR_PARTS", ERR_PARTS}, {"ERR_FIXED_PART", ERR_FIXED_PART},
+        {"ERR_MULTI_NO_PROPERTIES", ERR_MULTI_NO_PROPERTIES}, {"ERR_MULTI_QUEUE_OFFSET", ERR_MULTI_QUEUE_OFFSET},
+        {"OFFSET_NOT_A_NUMBER", OFFSET_NOT_A_NUMBER}, {"OFFSET_NEGATIVE", OFFSET_NEGATIVE},
+        {"OFFSET_TOO_LARGE", OFFSET_TOO_LARGE}, {"MULTI_DISPATCH", MULTI_DISPATCH},
+        {"MULTI_DISPATCH_LMQ", MULTI_DISPATCH_LMQ}, {"MULTI_NONE", MULTI_NONE}, {"MULTI_DISPATCHED", MULTI_DISPATCHED},
+        {"MULTI_COUNT_MISMATCH", MULTI_COUNT_MISMATCH}, {"R_MULTI", R_MULTI}, {"M_OWNER", M_OWNER},
+        {"M_TOPIC_ID", M_TOPIC_ID}, {"M_QUEUE_ID", M_QUEUE_ID}, {"M_QUEUE_OFFSET", M_QUEUE_OFFSET},
+        {"MULTI_COLUMNS", MULTI_COLUMNS}, {"T_ROLE", T_ROLE}, {"ROLE_TOPIC", ROLE_TOPIC},
+        {"ROLE_MULTI_DISPATCH", ROLE_MULTI_DISPATCH}, {"CQ_UNIT_SIZE", CQ_UNIT_SIZE},
         {"R_PHY", R_PHY}, {"R_SIZE", R_SIZE}, {"R_QUEUE_ID", R_QUEUE_ID}, {"R_QUEUE_OFFSET", R_QUEUE_OFFSET},
         {"R_SYS_FLAG", R_SYS_FLAG}, {"R_STORE_TIMESTAMP", R_STORE_TIMESTAMP},
         {"R_PREPARED_OFFSET", R_PREPARED_OFFSET}, {"R_TAGS_CODE", R_TAGS_CODE}, {"R_TOPIC_ID", R_TOPIC_ID},

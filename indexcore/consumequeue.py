@@ -16,13 +16,21 @@ unit inside its first file. The write position is not stored: it is the first un
 commit_log_offset < 0 or msg_size <= 0 (blank units count as valid). A crash can leave units the
 checkpoint does not cover; `truncate_to` removes them, and zeroes what it removes, so that a queue
 recovered after a crash is byte-identical to one built in a single run.
+
+Units are appended with `pwrite` through a bounded set of descriptors (`mappedfile.OpenFiles`), not a
+mapping per queue: an LMQ broker has tens of thousands of queues, more than a process may map
+(vm.max_map_count) or keep open, and a write into a fresh mapped page costs a page fault that a
+`pwrite` does not. Files are created sparse, as the broker's are (100,000 queues of 6,000,000-byte
+files take a few hundred megabytes, not 600 GB); no room is then an OSError from the write, naming
+the file, never a SIGBUS.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,7 +38,7 @@ import numpy as np
 
 from indexcore.dispatch import DispatchBatch
 from indexcore.errors import StoreLayoutError
-from indexcore.mappedfile import MappedFile, list_queue_files, offset_to_file_name
+from indexcore.mappedfile import OpenFiles, list_queue_files, offset_to_file_name
 
 CQ_UNIT = struct.Struct(">qiq")
 CQ_UNIT_SIZE = CQ_UNIT.size
@@ -42,6 +50,8 @@ DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE = 300_000 * CQ_UNIT_SIZE
 RECOVER_FROM_LAST_FILES = 3  # ConsumeQueue.recover starts at the third-newest file
 CONSUME_QUEUE_DIR = "consumequeue"
 _RADIX_KEYS = 1 << 16
+PRIVATE_OPEN_FILES = 2  # a queue on its own: its writing file, and the one before it while rolling
+MAX_OPEN_QUEUE_FILES = 65536
 
 
 class ConsumeQueueUnit(NamedTuple):
@@ -85,13 +95,16 @@ class Placement(NamedTuple):
 
 
 class QueueUnits(NamedTuple):
-    """The units one queue gets from a batch, in CommitLog order, with each unit's CommitLog end."""
+    """The units one queue gets from a batch, in the order the broker puts them, with each unit's CommitLog
+    end. `one_streak`: their queue offsets are consecutive and their ends grow from first to last, so
+    `place_units` places them without an array operation when they continue the queue."""
 
     topic: str
     queue_id: int
     queue_offset: np.ndarray
     units: np.ndarray  # CQ_UNIT_DTYPE
     ends: np.ndarray
+    one_streak: bool = False
 
 
 @dataclass(slots=True)
@@ -119,10 +132,46 @@ def _last_real_unit_end(units: np.ndarray) -> int:
     return int(last["commit_log_offset"]) + int(last["msg_size"])
 
 
+def _data_regions(fd: int, size: int) -> list[tuple[int, int]]:
+    """The [start, end) byte ranges of a file that hold data (SEEK_DATA/SEEK_HOLE); the rest reads as zeros.
+    A file system without them reports the whole file."""
+    regions: list[tuple[int, int]] = []
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                break
+            if e.errno == errno.EINVAL and not regions:
+                return [(0, size)]
+            raise
+        end = min(size, os.lseek(fd, start, os.SEEK_HOLE))
+        regions.append((start, end))
+        pos = end
+    return regions
+
+
 def _read_units(path: str) -> np.ndarray:
+    """The units of a file up to the end of its written data; every unit past them is zero (a hole).
+
+    A file is created sparse and written from its start, so only that part is read: a store of 100,000
+    LMQ queues of 6,000,000-byte files loads without reading 600 GB of holes."""
     with open(path, "rb") as f:
-        data = f.read()
-    return np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=len(data) // CQ_UNIT_SIZE)
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        regions = _data_regions(fd, size)
+        count = min(size // CQ_UNIT_SIZE, -(-regions[-1][1] // CQ_UNIT_SIZE)) if regions else 0
+        buf = np.zeros(count * CQ_UNIT_SIZE, dtype=np.uint8)
+        view = memoryview(buf)
+        for start, end in regions:
+            at, stop = start, min(end, len(buf))
+            while at < stop:
+                got = os.preadv(fd, [view[at:stop]], at)
+                if got == 0:
+                    break
+                at += got
+    return buf.view(CQ_UNIT_DTYPE)
 
 
 def _valid_prefix(units: np.ndarray, below_phy: int | None = None) -> int:
@@ -144,9 +193,9 @@ def pack_units(commit_log_offset: np.ndarray, msg_size: np.ndarray, tags_code: n
     return units
 
 
-def _group_by_queue(rows: np.ndarray, topic_id: np.ndarray, queue_id: np.ndarray, topics: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """`rows` reordered queue by queue, CommitLog order kept inside a queue, with each row's queue key.
+def _queue_order(topic_id: np.ndarray, queue_id: np.ndarray, topics: int) -> tuple[np.ndarray, np.ndarray]:
+    """The permutation that groups units queue by queue, keeping their order inside a queue, and where
+    each queue's run starts in it.
 
     A stable sort; when the queues of a batch number at most 2**16, their keys fit 16 bits and numpy's
     stable sort of them is a radix sort, linear in the batch.
@@ -158,24 +207,102 @@ def _group_by_queue(rows: np.ndarray, topic_id: np.ndarray, queue_id: np.ndarray
     else:
         key = (topic_id.astype(np.int64) << 32) | (queue_id.astype(np.int64) & 0xFFFFFFFF)
     order = np.argsort(key, kind="stable")
-    return rows[order], key[order]
+    key = key[order]
+    return order, np.flatnonzero(key[1:] != key[:-1]) + 1
 
 
-def place_units(cursor: QueueCursor, qo: np.ndarray, ends: np.ndarray, file_size: int,
-                stats: PutStats) -> Iterator[Placement]:
-    """`putMessagePositionInfo` for units in CommitLog order, without touching a file: where each run of
-    consecutive queue offsets goes, advancing `cursor`. The writer (`ConsumeQueue.put_packed`) and the
-    verifier (`reputd verify`) both follow these placements. Repeats are skipped, as the broker skips them;
-    a unit off its queue offset is appended at the write position, as the broker appends it."""
+def consume_queue_units(batch: DispatchBatch) -> Iterator[QueueUnits]:
+    """`CommitLogDispatcherBuildConsumeQueue` for a batch: which units go to which queue, queue by queue, in
+    put order, packed as they lie in the file. What rebuild, run and backfill write and verify expects.
+
+    Every NOT_TYPE and COMMIT_TYPE record puts a unit into its own queue at its QUEUEOFFSET and then,
+    when the batch carries multi-dispatch targets, one into each target queue at the target's offset
+    (`putMessagePositionInfoWrapper`). Each queue receives its units in CommitLog order and a record's own
+    unit before its targets, as the broker's sequential dispatch gives them. What the queue does with each
+    (written, skipped as a repeat, appended out of order) is `place_units`'s business. `batch` is a
+    DispatchBatch or anything with its columns (the backfill's RowChunk).
+    """
+    rows = np.flatnonzero(batch.consume_queue_mask())
+    topic_id, queue_id, queue_offset = batch.topic_id[rows], batch.queue_id[rows], batch.queue_offset[rows]
+    owner = batch.multi_owner
+    if len(owner):
+        # merge the record's own units and the targets by record, own unit first (both are in record order)
+        at_own = np.arange(len(rows)) + np.searchsorted(owner, rows, side="left")
+        at_multi = np.arange(len(owner)) + np.searchsorted(rows, owner, side="right")
+        merged = np.empty(len(rows) + len(owner), dtype=np.int64)
+        merged[at_own], merged[at_multi] = rows, owner
+        topic_id, queue_id, queue_offset = (
+            _merge(at_own, own, at_multi, multi, len(merged))
+            for own, multi in ((topic_id, batch.multi_topic_id), (queue_id, batch.multi_queue_id),
+                               (queue_offset, batch.multi_queue_offset)))
+        rows = merged
+    if len(rows) == 0:
+        return
+    order, starts = _queue_order(topic_id, queue_id, len(batch.topics))
+    rows, queue_offset = rows[order].astype(np.int64, copy=False), queue_offset[order].astype(np.int64, copy=False)
+    first = order[np.concatenate(([0], starts))]
+    phy = batch.phy_offset[rows]
+    size = batch.msg_size[rows]
+    ends = phy + size
+    units = pack_units(phy, size, batch.tags_code[rows])
+    bounds = np.concatenate(([0], starts, [len(rows)])).tolist()
+    topics = batch.topics
+    for t, q, lo, hi, streak in zip(topic_id[first].tolist(), queue_id[first].tolist(), bounds[:-1], bounds[1:],
+                                    _one_streak(queue_offset, ends, bounds).tolist(), strict=True):
+        yield QueueUnits(topics[t], q, queue_offset[lo:hi], units[lo:hi], ends[lo:hi], streak)
+
+
+def _streak_breaks(queue_offset: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Where a streak ends: the queue offsets stop being consecutive, or the ends stop growing (a name
+    repeated in one record: its second unit is not past maxPhysicOffset)."""
+    return np.flatnonzero((np.diff(queue_offset) != 1) | (np.diff(ends) <= 0)) + 1
+
+
+def _one_streak(queue_offset: np.ndarray, ends: np.ndarray, bounds: list[int]) -> np.ndarray:
+    """Per run: no streak break inside it (what `place_units` would find, for the whole batch at once)."""
+    breaks = _streak_breaks(queue_offset, ends)
+    inside = np.searchsorted(breaks, bounds[1:], side="left") - np.searchsorted(breaks, bounds[:-1], side="right")
+    return inside == 0
+
+
+def _merge(at_a: np.ndarray, a: np.ndarray, at_b: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
+    out = np.empty(n, dtype=np.result_type(a, b))
+    out[at_a], out[at_b] = a, b
+    return out
+
+
+def open_queue_files_limit() -> int:
+    """How many queue files a store keeps open: half the descriptor limit, at most MAX_OPEN_QUEUE_FILES
+    (a queue outside the set costs an open(2) when it is next written)."""
+    import resource  # noqa: PLC0415 - POSIX only, and only a store that writes needs it
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(PRIVATE_OPEN_FILES, min(MAX_OPEN_QUEUE_FILES, (soft if soft > 0 else 1024) // 2))
+
+
+def place_units(cursor: QueueCursor, qo: np.ndarray, ends: np.ndarray, file_size: int, stats: PutStats,
+                one_streak: bool = False) -> Iterator[Placement]:
+    """`putMessagePositionInfo` for units in put order, without touching a file: where each streak goes,
+    advancing `cursor`. The writer (`ConsumeQueue.put_packed`) and the verifier (`reputd verify`) both
+    follow these placements.
+
+    Unit by unit this is the broker's put; runs of units it treats alike are placed at once: a streak of
+    consecutive queue offsets and growing ends goes to one place, and units it skips (ending at or below
+    maxPhysicOffset; or behind the queue's end: "build consume queue repeatedly") are skipped together. A
+    unit off its queue offset is appended at the write position, as the broker appends it, and one at
+    offset 0 wherever the queue ends (no order check for it). `one_streak` (`QueueUnits.one_streak`)
+    spares the search for streak ends."""
     n = len(qo)
     if n == 0:
         return
-    breaks = np.flatnonzero(np.diff(qo) != 1) + 1
+    breaks = None if one_streak else _streak_breaks(qo, ends)
     i = 0
     while i < n:
         if ends[i] <= cursor.max_physic_offset:
-            stats.already_built += 1
-            i += 1
+            past = ends[i:] > cursor.max_physic_offset
+            skip = int(np.argmax(past)) if past.any() else n - i
+            stats.already_built += skip
+            i += skip
             continue
         q = int(qo[i])
         expect = q * CQ_UNIT_SIZE
@@ -190,16 +317,20 @@ def place_units(cursor: QueueCursor, qo: np.ndarray, ends: np.ndarray, file_size
             cursor.file_start += file_size
             created = True
         current = cursor.write_offset
-        if q != 0 and expect < current:
-            stats.already_built += 1
+        if breaks is None:
+            streak_end = n
+        else:
+            k = np.searchsorted(breaks, i, side="right")
+            streak_end = int(breaks[k]) if k < len(breaks) else n
+        if q != 0 and expect < current:  # the streak, as far as it lies behind the queue's end
+            skip = min(streak_end - i, (current - expect) // CQ_UNIT_SIZE)
+            stats.already_built += skip
             if created:
                 yield Placement(cursor.file_start, True, blanks, current, i, i)
-            i += 1
+            i += skip
             continue
-        k = np.searchsorted(breaks, i, side="right")
         # queue offset 0 skips the order check (§7.5); the units after it are each checked again
-        streak_end = i + 1 if q == 0 else int(breaks[k]) if k < len(breaks) else n
-        j = min(streak_end, i + (file_size - (current - cursor.file_start)) // CQ_UNIT_SIZE)
+        j = min(i + 1 if q == 0 else streak_end, i + (file_size - (current - cursor.file_start)) // CQ_UNIT_SIZE)
         if q != 0 and expect > current:
             stats.out_of_order += j - i
         yield Placement(cursor.file_start, created, blanks, current, i, j)
@@ -209,27 +340,12 @@ def place_units(cursor: QueueCursor, qo: np.ndarray, ends: np.ndarray, file_size
         i = j
 
 
-def consume_queue_units(batch: DispatchBatch) -> Iterator[QueueUnits]:
-    """`CommitLogDispatcherBuildConsumeQueue` for a batch: the units of every NOT_TYPE/COMMIT_TYPE record,
-    queue by queue, packed as they lie in the file. What the writer writes and the verifier expects."""
-    idx = np.flatnonzero(batch.consume_queue_mask())
-    if len(idx) == 0:
-        return
-    idx, group = _group_by_queue(idx, batch.topic_id[idx], batch.queue_id[idx], len(batch.topics))
-    phy, size = batch.phy_offset[idx], batch.msg_size[idx]
-    units = pack_units(phy, size, batch.tags_code[idx])
-    qo, ends = batch.queue_offset[idx], phy + size
-    starts = np.flatnonzero(group[1:] != group[:-1]) + 1
-    for lo, hi in zip([0, *starts.tolist()], [*starts.tolist(), len(idx)], strict=True):
-        first = int(idx[lo])
-        yield QueueUnits(batch.topic_of(first), int(batch.queue_id[first]), qo[lo:hi], units[lo:hi], ends[lo:hi])
-
-
 class ConsumeQueue:
     """One topic/queue: loads and recovers its files, appends units, reads units, truncates."""
 
     def __init__(self, directory: str, topic: str, queue_id: int,
-                 file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE, *, readonly: bool = False):
+                 file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE, *, readonly: bool = False,
+                 open_files: OpenFiles | None = None, new: bool = False):
         if file_size <= 0 or file_size % CQ_UNIT_SIZE:
             raise ValueError(f"ConsumeQueue file size {file_size} is not a positive multiple of {CQ_UNIT_SIZE}")
         self.directory = directory
@@ -240,9 +356,12 @@ class ConsumeQueue:
         self.max_physic_offset = -1
         self.min_logic_offset = 0
         self._files: list[int] = []  # start offsets, ascending
-        self._last: MappedFile | None = None
+        self._open = open_files if open_files is not None else OpenFiles(PRIVATE_OPEN_FILES)
         self._write_pos = 0  # in the last file
-        self._recover()
+        self._dirty = False  # the last file was written since it was last synced
+        self._writing: str | None = None  # the last file's path
+        if not new:  # `new`: the caller knows the directory holds no file (it just made it)
+            self._recover()
 
     # --- load and recovery ----------------------------------------------------------------------
 
@@ -278,23 +397,30 @@ class ConsumeQueue:
 
         A read-only queue only forgets them, so a query never changes the files it reads.
         """
-        if self.readonly:
-            while self._files and self._files[-1] > end:
-                self._files.pop()
-            if self._files:
-                self._write_pos = end - self._files[-1]
-            return
         while self._files and self._files[-1] > end:
-            os.unlink(self._path(self._files.pop()))
+            start = self._files.pop()
+            if not self.readonly:
+                os.unlink(self._path(start))
         if self._files:
-            self._open_last(self._files[-1])
             self._write_pos = end - self._files[-1]
+        self._writing = self._path(self._files[-1]) if self._files else None
 
-    def _open_last(self, start: int, *, create: bool = False) -> None:
-        if self._last is not None:
-            self._last.flush()
-            self._last.close()
-        self._last = MappedFile(self._path(start), self.file_size, create=create)
+    def _new_file(self, start: int) -> None:
+        """Create the next file and make it the one units go to. The one before is synced first: a
+        file is flushed when the next one is opened, so only the last can hold unflushed units."""
+        self.flush()
+        if self._writing is not None:
+            self._open.discard(self._writing)
+        path = self._path(start)
+        self._open.fd(path, create_size=self.file_size)
+        self._files.append(start)
+        self._writing = path
+        self._write_pos = 0
+
+    def _write(self, position: int, data: bytes) -> None:
+        """Write into the last file at `position`."""
+        self._dirty = True
+        self._open.write(self._writing, data, position)
 
     # --- appending --------------------------------------------------------------------------------
 
@@ -303,11 +429,15 @@ class ConsumeQueue:
         return self._files[-1]
 
     def _create_file(self, start: int) -> None:
+        """`getLastMappedFile` creating a file (the queue's directory too, for its first)."""
         if not self._files:
-            os.makedirs(self.directory, exist_ok=True)
-        self._files.append(start)
-        self._open_last(start, create=True)
-        self._write_pos = 0
+            try:
+                os.mkdir(self.directory)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                os.makedirs(self.directory, exist_ok=True)
+        self._new_file(start)
 
     def put_units(self, queue_offset: np.ndarray, commit_log_offset: np.ndarray, msg_size: np.ndarray,
                   tags_code: np.ndarray) -> PutStats:
@@ -317,22 +447,28 @@ class ConsumeQueue:
         return self.put_packed(queue_offset.astype(np.int64, copy=False), pack_units(commit_log_offset, msg_size,
                                                                                      tags_code), ends)
 
-    def put_packed(self, qo: np.ndarray, units: np.ndarray, ends: np.ndarray) -> PutStats:
-        """`put_units` with the units already laid out (CQ_UNIT_DTYPE) and each one's CommitLog end."""
+    def put_packed(self, qo: np.ndarray, units: np.ndarray, ends: np.ndarray, one_streak: bool = False
+                   ) -> PutStats:
+        """`put_units` with the units already laid out (CQ_UNIT_DTYPE) and each one's CommitLog end.
+
+        Unit by unit this is the broker's put; runs of units it would treat alike are handled at once: a
+        streak of consecutive queue offsets and growing ends is written with one copy, and units the
+        broker would skip (ending at or below maxPhysicOffset, or behind the queue's end) are skipped
+        together. `one_streak` says the units are one streak (`QueueUnits.streaks`), so the common case,
+        a streak that continues the queue inside its last file, costs no array operation."""
         stats = PutStats()
-        cursor = QueueCursor(self._last_start if self._files else None,
-                             self._last_start + self._write_pos if self._files else 0, self.max_physic_offset)
-        for p in place_units(cursor, qo, ends, self.file_size, stats):
+        cursor = QueueCursor(self._last_start if self._files else None, self.write_offset, self.max_physic_offset)
+        for p in place_units(cursor, qo, ends, self.file_size, stats, one_streak):
             if p.created:
                 if not self._files:
                     self.min_logic_offset = p.logical
                 self._create_file(p.file_start)
             if p.blanks:
-                self._last.write(p.logical - p.file_start - p.blanks * CQ_UNIT_SIZE, BLANK_UNIT * p.blanks)
+                self._write(p.logical - p.file_start - p.blanks * CQ_UNIT_SIZE, BLANK_UNIT * p.blanks)
             if p.last > p.first:
-                self._last.write(p.logical - p.file_start, units[p.first : p.last].tobytes())
+                self._write(p.logical - p.file_start, units[p.first : p.last].tobytes())
+                self.max_physic_offset = int(ends[p.last - 1])
             self._write_pos = p.logical - p.file_start + (p.last - p.first) * CQ_UNIT_SIZE
-            self.max_physic_offset = int(ends[p.last - 1]) if p.last > p.first else self.max_physic_offset
         return stats
 
     # --- reading ----------------------------------------------------------------------------------
@@ -382,18 +518,21 @@ class ConsumeQueue:
         """
         while self._files:
             start = self._last_start
-            units = _read_units(self._path(start))
+            path = self._path(start)
+            units = _read_units(path)
             keep = _valid_prefix(units, below_phy=phy_offset)
             if keep == 0:
-                if self._last is not None:
-                    self._last.close()
-                    self._last = None
-                os.unlink(self._path(self._files.pop()))
+                self._open.discard(path)
+                os.unlink(path)
+                self._files.pop()
+                self._writing = self._path(self._files[-1]) if self._files else None
+                self._dirty = False  # a file before the last was synced when the next was created
                 self.max_physic_offset = -1
                 continue
-            self._open_last(start)
+            written = np.flatnonzero(units[keep:].view(np.uint8).reshape(-1, CQ_UNIT_SIZE).any(axis=1))
             self._write_pos = keep * CQ_UNIT_SIZE
-            self._last.write(self._write_pos, bytes(self.file_size - self._write_pos))
+            if len(written):
+                self._write(self._write_pos, bytes((int(written[-1]) + 1) * CQ_UNIT_SIZE))
             self.max_physic_offset = _last_real_unit_end(units[:keep])
             break
         if not self._files:
@@ -411,33 +550,40 @@ class ConsumeQueue:
     def writing_path(self) -> str | None:
         """The file new units go to: the only one that can hold unflushed units, since a file is
         flushed when the next one is opened."""
-        return self._path(self._last_start) if self._files else None
+        return self._writing
 
-    def release(self) -> None:
-        """Unmap the pages of the writing file from this process (`MappedFile.release`)."""
-        if self._last is not None:
-            self._last.release()
+    @property
+    def dirty(self) -> bool:
+        """Whether the last file holds writes not synced yet (the files before it never do)."""
+        return self._dirty
+
+    def mark_synced(self) -> None:
+        """The caller synced `writing_path` itself (after the last write)."""
+        self._dirty = False
 
     def flush(self) -> None:
-        if self._last is not None:
-            self._last.flush()
+        """Sync the last file if it was written since its last sync."""
+        if self._dirty:
+            self._open.sync(self._writing)
+            self._dirty = False
 
     def close(self) -> None:
-        if self._last is not None:
-            self._last.flush()
-            self._last.close()
-            self._last = None
+        self.flush()
+        if self._writing is not None:
+            self._open.discard(self._writing)
 
 
 class ConsumeQueueStore:
     """Every ConsumeQueue under `{root}/consumequeue/`, created on first use."""
 
     def __init__(self, root: str, file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE, *,
-                 readonly: bool = False):
+                 readonly: bool = False, open_files_limit: int | None = None):
         self.root = os.path.join(root, CONSUME_QUEUE_DIR)
         self.file_size = file_size
         self.readonly = readonly
+        self.open_files = OpenFiles(open_files_limit or open_queue_files_limit())
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
+        self.touched: set[tuple[str, int]] = set()  # queues `dispatch` put units to, for the flusher to take
         self._by_id: dict[tuple[int, str], ConsumeQueue] = {}
 
     def load(self) -> None:
@@ -460,15 +606,31 @@ class ConsumeQueueStore:
             directory = os.path.join(self.root, topic, str(queue_id))
             if os.path.dirname(os.path.dirname(os.path.abspath(directory))) != os.path.abspath(self.root):
                 raise StoreLayoutError(directory, "topic would leave the consumequeue directory")
-            cq = self.queues[key] = ConsumeQueue(directory, topic, queue_id, self.file_size, readonly=self.readonly)
+            cq = self.queues[key] = ConsumeQueue(directory, topic, queue_id, self.file_size, readonly=self.readonly,
+                                                 open_files=self.open_files, new=self._made_topic_dir(topic))
         return cq
 
+    def _made_topic_dir(self, topic: str) -> bool:
+        """Create the topic's directory if it is missing (a writing store only): then its queue has no file
+        to recover, which spares a directory listing per queue of a store with 100,000 LMQ queues."""
+        if self.readonly:
+            return False
+        try:
+            os.mkdir(os.path.join(self.root, topic))
+        except FileExistsError:
+            return False
+        except FileNotFoundError:  # no consumequeue/ yet
+            os.makedirs(os.path.join(self.root, topic), exist_ok=True)
+        return True
+
     def dispatch(self, batch: DispatchBatch) -> PutStats:
-        """Write the units of every NOT_TYPE/COMMIT_TYPE record of the batch, queue by queue."""
+        """Put the units of the batch (`consume_queue_units`), queue by queue."""
         stats = PutStats()
+        touched = self.touched
         for group in consume_queue_units(batch):
-            cq = self.queue(group.topic, group.queue_id)
-            stats.add(cq.put_packed(group.queue_offset, group.units, group.ends))
+            stats.add(self.queue(group.topic, group.queue_id).put_packed(group.queue_offset, group.units, group.ends,
+                                                                         group.one_streak))
+            touched.add((group.topic, group.queue_id))
         return stats
 
     def max_physic_offset(self) -> int:
@@ -483,10 +645,19 @@ class ConsumeQueueStore:
     def __iter__(self) -> Iterator[ConsumeQueue]:
         return iter(self.queues.values())
 
-    def flush(self) -> None:
-        for cq in self.queues.values():
-            cq.flush()
+    def flush(self, sync_paths: Callable[[list[str]], None] | None = None) -> None:
+        """Sync every queue written since its last sync; `sync_paths`, when given, syncs the list of
+        their files itself (in parallel, say: each sync of a file waits for a journal commit)."""
+        dirty = [cq for cq in self.queues.values() if cq.dirty]
+        if sync_paths is None:
+            for cq in dirty:
+                cq.flush()
+            return
+        sync_paths([cq.writing_path for cq in dirty])
+        for cq in dirty:
+            cq.mark_synced()
 
     def close(self) -> None:
         for cq in self.queues.values():
             cq.close()
+        self.open_files.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +32,8 @@ INDEX_KEY_SEPARATOR = "#"
 
 
 _DELAY_TOKEN = re.compile(r"([0-9]+)([smhd])", re.ASCII)
+_NO_ROWS = np.zeros(0, dtype=np.int32)
+_NO_OFFSETS = np.zeros(0, dtype=np.int64)
 
 
 def parse_delay_levels(spec: str) -> tuple[int, ...]:
@@ -172,6 +174,12 @@ class DispatchBatch:
 
     `end_offset` is the CommitLog offset just after the last record of the batch (after a BLANK it
     is the next segment's start), i.e. the reput_from_offset once the batch has been dispatched.
+
+    `multi_*` list the multi-dispatch targets (multidispatch.py) when the batch was read with
+    multi-dispatch on: the row of the record, the queue (its name is `topics[multi_topic_id]`, the queue
+    id already resolved) and the queue offset, records in CommitLog order and each record's targets in
+    property order. `multi_count_mismatch` holds the rows whose name and offset counts differ (no extra
+    unit, as on the broker, which logs it).
     """
 
     phy_offset: np.ndarray  # int64, PHYSICALOFFSET
@@ -190,6 +198,11 @@ class DispatchBatch:
     key_owner: np.ndarray  # int32, row of the record the key belongs to
     start_offset: int
     end_offset: int
+    multi_owner: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32, row of the record
+    multi_topic_id: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32, into `topics`
+    multi_queue_id: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32
+    multi_queue_offset: np.ndarray = field(default_factory=lambda: _NO_OFFSETS)  # int64
+    multi_count_mismatch: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32, rows
 
     def __len__(self) -> int:
         return len(self.phy_offset)
@@ -230,11 +243,14 @@ class DispatchBatch:
     def head(self, n: int, end_offset: int) -> DispatchBatch:
         """The first `n` records, as a batch ending at `end_offset`."""
         keep = int(np.searchsorted(self.key_owner, n))
+        multi = int(np.searchsorted(self.multi_owner, n))
+        mismatch = int(np.searchsorted(self.multi_count_mismatch, n))
         return DispatchBatch(
             self.phy_offset[:n], self.msg_size[:n], self.queue_id[:n], self.queue_offset[:n], self.sys_flag[:n],
             self.store_timestamp[:n], self.tags_code[:n], self.prepared_transaction_offset[:n], self.topic_id[:n],
             self.topics, self.keys[:n], self.uniq_key[:n], self.key_hash[:keep], self.key_owner[:keep],
-            self.start_offset, end_offset)
+            self.start_offset, end_offset, self.multi_owner[:multi], self.multi_topic_id[:multi],
+            self.multi_queue_id[:multi], self.multi_queue_offset[:multi], self.multi_count_mismatch[:mismatch])
 
 
 __all__ = [

@@ -13,6 +13,7 @@ import errno
 import mmap
 import os
 import re
+from collections import OrderedDict
 
 from indexcore.errors import SizeMismatchError, StoreLayoutError
 
@@ -61,6 +62,83 @@ def _preallocate(fd: int, path: str, size: int) -> None:
         os.ftruncate(fd, size)
 
 
+def create_file(path: str, file_size: int, *, allocate: bool = True) -> int:
+    """Create `path` (it must not exist) at `file_size` bytes and return a read-write descriptor of it; on
+    failure nothing is left behind. `allocate` reserves its blocks now, which a file written through a
+    mapping needs (no room later would be SIGBUS); one written with `pwrite` gets ENOSPC from the write
+    and can stay sparse, as the broker's files are."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        if allocate:
+            _preallocate(fd, path, file_size)
+        else:
+            os.ftruncate(fd, file_size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
+
+
+class OpenFiles:
+    """Read-write descriptors of at most `limit` files, the least recently used closed first.
+
+    Writers that append through `pwrite` take their descriptor here, so a store of 100,000 queue files
+    stays within the process's descriptor limit (and, unlike a mapping per file, within vm.max_map_count).
+    """
+
+    __slots__ = ("_fds", "limit")
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"OpenFiles needs room for at least one descriptor, not {limit}")
+        self.limit = limit
+        self._fds: OrderedDict[str, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def fd(self, path: str, *, create_size: int | None = None) -> int:
+        """A read-write descriptor of `path`; with `create_size`, the file is created sparse (`create_file`:
+        it is written with `pwrite`)."""
+        fd = self._fds.get(path)
+        if fd is not None:
+            self._fds.move_to_end(path)
+            return fd
+        if create_size is not None:
+            fd = create_file(path, create_size, allocate=False)
+        else:
+            fd = os.open(path, os.O_RDWR)
+        while len(self._fds) >= self.limit:
+            os.close(self._fds.popitem(last=False)[1])
+        self._fds[path] = fd
+        return fd
+
+    def write(self, path: str, data: bytes, position: int) -> None:
+        """pwrite all of `data`; no room (or any other failure) is an OSError naming `path`."""
+        fd = self.fd(path)
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.pwrite(fd, view, position)
+                view, position = view[written:], position + written
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write {len(view)} bytes at {position} ({e.strerror})", path) from None
+
+    def sync(self, path: str) -> None:
+        """fdatasync `path`: what was written to it survives a crash."""
+        os.fdatasync(self.fd(path))
+
+    def discard(self, path: str) -> None:
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+
 class MappedFile:
     """One fixed-size file mapped read-write; formats add their own entries on top."""
 
@@ -70,12 +148,9 @@ class MappedFile:
         self.path = path
         self.file_size = file_size
         self.readonly = readonly
-        flags = os.O_RDONLY if readonly else os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o644)
+        fd = create_file(path, file_size) if create else os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
         try:
-            if create:
-                _preallocate(fd, path, file_size)
-            else:
+            if not create:
                 actual = os.fstat(fd).st_size
                 if actual != file_size:
                     raise SizeMismatchError(path, f"file is {actual} bytes, the configured size is {file_size}")

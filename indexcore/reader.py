@@ -23,10 +23,15 @@ import numpy as np
 from indexcore.batchdecode import (
     K_HASH,
     K_OWNER,
+    M_OWNER,
+    M_QUEUE_ID,
+    M_QUEUE_OFFSET,
+    M_TOPIC_ID,
     R_DELAY_AT,
     R_DELAY_LEN,
     R_KEYS_AT,
     R_KEYS_LEN,
+    R_MULTI,
     R_PHY,
     R_PREPARED_OFFSET,
     R_QUEUE_ID,
@@ -38,6 +43,7 @@ from indexcore.batchdecode import (
     R_TOPIC_ID,
     R_UNIQ_AT,
     R_UNIQ_LEN,
+    ROLE_MULTI_DISPATCH,
     STOP_BLANK,
     STOP_END,
     STOP_ERROR,
@@ -45,6 +51,7 @@ from indexcore.batchdecode import (
     T_AT,
     T_FIRST,
     T_LEN,
+    T_ROLE,
     DecodeScratch,
     decode_window,
 )
@@ -52,6 +59,7 @@ from indexcore.commitlog import (
     DEFAULT_MAX_MESSAGE_SIZE,
     END_FILE_MIN_BLANK_LENGTH,
     MIN_RECORD_SIZE,
+    RECORD_ERRORS,
     RECORD_PREFIX,
     SCHEDULE_TOPIC,
     MessageRecord,
@@ -61,8 +69,10 @@ from indexcore.commitlog import (
 from indexcore.dispatch import DelayLevelTable, DispatchBatch, StringColumn, delay_tags_code, parse_java_int
 from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
 from indexcore.mappedfile import list_queue_files, offset_to_file_name
+from indexcore.multidispatch import MULTI_COUNT_MISMATCH, check_queue_name, multi_dispatch_error
 
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
+_NO_ROWS = np.zeros(0, dtype=np.int32)
 
 
 class Stop(enum.Enum):
@@ -89,25 +99,34 @@ class SegmentDecode:
 
 def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, max_bytes: int,
                    check_crc: bool = True, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-                   delay_table: DelayLevelTable | None = None, scratch: DecodeScratch | None = None) -> SegmentDecode:
+                   delay_table: DelayLevelTable | None = None, scratch: DecodeScratch | None = None,
+                   multi_flags: int = 0) -> SegmentDecode:
     """Decode records of one mapped segment from `start` into a DispatchBatch.
 
     Stops before the first record that starts `max_bytes` or more past `start`, at a BLANK, at a zero
     TOTALSIZE, or at a record that fails to decode (the error is returned, not raised, with the
     records before it, so they can still be dispatched). `scratch`, when given, is reused for the kernel's
-    buffers; the batch owns copies of what it needs.
+    buffers; the batch owns copies of what it needs. `multi_flags` (`multidispatch.multi_dispatch_flags`)
+    makes the batch carry the multi-dispatch targets.
     """
     base = segment_offset
     w = decode_window(buf, start, min(segment_size, start + max_bytes), segment_size, base, max_message_size,
-                      check_crc, scratch)
+                      check_crc, scratch, multi_flags)
     rec = w.records
     n, stop, end = rec.shape[1], w.stop, w.position
-    error = record_error(w.error, *w.details) if stop == STOP_ERROR else None
+    error = None
+    if stop == STOP_ERROR:
+        error = record_error(w.error, *w.details) if w.error in RECORD_ERRORS else multi_dispatch_error(
+            w.error, *w.details)
     topics: list[str] = []
-    for at, length, first in w.topics[:, [T_AT, T_LEN, T_FIRST]].tolist():  # in order of first appearance
+    for at, length, first, role in w.topics[:, [T_AT, T_LEN, T_FIRST, T_ROLE]].tolist():  # first appearance
+        if first >= rec.shape[1]:  # met in a record the kernel did not take
+            topics.append("")
+            continue
         magic = RECORD_PREFIX.unpack_from(buf, int(rec[R_PHY, first]) - base)[1]
         try:
-            topics.append(check_topic(bytes(buf[at : at + length]), magic))
+            raw = bytes(buf[at : at + length])
+            topics.append(check_queue_name(raw) if role == ROLE_MULTI_DISPATCH else check_topic(raw, magic))
         except CorruptRecordError as e:
             if first < n:
                 n, stop, error = first, STOP_ERROR, e
@@ -133,6 +152,8 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
         error = error.located(None, base + end)
     rec = rec[:, :n]
     keys = w.keys[:, : int(np.searchsorted(w.keys[K_OWNER], n))]
+    multi = w.multi[:, : int(np.searchsorted(w.multi[M_OWNER], n))]
+    mismatch = np.flatnonzero(rec[R_MULTI] == MULTI_COUNT_MISMATCH).astype(np.int32) if multi_flags else _NO_ROWS
     batch = DispatchBatch(
         phy_offset=rec[R_PHY].copy(),
         msg_size=rec[R_SIZE].astype(np.int32),
@@ -150,6 +171,11 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
         key_owner=keys[K_OWNER].astype(np.int32),
         start_offset=base + start,
         end_offset=base + end,
+        multi_owner=multi[M_OWNER].astype(np.int32),
+        multi_topic_id=multi[M_TOPIC_ID].astype(np.int32),
+        multi_queue_id=multi[M_QUEUE_ID].astype(np.int32),
+        multi_queue_offset=multi[M_QUEUE_OFFSET].copy(),
+        multi_count_mismatch=mismatch,
     )
     return SegmentDecode(batch, _STOPS[stop], end, error)
 
@@ -288,8 +314,9 @@ class CommitLogReader:
 
     def __init__(self, commit_log: CommitLog, *, check_crc: bool = True,
                  max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE, delay_table: DelayLevelTable | None = None,
-                 batch_bytes: int = DEFAULT_BATCH_BYTES):
+                 batch_bytes: int = DEFAULT_BATCH_BYTES, multi_flags: int = 0):
         self.commit_log = commit_log
+        self.multi_flags = multi_flags
         self.check_crc = check_crc
         self.max_message_size = max_message_size
         self.delay_table = delay_table or DelayLevelTable()
@@ -365,7 +392,7 @@ class CommitLogReader:
         result = decode_segment(mm, offset - seg_start, segment_offset=seg_start, segment_size=size,
                                 max_bytes=self.batch_bytes, check_crc=self.check_crc,
                                 max_message_size=self.max_message_size, delay_table=self.delay_table,
-                                scratch=self._scratch)
+                                scratch=self._scratch, multi_flags=self.multi_flags)
         _release(mm, offset - seg_start, result.position)
         return read_result(result, mm, seg_start, size, path, self.max_message_size,
                            (lambda: self._written_successor(offset)) if verify_end else None)

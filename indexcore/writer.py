@@ -3,8 +3,10 @@
 Used by tests, demos and `reputd produce`: it assigns PHYSICALOFFSET and per-queue QUEUEOFFSETs,
 stamps STORETIMESTAMP and BODYCRC, moves delayed messages to `SCHEDULE_TOPIC_XXXX` as 4.9.3's
 `asyncPutMessage` does, and ends a segment with a BLANK record when a message plus the 8-byte blank
-would not fit. It can also write what a 5.x broker writes: a trailing property separator, the
-`__CRC32#` property, and v2 records for topics over 127 bytes.
+would not fit. With multi-dispatch on it adds INNER_MULTI_QUEUE_OFFSET to a message that names queues in
+INNER_MULTI_DISPATCH, from the offset tables the broker keeps (`MultiDispatch.wrapMultiDispatch`). It
+can also write what a 5.x broker writes: a trailing property separator, the `__CRC32#` property, and v2
+records for topics over 127 bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +45,16 @@ from indexcore.commitlog import (
 from indexcore.dispatch import DelayLevelTable, parse_java_int
 from indexcore.mappedfile import MappedFile, offset_to_file_name
 from indexcore.msgid import create_offset_msg_id
+from indexcore.multidispatch import (
+    LMQ_PREFIX,
+    LMQ_QUEUE_ID,
+    MULTI_DISPATCH_QUEUE_SPLITTER,
+    PROPERTY_INNER_MULTI_DISPATCH,
+    PROPERTY_INNER_MULTI_QUEUE_OFFSET,
+    java_is_blank,
+    java_split,
+    multi_dispatch_flags,
+)
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus
 
 DEFAULT_STORE_HOST = Host(bytes([192, 0, 2, 1]), 10911)
@@ -86,7 +98,8 @@ class CommitLogWriter:
     def __init__(self, directory: str, segment_size: int, *, clock: Callable[[], int] = wall_clock_ms,
                  store_host: Host = DEFAULT_STORE_HOST, delay_table: DelayLevelTable | None = None,
                  trailing_separator: bool = False, append_crc_property: bool = False, allow_v2: bool = False,
-                 max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE):
+                 max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE, enable_multi_dispatch: bool = False,
+                 enable_lmq: bool = False):
         self.directory = directory
         self.segment_size = segment_size
         self.clock = clock
@@ -96,7 +109,10 @@ class CommitLogWriter:
         self.append_crc_property = append_crc_property
         self.allow_v2 = allow_v2
         self.max_message_size = max_message_size
+        self.enable_multi_dispatch = enable_multi_dispatch
+        self.enable_lmq = enable_lmq
         self.queue_offsets: dict[tuple[str, int], int] = {}
+        self.lmq_queue_offsets: dict[tuple[str, int], int] = {}  # CommitLog.lmqTopicQueueTable
         self._file: MappedFile | None = None
         self._file_start = 0
         self._pos = 0
@@ -113,7 +129,8 @@ class CommitLogWriter:
         log = CommitLog(self.directory, self.segment_size)
         if not log.segments:
             return
-        reader = CommitLogReader(log, max_message_size=self.max_message_size)
+        reader = CommitLogReader(log, max_message_size=self.max_message_size,
+                                 multi_flags=multi_dispatch_flags(self.enable_multi_dispatch, self.enable_lmq))
         offset = log.min_offset
         while True:
             res = reader.read(offset)
@@ -121,6 +138,9 @@ class CommitLogWriter:
             mask = b.consume_queue_mask()
             for i in mask.nonzero()[0].tolist():
                 self.queue_offsets[(b.topic_of(i), int(b.queue_id[i]))] = int(b.queue_offset[i]) + 1
+            for t, q, o in zip(b.multi_topic_id.tolist(), b.multi_queue_id.tolist(), b.multi_queue_offset.tolist(),
+                               strict=True):
+                self._multi_table(b.topics[t])[(b.topics[t], q)] = o + 1
             offset = res.next_offset
             if res.status is not ReadStatus.OK:
                 break
@@ -160,8 +180,23 @@ class CommitLogWriter:
             return SCHEDULE_TOPIC, level - 1, props
         return msg.topic, msg.queue_id, props
 
+    def _multi_table(self, name: str) -> dict[tuple[str, int], int]:
+        return self.lmq_queue_offsets if self.enable_lmq and name.startswith(LMQ_PREFIX) else self.queue_offsets
+
+    def _multi_targets(self, props: dict[str, str], queue_id: int) -> list[tuple[tuple[str, int], int]]:
+        """`wrapMultiDispatch`: each named queue's next offset, written to INNER_MULTI_QUEUE_OFFSET."""
+        names = props.get(PROPERTY_INNER_MULTI_DISPATCH)
+        if not self.enable_multi_dispatch or java_is_blank(names):
+            return []
+        keys = [(n, LMQ_QUEUE_ID if self.enable_lmq and n.startswith(LMQ_PREFIX) else queue_id)
+                for n in java_split(names)]
+        offsets = [self._multi_table(n).get((n, q), 0) for n, q in keys]
+        props[PROPERTY_INNER_MULTI_QUEUE_OFFSET] = MULTI_DISPATCH_QUEUE_SPLITTER.join(map(str, offsets))
+        return [(k, o) for k, o in zip(keys, offsets, strict=True)]
+
     def append(self, msg: Message) -> AppendResult:
         topic, queue_id, props = self._delayed(msg)
+        targets = self._multi_targets(props, queue_id)
         props.pop(PROPERTY_CRC32, None)
         properties = encode_properties(props, trailing_separator=self.trailing_separator)
         if self.append_crc_property:
@@ -206,6 +241,8 @@ class CommitLogWriter:
         self._pos += size
         if transaction_type(sys_flag) in (TRANSACTION_NOT_TYPE, TRANSACTION_COMMIT_TYPE):
             self.queue_offsets[(topic, queue_id)] = queue_offset + 1
+            for key, offset in targets:  # `updateMultiQueueOffset`: a repeated name moves on by one
+                self._multi_table(key[0])[key] = offset + 1
         return AppendResult(phy, size, queue_offset, store_ts, create_offset_msg_id(self.store_host, phy),
                             topic, queue_id)
 

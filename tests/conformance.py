@@ -1,4 +1,11 @@
-"""Finding the conformance stores written by the real RocketMQ broker, and configs to rebuild them."""
+"""Finding the conformance stores written by the real RocketMQ broker, and configs to rebuild them.
+
+Stores are read from `../shared/conformance/` and, next to it, `../shared/conformance-next/` (stores of
+features added later, such as LMQ multi-dispatch). `REPUTD_CONFORMANCE_DIR` replaces the first with one
+or more directories (separated by `os.pathsep`); a `-next` sibling of each is read too when it exists.
+Every store is rebuilt with the settings its own manifest gives (`store_config`), so a store written with
+other settings (LMQ on, say) needs nothing but its folder.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,20 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-CONFORMANCE_ROOT = Path(os.environ.get("REPUTD_CONFORMANCE_DIR", REPO.parent / "shared" / "conformance"))
+CONFORMANCE_ROOT = REPO.parent / "shared" / "conformance"
+NEXT_SUFFIX = "-next"
+
+
+def conformance_roots() -> list[Path]:
+    """The directories holding conformance stores: each configured one, then its `-next` sibling."""
+    configured = os.environ.get("REPUTD_CONFORMANCE_DIR")
+    roots = [Path(p) for p in configured.split(os.pathsep) if p] if configured else [CONFORMANCE_ROOT]
+    out: list[Path] = []
+    for root in roots:
+        for d in (root, root.with_name(root.name + NEXT_SUFFIX)):
+            if d.is_dir() and d.resolve() not in {o.resolve() for o in out}:
+                out.append(d)
+    return out
 
 _PATH_KEYS = ("storePathRootDir", "storePathCommitLog")
 
@@ -47,13 +67,13 @@ class ConformanceStore:
 
 
 def discover() -> list[ConformanceStore]:
-    stores = []
-    if CONFORMANCE_ROOT.is_dir():
-        for d in sorted(CONFORMANCE_ROOT.iterdir()):
-            manifest = d / "manifest.json"
-            if manifest.is_file() and (d / "store" / "commitlog").is_dir():
-                stores.append(ConformanceStore(d.name, d, json.loads(manifest.read_text())))
-    return stores
+    """Every store (a folder with manifest.json and store/commitlog) under `conformance_roots()`, named by
+    its folder (prefixed with the root's name when two roots hold the same name)."""
+    found = [(root, d) for root in conformance_roots() for d in sorted(root.iterdir())
+             if (d / "manifest.json").is_file() and (d / "store" / "commitlog").is_dir()]
+    names = [d.name for _, d in found]
+    return [ConformanceStore(d.name if names.count(d.name) == 1 else f"{root.name}/{d.name}", d,
+                             json.loads((d / "manifest.json").read_text())) for root, d in found]
 
 
 def files_under(root: Path) -> dict[str, bytes]:

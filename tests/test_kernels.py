@@ -127,8 +127,9 @@ def test_kernel_stops_before_a_record_its_tables_cannot_hold() -> None:
     keys = np.empty((2, 8), dtype=np.int64)
     state = np.zeros(_kernels.STATE_COLUMNS, dtype=np.int64)
     stop, pos, _, full, _, _ = _kernels.decode_window(
-        image, 0, 4096, 4096, 0, 1 << 20, True, rec, keys, np.empty(64, np.uint8),
-        np.empty((4, _kernels.TOPIC_COLUMNS), np.int64), np.empty(16, np.int64), state)
+        image, 0, 4096, 4096, 0, 1 << 20, True, 0, rec, keys, np.empty(64, np.uint8),
+        np.empty((4, _kernels.TOPIC_COLUMNS), np.int64), np.empty(16, np.int64),
+        np.empty((_kernels.MULTI_COLUMNS, 0), np.int64), state)
     assert (stop, pos, full) == (_kernels.STOP_FULL, records[0].total_size, _kernels.FULL_RECORDS)
     assert state.tolist()[:2] == [1, 1]
 
