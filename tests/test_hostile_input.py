@@ -45,7 +45,8 @@ REPUTD = [sys.executable, "-m", "daemon.cli"]
 ALLOWED_OUTPUT = {"consumequeue", "index", "reputd.checkpoint", "reputd.checkpoint.tmp", LOCK_FILE}
 # the fields a CorruptRecordError names (indexcore/commitlog.py, indexcore/reader.py)
 DOCUMENTED_FIELDS = {"total_size", "magic_code", "body_crc", "body_length", "topic_length", "topic",
-                     "properties_length", "physical_offset", "properties.DELAY"}
+                     "properties_length", "physical_offset", "properties.DELAY", "properties",
+                     "properties.INNER_MULTI_DISPATCH", "properties.INNER_MULTI_QUEUE_OFFSET"}
 
 
 # --- records laid out by hand ---------------------------------------------------------------------
@@ -118,13 +119,13 @@ def write_log(directory: Path, segments: list[list[Spec]]) -> list[list[int]]:
 # --- a workspace: store, config, output ----------------------------------------------------------
 
 class Workspace:
-    def __init__(self, root: Path, policy: str = "stop"):
+    def __init__(self, root: Path, policy: str = "stop", **store):
         self.root = root
         self.log = root / "store" / "commitlog"
         self.out = root / "out"
         self.config = root / "reputd.yaml"
         cfg = {"store": {"storePathRootDir": str(root / "store"), "mappedFileSizeCommitLog": SEGMENT,
-                         "mappedFileSizeConsumeQueue": 2000, "maxHashSlotNum": 97, "maxIndexNum": 400},
+                         "mappedFileSizeConsumeQueue": 2000, "maxHashSlotNum": 97, "maxIndexNum": 400, **store},
                "output": {"dir": str(self.out)}, "reput": {"onCorruption": policy, "pollIntervalMs": 50},
                "metrics": {"enabled": False}, "logging": {"format": "json"}}
         self.config.write_text(yaml.safe_dump(cfg))
@@ -375,3 +376,60 @@ def test_odd_properties_rebuild_and_query(tmp_path):
     found = ws.cli("query", "key", "TopicA", "\ufffd\ufffdk", "--json")
     assert found.returncode == 0, found.stderr
     assert len(found.stdout.splitlines()) == 1
+
+
+# --- LMQ queue names: with multi-dispatch on, each name of INNER_MULTI_DISPATCH becomes a directory too ------
+
+MULTI_DISPATCH = {"enableMultiDispatch": True, "enableLmq": True}
+MULTI_FIELD = "properties.INNER_MULTI_DISPATCH"
+# every hostile topic above whose bytes can stand in a property value (no \x01/\x02/, separators), as an
+# LMQ name and as a plain one; and names that only a property can hold
+HOSTILE_NAMES = {
+    **{f"lmq_{name}": b"%LMQ%" + case.spec.topic for name, case in HOSTILE_TOPICS.items()
+       if case.field == "topic" and not set(case.spec.topic) & {1, 2, 0x2C} and name != "dot"},  # %LMQ%. is fine
+    **{f"plain_{name}": case.spec.topic for name, case in HOSTILE_TOPICS.items()
+       if case.field == "topic" and not set(case.spec.topic) & {1, 2, 0x2C} and case.spec.topic},
+    "empty_first": b",%LMQ%ok",
+    "empty_middle": b"%LMQ%ok,,%LMQ%ok2",
+    "lmq_over_name_max": b"%LMQ%" + b"L" * 251,
+    "lmq_invalid_utf8": b"%LMQ%\xc3\x28",
+}
+
+
+def lmq_spec(names: bytes) -> Spec:
+    count = len([p for p in names.rstrip(b",").split(b",")])
+    offsets = b",".join(b"0" for _ in range(count))
+    return Spec(properties=b"INNER_MULTI_DISPATCH\x01" + names + b"\x02INNER_MULTI_QUEUE_OFFSET\x01" + offsets)
+
+
+@pytest.mark.parametrize("names", HOSTILE_NAMES.values(), ids=HOSTILE_NAMES.keys())
+def test_hostile_lmq_names_stop_the_rebuild_and_write_nothing_outside(tmp_path, names: bytes):
+    """The name is refused as a topic would be: rebuild exits 1 with one line naming the file, the record's
+    offset and the field, after dispatching the records before it; nothing lands outside the output."""
+    ws = Workspace(tmp_path, **MULTI_DISPATCH)
+    (offsets,) = write_log(ws.log, [[GOOD, lmq_spec(b"%LMQ%fine"), lmq_spec(names), GOOD]])
+    res = run_contained(ws, "rebuild")
+    assert res.returncode == 1, res.stdout + res.stderr
+    line = one_line_error(res.stderr)
+    assert f"{ws.log / f'{0:020d}'} @ offset {offsets[2]}: field {MULTI_FIELD}:" in line
+    assert sorted(os.listdir(ws.out / "consumequeue")) == ["%LMQ%fine", "TopicA"]
+    # the library: a typed error at the record, the records before it in the batch
+    buf = (ws.log / f"{0:020d}").read_bytes()
+    got = decode_segment(buf, 0, segment_offset=0, segment_size=SEGMENT, max_bytes=SEGMENT, multi_flags=3)
+    assert (got.stop, len(got.batch), got.error.field, got.error.offset) == (Stop.ERROR, 2, MULTI_FIELD, offsets[2])
+    # without multi-dispatch the name is only a property value
+    (tmp_path / "plain").mkdir()
+    plain = Workspace(tmp_path / "plain")
+    write_log(plain.log, [[GOOD, lmq_spec(names), GOOD]])
+    assert run_contained(plain, "rebuild").returncode == 0
+
+
+def test_run_stops_at_a_hostile_lmq_name(tmp_path):
+    ws = Workspace(tmp_path, **MULTI_DISPATCH)
+    offsets = write_log(ws.log, [[GOOD, lmq_spec(b"%LMQ%../../escaped"), GOOD], [GOOD]])
+    res = run_contained(ws, "run", "--until-caught-up")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr
+    corrupt = [e for e in events(res.stdout) if e["event"] == "corrupt_commitlog"]
+    assert [(e["file"], e["offset"], e["reason"]) for e in corrupt] == [
+        (str(ws.log / f"{0:020d}"), offsets[0][1], MULTI_FIELD)]
+    assert not (tmp_path / "escaped").exists()
