@@ -2,14 +2,18 @@
 
 The batch decoder runs without the GIL, so one thread decoding window i+1 while the caller dispatches
 window i keeps both cores busy during a rebuild. Results come back in CommitLog order; the thread stops
-after the first read that is not OK (end of data or corruption), exactly where a plain loop would.
+after the first read that is not OK (end of data or corruption), exactly where a plain loop would. The
+`prepare` callables run on that thread too, on each batch before it is handed over: work a dispatcher can
+do ahead (the ConsumeQueue grouping of a batch), off the dispatching thread.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Sequence
 
+from indexcore.dispatch import DispatchBatch
 from indexcore.reader import CommitLogReader, ReadResult, ReadStatus
 
 DEFAULT_DEPTH = 2
@@ -18,9 +22,11 @@ DEFAULT_DEPTH = 2
 class ReadAhead:
     """Iterates the ReadResults of `reader` from `offset` on, read by a background thread."""
 
-    def __init__(self, reader: CommitLogReader, offset: int, depth: int = DEFAULT_DEPTH):
+    def __init__(self, reader: CommitLogReader, offset: int, depth: int = DEFAULT_DEPTH,
+                 prepare: Sequence[Callable[[DispatchBatch], None]] = ()):
         self._reader = reader
         self._offset = offset
+        self._prepare = tuple(prepare)
         self._results: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -32,6 +38,9 @@ class ReadAhead:
         try:
             while not self._stop.is_set():
                 result = self._reader.read(offset)
+                if len(result.batch):
+                    for prepare in self._prepare:
+                        prepare(result.batch)
                 self._put(result)
                 if result.status is not ReadStatus.OK:
                     return

@@ -114,7 +114,7 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     rolls = 0
     ahead = None
     try:
-        ahead = ReadAhead(reader, offset)
+        ahead = ReadAhead(reader, offset, prepare=[d.prepare for d in dispatchers if hasattr(d, "prepare")])
         for result in ahead:
             _dispatch(dispatchers, result)
             summary.messages += len(result.batch)

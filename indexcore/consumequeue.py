@@ -30,7 +30,7 @@ from __future__ import annotations
 import errno
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -105,6 +105,14 @@ class QueueUnits(NamedTuple):
     units: np.ndarray  # CQ_UNIT_DTYPE
     ends: np.ndarray
     one_streak: bool = False
+
+
+class NewQueue(NamedTuple):
+    """A queue a batch creates: its key, its directory and the start of its first file."""
+
+    key: tuple[str, int]
+    directory: str
+    first_file: int
 
 
 @dataclass(slots=True)
@@ -222,24 +230,27 @@ def consume_queue_units(batch: DispatchBatch) -> Iterator[QueueUnits]:
     (written, skipped as a repeat, appended out of order) is `place_units`'s business. `batch` is a
     DispatchBatch or anything with its columns (the backfill's RowChunk).
     """
-    rows = np.flatnonzero(batch.consume_queue_mask())
+    mask = batch.consume_queue_mask()
+    rows = np.flatnonzero(mask)
     topic_id, queue_id, queue_offset = batch.topic_id[rows], batch.queue_id[rows], batch.queue_offset[rows]
     owner = batch.multi_owner
     if len(owner):
-        # merge the record's own units and the targets by record, own unit first (both are in record order)
-        at_own = np.arange(len(rows)) + np.searchsorted(owner, rows, side="left")
-        at_multi = np.arange(len(owner)) + np.searchsorted(rows, owner, side="right")
-        merged = np.empty(len(rows) + len(owner), dtype=np.int64)
-        merged[at_own], merged[at_multi] = rows, owner
-        topic_id, queue_id, queue_offset = (
-            _merge(at_own, own, at_multi, multi, len(merged))
-            for own, multi in ((topic_id, batch.multi_topic_id), (queue_id, batch.multi_queue_id),
-                               (queue_offset, batch.multi_queue_offset)))
-        rows = merged
+        # merge the record's own units and the targets by record, own unit first: record r's units start
+        # after those of the records before it (the kernel lists targets in record order)
+        own = mask.astype(np.int64)
+        targets = np.bincount(owner, minlength=len(mask))
+        start = np.cumsum(own + targets) - (own + targets)
+        at_own = start[rows]
+        at_multi = start[owner] + own[owner] + np.arange(len(owner)) - (np.cumsum(targets) - targets)[owner]
+        n = len(rows) + len(owner)
+        rows, topic_id, queue_id, queue_offset = (
+            _merge(at_own, a, at_multi, b, n)
+            for a, b in ((rows, owner), (topic_id, batch.multi_topic_id), (queue_id, batch.multi_queue_id),
+                         (queue_offset, batch.multi_queue_offset)))
     if len(rows) == 0:
         return
     order, starts = _queue_order(topic_id, queue_id, len(batch.topics))
-    rows, queue_offset = rows[order].astype(np.int64, copy=False), queue_offset[order].astype(np.int64, copy=False)
+    rows, queue_offset = rows[order], queue_offset[order].astype(np.int64, copy=False)
     first = order[np.concatenate(([0], starts))]
     phy = batch.phy_offset[rows]
     size = batch.msg_size[rows]
@@ -345,7 +356,7 @@ class ConsumeQueue:
 
     def __init__(self, directory: str, topic: str, queue_id: int,
                  file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE, *, readonly: bool = False,
-                 open_files: OpenFiles | None = None, new: bool = False):
+                 open_files: OpenFiles | None = None, new: bool = False, made: int | None = None):
         if file_size <= 0 or file_size % CQ_UNIT_SIZE:
             raise ValueError(f"ConsumeQueue file size {file_size} is not a positive multiple of {CQ_UNIT_SIZE}")
         self.directory = directory
@@ -360,6 +371,7 @@ class ConsumeQueue:
         self._write_pos = 0  # in the last file
         self._dirty = False  # the last file was written since it was last synced
         self._writing: str | None = None  # the last file's path
+        self._made = made  # the start of a first file the caller created (empty) for the first unit
         if not new:  # `new`: the caller knows the directory holds no file (it just made it)
             self._recover()
 
@@ -412,7 +424,10 @@ class ConsumeQueue:
         if self._writing is not None:
             self._open.discard(self._writing)
         path = self._path(start)
-        self._open.fd(path, create_size=self.file_size)
+        if start == self._made and not self._files:
+            self._made = None  # created, empty and open already: `ConsumeQueueStore.made_queues`
+        else:
+            self._open.fd(path, create_size=self.file_size)
         self._files.append(start)
         self._writing = path
         self._write_pos = 0
@@ -430,7 +445,7 @@ class ConsumeQueue:
 
     def _create_file(self, start: int) -> None:
         """`getLastMappedFile` creating a file (the queue's directory too, for its first)."""
-        if not self._files:
+        if not self._files and self._made is None:
             try:
                 os.mkdir(self.directory)
             except FileExistsError:
@@ -457,6 +472,16 @@ class ConsumeQueue:
         together. `one_streak` says the units are one streak (`QueueUnits.streaks`), so the common case,
         a streak that continues the queue inside its last file, costs no array operation."""
         stats = PutStats()
+        n = len(qo)
+        if one_streak and self._files and int(ends[0]) > self.max_physic_offset and \
+                int(qo[0]) * CQ_UNIT_SIZE == self._last_start + self._write_pos and \
+                n <= (self.file_size - self._write_pos) // CQ_UNIT_SIZE:
+            # the one placement place_units gives a streak that continues the queue inside its last file
+            self._write(self._write_pos, units.tobytes())
+            self._write_pos += n * CQ_UNIT_SIZE
+            self.max_physic_offset = int(ends[-1])
+            stats.written = n
+            return stats
         cursor = QueueCursor(self._last_start if self._files else None, self.write_offset, self.max_physic_offset)
         for p in place_units(cursor, qo, ends, self.file_size, stats, one_streak):
             if p.created:
@@ -603,12 +628,36 @@ class ConsumeQueueStore:
         key = (topic, queue_id)
         cq = self.queues.get(key)
         if cq is None:
-            directory = os.path.join(self.root, topic, str(queue_id))
-            if os.path.dirname(os.path.dirname(os.path.abspath(directory))) != os.path.abspath(self.root):
-                raise StoreLayoutError(directory, "topic would leave the consumequeue directory")
+            directory = self._queue_dir(topic, queue_id)
             cq = self.queues[key] = ConsumeQueue(directory, topic, queue_id, self.file_size, readonly=self.readonly,
                                                  open_files=self.open_files, new=self._made_topic_dir(topic))
         return cq
+
+    def _queue_dir(self, topic: str, queue_id: int) -> str:
+        directory = os.path.join(self.root, topic, str(queue_id))
+        if os.path.dirname(os.path.dirname(os.path.abspath(directory))) != os.path.abspath(self.root):
+            raise StoreLayoutError(directory, "topic would leave the consumequeue directory")
+        return directory
+
+    def new_queues(self, groups: Iterable[QueueUnits]) -> list[NewQueue]:
+        """The queues of `groups` this store does not hold yet, each with the file its first unit creates. A
+        caller may create their directories and files itself, many at once (each creation waits for the
+        file system's journal), and hand them over with `made_queues`; `dispatch` creates any it did not."""
+        out = []
+        for g in groups:
+            key = (g.topic, g.queue_id)
+            if key not in self.queues:
+                expect = int(g.queue_offset[0]) * CQ_UNIT_SIZE
+                out.append(NewQueue(key, self._queue_dir(*key), expect - expect % self.file_size))
+        return out
+
+    def made_queues(self, made: Iterable[tuple[NewQueue, int]]) -> None:
+        """Queues whose directory and first file (empty, sparse, full size: `create_file(allocate=False)`)
+        the caller has just created, with a read-write descriptor of the file."""
+        for q, fd in made:
+            self.open_files.adopt(os.path.join(q.directory, offset_to_file_name(q.first_file)), fd)
+            self.queues[q.key] = ConsumeQueue(q.directory, q.key[0], q.key[1], self.file_size,
+                                              open_files=self.open_files, new=True, made=q.first_file)
 
     def _made_topic_dir(self, topic: str) -> bool:
         """Create the topic's directory if it is missing (a writing store only): then its queue has no file
@@ -623,11 +672,11 @@ class ConsumeQueueStore:
             os.makedirs(os.path.join(self.root, topic), exist_ok=True)
         return True
 
-    def dispatch(self, batch: DispatchBatch) -> PutStats:
+    def dispatch(self, batch: DispatchBatch, units: Iterable[QueueUnits] | None = None) -> PutStats:
         """Put the units of the batch (`consume_queue_units`), queue by queue."""
         stats = PutStats()
         touched = self.touched
-        for group in consume_queue_units(batch):
+        for group in consume_queue_units(batch) if units is None else units:
             stats.add(self.queue(group.topic, group.queue_id).put_packed(group.queue_offset, group.units, group.ends,
                                                                          group.one_streak))
             touched.add((group.topic, group.queue_id))

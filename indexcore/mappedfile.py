@@ -125,6 +125,13 @@ class OpenFiles:
         except OSError as e:
             raise OSError(e.errno, f"cannot write {len(view)} bytes at {position} ({e.strerror})", path) from None
 
+    def adopt(self, path: str, fd: int) -> None:
+        """Take in a descriptor opened elsewhere (read-write), as `fd` would have opened it."""
+        self.discard(path)
+        while len(self._fds) >= self.limit:
+            os.close(self._fds.popitem(last=False)[1])
+        self._fds[path] = fd
+
     def sync(self, path: str) -> None:
         """fdatasync `path`: what was written to it survives a crash."""
         os.fdatasync(self.fd(path))

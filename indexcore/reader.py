@@ -58,6 +58,7 @@ from indexcore.batchdecode import (
 from indexcore.commitlog import (
     DEFAULT_MAX_MESSAGE_SIZE,
     END_FILE_MIN_BLANK_LENGTH,
+    MAX_TOPIC_LENGTH_V1,
     MIN_RECORD_SIZE,
     RECORD_ERRORS,
     RECORD_PREFIX,
@@ -72,6 +73,7 @@ from indexcore.mappedfile import list_queue_files, offset_to_file_name
 from indexcore.multidispatch import MULTI_COUNT_MISMATCH, check_queue_name, multi_dispatch_error
 
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
+MAX_KNOWN_NAMES = 1 << 20  # topics and queue names a reader remembers as checked
 _NO_ROWS = np.zeros(0, dtype=np.int32)
 
 
@@ -100,14 +102,16 @@ class SegmentDecode:
 def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, max_bytes: int,
                    check_crc: bool = True, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
                    delay_table: DelayLevelTable | None = None, scratch: DecodeScratch | None = None,
-                   multi_flags: int = 0) -> SegmentDecode:
+                   multi_flags: int = 0, names: dict[bytes, str] | None = None) -> SegmentDecode:
     """Decode records of one mapped segment from `start` into a DispatchBatch.
 
     Stops before the first record that starts `max_bytes` or more past `start`, at a BLANK, at a zero
     TOTALSIZE, or at a record that fails to decode (the error is returned, not raised, with the
     records before it, so they can still be dispatched). `scratch`, when given, is reused for the kernel's
     buffers; the batch owns copies of what it needs. `multi_flags` (`multidispatch.multi_dispatch_flags`)
-    makes the batch carry the multi-dispatch targets.
+    makes the batch carry the multi-dispatch targets. `names`, when given, keeps the topics and queue names
+    found safe from one window to the next (a store with thousands of LMQ queues meets each in every
+    window); a name is only ever added once checked.
     """
     base = segment_offset
     w = decode_window(buf, start, min(segment_size, start + max_bytes), segment_size, base, max_message_size,
@@ -123,10 +127,18 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
         if first >= rec.shape[1]:  # met in a record the kernel did not take
             topics.append("")
             continue
+        raw = bytes(buf[at : at + length])
+        known = names.get(raw) if names is not None else None
+        if known is not None:
+            topics.append(known)
+            continue
         magic = RECORD_PREFIX.unpack_from(buf, int(rec[R_PHY, first]) - base)[1]
         try:
-            raw = bytes(buf[at : at + length])
             topics.append(check_queue_name(raw) if role == ROLE_MULTI_DISPATCH else check_topic(raw, magic))
+            if names is not None and len(raw) <= MAX_TOPIC_LENGTH_V1:  # safe as a v1 topic and as a name
+                if len(names) >= MAX_KNOWN_NAMES:
+                    names.clear()
+                names[raw] = topics[-1]
         except CorruptRecordError as e:
             if first < n:
                 n, stop, error = first, STOP_ERROR, e
@@ -323,6 +335,7 @@ class CommitLogReader:
         self.batch_bytes = batch_bytes
         self._mapped: tuple[str, mmap.mmap] | None = None
         self._scratch = DecodeScratch()
+        self._names: dict[bytes, str] = {}
 
     def _map(self, path: str) -> mmap.mmap:
         if self._mapped is not None and self._mapped[0] == path:
@@ -392,7 +405,7 @@ class CommitLogReader:
         result = decode_segment(mm, offset - seg_start, segment_offset=seg_start, segment_size=size,
                                 max_bytes=self.batch_bytes, check_crc=self.check_crc,
                                 max_message_size=self.max_message_size, delay_table=self.delay_table,
-                                scratch=self._scratch, multi_flags=self.multi_flags)
+                                scratch=self._scratch, multi_flags=self.multi_flags, names=self._names)
         _release(mm, offset - seg_start, result.position)
         return read_result(result, mm, seg_start, size, path, self.max_message_size,
                            (lambda: self._written_successor(offset)) if verify_end else None)
