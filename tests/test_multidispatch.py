@@ -273,7 +273,7 @@ def lmq_workload(rng: random.Random, n: int, *, resets: bool = True) -> list[Mes
     trailing comma), transactions, delays, retries; the writer assigns the offsets as the broker does."""
     out = []
     for i in range(n):
-        names = [f"%LMQ%room-{rng.randint(1, 6)}" for _ in range(rng.randint(0, 3))]
+        names = [f"%LMQ%room-{rng.randint(1, 16)}" for _ in range(rng.randint(0, 3))]
         r = rng.random()
         if r < 0.05:
             names.append("mirror")
@@ -294,8 +294,13 @@ def lmq_workload(rng: random.Random, n: int, *, resets: bool = True) -> list[Mes
     return out
 
 
-def write_workload(tmp: Path, messages: list[Message | None], *, lmq: bool = True) -> list[MessageRecord]:
+def write_workload(tmp: Path, messages: list[Message | None], *, lmq: bool = True,
+                   first_offsets: dict[str, int] | None = None) -> list[MessageRecord]:
+    """The messages through a multi-dispatch writer; `first_offsets` starts some LMQs past offset 0 (their
+    first file then begins with pre-blank units)."""
     w = writer(tmp, lmq=lmq)
+    for name, offset in (first_offsets or {}).items():
+        w.lmq_queue_offsets[(name, 0)] = offset
     for m in messages:
         if m is None:
             w.lmq_queue_offsets.clear()
@@ -321,7 +326,8 @@ def test_rebuild_equals_the_brokers_sequential_dispatch(tmp_path: Path, seed: in
     descriptors: every ConsumeQueue file equals the model's, and so does a second rebuild into the first."""
     rng = random.Random(seed)
     lmq = seed % 4 != 3
-    records = write_workload(tmp_path, lmq_workload(rng, rng.randint(50, 400)), lmq=lmq)
+    first = {f"%LMQ%room-{k}": rng.randrange(1, 40) for k in range(1, 17) if rng.random() < 0.3}
+    records = write_workload(tmp_path, lmq_workload(rng, rng.randint(50, 400)), lmq=lmq, first_offsets=first)
     expected = model_of(records, lmq, CQ_FILE)
     config = lmq_config(tmp_path, lmq=lmq, batch_bytes=rng.choice([300, 2000, 1 << 20]))
     cfg, _, _ = quiet_rebuild(config)
