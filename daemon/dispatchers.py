@@ -50,6 +50,7 @@ RELEASE_AFTER_KEYS = 1 << 20
 # after the other here, 0.5 s in parallel).
 SYNC_THREADS = 16
 PARALLEL_CREATE_MIN = 8  # new queues in a batch from which they are created in parallel
+CREATE_CHUNK = 1024  # created, then handed to the store, at a time
 
 
 def _fdatasync(path: str) -> None:
@@ -129,7 +130,9 @@ class ConsumeQueueDispatcher:
         units = prepared[1] if prepared is not None and prepared[0] is batch else list(consume_queue_units(batch))
         new = self.queues.new_queues(units)
         if len(new) >= PARALLEL_CREATE_MIN:
-            self.queues.made_queues(create_queues(new, self.queues.file_size))
+            step = min(CREATE_CHUNK, max(1, self.queues.open_files.limit // 2))  # they join the bounded set
+            for at in range(0, len(new), step):
+                self.queues.made_queues(create_queues(new[at : at + step], self.queues.file_size))
         stats = self.queues.dispatch(batch, units)
         if stats.out_of_order:
             self._log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order,

@@ -410,6 +410,26 @@ def test_few_descriptors_for_many_queues_write_the_same_files(tmp_path: Path) ->
     assert outs[0] == outs[1]
 
 
+def test_thousands_of_new_queues_in_one_batch_under_a_small_descriptor_limit(tmp_path: Path) -> None:
+    """2,000 LMQs first met in the same batch, created in parallel, with RLIMIT_NOFILE at 256: the rebuild
+    keeps within it (the created files join the bounded set a chunk at a time) and writes every queue."""
+    import resource
+
+    w = writer(tmp_path)
+    appended = [w.append(Message("im-chat", i % 4, b"x", {MD: f"%LMQ%r{i}"})) for i in range(2000)]
+    w.close()
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    res = subprocess.run([*REPUTD, "rebuild", "--config", str(lmq_config(tmp_path)), "--json"], capture_output=True,
+                         text=True, env=clean_env(), timeout=300, check=False, preexec_fn=limit)
+    assert res.returncode == 0, res.stderr
+    assert len(os.listdir(tmp_path / "out" / "consumequeue")) == 2001
+    for i in (0, 999, 1999):
+        assert queue_units(tmp_path / "out", f"%LMQ%r{i}", 0) == [(appended[i].phy_offset, appended[i].msg_size, 0)]
+
+
 # --- the facts of NOTES.md, one by one --------------------------------------------------------------
 
 def test_lmq_units_go_to_queue_0_and_plain_names_to_the_records_queue(tmp_path: Path) -> None:
