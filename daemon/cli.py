@@ -589,8 +589,9 @@ def _print_records(args, records, found_header: str | None = None) -> None:
 
 
 def cmd_query_queue(args, config: Config) -> int:
-    from daemon.query import query_queue
+    from daemon.query import check_queue, query_queue
 
+    check_queue(config, args.topic, args.queue_id)
     result = query_queue(config, args.topic, args.queue_id, args.offset, args.count)
     where = f"{args.topic}/{args.queue_id} holds queue offsets [{result.min_offset}, {result.max_offset})"
     if result.status != "FOUND":

@@ -154,12 +154,18 @@ def _listing(names: list[str], most: int = 8) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _check_queue(config: Config, topic: str, queue_id: int) -> None:
-    """That the output has this ConsumeQueue; StoreLayoutError naming what it has instead."""
+def _check_output(config: Config) -> str:
     root = os.path.join(config.output.dir, CONSUME_QUEUE_DIR)
     if not os.path.isdir(root):
         raise StoreLayoutError(root, "no consumequeue directory: is the output directory (--out, output.dir) "
                                      "the right one?")
+    return root
+
+
+def check_queue(config: Config, topic: str, queue_id: int) -> None:
+    """That the output has this ConsumeQueue; StoreLayoutError naming what it has instead (the command line
+    asks first: for a person a queue that is not there is a mistake, for the broker an empty queue)."""
+    root = _check_output(config)
     tdir = os.path.join(root, topic)
     if not os.path.isdir(tdir):
         known = topics(config)
@@ -182,8 +188,9 @@ def _batch_full(taken: int, taken_bytes: int, size: int, count: int, store: Stor
 def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: int = 32) -> QueueQueryResult:
     """`getMessage` without a filter, with the transfer limits of messages in memory (a broker whose
     CommitLog outgrows its memory ratio uses the smaller on-disk ones; that depends on its RAM). An LMQ is
-    read as topic = its name, queue 0."""
-    _check_queue(config, topic, queue_id)
+    read as topic = its name, queue 0. A queue the output does not have is empty (NO_MESSAGE_IN_QUEUE), as
+    the broker answers for it; `check_queue` tells it from a mistake."""
+    _check_output(config)
     store = ConsumeQueueStore(config.output.dir, config.store.mapped_file_size_consume_queue, readonly=True)
     cq = store.queue(topic, queue_id)
     log = open_commit_log(config)
@@ -281,5 +288,5 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
     return MsgIdResult([found[o] for o in sorted(found, reverse=True)], "uniqKey" if found else None, notes)
 
 
-__all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "matches_key", "message_json", "open_commit_log",
-           "query_key", "query_key_result", "query_msgid", "query_offsets", "query_queue", "topics"]
+__all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "check_queue", "matches_key", "message_json",
+           "open_commit_log", "query_key", "query_key_result", "query_msgid", "query_offsets", "query_queue", "topics"]

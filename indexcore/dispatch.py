@@ -32,8 +32,10 @@ INDEX_KEY_SEPARATOR = "#"
 
 
 _DELAY_TOKEN = re.compile(r"([0-9]+)([smhd])", re.ASCII)
-_NO_ROWS = np.zeros(0, dtype=np.int32)
-_NO_OFFSETS = np.zeros(0, dtype=np.int64)
+
+
+def _no_rows(dtype=None) -> np.ndarray:
+    return np.zeros(0, dtype=dtype or np.int32)
 
 
 def parse_delay_levels(spec: str) -> tuple[int, ...]:
@@ -198,11 +200,11 @@ class DispatchBatch:
     key_owner: np.ndarray  # int32, row of the record the key belongs to
     start_offset: int
     end_offset: int
-    multi_owner: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32, row of the record
-    multi_topic_id: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32, into `topics`
-    multi_queue_id: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32
-    multi_queue_offset: np.ndarray = field(default_factory=lambda: _NO_OFFSETS)  # int64
-    multi_count_mismatch: np.ndarray = field(default_factory=lambda: _NO_ROWS)  # int32, rows
+    multi_owner: np.ndarray = field(default_factory=_no_rows)  # int32, row of the record
+    multi_topic_id: np.ndarray = field(default_factory=_no_rows)  # int32, into `topics`
+    multi_queue_id: np.ndarray = field(default_factory=_no_rows)  # int32
+    multi_queue_offset: np.ndarray = field(default_factory=lambda: _no_rows(np.int64))  # int64
+    multi_count_mismatch: np.ndarray = field(default_factory=_no_rows)  # int32, rows
 
     def __len__(self) -> int:
         return len(self.phy_offset)

@@ -74,7 +74,6 @@ from indexcore.multidispatch import MULTI_COUNT_MISMATCH, check_queue_name, mult
 
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 MAX_KNOWN_NAMES = 1 << 20  # topics and queue names a reader remembers as checked
-_NO_ROWS = np.zeros(0, dtype=np.int32)
 
 
 class Stop(enum.Enum):
@@ -165,7 +164,7 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
     rec = rec[:, :n]
     keys = w.keys[:, : int(np.searchsorted(w.keys[K_OWNER], n))]
     multi = w.multi[:, : int(np.searchsorted(w.multi[M_OWNER], n))]
-    mismatch = np.flatnonzero(rec[R_MULTI] == MULTI_COUNT_MISMATCH).astype(np.int32) if multi_flags else _NO_ROWS
+    mismatch = np.flatnonzero(rec[R_MULTI] == MULTI_COUNT_MISMATCH).astype(np.int32) if multi_flags else None
     batch = DispatchBatch(
         phy_offset=rec[R_PHY].copy(),
         msg_size=rec[R_SIZE].astype(np.int32),
@@ -187,7 +186,7 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
         multi_topic_id=multi[M_TOPIC_ID].astype(np.int32),
         multi_queue_id=multi[M_QUEUE_ID].astype(np.int32),
         multi_queue_offset=multi[M_QUEUE_OFFSET].copy(),
-        multi_count_mismatch=mismatch,
+        **({} if mismatch is None else {"multi_count_mismatch": mismatch}),
     )
     return SegmentDecode(batch, _STOPS[stop], end, error)
 
