@@ -7,6 +7,7 @@
  *                INNER_MULTI_QUEUE_OFFSET (multidispatch.py states the rules), one row per target.
  * put_keys       the broker's IndexFile.putKey loop, straight into the mapped file (or, for `reputd verify`,
  *                into the slots and a window of entries held in memory).
+ * group_units    the ConsumeQueue units of a batch, queue by queue in put order (consume_queue_units).
  *
  * The record layout is the one commitlog.py documents; the offsets below are exported as module
  * attributes and a test holds them equal to commitlog.py's. Outputs go to buffers the caller owns, the
@@ -706,6 +707,90 @@ fail:
     return NULL;
 }
 
+/* group_units: the units of a batch queue by queue, by a counting sort over dense queue keys (0 <= key < K).
+ * Record r, when take[r], puts its own unit (key rkey[r], queue offset rqo[r]) and then its targets, the
+ * multi rows j with owner[j] == r in order (key mkey[j], queue offset mqo[j]); the sort keeps that order
+ * inside a key. Out: each unit packed as it lies in a ConsumeQueue file, its queue offset and its CommitLog
+ * end; per key the number of units and a state: 0 none, 1 one streak (consecutive queue offsets, growing
+ * ends), 2 broken. `cursor` is scratch of K entries. */
+static PyObject *py_group_units(PyObject *self, PyObject *args) {
+    enum { TAKE, RKEY, RQO, PHY, SIZE, TAGS, OWNER, MKEY, MQO, UNITS, QO, ENDS, COUNTS, STATE, CURSOR, NARGS };
+    PyObject *objs[NARGS];
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOO", &objs[TAKE], &objs[RKEY], &objs[RQO], &objs[PHY], &objs[SIZE],
+                          &objs[TAGS], &objs[OWNER], &objs[MKEY], &objs[MQO], &objs[UNITS], &objs[QO], &objs[ENDS],
+                          &objs[COUNTS], &objs[STATE], &objs[CURSOR]))
+        return NULL;
+    static const Py_ssize_t sizes[NARGS] = {1, 8, 8, 8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 1, 8};
+    static const char *names[NARGS] = {"take", "rkey", "rqo", "phy", "size", "tags", "owner", "mkey", "mqo",
+                                       "units", "qo", "ends", "counts", "state", "cursor"};
+    Py_buffer v[NARGS];
+    int got = 0;
+    for (; got < NARGS; got++)
+        if (get_buffer(objs[got], &v[got], got >= UNITS, sizes[got], names[got]) < 0) goto fail;
+    const Py_ssize_t n = v[TAKE].len, m = v[OWNER].len / 8, k = v[COUNTS].len / 8;
+    const uint8_t *take = v[TAKE].buf;
+    const int64_t *rkey = v[RKEY].buf, *rqo = v[RQO].buf, *phy = v[PHY].buf, *size = v[SIZE].buf, *tags = v[TAGS].buf;
+    const int64_t *owner = v[OWNER].buf, *mkey = v[MKEY].buf, *mqo = v[MQO].buf;
+    int64_t *qo = v[QO].buf, *ends = v[ENDS].buf, *counts = v[COUNTS].buf, *cursor = v[CURSOR].buf;
+    uint8_t *units = v[UNITS].buf, *state = v[STATE].buf;
+    if (v[RKEY].len / 8 != n || v[RQO].len / 8 != n || v[PHY].len / 8 != n || v[SIZE].len / 8 != n
+        || v[TAGS].len / 8 != n || v[MKEY].len / 8 != m || v[MQO].len / 8 != m || v[STATE].len != k
+        || v[CURSOR].len / 8 != k) {
+        PyErr_SetString(PyExc_ValueError, "group_units: column lengths differ");
+        goto fail;
+    }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        if (!take[r]) continue;
+        if (rkey[r] < 0 || rkey[r] >= k) { PyErr_SetString(PyExc_ValueError, "group_units: key out of range"); goto fail; }
+        total++;
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (owner[j] < 0 || owner[j] >= n || (j && owner[j] < owner[j - 1]) || mkey[j] < 0 || mkey[j] >= k) {
+            PyErr_SetString(PyExc_ValueError, "group_units: multi rows out of range or out of record order");
+            goto fail;
+        }
+        total += take[owner[j]] != 0;
+    }
+    if (v[UNITS].len != total * CQ_UNIT_SIZE || v[QO].len / 8 != total || v[ENDS].len / 8 != total) {
+        PyErr_SetString(PyExc_ValueError, "group_units: output buffers do not hold the units");
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    memset(counts, 0, (size_t)k * 8);
+    memset(state, 0, (size_t)k);
+    for (Py_ssize_t r = 0; r < n; r++) counts[rkey[r]] += take[r] != 0;
+    for (Py_ssize_t j = 0; j < m; j++) counts[mkey[j]] += take[owner[j]] != 0;
+    int64_t at = 0;
+    for (Py_ssize_t i = 0; i < k; i++) { cursor[i] = at; at += counts[i]; }
+    Py_ssize_t j = 0;
+    for (Py_ssize_t r = 0; r < n; r++) {
+        Py_ssize_t last = j;
+        while (last < m && owner[last] == r) last++;
+        if (take[r]) {
+            for (Py_ssize_t t = j - 1; t < last; t++) {  /* t == j - 1: the record's own unit */
+                int64_t key = t < j ? rkey[r] : mkey[t], q = t < j ? rqo[r] : mqo[t], end = phy[r] + size[r];
+                int64_t pos = cursor[key]++;
+                uint8_t *u = units + pos * CQ_UNIT_SIZE;
+                put_be(u, (uint64_t)phy[r], 8);
+                put_be(u + 8, (uint64_t)size[r], 4);
+                put_be(u + 12, (uint64_t)tags[r], 8);
+                qo[pos] = q;
+                ends[pos] = end;
+                if (state[key] == 0) state[key] = 1;
+                else if (q != qo[pos - 1] + 1 || end <= ends[pos - 1]) state[key] = 2;
+            }
+        }
+        j = last;
+    }
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < NARGS; i++) PyBuffer_Release(&v[i]);
+    return PyLong_FromSsize_t(total);
+fail:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return NULL;
+}
+
 static PyObject *py_crc32(PyObject *self, PyObject *args) {
     Py_buffer b;
     int folded = 1;
@@ -737,6 +822,9 @@ static PyMethodDef methods[] = {
      "put_keys(file, entries_at, hash_slot_num, index_count, index_num, begin_timestamp, begin_phy_offset, "
      "key_hash, phy_offset, store_timestamp, entry_base=0) -> (index_count, chains_started, begin_timestamp, "
      "begin_phy_offset); with entry_base, entry n is written at entries_at + 20 * (n - entry_base)"},
+    {"group_units", py_group_units, METH_VARARGS,
+     "group_units(take, rkey, rqo, phy, size, tags, owner, mkey, mqo, units, qo, ends, counts, state, cursor) "
+     "-> units"},
     {"crc32", py_crc32, METH_VARARGS,
      "crc32(data, folded=True) -> the body CRC path's crc32 of data (folded=False: zlib's, for comparison)"},
     {"java_hash_utf8", py_java_hash_utf8, METH_VARARGS,

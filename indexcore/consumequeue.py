@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from indexcore import _kernels
 from indexcore.dispatch import DispatchBatch
 from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import OpenFiles, list_queue_files, offset_to_file_name
@@ -50,6 +51,7 @@ DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE = 300_000 * CQ_UNIT_SIZE
 RECOVER_FROM_LAST_FILES = 3  # ConsumeQueue.recover starts at the third-newest file
 CONSUME_QUEUE_DIR = "consumequeue"
 _RADIX_KEYS = 1 << 16
+MAX_QUEUE_KEYS = 1 << 22  # queue keys (topics x span of queue ids) of a batch counted in C
 PRIVATE_OPEN_FILES = 2  # a queue on its own: its writing file, and the one before it while rolling
 MAX_OPEN_QUEUE_FILES = 65536
 
@@ -231,10 +233,49 @@ def consume_queue_units(batch: DispatchBatch) -> Iterator[QueueUnits]:
     DispatchBatch or anything with its columns (the backfill's RowChunk).
     """
     mask = batch.consume_queue_mask()
+    if len(mask) == 0:
+        return
+    qids, multi_qids = batch.queue_id, batch.multi_queue_id
+    qmin = min(int(qids.min()), int(multi_qids.min()) if len(multi_qids) else 0)
+    span = max(int(qids.max()), int(multi_qids.max()) if len(multi_qids) else 0) - qmin + 1
+    if len(batch.topics) * span > MAX_QUEUE_KEYS:
+        yield from _group_units_sorting(batch, mask)
+        return
+    # queue keys topic * span + queue: a counting sort in C (_kernels.group_units) groups them, linear in
+    # the units and the keys
+    keys = len(batch.topics) * span
+    owner = np.ascontiguousarray(batch.multi_owner, dtype=np.int64)
+    total = int(np.count_nonzero(mask)) + (int(np.count_nonzero(mask[owner])) if len(owner) else 0)
+    if total == 0:
+        return
+    units = np.empty(total, dtype=CQ_UNIT_DTYPE)
+    qo, ends = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    counts, state, cursor = np.empty(keys, np.int64), np.empty(keys, np.uint8), np.empty(keys, np.int64)
+    _kernels.group_units(
+        np.ascontiguousarray(mask, dtype=np.bool_), batch.topic_id.astype(np.int64) * span + (qids - qmin),
+        *(np.ascontiguousarray(c, dtype=np.int64) for c in (batch.queue_offset, batch.phy_offset, batch.msg_size,
+                                                            batch.tags_code)),
+        owner, batch.multi_topic_id.astype(np.int64) * span + (multi_qids - qmin),
+        np.ascontiguousarray(batch.multi_queue_offset, dtype=np.int64), units.view(np.uint8), qo, ends, counts, state,
+        cursor)
+    used = np.flatnonzero(counts)
+    bounds = [0, *np.cumsum(counts[used]).tolist()]
+    topics = batch.topics
+    for key, lo, hi, streak in zip(used.tolist(), bounds[:-1], bounds[1:], (state[used] == 1).tolist(), strict=True):
+        yield QueueUnits(topics[key // span], key % span + qmin, qo[lo:hi], units[lo:hi], ends[lo:hi], streak)
+
+
+def _group_units_sorting(batch: DispatchBatch, mask: np.ndarray) -> Iterator[QueueUnits]:
+    """`consume_queue_units` for a batch whose queue keys are too many to count (topics x queue id span
+    over MAX_QUEUE_KEYS): a stable sort instead."""
     rows = np.flatnonzero(mask)
     topic_id, queue_id, queue_offset = batch.topic_id[rows], batch.queue_id[rows], batch.queue_offset[rows]
     owner = batch.multi_owner
-    if len(owner):
+    taken = mask[owner] if len(owner) else None  # targets of records that get no unit get none either
+    multi = [c[taken] for c in (owner, batch.multi_topic_id, batch.multi_queue_id, batch.multi_queue_offset)] \
+        if taken is not None else None
+    if multi is not None and len(multi[0]):
+        owner = multi[0]
         # merge the record's own units and the targets by record, own unit first: record r's units start
         # after those of the records before it (the kernel lists targets in record order)
         own = mask.astype(np.int64)
@@ -245,8 +286,7 @@ def consume_queue_units(batch: DispatchBatch) -> Iterator[QueueUnits]:
         n = len(rows) + len(owner)
         rows, topic_id, queue_id, queue_offset = (
             _merge(at_own, a, at_multi, b, n)
-            for a, b in ((rows, owner), (topic_id, batch.multi_topic_id), (queue_id, batch.multi_queue_id),
-                         (queue_offset, batch.multi_queue_offset)))
+            for a, b in zip((rows, topic_id, queue_id, queue_offset), multi, strict=True))
     if len(rows) == 0:
         return
     order, starts = _queue_order(topic_id, queue_id, len(batch.topics))

@@ -705,6 +705,35 @@ def test_consume_queue_units_orders_each_queue_as_the_broker_puts(tmp_path: Path
         assert np.array_equal(g.ends, g.units["commit_log_offset"] + g.units["msg_size"])
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_grouping_by_counting_equals_grouping_by_sorting(tmp_path: Path, seed: int, monkeypatch) -> None:
+    """consume_queue_units' two ways, the C counting sort and the numpy stable sort (for batches with too
+    many queue keys), give the same groups, units and streak flags."""
+    import indexcore.consumequeue as cq
+
+    rng = random.Random(seed)
+    write_workload(tmp_path, lmq_workload(rng, rng.randint(20, 300)), lmq=seed % 3 != 0)
+    reader = CommitLogReader(CommitLog(str(tmp_path / "store" / "commitlog"), SEGMENT),
+                             multi_flags=multi_dispatch_flags(True, seed % 3 != 0),
+                             batch_bytes=rng.choice([500, 1 << 20]))
+    offset = 0
+
+    def flat(groups):
+        return [(g.topic, g.queue_id, g.queue_offset.tolist(), g.units.tobytes(), g.ends.tolist(), g.one_streak)
+                for g in sorted(groups, key=lambda g: (g.topic, g.queue_id))]
+
+    while True:
+        res = reader.read(offset)
+        counted = flat(consume_queue_units(res.batch))
+        with monkeypatch.context() as m:
+            m.setattr(cq, "MAX_QUEUE_KEYS", 0)
+            assert flat(consume_queue_units(res.batch)) == counted
+        offset = res.next_offset
+        if res.status is not ReadStatus.OK:
+            break
+    reader.close()
+
+
 # --- the live daemon: recovery takes LMQ queues in ---------------------------------------------------------
 
 class LmqStore(Store):
