@@ -72,8 +72,9 @@ MAX_QUARANTINES = 64
 FLUSH_FAILED = "flush failed"
 NO_SPACE = "output space exhausted"
 # errnos that mean "no room for the output": a full file system, a quota, or RLIMIT_FSIZE (SIGXFSZ, which
-# Python ignores, turns into EFBIG). Files are allocated in full when created, so these surface as an
-# OSError naming the file, never as SIGBUS on a write through a mapping.
+# Python ignores, turns into EFBIG). IndexFiles are allocated in full when created and ConsumeQueue files
+# are written with pwrite, so these surface as an OSError naming the file, never as SIGBUS on a write
+# through a mapping.
 NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
 COMMITLOG_UNAVAILABLE = "CommitLog unavailable"
 _READ_ONLY_EVENTS = frozenset((EVENT_TYPE_OPENED, EVENT_TYPE_CLOSED_NO_WRITE))

@@ -1,10 +1,11 @@
 """A full output file system under `reputd run`: the output directory is a small tmpfs of its own.
 
-What must hold while there is no room: the daemon stays up (no SIGBUS: files are allocated in full when
-created, so no room is an OSError naming the file), says so (an `output_space_exhausted` event naming the
-file and the errno, `reputd_output_space_exhausted_total`, `/healthz` degraded), never checkpoints past
-what its files hold, and goes on by itself once room is made (a remount with a bigger size, a deleted
-ballast file), or on the next start. Every scenario ends equal to a clean `reputd rebuild`.
+What must hold while there is no room: the daemon stays up (no SIGBUS: IndexFiles are allocated in full
+when created and ConsumeQueue files written with pwrite, so no room is an OSError naming the file), says
+so (an `output_space_exhausted` event naming the file and the errno, `reputd_output_space_exhausted_total`,
+`/healthz` degraded), never checkpoints past what its files hold, and goes on by itself once room is made
+(a remount with a bigger size, a deleted ballast file), or on the next start. Every scenario ends equal to
+a clean `reputd rebuild`.
 
 Where mounting is impossible (not root, no CAP_SYS_ADMIN), RLIMIT_FSIZE stands in for the full file
 system: a file over the limit cannot be allocated (EFBIG; Python ignores the SIGXFSZ that comes with
