@@ -85,6 +85,7 @@ from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UN
 from indexcore.errors import StoreError
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import list_queue_files
+from indexcore.multidispatch import multi_dispatch_flags
 
 DEFAULT_MASTER = "local[*]"
 MIN_JAVA = 17
@@ -262,7 +263,8 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     window = max(config.reput.batch_bytes, min(DECODE_WINDOW_BYTES, config.backfill.range_bytes))
     settings = DecodeSettings(store.mapped_file_size_commit_log, store.check_crc_on_recover, store.max_message_size,
                               store.message_delay_level, window, config.backfill.read_bytes,
-                              build_index, catalog is not None, config.backfill.catalog_body, s3)
+                              build_index, catalog is not None, config.backfill.catalog_body, s3,
+                              multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq))
     job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
     try:
         if catalog is not None:
@@ -482,8 +484,8 @@ class _Job:
                 raise BackfillTaskError(f"consumequeue task {attempt.partition}: {e}") from e
             yield from result_rows(QUEUES, (stats, staged))
 
-        return (self._selected(plan, UNITS).select("topic", "queue", "pos", "aux", "count", "data")
-                .repartition(parts, "topic", "queue").sortWithinPartitions("topic", "queue", "pos")
+        return (self._selected(plan, UNITS).select("topic", "queue", "pos", "seq", "aux", "count", "data")
+                .repartition(parts, "topic", "queue").sortWithinPartitions("topic", "queue", "pos", "seq")
                 .mapInArrow(run, RESULT_DDL))
 
     def _index_writer(self, plan: ReadPlan, layout: IndexLayout, parts: int):

@@ -13,8 +13,10 @@ the right boundary where the chain breaks, so the result is that of reading each
 What a task emits is the output itself, as Arrow rows (`DECODED_SCHEMA`), never per-record objects:
 
     UNITS    a run of ConsumeQueue units of one queue with consecutive queue offsets: the 20-byte units as
-             they lie in the file, keyed by (topic, queue id, physical offset of the first unit) and the
-             first queue offset; units come from `consumequeue.consume_queue_units`, as the rebuild's do
+             they lie in the file, keyed by (topic, queue id, physical offset of the first unit, row
+             sequence: a name repeated in one record starts two runs at one offset) and the first queue
+             offset; units come from `consumequeue.consume_queue_units` (multi-dispatch targets included,
+             with `multi_flags`), as the rebuild's do
     KEYS     the IndexFile keys of a window in `buildIndex` order: hash (int32), physical offset and store
              time (int64) of the owning record, and the store time of the record that would create the next
              IndexFile if one filled at this key (int64; -1 when that record is in the next range)
@@ -75,6 +77,7 @@ class DecodeSettings:
     catalog: bool  # emit catalog rows
     catalog_body: bool
     s3: S3Options = field(default_factory=S3Options)
+    multi_flags: int = 0  # multidispatch.multi_dispatch_flags of the store settings
 
     @property
     def lookahead(self) -> int:
@@ -366,6 +369,7 @@ def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = 
 def _decode_from(pos: int, task: RangeTask, settings: DecodeSettings, image, rows: RangeRows,
                  outcome: RangeOutcome) -> Iterator:
     scratch = DecodeScratch()
+    names: dict[bytes, str] = {}
     delay_table = DelayLevelTable(settings.message_delay_level)
     size = settings.segment_size
     while True:
@@ -374,7 +378,7 @@ def _decode_from(pos: int, task: RangeTask, settings: DecodeSettings, image, row
         decoded = decode_segment(image.buffer, pos, segment_offset=task.seg_start, segment_size=size,
                                  max_bytes=window_end - pos, check_crc=settings.check_crc,
                                  max_message_size=settings.max_message_size, delay_table=delay_table,
-                                 scratch=scratch)
+                                 scratch=scratch, multi_flags=settings.multi_flags, names=names)
         result = read_result(decoded, image.buffer, task.seg_start, size, task.location, settings.max_message_size,
                              lambda: task.written_successor)
         if len(result.batch):

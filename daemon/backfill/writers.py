@@ -3,9 +3,11 @@
 Rows arrive as Arrow batches, partitioned and sorted by Spark's JVM shuffle; nothing is sorted or
 spilled in Python, and each task holds one batch at a time.
 
-* ConsumeQueue: runs of units partitioned by (topic, queue id) and sorted by physical offset, so a task
-  sees each of its queues whole and in CommitLog order and hands them to `ConsumeQueue.put_packed`, the
-  broker's rules (pre-blank, repeats, out-of-order appends) included.
+* ConsumeQueue: runs of units partitioned by (topic, queue id) and sorted by physical offset, then by the
+  row sequence of the task that decoded them (a name repeated in one record starts a second run at the
+  same offset), so a task sees each of its queues whole and in put order and hands them to
+  `ConsumeQueue.put_packed`, the broker's rules (pre-blank, repeats, out-of-order appends, offset-0
+  appends of multi-dispatch units) included. LMQ queues (`%LMQ%name`, queue 0) are queues like any other.
 * IndexFile: key runs partitioned by file number and sorted by global key number, each file's plan row
   first. A run that crosses a file boundary, or ends at one, goes to both files: the later file reads its
   seed (the end values of the one before: physical offset and store time of the previous key) and the
@@ -106,7 +108,8 @@ class StagedQueue:
 
 def write_queues(batches: Iterable, *, stage_dir: str, file_size: int, attempt: Attempt,
                  fault: Fault | None = None) -> tuple[WriteStats, list[StagedQueue]]:
-    """Build the queues of one sorted partition (rows: topic, queue, pos, aux, count, data) in `stage_dir`."""
+    """Build the queues of one sorted partition (rows: topic, queue, pos, seq, aux, count, data; sorted by
+    the first four) in `stage_dir`."""
     stats = WriteStats()
     store = ConsumeQueueStore(stage_dir, file_size)
     staged: list[StagedQueue] = []
@@ -119,7 +122,7 @@ def write_queues(batches: Iterable, *, stage_dir: str, file_size: int, attempt: 
                                                                cols["count"], cols["data"], strict=True):
             if cq is None or (cq.topic, cq.queue_id) != (topic, queue_id):
                 if cq is not None:
-                    cq.close()  # a queue's runs are contiguous: one file mapped at a time
+                    _done_with(store, cq)
                 cq = store.queue(topic, queue_id)
                 staged.append(StagedQueue(topic, queue_id, cq.directory, phy))
             units = np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=count)
@@ -129,12 +132,20 @@ def write_queues(batches: Iterable, *, stage_dir: str, file_size: int, attempt: 
             stats.already_built += put.already_built
             stats.out_of_order += put.out_of_order
     if cq is not None:
-        cq.close()
+        _done_with(store, cq)
+    store.close()
     stats.queues = len(staged)
     stats.seconds = time.perf_counter() - started
     if fault is not None:
         fault.check("consumequeue", "staged", attempt.attempt_number)
     return stats, staged
+
+
+def _done_with(store: ConsumeQueueStore, cq) -> None:
+    """A queue's runs are contiguous: once the next queue starts, this one is closed and forgotten, so a
+    task holds one queue's descriptors and state at a time, however many (LMQ) queues its partition has."""
+    cq.close()
+    del store.queues[(cq.topic, cq.queue_id)]
 
 
 # --- IndexFile ---------------------------------------------------------------------------------------
