@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import structlog
 
 from daemon.backfill import BackfillFailed, backfill
 from daemon.config import load_config
@@ -18,6 +19,8 @@ from tests.test_backfill import assert_no_staging, assert_same_files, outputs
 from tests.test_multidispatch import (
     CQ_FILE,
     LMQ_STORES,
+    MD,
+    MQO,
     SEGMENT,
     laid_out,
     lmq_config,
@@ -25,6 +28,7 @@ from tests.test_multidispatch import (
     raw_record,
     segment_of,
     write_workload,
+    writer,
 )
 
 RANGE_BYTES = 3000  # a 64 KiB segment in 22 ranges: most cut inside a record
@@ -150,3 +154,26 @@ def test_a_name_repeated_at_other_offsets_is_put_in_record_order(spark, tmp_path
     backfill(config, spark=spark, partitions=3)
     assert_same_files(outputs(tmp_path / "bf"), outputs(tmp_path / "reference"))
     assert files_under(tmp_path / "bf" / "consumequeue") == model_of(records, True, CQ_FILE)
+
+
+def test_names_and_offsets_of_different_counts_are_logged_as_rebuild_logs_them(spark, tmp_path):
+    """No extra unit (as rebuild and the broker), and one warning per such record, whichever range holds it."""
+    w = writer(tmp_path, multi=False)
+    odd = []
+    for i in range(300):
+        props = {MD: f"%LMQ%r{i % 7}", MQO: str(i // 7)}
+        if i % 50 == 7:
+            props = {MD: "%LMQ%r1,%LMQ%r2", MQO: "0"}
+        m = w.append(Message("im-chat", i % 2, bytes(i % 90), props))
+        if i % 50 == 7:
+            odd.append(m.phy_offset)
+    w.close()
+    base = lmq_config(tmp_path)
+    rebuild(load_config(base, {}, {"output.dir": str(tmp_path / "reference")}))
+    config = load_config(base, {}, {"output.dir": str(tmp_path / "bf"), "backfill.rangeBytes": "2000"})
+    with structlog.testing.capture_logs() as logs:
+        backfill(config, spark=spark)
+    assert_same_files(outputs(tmp_path / "bf"), outputs(tmp_path / "reference"))
+    warned = [e for e in logs if e["event"] == "multi_dispatch_count_mismatch"]
+    assert sorted(e["commit_log_offset"] for e in warned) == odd
+    assert {e["topic"] for e in warned} == {"im-chat"}

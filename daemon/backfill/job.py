@@ -425,6 +425,13 @@ class _Job:
             s.skipped.append((lo, hi, str(error)))
             self.log.warning("segment_skipped", file=getattr(error, "path", None), skipped_from=lo, skipped_to=hi,
                              skipped_bytes=hi - lo, error=str(error))
+        for n in plan.ranges:  # the broker logs each such record and writes no extra unit, as rebuild does
+            outcome = self.outcomes[n]
+            for offset, topic in outcome.count_mismatch:
+                self.log.warning("multi_dispatch_count_mismatch", commit_log_offset=offset, topic=topic)
+            if outcome.count_mismatch_omitted:
+                self.log.warning("multi_dispatch_count_mismatch", range_begin=outcome.seg_start + outcome.begin,
+                                 range_end=outcome.seg_start + outcome.end, omitted=outcome.count_mismatch_omitted)
         self.say(f"decoded {s.messages:,} messages in {s.segments} segments, [{s.start_offset}, {s.end_offset})")
         self._timed("plan", t0)
         return plan

@@ -60,6 +60,7 @@ _MAGICS = tuple(struct.pack(">i", m) for m in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC
 _MAGIC_AT = 4  # MAGICCODE's offset in a record
 _END_CHECK_SLACK = 64
 MAX_ROW_ITEMS = 16384  # units or keys per row: rows of at most 448 KiB
+MAX_LOGGED_MISMATCHES = 1000  # per range: a hostile CommitLog could have one in every record
 _ZERO_PROBE = 1 << 20
 
 
@@ -124,6 +125,10 @@ class RangeOutcome:
     bytes_read: int = 0  # from a remote store
     arrow_bytes: int = 0  # the Arrow batches this task handed to the JVM
     seconds: float = 0.0  # the task's decode time
+    # records whose multi-dispatch name and offset counts differ (the broker logs each): (offset, topic) of
+    # the first MAX_LOGGED_MISMATCHES, and how many more
+    count_mismatch: list[tuple[int, str]] = field(default_factory=list)
+    count_mismatch_omitted: int = 0
 
 
 def plan_ranges(segments, segment_size: int, from_offset: int, to_offset: int | None,
@@ -234,6 +239,11 @@ class RangeRows:
         if o.records == 0:
             o.first_ts = int(batch.store_timestamp[0])
         rows = self._units(batch)
+        for row in batch.multi_count_mismatch.tolist():
+            if len(o.count_mismatch) < MAX_LOGGED_MISMATCHES:
+                o.count_mismatch.append((int(batch.phy_offset[row]), batch.topic_of(row)))
+            else:
+                o.count_mismatch_omitted += 1
         if self.held is not None:
             self.held["creators"][-1] = batch.store_timestamp[0]
             rows.extend(self._key_rows(self.held))
