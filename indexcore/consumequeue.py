@@ -16,6 +16,12 @@ unit inside its first file. The write position is not stored: it is the first un
 commit_log_offset < 0 or msg_size <= 0 (blank units count as valid). A crash can leave units the
 checkpoint does not cover; `truncate_to` removes them, and zeroes what it removes, so that a queue
 recovered after a crash is byte-identical to one built in a single run.
+
+A file is created complete (its pre-blank units written) or not at all (`mappedfile.create_file`).
+Loading removes what a creation cut short by an older reputd left: a 0-byte newest file, or a queue's
+only file allocated but left without its pre-blank units (all zeros: a first file always gets its
+first unit or its blanks). Truncating removes a first file left with nothing but pre-blank units, as
+a run that stopped there would not have made it yet.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import numpy as np
 
 from indexcore.dispatch import DispatchBatch
 from indexcore.errors import StoreLayoutError
-from indexcore.mappedfile import MappedFile, list_queue_files, offset_to_file_name
+from indexcore.mappedfile import MappedFile, check_sizes, list_queue_files, offset_to_file_name, remove_temporaries
 
 CQ_UNIT = struct.Struct(">qiq")
 CQ_UNIT_SIZE = CQ_UNIT.size
@@ -242,6 +248,7 @@ class ConsumeQueue:
         self._files: list[int] = []  # start offsets, ascending
         self._last: MappedFile | None = None
         self._write_pos = 0  # in the last file
+        self.removed: list[str] = []  # what loading removed: leftovers of creations cut short
         self._recover()
 
     # --- load and recovery ----------------------------------------------------------------------
@@ -250,14 +257,24 @@ class ConsumeQueue:
         return os.path.join(self.directory, offset_to_file_name(start))
 
     def _recover(self) -> None:
-        """`ConsumeQueue.recover`: scan from the third-newest file to the first invalid unit."""
-        files = list_queue_files(self.directory, self.file_size)
+        """`ConsumeQueue.recover`: scan from the third-newest file to the first invalid unit, after
+        removing (or, read-only, passing over) what a creation cut short left."""
+        self.removed = [] if self.readonly else remove_temporaries(self.directory)
+        files = list_queue_files(self.directory, temporaries=True)
+        if files and os.path.getsize(files[-1][1]) == 0:
+            self._drop_newest(files)
+        check_sizes(files, self.file_size)
+        newest = _read_units(files[-1][1]) if files else None
+        if len(files) == 1 and not newest.view(np.uint8).any():
+            # a first file is never left without a unit or its pre-blanks: this one's creation was cut short
+            self._drop_newest(files)
+            newest = None
         self._files = [start for start, _ in files]
         if not files:
             return
         end = self._files[0]
         for start, path in files[max(0, len(files) - RECOVER_FROM_LAST_FILES):]:
-            units = _read_units(path)
+            units = newest if newest is not None and start == self._files[-1] else _read_units(path)
             n = _valid_prefix(units)
             if n < len(units) and units[n:].view(np.uint8).any():
                 # units are appended in order and truncation zeroes what it removes: written bytes after
@@ -272,6 +289,13 @@ class ConsumeQueue:
                 break
         self._truncate_files_after(end)
         self.min_logic_offset = self._files[0] if self._files else 0
+
+    def _drop_newest(self, files: list[tuple[int, str]]) -> None:
+        """Forget the newest file, which holds no real unit; writable, delete it."""
+        _, path = files.pop()
+        if not self.readonly:
+            os.unlink(path)
+            self.removed.append(path)
 
     def _truncate_files_after(self, end: int) -> None:
         """`truncateDirtyFiles`: drop files that start past `end`; append to the one holding it.
@@ -290,11 +314,16 @@ class ConsumeQueue:
             self._open_last(self._files[-1])
             self._write_pos = end - self._files[-1]
 
-    def _open_last(self, start: int, *, create: bool = False) -> None:
+    def _open_last(self, start: int, *, create: bool = False, blanks: int = 0) -> None:
         if self._last is not None:
             self._last.flush()
             self._last.close()
-        self._last = MappedFile(self._path(start), self.file_size, create=create)
+            self._last = None
+        if create:
+            self._last = MappedFile.create(self._path(start), self.file_size, BLANK_UNIT * blanks,
+                                           label="consumequeue")
+        else:
+            self._last = MappedFile(self._path(start), self.file_size)
 
     # --- appending --------------------------------------------------------------------------------
 
@@ -302,12 +331,13 @@ class ConsumeQueue:
     def _last_start(self) -> int:
         return self._files[-1]
 
-    def _create_file(self, start: int) -> None:
+    def _create_file(self, start: int, blanks: int = 0) -> None:
+        """A new newest file, created complete with its `blanks` pre-blank units (a queue's first file)."""
         if not self._files:
             os.makedirs(self.directory, exist_ok=True)
+        self._open_last(start, create=True, blanks=blanks)
         self._files.append(start)
-        self._open_last(start, create=True)
-        self._write_pos = 0
+        self._write_pos = blanks * CQ_UNIT_SIZE
 
     def put_units(self, queue_offset: np.ndarray, commit_log_offset: np.ndarray, msg_size: np.ndarray,
                   tags_code: np.ndarray) -> PutStats:
@@ -326,9 +356,7 @@ class ConsumeQueue:
             if p.created:
                 if not self._files:
                     self.min_logic_offset = p.logical
-                self._create_file(p.file_start)
-            if p.blanks:
-                self._last.write(p.logical - p.file_start - p.blanks * CQ_UNIT_SIZE, BLANK_UNIT * p.blanks)
+                self._create_file(p.file_start, p.blanks)  # blanks are only ever the first file's
             if p.last > p.first:
                 self._last.write(p.logical - p.file_start, units[p.first : p.last].tobytes())
             self._write_pos = p.logical - p.file_start + (p.last - p.first) * CQ_UNIT_SIZE
