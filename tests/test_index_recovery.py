@@ -1,5 +1,5 @@
-"""Putting the index back to a checkpoint after a kill (IndexService.state / truncate_to), skip_through, and
-the header sanity check at load.
+"""Putting the index back to a checkpoint after a kill (IndexService.state / truncate_to), resuming from a
+checkpoint's offset or from the files alone down to the key (IndexResume), and the header sanity check at load.
 
 A kill leaves the files as the page cache had them: every put made after the checkpoint, maybe one cut
 short. `truncate_to(state)` must give the bytes of a run that stopped at the checkpoint, so that
