@@ -260,7 +260,8 @@ class ReputService:
         finally:
             self._starting.clear()
             self._report_stop()
-            self.notify_stopping()
+            if self._ready_sent or self._stop.is_set():  # a start that failed is not a stop: STATUS= says why
+                self.notify_stopping()
             if self.server is not None:
                 self.server.stop()
             self._log.info("reputd_stopped")

@@ -128,6 +128,7 @@ def test_segment_size_setting_mismatch_exits_1_without_ready(store, listener):
     assert proc.returncode == 1, err
     assert "Traceback" not in out + err
     assert listener.first("READY=1") is None, listener.timeline()
+    assert listener.fields()[-1].startswith("STATUS=failed"), "the last word systemd shows is why"
     status = listener.first("STATUS=failed")
     assert status is not None, listener.timeline()
     assert f"every CommitLog segment is {SEGMENT} bytes" in status
