@@ -65,6 +65,7 @@ NO_SPACE = "output space exhausted"
 # OSError naming the file, never as SIGBUS on a write through a mapping.
 NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
 COMMITLOG_UNAVAILABLE = "CommitLog unavailable"
+RESTARTING = "restarting from the last checkpoint"
 _READ_ONLY_EVENTS = frozenset((EVENT_TYPE_OPENED, EVENT_TYPE_CLOSED_NO_WRITE))
 CORRUPT_REASON = "corrupt"
 
@@ -299,7 +300,7 @@ class ReputService:
                 self._failed_at = self.session.dispatched_offset
             if outcome is Outcome.FAILED and not self.until_caught_up and not self._stop.is_set():
                 reason = self._failure_reason or "dispatch failed"
-                self._set_health(DEGRADED, f"{reason}; restarting from the last checkpoint in {backoff:g} s")
+                self._set_health(DEGRADED, f"{reason}; {RESTARTING} in {backoff:g} s")
                 self._sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
@@ -317,7 +318,8 @@ class ReputService:
         observer = self._watch(s.commit_log.dirs)
         flusher.start()
         self._notify_ready(f"recovered; reading from offset {s.dispatched_offset}")
-        self._set_health(HEALTHY)
+        if not self._retrying():  # a session retried after a failure is healthy once it gets past it
+            self._set_health(HEALTHY)
         try:
             return self._follow(s)
         except Exception as e:  # anything unexpected ends the session like a failed dispatch
@@ -465,10 +467,10 @@ class ReputService:
                 self._suspect = None
             if result.status is ReadStatus.OK:
                 self._reported = None
-                self._recovered_from_stall()
+                self._recovered_from_stall(offset)
                 continue
             if result.status is ReadStatus.END:
-                self._recovered_from_stall()
+                self._recovered_from_stall(offset)
                 self._report_caught_up(offset)
                 if self.until_caught_up:
                     if result.pending is not None:
@@ -505,8 +507,14 @@ class ReputService:
                 "checkpointOffset": self.session.checkpoint_offset if self.session is not None else None,
                 "caughtUp": self.caught_up_at is not None}
 
-    def _recovered_from_stall(self) -> None:
-        if self.health.state != HEALTHY and self.health.reason.startswith((CORRUPT_REASON, COMMITLOG_UNAVAILABLE)):
+    def _retrying(self) -> bool:
+        return self.health.state == DEGRADED and RESTARTING in self.health.reason
+
+    def _recovered_from_stall(self, offset: int) -> None:
+        """Healthy again once reading goes on: past a bad record or a missing directory, or past the batch
+        the last session failed on."""
+        if self.health.state != HEALTHY and (self.health.reason.startswith((CORRUPT_REASON, COMMITLOG_UNAVAILABLE))
+                                             or (self._retrying() and offset > self._failed_at)):
             self._set_health(HEALTHY)
 
     def _commit_log_unavailable(self, error: StoreLayoutError) -> None:
