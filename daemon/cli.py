@@ -440,7 +440,7 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
         print(json.dumps(summary.as_dict()))
         return
     files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
-    if summary.messages == 0 and not summary.interrupted:
+    if getattr(summary, "new_messages", summary.messages) == 0 and not summary.interrupted:  # rebuild: re-read ones
         print(f"{verb} 0 new messages: nothing to dispatch from CommitLog offset {summary.start_offset}{where}; "
               f"{files}; output {config.output.dir}")
     else:

@@ -33,7 +33,7 @@ from daemon.logs import get_logger
 from daemon.metrics import DEGRADED, DOWN, HEALTHY, Health, Lag, MetricsServer, ReputMetrics
 from daemon.sdnotify import USEC_PER_SECOND, Notifier
 from daemon.session import Session, open_session
-from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
+from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
 from indexcore.reader import ReadResult, ReadStatus
 
 EXIT_OK, EXIT_FAILURE = 0, 1
@@ -358,21 +358,17 @@ class ReputService:
         return code
 
     def _size_setting_mismatch(self, error: BaseException) -> str | None:
-        """Why the CommitLog cannot be read with these settings, when every segment has one size that is
-        not mappedFileSizeCommitLog: the setting is not the broker's, which no waiting fixes (a single
-        segment of another size, or a stray file, is damage an operator can repair: that is waited out)."""
-        if not isinstance(error, StoreLayoutError):
+        """Why the CommitLog cannot be read with these settings, when its segments all have one size that is
+        not mappedFileSizeCommitLog (SizeMismatchError from the CommitLog): the setting is not the broker's,
+        which no waiting fixes. A single segment of another size, or a stray file, is damage an operator can
+        repair: that is waited out."""
+        if not isinstance(error, SizeMismatchError):
             return None
-        configured = self.config.store.mapped_file_size_commit_log
-        sizes = set()
-        for d in self.config.store.commit_log_dirs:
-            with contextlib.suppress(OSError):
-                sizes.update(os.path.getsize(p) for p in (os.path.join(d, n) for n in os.listdir(d))
-                             if os.path.isfile(p))
-        if len(sizes) != 1 or configured in sizes or 0 in sizes:
+        dirs = [os.path.abspath(d) for d in self.config.store.commit_log_dirs]
+        path = os.path.abspath(error.path)
+        if not any(path.startswith(d + os.sep) for d in dirs):
             return None
-        return (f"every CommitLog segment is {sizes.pop()} bytes but mappedFileSizeCommitLog is {configured} "
-                f"({error}): set it to the broker's value")
+        return f"{error}: set mappedFileSizeCommitLog to the broker's value"
 
     def _flush_succeeded(self) -> None:
         if self.health.state == DEGRADED and self.health.reason.startswith(FLUSH_FAILED):

@@ -131,7 +131,7 @@ def test_segment_size_setting_mismatch_exits_1_without_ready(store, listener):
     assert listener.fields()[-1].startswith("STATUS=failed"), "the last word systemd shows is why"
     status = listener.first("STATUS=failed")
     assert status is not None, listener.timeline()
-    assert f"every CommitLog segment is {SEGMENT} bytes" in status
+    assert f"the segments here are {SEGMENT} bytes" in status
     assert "mappedFileSizeCommitLog is 131072" in status
     mismatch = [e for e in events(out) if e["event"] == "commitlog_size_mismatch"]
     assert mismatch
