@@ -117,7 +117,8 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     if from_offset is not None and not commit_log.min_offset <= from_offset <= target:
         raise FromOffsetError(f"--from {from_offset} is outside the CommitLog, which holds "
                               f"[{commit_log.min_offset}, {target}) in {config.store.store_path_commit_log}")
-    recovered = recover_output(config, commit_log, log=get_logger(command="rebuild", component="recovery"))
+    recovered = recover_output(config, commit_log, log=get_logger(command="rebuild", component="recovery"),
+                               quarantine_damaged=False)
     dispatchers = recovered.dispatchers
     offset = recovered.start if from_offset is None else from_offset
     target = max(target, offset)

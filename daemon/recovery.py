@@ -25,7 +25,7 @@ Before any of it, each kind's load removes what a kill during a file's creation 
 file of a creation cut short and, from an older reputd or a broker, a 0-byte newest file, a queue's
 only file allocated without its pre-blank units, a newest IndexFile allocated without its header. They
 hold nothing, so the checkpoint stays good. An output file of the wrong size or with a garbage header is
-damage: it is moved to `quarantine/` in the output directory with what depends on it (a ConsumeQueue's
+damage: `run` moves it to `quarantine/` in the output directory with what depends on it (a ConsumeQueue's
 whole queue directory, an IndexFile and every newer one), after a replay marker at the CommitLog's first
 offset, and what it held is dispatched again.
 """
@@ -110,13 +110,14 @@ def _count(metrics: ReputMetrics | None, name: str, amount: float = 1, **labels)
 
 
 def _build_with_quarantine(config: Config, output_dir: str, commit_log: CommitLog, log,
-                           metrics: ReputMetrics | None) -> tuple[list[Dispatcher], list[str]]:
+                           metrics: ReputMetrics | None, enabled: bool) -> tuple[list[Dispatcher], list[str]]:
     moved: list[str] = []
     for _ in range(MAX_QUARANTINES):
         try:
             return build_dispatchers(config, output_dir), moved
         except StoreLayoutError as e:
-            if not _inside(e.path, output_dir) or os.path.abspath(e.path) == os.path.abspath(output_dir):
+            if not enabled or not _inside(e.path, output_dir) or \
+                    os.path.abspath(e.path) == os.path.abspath(output_dir):
                 raise
             if not moved:
                 write_replay_marker(output_dir, commit_log.min_offset, "output files quarantined", log)
@@ -146,9 +147,11 @@ def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: d
 
 
 def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetrics | None = None,
-                   log=None) -> Recovered:
+                   log=None, quarantine_damaged: bool = True) -> Recovered:
     """Open the dispatchers on the output, put their files back to a consistent point by the rules above,
-    and decide the offset to dispatch from. Raises StoreError or OSError when the output cannot be used."""
+    and decide the offset to dispatch from. Raises StoreError or OSError when the output cannot be used;
+    without `quarantine_damaged` (`reputd rebuild`, an operator's command), also for a damaged file, which
+    the operator then sees named instead of moved."""
     log = log or get_logger(component="recovery")
     out = config.output.dir
     os.makedirs(out, exist_ok=True)
@@ -158,7 +161,7 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
         log.error("checkpoint_corrupt", path=e.path, error=e.detail, decision="rebuild from the CommitLog")
         _count(metrics, "errors", kind="checkpoint")
         checkpoint = None
-    dispatchers, moved = _build_with_quarantine(config, out, commit_log, log, metrics)
+    dispatchers, moved = _build_with_quarantine(config, out, commit_log, log, metrics, quarantine_damaged)
     for d in dispatchers:
         removed = getattr(d, "removed", None)
         if removed:

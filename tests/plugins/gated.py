@@ -10,13 +10,16 @@ import time
 
 class GatedDispatcher:
     name = "gated"
+    startup: tuple[float, float] | None = None  # time.monotonic() when the slow construction began and ended
 
     def __init__(self, options, store, output_dir):
         self.hold = options.get("hold_flush_while", "")
-        deadline = time.monotonic() + float(options.get("startup_cpu_seconds", 0))
+        began = time.monotonic()
+        deadline = began + float(options.get("startup_cpu_seconds", 0))
         while time.monotonic() < deadline:  # a recovery that works: it uses CPU
             sum(range(10_000))
         time.sleep(float(options.get("startup_sleep_seconds", 0)))  # one that hangs: it does not
+        GatedDispatcher.startup = (began, time.monotonic())
 
     def dispatch(self, batch) -> None:
         pass
