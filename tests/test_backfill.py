@@ -133,7 +133,7 @@ def test_forged_records_in_bodies_are_re_read(spark, tmp_path):
     summary = backfill(config, spark=spark, partitions=2)
     assert summary.messages == len(results)
     assert summary.reread_ranges > 0
-    assert_same_files(files_under(tmp_path / "bf"), files_under(tmp_path / "reference"))
+    assert_same_files(outputs(tmp_path / "bf"), outputs(tmp_path / "reference"))
 
 
 def test_backfill_from_an_offset_matches_rebuild_from_it(spark, generated, tmp_path):

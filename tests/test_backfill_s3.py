@@ -19,8 +19,7 @@ from daemon.backfill.source import LOCAL, S3, S3Options, SegmentDir, SegmentList
 from daemon.rebuild import rebuild
 from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
 from tests.backfill_stores import write_forged_store
-from tests.conformance import files_under
-from tests.test_backfill import SEGMENT, assert_same_files, make_config
+from tests.test_backfill import SEGMENT, assert_same_files, make_config, outputs
 
 pytest.importorskip("moto")
 fs = pytest.importorskip("pyarrow.fs")
@@ -108,4 +107,4 @@ def test_backfill_from_s3_writes_the_rebuilds_files(spark, s3_server, archived, 
     config = make_config(tmp_path, "bf", Path("/nonexistent"), backfill={"rangeBytes": 50_000, "readBytes": 1 << 20})
     summary = backfill(config, spark=spark, segments=f"s3://{BUCKET}/broker-a/commitlog", partitions=2)
     assert summary.messages == len(results)
-    assert_same_files(files_under(tmp_path / "bf"), files_under(tmp_path / "reference"))
+    assert_same_files(outputs(tmp_path / "bf"), outputs(tmp_path / "reference"))
