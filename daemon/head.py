@@ -81,11 +81,13 @@ def hold_torn_tail(s: Session, offset: int, result: ReadResult, written: int) ->
     below it were complete. The others were written while the read ran: the last one must be complete
     now (its final byte written, or data after it, or no NUL in its properties: a record without
     properties ends in its zero length), then all of them are decoded again and must match what the read
-    saw. The batch is cut before the first that fails; the rest is read again. (tests/test_torn_writes.py)
+    saw. The batch is cut before the first that fails; the rest is read again. Whatever ended the read
+    (a roll, or the writer's next bytes looking corrupt a moment later) does not exempt its batch: the
+    cut read ends at the cut. (tests/test_torn_writes.py)
     """
     batch = result.batch
     n = len(batch)
-    if not n or result.rolled or result.status is ReadStatus.CORRUPT:
+    if not n:
         return result
     late = batch.phy_offset.astype(np.int64) + batch.msg_size > written
     if not late.any():
@@ -118,7 +120,7 @@ def hold_torn_tail(s: Session, offset: int, result: ReadResult, written: int) ->
     if head is None or head.next_offset != int(batch.phy_offset[cut]):
         head = ReadResult(DispatchBatch.empty(offset), offset, ReadStatus.OK)
     return dataclasses.replace(result, batch=head.batch, next_offset=head.next_offset, error=None, pending=pending,
-                               status=ReadStatus.OK if pending is None else ReadStatus.END)
+                               status=ReadStatus.OK if pending is None else ReadStatus.END, rolled=False)
 
 
 def _read_records(s: Session, offset: int, max_bytes: int) -> ReadResult:
