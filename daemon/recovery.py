@@ -41,7 +41,7 @@ from daemon.checkpoint import Checkpoint, CheckpointError, read_checkpoint, writ
 from daemon.config import Config
 from daemon.dispatchers import Dispatcher, build_dispatchers
 from daemon.logs import get_logger
-from daemon.metrics import ReputMetrics
+from daemon.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.errors import StoreError, StoreLayoutError
 from indexcore.indexservice import INDEX_DIR
@@ -50,10 +50,6 @@ from indexcore.reader import CommitLog
 MS_PER_SECOND = 1000
 QUARANTINE_DIR = "quarantine"
 MAX_QUARANTINES = 64
-# recovery decisions, as logged (`recovered`) and counted (reputd_recoveries_total{decision})
-DECISION_CHECKPOINT = "checkpoint"  # cut back to a checkpoint with every dispatcher's state
-DECISION_REPLAY = "replay"  # a replay marker: from its offset, dispatchers skipping what they hold
-DECISION_DERIVED = "derived"  # no checkpoint to trust: from where the files end
 
 
 @dataclass(slots=True)
@@ -122,7 +118,7 @@ def _build_with_quarantine(config: Config, output_dir: str, commit_log: CommitLo
             if not moved:
                 write_replay_marker(output_dir, commit_log.min_offset, "output files quarantined", log)
             paths = quarantine(output_dir, e.path)
-            _count(metrics, "errors", kind="recovery")  # one damaged output file, counted as it is moved
+            _count(metrics, "errors", kind=ErrorKind.RECOVERY)  # one damaged output file, counted as it is moved
             log.error("output_file_quarantined", path=e.path, error=str(e), moved=paths,
                       to=os.path.join(output_dir, QUARANTINE_DIR))
             moved.extend(paths)
@@ -159,7 +155,7 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
         checkpoint = read_checkpoint(out)
     except CheckpointError as e:
         log.error("checkpoint_corrupt", path=e.path, error=e.detail, decision="rebuild from the CommitLog")
-        _count(metrics, "errors", kind="checkpoint")
+        _count(metrics, "errors", kind=ErrorKind.CHECKPOINT)
         checkpoint = None
     dispatchers, moved = _build_with_quarantine(config, out, commit_log, log, metrics, quarantine_damaged)
     for d in dispatchers:
@@ -170,20 +166,20 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
     if moved:
         checkpoint = read_checkpoint(out)  # the replay marker written before the first move
     if checkpoint is not None and checkpoint.reput_from_offset > commit_log.max_offset:
-        _count(metrics, "errors", kind="checkpoint")
+        _count(metrics, "errors", kind=ErrorKind.CHECKPOINT)
         log.error("checkpoint_distrusted", reason="checkpoint is past the end of the CommitLog",
                   reput_from_offset=checkpoint.reput_from_offset, commit_log_max_offset=commit_log.max_offset)
         checkpoint = None
     start: int | None = None
-    decision = DECISION_DERIVED
+    decision = RecoveryDecision.DERIVED
     if checkpoint is not None:
         try:
             start = _recover_to_checkpoint(dispatchers, checkpoint.reput_from_offset, checkpoint.dispatchers,
                                            commit_log.min_offset, log)
-            decision = DECISION_CHECKPOINT if checkpoint.dispatchers else DECISION_REPLAY
+            decision = RecoveryDecision.CHECKPOINT if checkpoint.dispatchers else RecoveryDecision.REPLAY
         except (StoreError, ValueError) as e:
             log.error("checkpoint_distrusted", reason=str(e))
-            _count(metrics, "errors", kind="recovery")
+            _count(metrics, "errors", kind=ErrorKind.RECOVERY)
     if start is None:
         offsets = [d.resume_offset() for d in dispatchers if hasattr(d, "resume_offset")]
         start = min((commit_log.min_offset if o is None else o for o in offsets), default=commit_log.min_offset)
@@ -191,11 +187,11 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
         skipped = commit_log.min_offset - start
         log.warning("offset_below_oldest_segment", requested=start, resumed_at=commit_log.min_offset,
                     skipped_bytes=skipped, detail="CommitLog segments were deleted before they were dispatched")
-        _count(metrics, "skipped", skipped, reason="retention")
+        _count(metrics, "skipped", skipped, reason=SkipReason.RETENTION)
         start = commit_log.min_offset
-    if decision == DECISION_DERIVED:
+    if decision == RecoveryDecision.DERIVED:
         checkpoint = write_replay_marker(out, start, "no checkpoint to trust", log)
-    if decision == DECISION_CHECKPOINT:
+    if decision == RecoveryDecision.CHECKPOINT:
         output_end = checkpoint.reput_from_offset
     else:
         output_end = max([start, *(d.output_end() for d in dispatchers if hasattr(d, "output_end"))])

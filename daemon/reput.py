@@ -30,7 +30,19 @@ from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
 from daemon.flusher import Flusher
 from daemon.head import hold_torn_tail, written_below, written_end
 from daemon.logs import get_logger
-from daemon.metrics import DEGRADED, DOWN, HEALTHY, Health, Lag, MetricsServer, ReputMetrics
+from daemon.metrics import (
+    DEGRADED,
+    DOWN,
+    HEALTHY,
+    LAYOUT_REASON,
+    ErrorKind,
+    Health,
+    Lag,
+    MetricsServer,
+    OutputStage,
+    ReputMetrics,
+    SkipReason,
+)
 from daemon.sdnotify import USEC_PER_SECOND, Notifier
 from daemon.session import Session, open_session
 from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
@@ -273,11 +285,11 @@ class ReputService:
             try:
                 self.session = open_session(self.config, self.metrics)
             except (StoreError, OSError) as e:
-                self.metrics.errors.labels(kind="recovery").inc()
+                self.metrics.errors.labels(kind=ErrorKind.RECOVERY).inc()
                 mismatch = self._size_setting_mismatch(e)
                 retry = None if self.until_caught_up or mismatch else backoff
                 self._log.error("recovery_failed", error=str(e), errno=_errno_name(e), retry_in_s=retry)
-                reason = self._report_no_space("recovery", e) or str(e)
+                reason = self._report_no_space(OutputStage.RECOVERY, e) or str(e)
                 self._set_health(DOWN, reason)
                 if mismatch:
                     # no waiting fixes a setting: exit 1 lets systemd's Restart= and start limit end the
@@ -324,7 +336,7 @@ class ReputService:
             return self._follow(s)
         except Exception as e:  # anything unexpected ends the session like a failed dispatch
             s.poisoned = True
-            self.metrics.errors.labels(kind="loop").inc()
+            self.metrics.errors.labels(kind=ErrorKind.LOOP).inc()
             self._log.exception("reput_loop_failed", error=f"{type(e).__name__}: {e}", offset=s.dispatched_offset)
             return Outcome.FAILED
         finally:
@@ -375,12 +387,12 @@ class ReputService:
             self._set_health(HEALTHY)
 
     def _flush_failed(self, error: Exception) -> None:
-        self.metrics.errors.labels(kind="flush").inc()
+        self.metrics.errors.labels(kind=ErrorKind.FLUSH).inc()
         self._log.error("flush_failed", error=f"{type(error).__name__}: {error}", errno=_errno_name(error))
-        self._report_no_space("flush", error)
+        self._report_no_space(OutputStage.FLUSH, error)
         self._set_health(DEGRADED, f"{FLUSH_FAILED}: {error}")
 
-    def _report_no_space(self, stage: str, error: BaseException, **fields) -> str | None:
+    def _report_no_space(self, stage: OutputStage, error: BaseException, **fields) -> str | None:
         """Name a full output explicitly (event, counter); returns the health reason, None if not that."""
         cause = no_space_error(error)
         if cause is None:
@@ -444,7 +456,7 @@ class ReputService:
             result = hold_torn_tail(s, offset, result, written)
             if result.skipped_from is not None:
                 skipped = result.next_offset - result.skipped_from
-                self.metrics.skipped.labels(reason="retention").inc(skipped)
+                self.metrics.skipped.labels(reason=SkipReason.RETENTION).inc(skipped)
                 self._log.warning("offset_below_oldest_segment", requested=result.skipped_from,
                                   resumed_at=result.next_offset, skipped_bytes=skipped)
             if not self._dispatch(s, result):
@@ -517,7 +529,7 @@ class ReputService:
         """Report once, stay up (metrics keep being served) and look again every poll interval."""
         if self._reported != (-1, str(error)):
             self._reported = (-1, str(error))
-            self.metrics.errors.labels(kind="commitlog").inc()
+            self.metrics.errors.labels(kind=ErrorKind.COMMITLOG).inc()
             self._log.error("commitlog_unavailable", path=error.path, error=str(error))
         self._set_health(DOWN, f"{COMMITLOG_UNAVAILABLE}: {error}")
         self._stop.wait(self.config.reput.poll_interval_ms / MS_PER_SECOND)
@@ -532,11 +544,11 @@ class ReputService:
                         d.dispatch(batch)
                     except Exception as e:
                         s.poisoned = True
-                        self.metrics.errors.labels(kind="dispatch").inc()
+                        self.metrics.errors.labels(kind=ErrorKind.DISPATCH).inc()
                         self._log.error("dispatch_failed", dispatcher=d.name, error=f"{type(e).__name__}: {e}",
                                         errno=_errno_name(e), batch_start=batch.start_offset,
                                         batch_end=batch.end_offset, checkpoint_offset=s.checkpoint_offset)
-                        no_space = self._report_no_space("dispatch", e, dispatcher=d.name,
+                        no_space = self._report_no_space(OutputStage.DISPATCH, e, dispatcher=d.name,
                                                          checkpoint_offset=s.checkpoint_offset)
                         self._failure_reason = no_space or f"dispatcher {d.name} failed: {e}"
                         self._set_health(DEGRADED, self._failure_reason)
@@ -587,7 +599,7 @@ class ReputService:
         case the data is repaired); `skip-segment` logs and counts the range and goes to the next segment."""
         error = result.error
         offset = result.next_offset
-        reason = error.field if isinstance(error, CorruptRecordError) else "layout"
+        reason = error.field if isinstance(error, CorruptRecordError) else LAYOUT_REASON
         path = getattr(error, "path", None)
         policy = self.config.reput.on_corruption
         if self._reported != (offset, str(error)):
@@ -597,7 +609,7 @@ class ReputService:
                             policy=policy)
         if policy == ON_CORRUPTION_SKIP_SEGMENT:
             nxt = s.commit_log.segment_start(offset) + s.commit_log.segment_size
-            self.metrics.skipped.labels(reason="corruption").inc(nxt - offset)
+            self.metrics.skipped.labels(reason=SkipReason.CORRUPTION).inc(nxt - offset)
             self._log.warning("segment_skipped", file=path, skipped_from=offset, skipped_to=nxt,
                               skipped_bytes=nxt - offset)
             with s.lock:

@@ -6,6 +6,13 @@ broken invariants, and each names the file, the offset and the field at fault so
 
 from __future__ import annotations
 
+# Every field a CorruptRecordError can name (its `field`): the CommitLog record fields a reader checks, and
+# `properties.DELAY` for a delay level that is not a number. Metrics count corruption by these names.
+CORRUPT_RECORD_FIELDS = (
+    "total_size", "magic_code", "body_crc", "body_length", "physical_offset", "topic_length", "topic",
+    "properties_length", "properties", "properties.DELAY",
+)
+
 
 class StoreError(Exception):
     """Base of every error raised by indexcore."""
