@@ -608,7 +608,53 @@ def test_dockerignore_excludes(path):
     assert dockerignored(path)
 
 
-@pytest.mark.parametrize("path", ["pyproject.toml", "README.md", "daemon/cli.py", "indexcore/commitlog.py",
-                                  "config/reputd.yaml", "Dockerfile"])
+@pytest.mark.parametrize("path", ["pyproject.toml", "setup.py", "README.md", "daemon/cli.py", "indexcore/commitlog.py",
+                                  "indexcore/_kernels.c", "config/reputd.yaml", "Dockerfile"])
 def test_dockerignore_keeps_the_build_inputs(path):
     assert not dockerignored(path)
+
+
+def test_dockerignore_comment_names_every_file_the_build_copies(stages):
+    comment = " ".join(line for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("#"))
+    for s, flags, sources, _ in copies(stages):
+        for source in sources if "from" not in flags else ():
+            assert source.rstrip("/").split("/")[-1] in comment, f"{source} (COPY in {s.name})"
+
+
+# --- the documented `docker run` --------------------------------------------------------------------------
+
+def documented_docker_run() -> list[str]:
+    """The `docker run` example of the Dockerfile's header, as argv."""
+    header = []
+    for line in DOCKERFILE.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[1:].strip())
+    text = "\n".join(header)
+    m = re.search(r"^docker run .*?(?<!\\)$", text.replace("\\\n", " "), re.MULTILINE)
+    assert m, "the Dockerfile's header has no docker run example"
+    return shlex.split(m.group(0))
+
+
+def test_docker_run_example_sets_the_four_sizes_it_calls_required(stages):
+    argv = documented_docker_run()
+    env = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "-e")
+    image_env = {k: v for k, v in env_of(stages, "runtime").items() if k.startswith("REPUTD_")}
+    config = load_config(CONFIG, env={**image_env, **env})
+    demo = load_config(CONFIG, env=image_env)
+    names = {"mappedFileSizeCommitLog": "mapped_file_size_commit_log",
+             "mappedFileSizeConsumeQueue": "mapped_file_size_consume_queue",
+             "maxHashSlotNum": "max_hash_slot_num", "maxIndexNum": "max_index_num"}
+    # RocketMQ's defaults, which the example shows, and not the image config's demo sizes
+    assert {k: getattr(config.store, v) for k, v in names.items()} == {
+        "mappedFileSizeCommitLog": 1073741824, "mappedFileSizeConsumeQueue": 6000000,
+        "maxHashSlotNum": 5000000, "maxIndexNum": 20000000}
+    assert getattr(demo.store, names["mappedFileSizeCommitLog"]) != 1073741824
+    assert "/store:ro" in " ".join(argv)
+    assert argv[-1] == "reputd"
+
+
+def test_docker_docs_say_podman_needs_the_docker_format():
+    header = DOCKERFILE.read_text()
+    assert "--format docker" in header
+    assert "--format docker" in (ROOT / "README.md").read_text()
