@@ -38,6 +38,12 @@ from indexcore.errors import CORRUPT_RECORD_FIELDS
 HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
 HEALTH_STATES = (HEALTHY, DEGRADED, DOWN)
 
+HTTP_OK, HTTP_UNAVAILABLE, HTTP_NOT_FOUND = 200, 503, 404
+METRICS_PATH, HEALTH_PATH = "/metrics", "/healthz"
+MS_PER_SECOND = 1000
+FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
 
 # The label values of the labelled counters. Code that increments one passes a member (never a string of
 # its own), and every member's series exists from the start at 0, so `increase(...) > 0` sees the first
@@ -74,11 +80,6 @@ class RecoveryDecision(StrEnum):
 
 LAYOUT_REASON = "layout"  # a CommitLog directory the broker would refuse (StoreLayoutError), not one record
 CORRUPT_REASONS = (*CORRUPT_RECORD_FIELDS, LAYOUT_REASON)
-HTTP_OK, HTTP_UNAVAILABLE, HTTP_NOT_FOUND = 200, 503, 404
-METRICS_PATH, HEALTH_PATH = "/metrics", "/healthz"
-MS_PER_SECOND = 1000
-FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-BATCH_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
 @dataclass(frozen=True, slots=True)
