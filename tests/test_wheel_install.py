@@ -144,10 +144,10 @@ def test_installed_reputd_imports_from_the_venv_not_the_source_tree(installed):
                     "print(daemon.__file__); print(k.__file__)"], installed.work)
     for path in out.split():
         assert Path(path).is_relative_to(installed.site_packages), out
-    check = _run([installed.python, "-m", "pip", "check"], installed.work) if (
-        installed.deps / "pip").exists() else None
-    if check is not None:
-        assert check.returncode == 0, check.stdout + check.stderr
+    # The wheel's requirements are met by what it sees (pip itself comes from the linked dependencies).
+    check = _run([installed.python, "-m", "pip", "check"], installed.work)
+    assert not [line for line in check.stdout.splitlines() if line.lower().startswith("reputd ")], check.stdout
+    assert "Traceback" not in check.stderr, check.stderr
     help_text = _checked([installed.reputd, "--help"], installed.work)
     for command in ("run", "rebuild", "backfill", "query", "inspect", "produce"):
         assert command in help_text
