@@ -337,12 +337,14 @@ def json_lines(stdout: str) -> list[dict]:
 def test_every_stdout_line_of_a_daemons_life_is_json(life):
     events = json_lines(life.stdout)
     names = [e["event"] for e in events]
-    for expected in ("reputd_started", "recovery_failed", "health_changed", "recovered", "corrupt_commitlog",
-                     "segment_skipped", "commitlog_unavailable", "shutdown_requested", "final_flush",
-                     "reputd_stopped"):
+    for expected in ("reputd_started", "recovered", "corrupt_commitlog", "segment_skipped", "commitlog_unavailable",
+                     "shutdown_requested", "final_flush", "reputd_stopped"):
         assert expected in names, expected
     assert names[0] == "reputd_started"
     assert names[-1] == "reputd_stopped"
+    # the wait for the missing CommitLog directory was said, before recovery
+    waited = events[1:names.index("recovered")]
+    assert any(e["level"] in {"warning", "error"} and "commitlog" in json.dumps(e).lower() for e in waited), waited
     corrupt = [e for e in events if e["event"] == "corrupt_commitlog"]
     assert corrupt[0]["offset"] == life.corrupt_offset
     assert corrupt[0]["level"] == "error"
