@@ -176,11 +176,24 @@ class ReputMetrics:
             self.up.labels(state=s).set(1 if s == state else 0)
 
 
-def _known(metric: Counter, values) -> Counter:
-    """The metric with a series at 0 for each known value of its one label."""
-    for value in values:
-        metric.labels(value)
-    return metric
+class KnownLabels:
+    """A counter with one label that takes only its declared values, each exposed at 0 from the start. An
+    undeclared value is a programming error (it would be a series no alert knew at start), refused here
+    rather than exported."""
+
+    def __init__(self, counter: Counter, values):
+        self._children = {str(v): counter.labels(str(v)) for v in values}
+
+    def labels(self, *values, **labelled):
+        (value,) = (*values, *labelled.values())
+        try:
+            return self._children[str(value)]
+        except KeyError:
+            raise ValueError(f"{value!r} is not a declared label value: {', '.join(self._children)}") from None
+
+
+def _known(counter: Counter, values) -> KnownLabels:
+    return KnownLabels(counter, values)
 
 
 class Health:

@@ -64,6 +64,16 @@ def test_the_first_event_moves_a_series_that_was_already_there(metrics):
     assert metrics.registry.get_sample_value("reputd_errors_total", {"kind": "dispatch"}) == 0.0
 
 
+def test_an_undeclared_label_value_is_refused(metrics):
+    with pytest.raises(ValueError, match="'bogus' is not a declared label value: dispatch, flush"):
+        metrics.errors.labels(kind="bogus")
+    with pytest.raises(ValueError, match="not a declared label value"):
+        metrics.corrupt.labels("no_such_field")
+    assert metrics.errors.labels("flush") is metrics.errors.labels(kind=ErrorKind.FLUSH)
+    exposed = {s.labels["kind"] for m in metrics.registry.collect() if m.name == "reputd_errors" for s in m.samples}
+    assert "bogus" not in exposed
+
+
 def test_health_has_one_series_per_state_from_the_start(metrics):
     get = metrics.registry.get_sample_value
     assert {s: get("reputd_health", {"state": s}) for s in HEALTH_STATES} == {HEALTHY: 0.0, DEGRADED: 0.0, DOWN: 1.0}
@@ -105,19 +115,31 @@ def _calls(tree: ast.AST, name: str):
                 yield node
 
 
+LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical", "msg", "bind"}
+
+
 def test_no_label_value_is_a_string_literal_at_a_call_site():
-    """`.labels(...)` in the daemon takes a member of a declared set (or a name computed from one), never
-    a free-form string that the start-up initialisation would not know."""
+    """The daemon names a label value by a member of its declared set, never by a string of its own: no
+    `.labels(...)` with a literal, and no literal equal to a known label value passed as that label's
+    keyword to any call but a log event (`_count(metrics, "errors", kind="flush")` is caught too)."""
+    known = {label: set(values) for label, values in KNOWN_LABELS.values()}
+    known["state"] = set(HEALTH_STATES)
     literals = []
     for path in _python_files("daemon"):
         tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(ROOT)
         for call in _calls(tree, "labels"):
             for arg in [*call.args, *(k.value for k in call.keywords)]:
                 if isinstance(arg, ast.Constant | ast.JoinedStr):
-                    literals.append(f"{path.relative_to(ROOT)}:{call.lineno}")
-        for call in _calls(tree, "_report_no_space"):
-            if call.args and isinstance(call.args[0], ast.Constant):
-                literals.append(f"{path.relative_to(ROOT)}:{call.lineno}")
+                    literals.append(f"{where}:{call.lineno}")
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+            if name in LOG_METHODS:
+                continue
+            literals += [f"{where}:{call.lineno} {k.arg}={k.value.value!r}" for k in call.keywords
+                         if isinstance(k.value, ast.Constant) and k.value.value in known.get(k.arg, ())]
+            literals += [f"{where}:{call.lineno} {a.value!r}" for a in call.args
+                         if name == "_report_no_space" and isinstance(a, ast.Constant)]
     assert literals == []
 
 
