@@ -29,7 +29,9 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 # A C compiler and zlib's header for indexcore/_kernels.c; only this stage has them (the others need
-# libz.so.1, which the base image already has).
+# libz.so.1, which the base image already has). Debian's versions are left unpinned: the stable release
+# only takes security fixes, and a pinned version disappears from its mirrors when the next one lands.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev zlib1g-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -75,6 +77,7 @@ FROM base AS backfill
 # pyproject.toml), kept out of the daemon image.
 RUN /opt/reputd/bin/pip install --no-cache-dir "pyspark[sql]>=3.5,<5" "pyarrow>=15" "pandas>=2.2,<3"
 # The man1 directory: some openjdk packages' postinst fails on slim images without it (harmless otherwise).
+# hadolint ignore=DL3008
 RUN mkdir -p /usr/share/man/man1 \
     && apt-get update \
     && apt-get install -y --no-install-recommends openjdk-17-jre-headless \
