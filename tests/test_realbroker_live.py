@@ -105,6 +105,13 @@ def same_files(broker: Path, ours: Path) -> tuple[int, int, int, int, list[str]]
     return cq_same, len(names), ix_same, max(len(ix_b), len(ix_o)), differ
 
 
+def writer_failure(tmp_path: Path) -> str:
+    """The LiveWriter's own last words (its FAILED line), or the tail of its log."""
+    text = (tmp_path / "writer.log").read_text(errors="replace")
+    failed = [line for line in text.splitlines() if "FAILED" in line]
+    return failed[-1] if failed else text[-1000:]
+
+
 def precreated_beyond(log_dir: Path, offset: int) -> bool:
     """Whether the CommitLog has a segment past the one holding `offset` that holds nothing yet: one the
     broker created ahead of time."""
@@ -124,12 +131,13 @@ def test_follows_the_real_broker_through_kills_at_index_rolls(tmp_path):
     config = tmp_path / "reputd.yaml"
     config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(store), **SIZES}, "output": {"dir": str(out)},
                                       "metrics": {"port": port}, "logging": {"level": "info", "format": "json"}}))
+    writer_log = (tmp_path / "writer.log").open("w")  # the writer's stderr, closed below
     writer = subprocess.Popen([*java_command(build), "LiveWriter", "--store", str(store), "--messages", str(MESSAGES),
                                "--rate", str(RATE), "--seed", str(SEED), "--ha-port", "0",
                                "--commitlog-size", str(SIZES["mappedFileSizeCommitLog"]),
                                "--cq-size", str(SIZES["mappedFileSizeConsumeQueue"]),
                                "--hash-slots", str(SIZES["maxHashSlotNum"]), "--index-num", str(SIZES["maxIndexNum"])],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                              stdout=subprocess.PIPE, stderr=writer_log, text=True)
     rng = random.Random(SEED)
     kills: list[dict] = []
     lag_samples: list[float] = []  # the lag gauge whenever reputd had caught up and a pre-created segment existed
@@ -139,6 +147,9 @@ def test_follows_the_real_broker_through_kills_at_index_rolls(tmp_path):
         assert writer.stdout.readline().startswith("STARTED"), "LiveWriter did not start"
         k = 0
         while len(kills) < KILLS or sum(x["at_roll"] for x in kills) < KILLS // 2:
+            # a writer that stopped (the broker refuses puts on a disk over 90% full) rolls no IndexFile: without
+            # this the loop would wait for a roll for ever
+            assert writer.poll() is None, "the writer stopped: " + writer_failure(tmp_path)
             at_roll = k % 2 == 1
             point = ROLL_POINTS[(k // 2) % len(ROLL_POINTS)] if at_roll else None
             env = {"REPUTD_FAILPOINT": point} if point else {}
@@ -189,6 +200,7 @@ def test_follows_the_real_broker_through_kills_at_index_rolls(tmp_path):
         if writer.poll() is None:
             writer.kill()
             writer.wait()
+        writer_log.close()
         if final is not None:
             final.send_signal(signal.SIGTERM)
             _, err = final.communicate(timeout=60)
