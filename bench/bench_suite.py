@@ -129,6 +129,11 @@ def raw_read_seconds(store: Path, end_offset: int) -> float:
 
 
 def same_tree(a: Path, b: Path) -> bool:
+    """Whether two outputs hold the same consumequeue/ and index/ files (a rebuild also leaves its checkpoint)."""
+    return all(_same_files(a / d, b / d) for d in ("consumequeue", "index"))
+
+
+def _same_files(a: Path, b: Path) -> bool:
     names_a = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
     names_b = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
     return names_a == names_b and all(filecmp.cmp(a / n, b / n, shallow=False) for n in names_a)
