@@ -91,6 +91,7 @@ MIN_JAVA = 17
 JAVA_INSTALL_HINT = (f"Spark needs a Java {MIN_JAVA} (or later) runtime: install one (Debian/Ubuntu: apt-get "
                      f"install openjdk-{MIN_JAVA}-jre-headless; RHEL: dnf install java-{MIN_JAVA}-openjdk-headless) "
                      f"or set JAVA_HOME to it")
+ARROW_BATCH_BYTES = 4 * 1024 * 1024
 LOCAL_DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
 _JAVA_VERSION = re.compile(r'version "(\d+)(?:\.(\d+))?')
 _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Fault|Failed)): (.+)$")
@@ -162,8 +163,10 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
                 "spark.python.worker.reuse": "true",
                 # one job per action: adaptive execution would run every shuffle stage as a job of its own
                 "spark.sql.adaptive.enabled": "false",
-                # rows are runs of units or keys of up to a few MB: a few per batch keeps a writer's batch small
-                "spark.sql.execution.arrow.maxRecordsPerBatch": "8"}
+                # rows are runs of units (a few KB) or keys (up to 448 KiB): batches bounded by bytes, not by
+                # a handful of rows (8 rows made a writer take thousands of tiny batches)
+                "spark.sql.execution.arrow.maxRecordsPerBatch": "10000",
+                "spark.sql.execution.arrow.maxBytesPerBatch": str(ARROW_BATCH_BYTES)}
     if master.startswith("local"):
         # the driver JVM runs the tasks too: a short job spends seconds in the optimising JIT (C2) on cores the
         # decode needs; the quick compiler alone cut the work after start-up by about a quarter here
