@@ -4,15 +4,11 @@ port) serves the CommitLog, and the backfill reads it in ranges: the same rows a
 from __future__ import annotations
 
 import pickle
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from bench.moto_server import MotoServerError, start_moto_server
 from daemon.backfill import backfill
 from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
 from daemon.backfill.source import LOCAL, S3, S3Options, SegmentDir, SegmentListing
@@ -30,23 +26,10 @@ KEYS = {"AWS_ACCESS_KEY_ID": "reputd-test", "AWS_SECRET_ACCESS_KEY": "reputd-sec
 
 @pytest.fixture(scope="module")
 def s3_server():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"moto server did not start on {endpoint}")
-            time.sleep(0.2)
+    try:
+        proc, endpoint = start_moto_server()
+    except MotoServerError as e:
+        pytest.fail(str(e))
     yield endpoint
     proc.terminate()
     proc.wait(30)
