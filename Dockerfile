@@ -3,14 +3,21 @@
 #   docker build -t reputd .                           # the daemon (`reputd run`): the last stage, "runtime"
 #   docker build -t reputd-backfill --target backfill . # adds a Java 17 runtime for `reputd backfill` (PySpark)
 #
+# With podman or buildah add --format docker: their default OCI image format has no HEALTHCHECK, so the
+# check below would be dropped (with only a warning).
+#
 #   docker run -d --name reputd -p 127.0.0.1:9108:9108 \
+#       -e REPUTD_STORE_MAPPED_FILE_SIZE_COMMIT_LOG=1073741824 \
+#       -e REPUTD_STORE_MAPPED_FILE_SIZE_CONSUME_QUEUE=6000000 \
+#       -e REPUTD_STORE_MAX_HASH_SLOT_NUM=5000000 -e REPUTD_STORE_MAX_INDEX_NUM=20000000 \
 #       -v /data/rocketmq/store:/store:ro -v reputd-out:/out reputd
 #
 # The store is mounted read-only at /store (reputd only reads the CommitLog under it) and the output
-# (consumequeue/, index/, checkpoint) goes to /out. Any config key can be overridden with
-# -e REPUTD_<SECTION>_<KEY>=...; for a whole config, mount it over /etc/reputd/reputd.yaml. The shipped config has demo file sizes: set
-# REPUTD_STORE_MAPPED_FILE_SIZE_COMMIT_LOG, ..._CONSUME_QUEUE, REPUTD_STORE_MAX_HASH_SLOT_NUM and
-# REPUTD_STORE_MAX_INDEX_NUM to the broker's broker.conf values (they must match).
+# (consumequeue/, index/, checkpoint) goes to /out. The four sizes are required: the config in the image has
+# demo sizes, so give the broker's broker.conf values (the numbers above are RocketMQ's defaults). They must
+# match the broker's, or segments are refused as the wrong size (the daemon stays "down") and the files are
+# not the broker's. Any config key can be overridden with -e REPUTD_<SECTION>_<KEY>=...; for a whole config,
+# mount it over /etc/reputd/reputd.yaml.
 
 # Pinned to bookworm, not the floating python:3.11-slim: the Debian release under that tag moves, and
 # openjdk-17-jre-headless, which the backfill stage needs, is a bookworm package. All stages share this base so
@@ -22,7 +29,9 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 # A C compiler and zlib's header for indexcore/_kernels.c; only this stage has them (the others need
-# libz.so.1, which the base image already has).
+# libz.so.1, which the base image already has). Debian's versions are left unpinned: the stable release
+# only takes security fixes, and a pinned version disappears from its mirrors when the next one lands.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev zlib1g-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -68,6 +77,7 @@ FROM base AS backfill
 # pyproject.toml), kept out of the daemon image.
 RUN /opt/reputd/bin/pip install --no-cache-dir "pyspark[sql]>=3.5,<5" "pyarrow>=15" "pandas>=2.2,<3"
 # The man1 directory: some openjdk packages' postinst fails on slim images without it (harmless otherwise).
+# hadolint ignore=DL3008
 RUN mkdir -p /usr/share/man/man1 \
     && apt-get update \
     && apt-get install -y --no-install-recommends openjdk-17-jre-headless \
@@ -81,13 +91,14 @@ CMD ["backfill", "--config", "/etc/reputd/reputd.yaml"]
 FROM base AS runtime
 USER 10001:10001
 EXPOSE 9108
-# slim images have no curl; python's urllib does the job. A 503 {"status": "down"} (urlopen raises) or no
-# answer exits 1; 200 "healthy" or "degraded" exits 0. The port follows REPUTD_METRICS_PORT when it is set
-# with -e (a port changed only in a mounted config file also needs -e REPUTD_METRICS_PORT). Start period:
-# crash recovery runs before the endpoint reports healthy. With metrics.enabled=false there is no endpoint:
-# run with --no-healthcheck then.
+# daemon/healthcheck.py asks /healthz (slim images have no curl) and prints one line, e.g.
+# "down: CommitLog directory missing ... (HTTP 503)", which `docker inspect` shows in State.Health.Log:
+# "down" or no answer exits 1, "healthy" or "degraded" exits 0. The port follows REPUTD_METRICS_PORT when it
+# is set with -e (a port changed only in a mounted config file also needs -e REPUTD_METRICS_PORT). Start
+# period: crash recovery runs before the endpoint reports healthy. With metrics.enabled=false there is no
+# endpoint: run with --no-healthcheck then.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import os, sys, urllib.request as u; sys.exit(0 if u.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('REPUTD_METRICS_PORT', '9108'), timeout=4).status == 200 else 1)"]
+    CMD ["python", "-m", "daemon.healthcheck"]
 # SIGTERM (docker stop) makes reputd finish its batch, flush and checkpoint within reput.shutdownTimeoutMs
 # (10 s); docker stop's default grace period is also 10 s, so use `docker stop -t 30` (or stop_grace_period).
 STOPSIGNAL SIGTERM

@@ -168,6 +168,11 @@ def raw_read_seconds(store: Path, end_offset: int) -> float:
 
 
 def same_tree(a: Path, b: Path) -> bool:
+    """Whether two outputs hold the same consumequeue/ and index/ files (a rebuild also leaves its checkpoint)."""
+    return all(_same_files(a / d, b / d) for d in ("consumequeue", "index"))
+
+
+def _same_files(a: Path, b: Path) -> bool:
     names_a = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
     names_b = sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
     return names_a == names_b and all(filecmp.cmp(a / n, b / n, shallow=False) for n in names_a)
@@ -479,26 +484,15 @@ def _s3_source(store: Path, cleanup: list):
     segments; (environment for the backfill, URI)."""
     from pyarrow import fs  # noqa: PLC0415
 
-    from bench.spark_cluster import free_port  # noqa: PLC0415
+    from bench.moto_server import start_moto_server  # noqa: PLC0415
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, endpoint = start_moto_server()
     cleanup.append(lambda: (proc.terminate(), proc.wait(30)))
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=2).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench",
            "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}
     # moto assembles a multipart upload (and serves every ranged GET) from the whole object: allow it time
     s3 = fs.S3FileSystem(access_key="bench", secret_key="bench", region="us-east-1",
-                         endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True,
+                         endpoint_override=endpoint.split("://")[1], scheme="http", allow_bucket_creation=True,
                          request_timeout=900, connect_timeout=30)
     s3.create_dir("bench")
     for path in sorted((store / "commitlog").iterdir()):

@@ -2,12 +2,16 @@
 
     config        YAML configuration, environment overrides, validation (ConfigError names the key)
     dispatchers   the Dispatcher protocol and the built-in ConsumeQueue and IndexFile dispatchers
-    rebuild       the offline pipeline: CommitLog reader -> batches -> dispatchers -> flush
-    reput         `reputd run`: the live reput loop, recovery and the session around it
+    rebuild       the offline pipeline: recovery -> CommitLog reader -> batches -> dispatchers -> checkpoint
+    reput         `reputd run`: the service and its live reput loop
+    session       one life of the live pipeline, and opening one
+    recovery      where every start resumes: checkpoint, replay markers, quarantine, the resume rules
+    head          the CommitLog's head: the end of the written data, records still being written
     flusher       the flush thread and the checkpoint it writes after each complete flush
+    failpoint     test hook: kill the process at a named step of a file's creation (REPUTD_FAILPOINT)
     checkpoint    reputd's own checkpoint file (reputFromOffset + dispatcher states)
     metrics       Prometheus instruments, /metrics and /healthz
-    sdnotify      systemd notifications (READY, WATCHDOG, STATUS)
+    sdnotify      systemd notifications (READY, STATUS, WATCHDOG, EXTEND_TIMEOUT_USEC, STOPPING)
     query         queries by key, queue offset and msgId (read-only)
     inspect_file  decoding any store file for `reputd inspect`
     produce       sample messages for demos and load

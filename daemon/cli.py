@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from daemon.rebuild import RebuildSummary
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+OWN_PACKAGES = ("daemon", "indexcore")  # what the reputd distribution installs; anything else is a dependency
 LONG_MAX = 2**63 - 1
 TIME_OPTIONS = ("--begin", "--end")
 FORMATS = ("text", "json")
@@ -445,7 +446,7 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
         print(json.dumps(summary.as_dict()))
         return
     files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
-    if summary.messages == 0 and not summary.interrupted:
+    if getattr(summary, "new_messages", summary.messages) == 0 and not summary.interrupted:  # rebuild: re-read ones
         print(f"{verb} 0 new messages: nothing to dispatch from CommitLog offset {summary.start_offset}{where}; "
               f"{files}; output {config.output.dir}")
     else:
@@ -471,14 +472,23 @@ def _backfill_checks(args, config: Config) -> None:
             raise UsageError(f"--catalog {args.catalog}: its directory {parent} is not writable")
 
 
+def backfill_import_error(error: ImportError) -> str:
+    """What a failed import of daemon.backfill means: the optional extra is not installed, or reputd's own
+    files are missing (an install that left out a module), which installing PySpark would not fix."""
+    if (error.name or "").partition(".")[0] in OWN_PACKAGES:
+        return (f"`reputd backfill` cannot load reputd's own module {error.name} ({error}): this reputd "
+                f"installation is incomplete; reinstall reputd (pip install --force-reinstall 'reputd[backfill]')")
+    return (f"`reputd backfill` needs PySpark and the rest of the [backfill] extra ({error}); install them with "
+            f"pip install 'reputd[backfill]'")
+
+
 def cmd_backfill(args, config: Config) -> int:
     _backfill_checks(args, config)
     _lock_output(args, config)
     try:
         from daemon.backfill import backfill  # PySpark is the optional [backfill] extra
     except ImportError as e:
-        print(f"reputd: error: `reputd backfill` needs PySpark ({e}); install it with "
-              f"pip install 'reputd[backfill]'", file=sys.stderr)
+        print(f"reputd: error: {backfill_import_error(e)}", file=sys.stderr)
         return EXIT_FAILURE
     from daemon.logs import configure_logging
 

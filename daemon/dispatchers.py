@@ -19,11 +19,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from daemon.config import Config, ConfigError, DispatcherSpec, StoreConfig
 from daemon.logs import get_logger
-from indexcore.consumequeue import ConsumeQueueStore, NewQueue, PutStats, QueueUnits, consume_queue_units
+from indexcore.consumequeue import CREATE_LABEL, ConsumeQueueStore, NewQueue, PutStats, QueueUnits, consume_queue_units
 from indexcore.dispatch import DispatchBatch
-from indexcore.indexfile import FIRST_INDEX
-from indexcore.indexservice import IndexService, IndexState, IndexStats
-from indexcore.mappedfile import create_file, offset_to_file_name
+from indexcore.indexservice import IndexResume, IndexService, IndexState, IndexStats
+from indexcore.mappedfile import create_file
 
 PAGE_SIZE = mmap.PAGESIZE  # the unit of flushConsumeQueueLeastPages, as the broker's OS_PAGE_SIZE
 
@@ -64,7 +63,7 @@ def _fdatasync(path: str) -> None:
 def _create_queue(q: NewQueue, file_size: int) -> tuple[NewQueue, int] | None:
     os.makedirs(q.directory, exist_ok=True)
     try:
-        return q, create_file(os.path.join(q.directory, offset_to_file_name(q.first_file)), file_size, allocate=False)
+        return q, create_file(q.path, file_size, q.header, label=CREATE_LABEL, allocate=False, keep_open=True)
     except FileExistsError:  # made by someone else since the store was loaded: the store reads it then
         return None
 
@@ -199,6 +198,15 @@ class ConsumeQueueDispatcher:
         end = self.queues.max_physic_offset()
         return end if end >= 0 else None
 
+    def output_end(self) -> int:
+        """Records from here on have no unit yet."""
+        return max(self.queues.max_physic_offset(), 0)
+
+    @property
+    def removed(self) -> list[str]:
+        """Files the load removed: leftovers of creations a kill cut short."""
+        return [path for cq in self.queues.queues.values() for path in cq.removed]
+
     def close(self) -> None:
         self.queues.close()
 
@@ -259,18 +267,24 @@ class IndexDispatcher:
         except Exception:
             self.service.load()  # as the files are, for the fallback that resumes from them
             raise
-        self.service.skip_through = reput_from_offset - 1
+        self.service.resume_from(IndexResume(reput_from_offset))
         self._flushed = self.service.state()
 
     def resume_offset(self) -> int | None:
-        """Without a checkpoint: records up to the newest file's end_phy_offset are indexed, including
-        the one at it, which the broker's own `phy < end_phy_offset` test would index twice. None when
-        nothing is indexed yet."""
-        last = self.service.last_file
-        if last is None or (last.end_phy_offset == 0 and last.index_count <= FIRST_INDEX):
-            return None
-        self.service.skip_through = last.end_phy_offset
-        return last.end_phy_offset
+        """Without a checkpoint: from the last record indexed, putting only the keys of it that the files
+        do not hold (`IndexService.resume_point`); None when nothing is indexed yet."""
+        point = self.service.resume_point()
+        self.service.resume_from(point)
+        return None if point is None else point.phy_offset
+
+    def output_end(self) -> int:
+        """Records past the last one indexed are new."""
+        point = self.service.resume_point()
+        return 0 if point is None else point.phy_offset + 1
+
+    @property
+    def removed(self) -> list[str]:
+        return self.service.removed
 
     def close(self) -> None:
         self.service.close()

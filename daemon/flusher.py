@@ -22,7 +22,8 @@ from daemon.dispatchers import FlushPlan, sync_paths
 from daemon.logs import get_logger
 
 if TYPE_CHECKING:
-    from daemon.reput import Session
+    from daemon.dispatchers import Dispatcher
+    from daemon.session import Session
 
 MS_PER_SECOND = 1000
 
@@ -56,6 +57,41 @@ def sync_new_entries(paths: list[str], root: str, known: set[str]) -> None:
             d = os.path.dirname(d)
     for d in sorted(dirs, key=len, reverse=True):
         sync_file(d, data_only=False)
+
+
+def prepare_flush(dispatchers: list[Dispatcher], thorough: bool, least_pages: int) -> tuple[list[FlushPlan], dict]:
+    """Each dispatcher's flush plan and checkpoint state; called between two batches (under the dispatch
+    lock while a loop runs). A dispatcher without `prepare_flush` is flushed here."""
+    plans: list[FlushPlan] = []
+    for d in dispatchers:
+        prepare = getattr(d, "prepare_flush", None)
+        if prepare is None:
+            d.flush()
+            plans.append(FlushPlan())
+        else:
+            plans.append(prepare(thorough, least_pages))
+    states = {d.name: d.checkpoint_state() for d in dispatchers if hasattr(d, "checkpoint_state")}
+    return plans, states
+
+
+def sync_plans(plans: list[FlushPlan], output_dir: str, synced_paths: set[str]) -> None:
+    """Sync the planned files and the directories that gained entries, then tell each dispatcher."""
+    sync_paths([path for plan in plans for path in plan.paths])  # thousands of LMQ queues: in parallel
+    for plan in plans:
+        sync_new_entries(plan.paths, output_dir, synced_paths)
+    for plan in plans:
+        if plan.done is not None:
+            plan.done()
+
+
+def final_checkpoint(output_dir: str, dispatchers: list[Dispatcher], offset: int) -> Checkpoint:
+    """Flush everything dispatched below `offset` and checkpoint it: how `reputd rebuild` ends, so that
+    the next `rebuild` or `run` goes on from `offset` (with nothing dispatched concurrently)."""
+    plans, states = prepare_flush(dispatchers, True, 0)
+    sync_plans(plans, output_dir, set())
+    checkpoint = Checkpoint(offset, states, int(time.time() * MS_PER_SECOND))
+    write_checkpoint(output_dir, checkpoint)
+    return checkpoint
 
 
 class Flusher:
@@ -103,22 +139,9 @@ class Flusher:
             if s.poisoned:
                 return False
             offset = s.dispatched_offset
-            plans: list[FlushPlan] = []
-            for d in s.dispatchers:
-                prepare = getattr(d, "prepare_flush", None)
-                if prepare is None:
-                    d.flush()
-                    plans.append(FlushPlan())
-                else:
-                    plans.append(prepare(thorough, least_pages))
-            states = {d.name: d.checkpoint_state() for d in s.dispatchers if hasattr(d, "checkpoint_state")}
+            plans, states = prepare_flush(s.dispatchers, thorough, least_pages)
         started = time.perf_counter()
-        sync_paths([path for plan in plans for path in plan.paths])  # thousands of LMQ queues: in parallel
-        for plan in plans:
-            sync_new_entries(plan.paths, s.output_dir, s.synced_paths)
-        for plan in plans:
-            if plan.done is not None:
-                plan.done()
+        sync_plans(plans, s.output_dir, s.synced_paths)
         s.metrics.flush_duration.observe(time.perf_counter() - started)
         if thorough:
             self._last_thorough = now

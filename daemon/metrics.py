@@ -16,20 +16,70 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 from daemon import __version__
 from daemon.config import ConfigError, env_var_name
+from indexcore.errors import CORRUPT_RECORD_FIELDS
 
 HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
+HEALTH_STATES = (HEALTHY, DEGRADED, DOWN)
+
 HTTP_OK, HTTP_UNAVAILABLE, HTTP_NOT_FOUND = 200, 503, 404
 METRICS_PATH, HEALTH_PATH = "/metrics", "/healthz"
 MS_PER_SECOND = 1000
 FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+# The label values of the labelled counters. Code that increments one passes a member (never a string of
+# its own), and every member's series exists from the start at 0, so `increase(...) > 0` sees the first
+# event: a series born at 1 has no earlier sample to increase from.
+class ErrorKind(StrEnum):
+    DISPATCH = "dispatch"
+    FLUSH = "flush"
+    CHECKPOINT = "checkpoint"
+    COMMITLOG = "commitlog"
+    RECOVERY = "recovery"
+    LOOP = "loop"
+
+
+class OutputStage(StrEnum):
+    """Where a write to the output met a full disk or quota."""
+
+    DISPATCH = "dispatch"
+    FLUSH = "flush"
+    RECOVERY = "recovery"
+
+
+class SkipReason(StrEnum):
+    CORRUPTION = "corruption"  # onCorruption: skip-segment
+    RETENTION = "retention"  # segments deleted before they were dispatched
+
+
+class RecoveryDecision(StrEnum):
+    """How recovery chose where to resume, as logged (`recovered`) and counted (recoveries by decision)."""
+
+    CHECKPOINT = "checkpoint"  # cut back to a checkpoint with every dispatcher's state
+    REPLAY = "replay"  # a replay marker: from its offset, dispatchers skipping what they hold
+    DERIVED = "derived"  # no checkpoint to trust: from where the files end
+
+
+LAYOUT_REASON = "layout"  # a CommitLog directory the broker would refuse (StoreLayoutError), not one record
+CORRUPT_REASONS = (*CORRUPT_RECORD_FIELDS, LAYOUT_REASON)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,16 +140,19 @@ class ReputMetrics:
     """The daemon's instruments; the loop and the flusher update them, Prometheus reads them."""
 
     def __init__(self, lag_source: Callable[[], Lag | None]):
+        # No `*_created` series: one more series per counter and histogram that no alert or panel reads
+        # (a restart shows as a counter reset, which rate() and increase() handle).
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.dispatched = Counter("reputd_dispatched_messages", "Messages handed to each dispatcher.",
                                   ["dispatcher"], registry=r)
-        self.errors = Counter("reputd_errors", "Errors by kind (dispatch, flush, checkpoint, commitlog, recovery).",
-                              ["kind"], registry=r)
-        self.corrupt = Counter("reputd_corrupt_records", "Corrupt CommitLog records met, by field at fault.",
-                               ["reason"], registry=r)
-        self.skipped = Counter("reputd_skipped_bytes", "CommitLog bytes not dispatched, by reason.", ["reason"],
-                               registry=r)
+        self.errors = _known(Counter("reputd_errors", "Errors by kind (dispatch, flush, checkpoint, commitlog, "
+                                     "recovery, loop).", ["kind"], registry=r), ErrorKind)
+        self.corrupt = _known(Counter("reputd_corrupt_records", "Corrupt CommitLog records met, by field at fault.",
+                                      ["reason"], registry=r), CORRUPT_REASONS)
+        self.skipped = _known(Counter("reputd_skipped_bytes", "CommitLog bytes not dispatched, by reason.",
+                                      ["reason"], registry=r), SkipReason)
         self.flush_duration = Histogram("reputd_flush_duration_seconds", "Duration of one flush cycle.",
                                         buckets=FLUSH_BUCKETS, registry=r)
         self.batch_messages = Histogram("reputd_batch_messages", "Messages per dispatched batch.",
@@ -107,18 +160,40 @@ class ReputMetrics:
         self.checkpoints = Counter("reputd_checkpoints_written", "Checkpoint files written.", registry=r)
         self.reads = Counter("reputd_commitlog_reads", "Reads of the CommitLog by the reput loop (each may find "
                              "nothing new): a few per poll interval when idle.", registry=r)
-        self.no_space = Counter("reputd_output_space_exhausted",
-                                "Output writes refused for lack of room (ENOSPC, EDQUOT, EFBIG), by stage.",
-                                ["stage"], registry=r)
-        self.recoveries = Counter("reputd_recoveries", "Start-up recoveries, by decision.", ["decision"], registry=r)
+        self.no_space = _known(Counter("reputd_output_space_exhausted",
+                                       "Output writes refused for lack of room (ENOSPC, EDQUOT, EFBIG), by stage.",
+                                       ["stage"], registry=r), OutputStage)
+        self.recoveries = _known(Counter("reputd_recoveries", "Start-up recoveries, by decision.", ["decision"],
+                                         registry=r), RecoveryDecision)
         self.up = Gauge("reputd_health", "1 for the current health state.", ["state"], registry=r)
+        self.set_health(DOWN)  # Health's state until the daemon has recovered
         info = Info("reputd_build", "Build information.", registry=r)
         info.info({"version": __version__, "python": platform.python_version()})
         r.register(_LagCollector(lag_source))
 
     def set_health(self, state: str) -> None:
-        for s in (HEALTHY, DEGRADED, DOWN):
+        for s in HEALTH_STATES:
             self.up.labels(state=s).set(1 if s == state else 0)
+
+
+class KnownLabels:
+    """A counter with one label that takes only its declared values, each exposed at 0 from the start. An
+    undeclared value is a programming error (it would be a series no alert knew at start), refused here
+    rather than exported."""
+
+    def __init__(self, counter: Counter, values):
+        self._children = {str(v): counter.labels(str(v)) for v in values}
+
+    def labels(self, *values, **labelled):
+        (value,) = (*values, *labelled.values())
+        try:
+            return self._children[str(value)]
+        except KeyError:
+            raise ValueError(f"{value!r} is not a declared label value: {', '.join(self._children)}") from None
+
+
+def _known(counter: Counter, values) -> KnownLabels:
+    return KnownLabels(counter, values)
 
 
 class Health:

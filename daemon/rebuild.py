@@ -1,8 +1,10 @@
 """Offline rebuild: read the CommitLog once, from its start or an offset, through the dispatchers.
 
-The same path as the live reput loop (reader -> batch -> dispatchers -> flush), run until the end of
-the written data. Rebuilding into an output that already holds files continues it: units and index
-entries already there are skipped by the broker's own dedupe rules. Point the output at an empty
+The same path as the live reput loop (recovery -> reader -> batch -> dispatchers -> flush -> checkpoint),
+run until the end of the written data. Rebuilding into an output that already holds files continues it
+exactly where it ends, by the resume rules `reputd run` uses (`daemon.recovery`): nothing already there
+is written twice, and a rebuild stopped anywhere, then run again, ends as one rebuild would. It ends
+with a checkpoint, so the next `rebuild` or `run` starts where it stopped. Point the output at an empty
 directory for a from-scratch rebuild.
 """
 
@@ -15,10 +17,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from daemon import failpoint
 from daemon.config import Config
-from daemon.dispatchers import Dispatcher, build_dispatchers
+from daemon.dispatchers import Dispatcher
+from daemon.flusher import final_checkpoint
 from daemon.logs import get_logger
 from daemon.readahead import ReadAhead
+from daemon.recovery import recover_output
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import CorruptRecordError, StoreError
 from indexcore.multidispatch import multi_dispatch_flags
@@ -41,6 +48,10 @@ class RebuildSummary:
     pending: CorruptRecordError | None = None  # a torn record at the end of the written data
     skipped: list[tuple[int, int, str]] = field(default_factory=list)  # [from, to) left out by skip-segment
     interrupted: bool = False  # stopped on request at end_offset, a record boundary, everything before flushed
+    # where the output's existing files ended (start_offset for an empty one): records from there on are
+    # new; those read below it were already in the output and left as they were
+    output_end: int = 0
+    new_messages: int = 0
 
     @property
     def bytes(self) -> int:
@@ -58,6 +69,7 @@ class RebuildSummary:
             "pendingTail": str(self.pending) if self.pending else None,
             "skipped": [{"from": a, "to": b, "error": e} for a, b, e in self.skipped],
             "interrupted": self.interrupted,
+            "outputEnd": self.output_end, "newMessages": self.new_messages,
         }
 
 
@@ -90,34 +102,42 @@ def make_reader(config: Config, log: CommitLog, batch_bytes: int | None = None) 
 def rebuild(config: Config, *, from_offset: int | None = None,
             progress: Callable[[int, int, int], None] | None = None,
             stop: threading.Event | None = None) -> RebuildSummary:
-    """Dispatch every record from `from_offset` (default: the CommitLog's first offset) to the end.
+    """Dispatch every record from where the output ends (an empty output: the CommitLog's first offset),
+    or from `from_offset`, to the end.
 
     `progress(done, total, messages)` is called after each batch with bytes done and the bytes of written
     data from the start (the end of the written data as found at the start, or later if more came), and
     once more at the end with done == total. When `stop` is set, the rebuild ends after the batch in hand
-    at a record boundary, flushes, and returns with `interrupted` set."""
+    at a record boundary, flushes, checkpoints, and returns with `interrupted` set."""
+    failpoint.install_from_env()
     log = get_logger(command="rebuild")
     commit_log = open_commit_log(config)
     out = config.output.dir
     os.makedirs(out, exist_ok=True)
-    offset = commit_log.min_offset if from_offset is None else from_offset
-    target = written_end_of(commit_log) if progress is not None or from_offset is not None else offset
+    checked = progress is not None or from_offset is not None
+    target = written_end_of(commit_log) if checked else commit_log.min_offset
     if from_offset is not None and not commit_log.min_offset <= from_offset <= target:
         raise FromOffsetError(f"--from {from_offset} is outside the CommitLog, which holds "
                               f"[{commit_log.min_offset}, {target}) in {config.store.store_path_commit_log}")
-    summary = RebuildSummary(start_offset=offset, end_offset=offset)
-    dispatchers = build_dispatchers(config, out)
+    recovered = recover_output(config, commit_log, log=get_logger(command="rebuild", component="recovery"),
+                               quarantine_damaged=False)
+    dispatchers = recovered.dispatchers
+    offset = recovered.start if from_offset is None else from_offset
+    target = max(target, offset)
+    summary = RebuildSummary(start_offset=offset, end_offset=offset, output_end=max(recovered.output_end, offset))
     reader = make_reader(config, commit_log, max(config.reput.batch_bytes, REBUILD_BATCH_BYTES))
     log.info("rebuild_started", store=config.store.store_path_commit_log, output=out, from_offset=offset,
              segments=len(commit_log.segments), dispatchers=[getattr(d, "name", type(d).__name__) for d in dispatchers])
     started = time.perf_counter()
     rolls = 0
     ahead = None
+    failure: RebuildFailed | None = None
     try:
         ahead = ReadAhead(reader, offset, prepare=[d.prepare for d in dispatchers if hasattr(d, "prepare")])
         for result in ahead:
             _dispatch(dispatchers, result)
             summary.messages += len(result.batch)
+            summary.new_messages += int(np.count_nonzero(result.batch.phy_offset >= summary.output_end))
             rolls += result.rolled
             offset = result.next_offset
             summary.end_offset = offset
@@ -136,12 +156,16 @@ def rebuild(config: Config, *, from_offset: int | None = None,
                 hint = None
                 if from_offset is not None and offset == from_offset:
                     hint = f"--from {from_offset} may not be the start of a record"
-                raise RebuildFailed(result.error, summary, hint)
+                failure = RebuildFailed(result.error, summary, hint)
+                break
             if stop is not None and stop.is_set():
                 summary.interrupted = True
                 break
-        for d in dispatchers:
-            d.flush()
+        if from_offset is None or offset != from_offset:  # never a checkpoint at an unchecked --from alone
+            # everything dispatched is flushed and checkpointed: the next rebuild or run goes on from here
+            final_checkpoint(out, dispatchers, offset)
+        if failure is not None:
+            raise failure
     finally:
         if ahead is not None:
             ahead.close()
@@ -162,7 +186,7 @@ def rebuild(config: Config, *, from_offset: int | None = None,
 def written_end_of(commit_log: CommitLog) -> int:
     """Where the written data ends (the live daemon's rule, the one behind its lag gauge): what a rebuild
     reads up to, for the progress display and the check of --from."""
-    from daemon.reput import written_end  # noqa: PLC0415 - the live daemon's module, loaded for this only
+    from daemon.head import written_end  # noqa: PLC0415 - the live daemon's module, loaded for this only
 
     return written_end(commit_log, commit_log.min_offset)
 

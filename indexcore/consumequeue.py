@@ -23,6 +23,13 @@ mapping per queue: an LMQ broker has tens of thousands of queues, more than a pr
 `pwrite` does not. Files are created sparse, as the broker's are (100,000 queues of 6,000,000-byte
 files take a few hundred megabytes, not 600 GB); no room is then an OSError from the write, naming
 the file, never a SIGBUS.
+
+A file is created complete (its pre-blank units written) or not at all (`mappedfile.create_file`), a
+queue's first file with its pre-blank units as the header.
+Loading removes what a creation cut short by an older reputd left: a 0-byte newest file, or a queue's
+only file allocated but left without its pre-blank units (all zeros: a first file always gets its
+first unit or its blanks). Truncating removes a first file left with nothing but pre-blank units, as
+a run that stopped there would not have made it yet.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import numpy as np
 from indexcore import _kernels
 from indexcore.dispatch import DispatchBatch
 from indexcore.errors import StoreLayoutError
-from indexcore.mappedfile import OpenFiles, list_queue_files, offset_to_file_name
+from indexcore.mappedfile import OpenFiles, check_sizes, list_queue_files, offset_to_file_name, remove_temporaries
 
 CQ_UNIT = struct.Struct(">qiq")
 CQ_UNIT_SIZE = CQ_UNIT.size
@@ -54,6 +61,7 @@ _RADIX_KEYS = 1 << 16
 MAX_QUEUE_KEYS = 1 << 22  # queue keys (topics x span of queue ids) of a batch counted in C
 PRIVATE_OPEN_FILES = 2  # a queue on its own: its writing file, and the one before it while rolling
 MAX_OPEN_QUEUE_FILES = 65536
+CREATE_LABEL = "consumequeue"  # names the steps of a file's creation (`mappedfile.create_file`'s fail points)
 
 
 class ConsumeQueueUnit(NamedTuple):
@@ -110,11 +118,21 @@ class QueueUnits(NamedTuple):
 
 
 class NewQueue(NamedTuple):
-    """A queue a batch creates: its key, its directory and the start of its first file."""
+    """A queue a batch creates: its key, its directory, the start of its first file and the pre-blank units
+    that file is created with (its first unit's place in it)."""
 
     key: tuple[str, int]
     directory: str
     first_file: int
+    blanks: int
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, offset_to_file_name(self.first_file))
+
+    @property
+    def header(self) -> bytes:
+        return BLANK_UNIT * self.blanks
 
 
 @dataclass(slots=True)
@@ -412,6 +430,7 @@ class ConsumeQueue:
         self._dirty = False  # the last file was written since it was last synced
         self._writing: str | None = None  # the last file's path
         self._made = made  # the start of a first file the caller created (empty) for the first unit
+        self.removed: list[str] = []  # what loading removed: leftovers of creations cut short
         if not new:  # `new`: the caller knows the directory holds no file (it just made it)
             self._recover()
 
@@ -421,14 +440,24 @@ class ConsumeQueue:
         return os.path.join(self.directory, offset_to_file_name(start))
 
     def _recover(self) -> None:
-        """`ConsumeQueue.recover`: scan from the third-newest file to the first invalid unit."""
-        files = list_queue_files(self.directory, self.file_size)
+        """`ConsumeQueue.recover`: scan from the third-newest file to the first invalid unit, after
+        removing (or, read-only, passing over) what a creation cut short left."""
+        self.removed = [] if self.readonly else remove_temporaries(self.directory)
+        files = list_queue_files(self.directory, temporaries=True)
+        if files and os.path.getsize(files[-1][1]) == 0:
+            self._drop_newest(files)
+        check_sizes(files, self.file_size)
+        newest = _read_units(files[-1][1]) if files else None
+        if len(files) == 1 and not newest.view(np.uint8).any():
+            # a first file is never left without a unit or its pre-blanks: this one's creation was cut short
+            self._drop_newest(files)
+            newest = None
         self._files = [start for start, _ in files]
         if not files:
             return
         end = self._files[0]
         for start, path in files[max(0, len(files) - RECOVER_FROM_LAST_FILES):]:
-            units = _read_units(path)
+            units = newest if newest is not None and start == self._files[-1] else _read_units(path)
             n = _valid_prefix(units)
             if n < len(units) and units[n:].view(np.uint8).any():
                 # units are appended in order and truncation zeroes what it removes: written bytes after
@@ -444,6 +473,13 @@ class ConsumeQueue:
         self._truncate_files_after(end)
         self.min_logic_offset = self._files[0] if self._files else 0
 
+    def _drop_newest(self, files: list[tuple[int, str]]) -> None:
+        """Forget the newest file, which holds no real unit; writable, delete it."""
+        _, path = files.pop()
+        if not self.readonly:
+            os.unlink(path)
+            self.removed.append(path)
+
     def _truncate_files_after(self, end: int) -> None:
         """`truncateDirtyFiles`: drop files that start past `end`; append to the one holding it.
 
@@ -457,20 +493,21 @@ class ConsumeQueue:
             self._write_pos = end - self._files[-1]
         self._writing = self._path(self._files[-1]) if self._files else None
 
-    def _new_file(self, start: int) -> None:
-        """Create the next file and make it the one units go to. The one before is synced first: a
-        file is flushed when the next one is opened, so only the last can hold unflushed units."""
+    def _new_file(self, start: int, blanks: int) -> None:
+        """Create the next file, with its `blanks` pre-blank units, and make it the one units go to. The one
+        before is synced first: a file is flushed when the next one is opened, so only the last can hold
+        unflushed units."""
         self.flush()
         if self._writing is not None:
             self._open.discard(self._writing)
         path = self._path(start)
         if start == self._made and not self._files:
-            self._made = None  # created, empty and open already: `ConsumeQueueStore.made_queues`
+            self._made = None  # created with its blanks and open already: `ConsumeQueueStore.made_queues`
         else:
-            self._open.fd(path, create_size=self.file_size)
+            self._open.fd(path, create_size=self.file_size, header=BLANK_UNIT * blanks, label=CREATE_LABEL)
         self._files.append(start)
         self._writing = path
-        self._write_pos = 0
+        self._write_pos = blanks * CQ_UNIT_SIZE
 
     def _write(self, position: int, data: bytes) -> None:
         """Write into the last file at `position`."""
@@ -483,8 +520,9 @@ class ConsumeQueue:
     def _last_start(self) -> int:
         return self._files[-1]
 
-    def _create_file(self, start: int) -> None:
-        """`getLastMappedFile` creating a file (the queue's directory too, for its first)."""
+    def _create_file(self, start: int, blanks: int = 0) -> None:
+        """`getLastMappedFile` creating a file (the queue's directory too, for its first), created complete
+        with its `blanks` pre-blank units (only ever a queue's first file has them)."""
         if not self._files and self._made is None:
             try:
                 os.mkdir(self.directory)
@@ -492,7 +530,7 @@ class ConsumeQueue:
                 pass
             except FileNotFoundError:
                 os.makedirs(self.directory, exist_ok=True)
-        self._new_file(start)
+        self._new_file(start, blanks)
 
     def put_units(self, queue_offset: np.ndarray, commit_log_offset: np.ndarray, msg_size: np.ndarray,
                   tags_code: np.ndarray) -> PutStats:
@@ -527,9 +565,7 @@ class ConsumeQueue:
             if p.created:
                 if not self._files:
                     self.min_logic_offset = p.logical
-                self._create_file(p.file_start)
-            if p.blanks:
-                self._write(p.logical - p.file_start - p.blanks * CQ_UNIT_SIZE, BLANK_UNIT * p.blanks)
+                self._create_file(p.file_start, p.blanks)
             if p.last > p.first:
                 self._write(p.logical - p.file_start, units[p.first : p.last].tobytes())
                 self.max_physic_offset = int(ends[p.last - 1])
@@ -688,14 +724,15 @@ class ConsumeQueueStore:
             key = (g.topic, g.queue_id)
             if key not in self.queues:
                 expect = int(g.queue_offset[0]) * CQ_UNIT_SIZE
-                out.append(NewQueue(key, self._queue_dir(*key), expect - expect % self.file_size))
+                first_file = expect - expect % self.file_size
+                out.append(NewQueue(key, self._queue_dir(*key), first_file, (expect - first_file) // CQ_UNIT_SIZE))
         return out
 
     def made_queues(self, made: Iterable[tuple[NewQueue, int]]) -> None:
-        """Queues whose directory and first file (empty, sparse, full size: `create_file(allocate=False)`)
-        the caller has just created, with a read-write descriptor of the file."""
+        """Queues whose directory and first file (sparse, full size, its pre-blank units as the header:
+        `create_file(allocate=False)`) the caller has just created, with a read-write descriptor of the file."""
         for q, fd in made:
-            self.open_files.adopt(os.path.join(q.directory, offset_to_file_name(q.first_file)), fd)
+            self.open_files.adopt(q.path, fd)
             self.queues[q.key] = ConsumeQueue(q.directory, q.key[0], q.key[1], self.file_size,
                                               open_files=self.open_files, new=True, made=q.first_file)
 

@@ -135,12 +135,13 @@ class IndexFile:
         self.path = path
         self.hash_slot_num = hash_slot_num
         self.index_num = index_num
-        self._file = MappedFile(path, index_file_size(hash_slot_num, index_num), create=create, readonly=readonly)
         self._entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
+        size = index_file_size(hash_slot_num, index_num)
         if create:
             self._seed(end_phy_offset, end_timestamp)
-            self._file.write(0, self.written_header().encode())
+            self._file = MappedFile.create(path, size, self.written_header().encode(), label="index")
         else:
+            self._file = MappedFile(path, size, readonly=readonly)
             h = IndexHeader.decode(self._file.buffer)
             problem = None if readonly else header_problem(h, hash_slot_num, index_num)
             if problem is not None:
@@ -233,6 +234,30 @@ class IndexFile:
                 break
             n = prev
 
+    def count_last_entries(self, phy_offset: int) -> int:
+        """How many of the newest recorded entries, counting back from the last, point at `phy_offset`:
+        the keys this file holds of the last record indexed, when that record is at `phy_offset`."""
+        count = 0
+        n = self.index_count - 1  # the newest recorded entry; entry 0 is never written
+        while n >= FIRST_INDEX:
+            lo = max(FIRST_INDEX, n - TAIL_SCAN_ENTRIES + 1)
+            start = self._entries_at + INDEX_ENTRY_SIZE * lo
+            chunk = np.frombuffer(self._file.buffer[start : start + INDEX_ENTRY_SIZE * (n - lo + 1)],
+                                  dtype=INDEX_ENTRY_DTYPE)["phy_offset"][::-1]
+            other = np.flatnonzero(chunk != phy_offset)
+            if len(other):
+                return count + int(other[0])
+            count += len(chunk)
+            n = lo - 1
+        return count
+
+    def is_unwritten(self) -> bool:
+        """Whether the header and the first entry are all zero: a file whose creation was cut short after
+        its space was allocated (by an older reputd, or a broker), so nothing was ever put in it."""
+        buf = self._file.buffer
+        first = self._entries_at + INDEX_ENTRY_SIZE * FIRST_INDEX
+        return not any(buf[:INDEX_HEADER_SIZE]) and not any(buf[first : first + INDEX_ENTRY_SIZE])
+
     def entry(self, n: int) -> IndexEntry:
         return IndexEntry.decode(self._file.buffer, self._entries_at + INDEX_ENTRY_SIZE * n)
 
@@ -293,6 +318,13 @@ class IndexFile:
         (self.begin_timestamp, self.end_timestamp, self.begin_phy_offset, self.end_phy_offset,
          self.hash_slot_count, self.index_count) = header
         return IndexTruncation(end - keep, len(slot_ids))
+
+    def undo_cut_short_put(self) -> int:
+        """Remove the entries a put cut short by a kill wrote past the header's count (and restore their
+        slots), as `truncate` to the header's own state does; returns how many were removed."""
+        if self._written_end(self.index_count) == self.index_count:
+            return 0
+        return self.truncate(self.header).entries_removed
 
     def _written_end(self, count: int) -> int:
         """One past the last entry written: the count, or further if a put was cut short before its header

@@ -14,6 +14,10 @@ not fit is retried in a new file created from the full one's end values.
 Recovery after a kill: `state()` is a small JSON-friendly snapshot of the newest file's in-memory header,
 taken by the caller when it checkpoints; `truncate_to(state)` deletes newer files and removes the
 entries put since, so that dispatching again from the checkpoint writes what an uninterrupted run would.
+Without a state, `resume_point()` reads from the files where indexing stopped, down to the key: the last
+record indexed and how many of its keys the files hold (a record's keys may straddle two files), and
+`resume_from` makes `build_index` go on from exactly there. Files are created complete or not at all
+(`mappedfile.create_file`); `load` removes what a creation cut short left.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from indexcore import _failpoints
 from indexcore.dispatch import INDEX_KEY_SEPARATOR, DispatchBatch
 from indexcore.errors import SizeMismatchError, StoreLayoutError
 from indexcore.indexfile import (
@@ -41,11 +46,11 @@ from indexcore.indexfile import (
     index_file_size,
 )
 from indexcore.javahash import index_key_hash
+from indexcore.mappedfile import is_temporary, remove_temporaries
 
 INDEX_DIR = "index"
 INDEX_FILE_NAME_DIGITS = 17
 DEFAULT_MAX_MSGS_NUM_BATCH = 64
-NO_SKIP = -1
 _INDEX_FILE_NAME = re.compile(rf"\d{{{INDEX_FILE_NAME_DIGITS}}}")
 
 
@@ -145,6 +150,17 @@ class TruncateReport:
         return {**asdict(self), "files_deleted": list(self.files_deleted)}
 
 
+@dataclass(frozen=True, slots=True)
+class IndexResume:
+    """Where indexing goes on: records below `phy_offset` are indexed already; of the record at it, the
+    first `keys_put` keys are (0: it was not dispatched yet). A record whose keys were all put is left
+    out altogether, so it does not create the file that follows a full one: the next record does, as it
+    did in the run that indexed it."""
+
+    phy_offset: int
+    keys_put: int = 0
+
+
 @dataclass(slots=True)
 class IndexStats:
     """What one `build_index` call did."""
@@ -165,34 +181,67 @@ class IndexService:
         self.file_size = index_file_size(hash_slot_num, index_num)
         self.names: list[str] = []
         self._last: IndexFile | None = None
-        # records at or below this CommitLog offset count as dispatched already: set when resuming without
-        # a checkpoint, since the broker's `< end_phy_offset` dedupe indexes the record at the end again
-        self.skip_through = NO_SKIP
+        # set when going on from a checkpoint or from the files: the broker's `< end_phy_offset` dedupe
+        # would index the record at the end again, and knows nothing of a record cut at a roll
+        self.resume: IndexResume | None = None
+        self.removed: list[str] = []  # what `load` removed: leftovers of creations cut short
 
     def load(self, *, readonly: bool = False) -> None:
         """Open the existing files in name order; a foreign name, a wrong size or a header no writer can
-        have left is a layout error."""
+        have left is a layout error.
+
+        Writable, it first removes what a kill during a creation left: temporary files, and, from an
+        older reputd or a broker, a newest file of 0 bytes or one allocated but never given its header.
+        Each holds nothing. A put cut short in the newest file (entries past its header's count) is
+        undone, as `truncate_to` does it, so the files read as the puts the header records.
+        """
         self.close()
-        self.names = self._scan()
+        self.removed = [] if readonly else remove_temporaries(self.directory)
+        self.names = self._scan(drop_empty_newest=not readonly)
         for name in self.names:
             self._check_header(name)
         if self.names:
             self._last = IndexFile(self._path(self.names[-1]), self.hash_slot_num, self.index_num, readonly=readonly)
+            if not readonly and len(self.names) > 1 and self._last.is_unwritten():
+                self._last.close()
+                self._remove(self.names.pop())
+                self._last = IndexFile(self._path(self.names[-1]), self.hash_slot_num, self.index_num)
+            if not readonly:
+                try:
+                    self._last.undo_cut_short_put()
+                except BaseException:
+                    self._release()
+                    raise
 
-    def _scan(self) -> list[str]:
-        """The file names in the index directory, sorted, after checking names and sizes."""
+    def _remove(self, name: str) -> None:
+        os.remove(self._path(name))
+        self.removed.append(self._path(name))
+
+    def _scan(self, *, drop_empty_newest: bool = False) -> list[str]:
+        """The file names in the index directory, sorted, after checking names and sizes; files still
+        being created are passed over. With `drop_empty_newest`, a 0-byte newest file is removed."""
         names = []
         if os.path.isdir(self.directory):
             for name in os.listdir(self.directory):
                 path = os.path.join(self.directory, name)
+                if is_temporary(name):
+                    continue
                 if not _INDEX_FILE_NAME.fullmatch(name):
                     raise StoreLayoutError(path, "not an IndexFile: names are 17-digit yyyyMMddHHmmssSSS")
-                size = os.path.getsize(path)
-                if size != self.file_size:
-                    raise SizeMismatchError(path, f"IndexFile is {size} bytes; maxHashSlotNum {self.hash_slot_num} "
-                                                 f"and maxIndexNum {self.index_num} give {self.file_size}")
                 names.append(name)
-        return sorted(names)
+        names.sort()
+        if names and os.path.getsize(self._path(names[-1])) == 0:
+            if drop_empty_newest:
+                self._remove(names.pop())
+            else:
+                names.pop()  # a creation cut short: it holds nothing
+        for name in names:
+            size = os.path.getsize(self._path(name))
+            if size != self.file_size:
+                raise SizeMismatchError(self._path(name), f"IndexFile is {size} bytes; maxHashSlotNum "
+                                                         f"{self.hash_slot_num} and maxIndexNum {self.index_num} "
+                                                         f"give {self.file_size}")
+        return names
 
     def _check_header(self, name: str) -> None:
         path = self._path(name)
@@ -209,6 +258,36 @@ class IndexService:
                 raise RuntimeError("IndexService.state() needs a loaded service")
             return None
         return IndexState(self.names[-1], *self._last.header)
+
+    def resume_point(self) -> IndexResume | None:
+        """Where indexing stopped, read from the files (no checkpoint): the last record indexed is at the
+        newest file's end_phy_offset, and the files hold as many of its keys as there are entries at that
+        offset counting back from the newest one, across files (its keys may straddle a roll). None when
+        nothing is indexed."""
+        last = self._last
+        if last is None:
+            return None
+        at = last.end_phy_offset
+        keys = 0
+        for name in reversed(self.names):
+            f = last if name == self.names[-1] else IndexFile(self._path(name), self.hash_slot_num, self.index_num,
+                                                               readonly=True)
+            try:
+                entries = f.index_count - FIRST_INDEX
+                found = f.count_last_entries(at)
+            finally:
+                if f is not last:
+                    f.close()
+            keys += found
+            if found < entries:
+                break
+        if keys == 0 and at == 0:
+            return None
+        return IndexResume(at, keys)
+
+    def resume_from(self, resume: IndexResume | None) -> None:
+        """Go on from `resume` (a checkpoint's offset, or `resume_point()`); None: the broker's dedupe alone."""
+        self.resume = resume
 
     def truncate_to(self, state: IndexState | None) -> TruncateReport:
         """Put the index back as it was when `state` was taken (None: before the first file): delete
@@ -268,10 +347,11 @@ class IndexService:
         """`getAndCreateLastIndexFile`: a new file seeded with the previous one's end values."""
         prev = self._last
         end_phy, end_ts = (prev.end_phy_offset, prev.end_timestamp) if prev is not None else (0, 0)
+        if prev is not None:
+            prev.flush()  # before its successor exists: the newest file is the only one that can be partial
         name = self._new_name(store_timestamp)
         created = self._create_file(name, end_phy, end_ts)
         if prev is not None:
-            prev.flush()
             prev.close()
         self.names.append(name)
         self._last = created
@@ -287,9 +367,9 @@ class IndexService:
     def build_index(self, batch: DispatchBatch) -> IndexStats:
         """`buildIndex` for every record of the batch, in order.
 
-        Records at or below `skip_through` are left out altogether, as if dispatched before: they index
-        nothing and do not create the file that follows a full one (the next record does, as it did in
-        the run that indexed them). In CommitLog order they are a prefix of the batch.
+        With `resume` set, records below its offset are left out altogether, as if dispatched before: they
+        index nothing and do not create the file that follows a full one. In CommitLog order they are a
+        prefix of the batch. The record at the offset puts only the keys the files do not hold yet.
         """
         stats = IndexStats()
         n = len(batch)
@@ -298,8 +378,11 @@ class IndexService:
         ts = batch.store_timestamp
         first = 0
         fresh = None
-        if self.skip_through > NO_SKIP:
-            fresh = batch.phy_offset > self.skip_through
+        at, drop = -1, 0
+        if self.resume is not None:
+            fresh, at, drop = self._fresh(batch, self.resume)
+            if int(batch.phy_offset[-1]) > self.resume.phy_offset:
+                self.resume = None  # the batches after this one are all past it
             if not fresh.any():
                 return stats
             first = int(np.argmax(fresh))
@@ -309,6 +392,10 @@ class IndexService:
         if fresh is not None:
             eligible &= fresh
         hashes, owners = batch.index_keys(eligible)
+        if drop:
+            keep = np.ones(len(owners), dtype=bool)
+            keep[np.flatnonzero(owners == at)[:drop]] = False
+            hashes, owners = hashes[keep], owners[keep]
         if len(hashes):
             phys = batch.phy_offset[owners]
             key_ts = ts[owners]
@@ -320,6 +407,10 @@ class IndexService:
                     # own record or, when the file filled at the end of a message, the one right after it
                     creator = int(owners[i]) if i == 0 else min(int(owners[i]), int(owners[i - 1]) + 1)
                     f = self._roll(int(ts[creator]), stats)
+                    if i > 0 and creator == int(owners[i - 1]):  # the record's keys straddle the two files
+                        i += f.put_keys(hashes[i : i + 1], phys[i : i + 1], key_ts[i : i + 1])
+                        _failpoints.reached("index.after_straddling_key")
+                        continue
                 i += f.put_keys(hashes[i:], phys[i:], key_ts[i:])
             stats.keys_put += len(hashes)
             after = int(owners[-1]) + 1
@@ -328,6 +419,23 @@ class IndexService:
         if self._last.is_write_full() and after < n:
             self._roll(int(ts[after]), stats)
         return stats
+
+    @staticmethod
+    def _fresh(batch: DispatchBatch, resume: IndexResume) -> tuple[np.ndarray, int, int]:
+        """The records of the batch still to index, the row of the record at the resume offset (-1: none
+        here) and how many of its leading keys to drop."""
+        phy = batch.phy_offset
+        fresh = phy > resume.phy_offset
+        row = int(np.searchsorted(phy, resume.phy_offset))
+        if row == len(phy) or int(phy[row]) != resume.phy_offset:
+            return fresh, -1, 0
+        only = np.zeros(len(phy), dtype=bool)
+        only[row] = True
+        keys = len(batch.index_keys(only & batch.index_mask())[0])
+        if resume.keys_put == 0 or resume.keys_put < keys:
+            fresh[row] = True
+            return fresh, row, resume.keys_put
+        return fresh, -1, 0
 
     def query_offset(self, topic: str, key: str, max_num: int, begin: int, end: int) -> QueryOffsetResult:
         """`IndexService.queryOffset`: hash candidates for `topic#key`, newest file first."""
@@ -373,6 +481,6 @@ class IndexService:
             self._last = None
 
 
-__all__ = ["INDEX_DIR", "IndexService", "IndexState", "QueryOffsetResult", "TruncateReport", "index_file_name",
-           "index_file_time", "next_index_file_name"]
+__all__ = ["INDEX_DIR", "IndexResume", "IndexService", "IndexState", "QueryOffsetResult", "TruncateReport",
+           "index_file_name", "index_file_time", "next_index_file_name"]
 

@@ -5,6 +5,9 @@ offset of its first byte as 20 zero-padded digits. Files are created at full siz
 the broker's loader rejects any other size, and their write position is not stored anywhere: it is
 rediscovered by scanning. A crash leaves whatever the page cache had written; formats built on this
 class define how to find their end again.
+
+An output file is created complete or not at all (`create_file`): built under a temporary name in its
+own directory, then renamed into place, so no reader and no recovery ever sees one half made.
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import os
 import re
 from collections import OrderedDict
 
+from indexcore import _failpoints
 from indexcore.errors import SizeMismatchError, StoreLayoutError
 
 FILE_NAME_DIGITS = 20
 _FILE_NAME = re.compile(rf"\d{{{FILE_NAME_DIGITS}}}")
+# A file being created is `{name}.tmp` in the directory it will be renamed in: a kill can leave one,
+# which holds nothing yet and is removed by the next writer that loads the directory.
+TEMP_SUFFIX = ".tmp"
 
 
 def offset_to_file_name(offset: int) -> str:
@@ -26,11 +33,33 @@ def offset_to_file_name(offset: int) -> str:
     return f"{offset:0{FILE_NAME_DIGITS}d}"
 
 
-def list_queue_files(directory: str, file_size: int | None = None) -> list[tuple[int, str]]:
+def is_temporary(name: str) -> bool:
+    """Whether a directory entry is a file still being created (`create_file`), not a store file."""
+    return name.endswith(TEMP_SUFFIX)
+
+
+def remove_temporaries(directory: str) -> list[str]:
+    """Delete what creations cut short by a kill left in `directory`; returns the paths removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if is_temporary(name):
+            path = os.path.join(directory, name)
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def list_queue_files(directory: str, file_size: int | None = None, *,
+                     temporaries: bool = False) -> list[tuple[int, str]]:
     """The (start offset, path) of every file of a mapped-file queue, in offset order.
 
     Anything that is not a 20-digit file name is a layout error, as it makes the broker fail to load;
-    with `file_size`, so is a file of another size.
+    with `file_size`, so is a file of another size. With `temporaries`, files still being created
+    (an output queue's) are passed over instead.
     """
     try:
         names = os.listdir(directory)
@@ -39,15 +68,72 @@ def list_queue_files(directory: str, file_size: int | None = None) -> list[tuple
     out = []
     for name in names:
         path = os.path.join(directory, name)
+        if temporaries and is_temporary(name):
+            continue
         if not _FILE_NAME.fullmatch(name):
             raise StoreLayoutError(path, "not a mapped file: names must be 20-digit start offsets")
-        if file_size is not None:
-            actual = os.path.getsize(path)
-            if actual != file_size:
-                raise SizeMismatchError(path, f"file is {actual} bytes, the configured size is {file_size}")
         out.append((int(name), path))
     out.sort()
+    if file_size is not None:
+        check_sizes(out, file_size)
     return out
+
+
+def check_sizes(files: list[tuple[int, str]], file_size: int) -> None:
+    """A layout error for the first file whose size is not `file_size`."""
+    for _, path in files:
+        actual = os.path.getsize(path)
+        if actual != file_size:
+            raise SizeMismatchError(path, f"file is {actual} bytes, the configured size is {file_size}")
+
+
+def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file", allocate: bool = True,
+                keep_open: bool = False) -> int | None:
+    """Create `path`, `size` bytes with `header` at its start, so that it is complete or absent whatever
+    instant a kill or a power loss strikes.
+
+    Steps: open `path` + TEMP_SUFFIX, allocate it in full, write the header, fdatasync, rename. A kill
+    before the rename leaves only the temporary file (removed at the next load, `remove_temporaries`);
+    after it, the complete file. The data is synced before the rename, so a power loss cannot leave the
+    name with a file whose header never reached the disk. The directory is not synced here: until it
+    is, a power loss may only lose the new name, i.e. leave the file absent, the other allowed outcome;
+    whoever checkpoints the file syncs its directory first (`daemon.flusher.sync_new_entries`), which
+    costs one directory sync per flush instead of one per file created. `label` names the steps for the
+    crash matrix's fail points (`indexcore._failpoints`).
+
+    `allocate` reserves the blocks now, which a file written through a mapping needs (no room later
+    would be SIGBUS); a file written with `pwrite` gets ENOSPC from the write and may stay sparse, as
+    the broker's ConsumeQueue files are. With `keep_open` the read-write descriptor is returned.
+    """
+    if os.path.lexists(path):
+        raise FileExistsError(errno.EEXIST, "store file already exists", path)
+    tmp = path + TEMP_SUFFIX
+    _failpoints.reached(f"{label}.before_create")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _failpoints.reached(f"{label}.after_create")
+        if allocate:
+            _preallocate(fd, path, size)
+        else:
+            os.ftruncate(fd, size)
+        _failpoints.reached(f"{label}.after_allocate")
+        if header:
+            written = os.pwrite(fd, header, 0)
+            if written != len(header):
+                raise OSError(errno.ENOSPC, f"wrote {written} of {len(header)} header bytes", tmp)
+        _failpoints.reached(f"{label}.after_header")
+        os.fdatasync(fd)
+        _failpoints.reached(f"{label}.after_fsync")
+        os.rename(tmp, path)
+    except OSError:  # no room, say: nothing is left behind (anything else stands for a kill, in tests)
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    if not keep_open:
+        os.close(fd)
+        fd = None
+    _failpoints.reached(f"{label}.after_rename")
+    return fd
 
 
 def _preallocate(fd: int, path: str, size: int) -> None:
@@ -60,24 +146,6 @@ def _preallocate(fd: int, path: str, size: int) -> None:
             # the path as `filename`, so a caller can name the file without parsing the message
             raise OSError(e.errno, f"cannot allocate {size} bytes ({e.strerror})", path) from None
         os.ftruncate(fd, size)
-
-
-def create_file(path: str, file_size: int, *, allocate: bool = True) -> int:
-    """Create `path` (it must not exist) at `file_size` bytes and return a read-write descriptor of it; on
-    failure nothing is left behind. `allocate` reserves its blocks now, which a file written through a
-    mapping needs (no room later would be SIGBUS); one written with `pwrite` gets ENOSPC from the write
-    and can stay sparse, as the broker's files are."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        if allocate:
-            _preallocate(fd, path, file_size)
-        else:
-            os.ftruncate(fd, file_size)
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    return fd
 
 
 class OpenFiles:
@@ -98,15 +166,15 @@ class OpenFiles:
     def __len__(self) -> int:
         return len(self._fds)
 
-    def fd(self, path: str, *, create_size: int | None = None) -> int:
-        """A read-write descriptor of `path`; with `create_size`, the file is created sparse (`create_file`:
-        it is written with `pwrite`)."""
+    def fd(self, path: str, *, create_size: int | None = None, header: bytes = b"", label: str = "file") -> int:
+        """A read-write descriptor of `path`; with `create_size`, the file is created sparse with `header`
+        (`create_file`: it is written with `pwrite`)."""
         fd = self._fds.get(path)
         if fd is not None:
             self._fds.move_to_end(path)
             return fd
         if create_size is not None:
-            fd = create_file(path, create_size, allocate=False)
+            fd = create_file(path, create_size, header, label=label, allocate=False, keep_open=True)
         else:
             fd = os.open(path, os.O_RDWR)
         while len(self._fds) >= self.limit:
@@ -151,11 +219,18 @@ class MappedFile:
 
     __slots__ = ("_mm", "file_size", "path", "readonly")
 
+    @classmethod
+    def create(cls, path: str, file_size: int, header: bytes = b"", *, label: str = "file") -> MappedFile:
+        """A new output file, created complete or not at all (`create_file`), then mapped read-write."""
+        create_file(path, file_size, header, label=label)
+        return cls(path, file_size)
+
     def __init__(self, path: str, file_size: int, *, create: bool = False, readonly: bool = False):
         self.path = path
         self.file_size = file_size
         self.readonly = readonly
-        fd = create_file(path, file_size) if create else os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        fd = create_file(path, file_size, keep_open=True) if create else \
+            os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
         try:
             if not create:
                 actual = os.fstat(fd).st_size

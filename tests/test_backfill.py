@@ -89,7 +89,7 @@ def generated(tmp_path_factory):
     results = write_store(tmp / "store")
     reference = make_config(tmp, "reference", tmp / "store")
     rebuild(reference)
-    return tmp, results, files_under(tmp / "reference")
+    return tmp, results, outputs(tmp / "reference")
 
 
 def outputs(path: Path) -> dict[str, bytes]:
@@ -133,7 +133,7 @@ def test_forged_records_in_bodies_are_re_read(spark, tmp_path):
     summary = backfill(config, spark=spark, partitions=2)
     assert summary.messages == len(results)
     assert summary.reread_ranges > 0
-    assert_same_files(files_under(tmp_path / "bf"), files_under(tmp_path / "reference"))
+    assert_same_files(outputs(tmp_path / "bf"), outputs(tmp_path / "reference"))
 
 
 def test_backfill_from_an_offset_matches_rebuild_from_it(spark, generated, tmp_path):
@@ -143,7 +143,7 @@ def test_backfill_from_an_offset_matches_rebuild_from_it(spark, generated, tmp_p
     rebuild(make_config(tmp_path, "reference", tmp / "store"), from_offset=start)
     summary = backfill(make_config(tmp_path, "bf", tmp / "store"), spark=spark, from_offset=start)
     assert summary.start_offset == start
-    assert_same_files(files_under(tmp_path / "bf"), files_under(tmp_path / "reference"))
+    assert_same_files(outputs(tmp_path / "bf"), outputs(tmp_path / "reference"))
 
 
 @pytest.mark.parametrize("store", CONFORMANCE, ids=[s.name for s in CONFORMANCE])
@@ -155,7 +155,7 @@ def test_conformance_stores_backfill_like_rebuild(spark, store, tmp_path):
     config = load_config(config_path, env={}, overrides={"output.dir": str(tmp_path / "bf")})
     summary = backfill(config, spark=spark, partitions=3)
     assert summary.messages == len(store.manifest["messages"])
-    assert_same_files(files_under(tmp_path / "bf"), files_under(tmp_path / "reference"))
+    assert_same_files(outputs(tmp_path / "bf"), outputs(tmp_path / "reference"))
     assert sorted(files_under(tmp_path / "bf" / "consumequeue")) == sorted(files_under(store.store / "consumequeue"))
 
 

@@ -16,8 +16,7 @@ from bench.spark_cluster import StandaloneCluster
 from daemon.rebuild import rebuild
 from tests import stress
 from tests.backfill_stores import write_forged_store
-from tests.conformance import files_under
-from tests.test_backfill import SEGMENT, assert_same_files, config_file, make_config
+from tests.test_backfill import SEGMENT, assert_same_files, config_file, make_config, outputs
 
 pytestmark = pytest.mark.stress_only
 
@@ -38,7 +37,7 @@ def test_standalone_cluster_backfill_equals_rebuild(tmp_path):
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["master"] == cluster.url
     assert summary["messages"] == len(results)
-    assert_same_files(files_under(tmp_path / "out"), files_under(tmp_path / "reference"))
+    assert_same_files(outputs(tmp_path / "out"), outputs(tmp_path / "reference"))
     stress.report("backfill standalone cluster", workers=2, messages=summary["messages"], ranges=summary["ranges"],
                   reread_ranges=summary["rereadRanges"], seconds=summary["seconds"],
                   phase_seconds=summary["phaseSeconds"], identical=True)

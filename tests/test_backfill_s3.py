@@ -4,23 +4,18 @@ port) serves the CommitLog, and the backfill reads it in ranges: the same rows a
 from __future__ import annotations
 
 import pickle
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from bench.moto_server import MotoServerError, start_moto_server
 from daemon.backfill import backfill
 from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
 from daemon.backfill.source import LOCAL, S3, S3Options, SegmentDir, SegmentListing
 from daemon.rebuild import rebuild
 from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
 from tests.backfill_stores import write_forged_store
-from tests.conformance import files_under
-from tests.test_backfill import SEGMENT, assert_same_files, make_config
+from tests.test_backfill import SEGMENT, assert_same_files, make_config, outputs
 
 pytest.importorskip("moto")
 fs = pytest.importorskip("pyarrow.fs")
@@ -31,23 +26,10 @@ KEYS = {"AWS_ACCESS_KEY_ID": "reputd-test", "AWS_SECRET_ACCESS_KEY": "reputd-sec
 
 @pytest.fixture(scope="module")
 def s3_server():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail(f"moto server did not start on {endpoint}")
-            time.sleep(0.2)
+    try:
+        proc, endpoint = start_moto_server()
+    except MotoServerError as e:
+        pytest.fail(str(e))
     yield endpoint
     proc.terminate()
     proc.wait(30)
@@ -108,4 +90,4 @@ def test_backfill_from_s3_writes_the_rebuilds_files(spark, s3_server, archived, 
     config = make_config(tmp_path, "bf", Path("/nonexistent"), backfill={"rangeBytes": 50_000, "readBytes": 1 << 20})
     summary = backfill(config, spark=spark, segments=f"s3://{BUCKET}/broker-a/commitlog", partitions=2)
     assert summary.messages == len(results)
-    assert_same_files(files_under(tmp_path / "bf"), files_under(tmp_path / "reference"))
+    assert_same_files(outputs(tmp_path / "bf"), outputs(tmp_path / "reference"))

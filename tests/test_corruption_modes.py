@@ -403,7 +403,7 @@ def test_commitlog_the_broker_would_not_load_is_reported_not_crash_looped(tmp_pa
         assert store.health()["status"] == "healthy"
     finally:
         code, out, err = stop(proc)
-    assert code == 0, err
+    assert code == 0, err + out[-4000:]  # stdout: the events that decided the exit code
     assert_clean_stderr(err)
     failed = named(out, "recovery_failed")
     assert failed

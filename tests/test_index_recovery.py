@@ -1,5 +1,5 @@
-"""Putting the index back to a checkpoint after a kill (IndexService.state / truncate_to), skip_through, and
-the header sanity check at load.
+"""Putting the index back to a checkpoint after a kill (IndexService.state / truncate_to), resuming from a
+checkpoint's offset or from the files alone down to the key (IndexResume), and the header sanity check at load.
 
 A kill leaves the files as the page cache had them: every put made after the checkpoint, maybe one cut
 short. `truncate_to(state)` must give the bytes of a run that stopped at the checkpoint, so that
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from indexcore.errors import StoreLayoutError
 from indexcore.indexfile import INDEX_HEADER_SIZE, IndexFile
-from indexcore.indexservice import IndexService, IndexState, index_file_name
+from indexcore.indexservice import IndexResume, IndexService, IndexState, index_file_name
 from tests.conformance import discover
 from tests.conftest import DispatchRec, make_dispatch_batch, model_index_key_hash
 
@@ -365,42 +365,119 @@ def test_state_from_dict_rejects_malformed() -> None:
             IndexState.from_dict(data)
 
 
-# --- skip_through -------------------------------------------------------------------------------------------
+# --- resume: from a checkpoint's offset, or from the files down to the key -----------------------------------
 
 
-def test_skip_through_default_keeps_broker_dedupe(tmp_path: Path) -> None:
+def test_no_resume_keeps_broker_dedupe(tmp_path: Path) -> None:
     """By default the record at end_phy_offset is indexed again on replay (the broker's `<`)."""
     service = run(tmp_path, [keyed(0, 2)], 13, 20)
-    assert service.skip_through == -1
+    assert service.resume is None
     service.build_index(make_dispatch_batch(keyed(1, 2)))
     assert service.query_offset("T", "k1", 64, 0, FOREVER).phy_offsets == [1000, 1000]
     service.close()
 
 
-def test_skip_through_resumes_like_an_uninterrupted_run(tmp_path: Path) -> None:
-    """Resuming without a checkpoint from the record at end_phy_offset with skip_through = end_phy_offset
-    gives the straight run's files, also when that record filled the file: the next record names the roll."""
+def test_resume_point_resumes_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Resuming without a checkpoint from the files gives the straight run's files, also when the last
+    record filled the file: the next record names the roll."""
     recs = [*keyed(0, 4), rec(4000, T0 + 9000, keys="x"), rec(5000, T0 + 9500, keys="y")]
     whole = straight(tmp_path / "whole", [recs], SLOTS, ENTRIES)
     run(tmp_path / "a", [recs[:4]], SLOTS, ENTRIES).close()
     resumed = run(tmp_path / "a", [], SLOTS, ENTRIES)
-    resumed.skip_through = resumed.end_phy_offset
+    assert resumed.resume_point() == IndexResume(3000, 1)
+    resumed.resume_from(resumed.resume_point())
     resumed.build_index(make_dispatch_batch(recs[3:]))
     resumed.close()
     assert disk_files(tmp_path / "a") == whole
     assert sorted(whole)[1] == index_file_name(T0 + 9000)
 
 
-def test_skip_through_leaves_out_records_at_or_below(tmp_path: Path) -> None:
-    """Records at or below skip_through index nothing and roll nothing, even above end_phy_offset."""
+def test_resume_from_a_checkpoint_offset_leaves_out_records_below(tmp_path: Path) -> None:
+    """IndexResume(X): records below X index nothing and roll nothing, even above end_phy_offset."""
     service = IndexService(str(tmp_path), 13, 20, BIG_BATCH)
-    service.skip_through = 2000
+    service.resume_from(IndexResume(3000))
     service.build_index(make_dispatch_batch(keyed(0, 3)))
     assert service.names == []
     service.build_index(make_dispatch_batch(keyed(0, 5)))
     assert service.names == [index_file_name(T0 + 3000)]
     assert [service.query_offset("T", f"k{i}", 64, 0, FOREVER).phy_offsets for i in range(3)] == [[3000], [4000], []]
     service.close()
+
+
+def test_keys_straddling_a_roll_are_resumed_from_the_files(tmp_path: Path) -> None:
+    """A record whose UNIQ_KEY ends file N and whose KEYS start file N+1, cut at the roll: the files hold
+    one of its keys, and resuming puts exactly the other two, in a file named by that record (issue 11)."""
+    recs = [rec(0, T0, keys="a b", uniq="u0"), rec(1000, T0 + 1000, keys="c d", uniq="u1")]  # 3 + 3 keys, 4 a file
+    whole = straight(tmp_path / "whole", [recs], SLOTS, ENTRIES)
+    assert len(whole) == 2
+    cut = run(tmp_path / "a", [], SLOTS, ENTRIES)
+    real_roll = IndexService._roll
+
+    def roll_then_die(self, ts, stats):
+        if self.names:
+            raise KeyboardInterrupt  # stands for the kill: no close, nothing more written
+        return real_roll(self, ts, stats)
+
+    IndexService._roll = roll_then_die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cut.build_index(make_dispatch_batch(recs))
+    finally:
+        IndexService._roll = real_roll
+    del cut
+    resumed = run(tmp_path / "a", [], SLOTS, ENTRIES)
+    assert resumed.resume_point() == IndexResume(1000, 1)
+    resumed.resume_from(resumed.resume_point())
+    resumed.build_index(make_dispatch_batch(recs))
+    resumed.close()
+    assert disk_files(tmp_path / "a") == whole
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(raw=records, geometry=st.sampled_from([(7, 5), (7, 12), (13, 4), (11, 6)]), data=st.data())
+def test_resume_point_after_any_cut_matches_the_uninterrupted_run(tmp_path: Path, raw, geometry, data) -> None:
+    """Stop after any key put (inside a record, at a roll, after a keyless record), reopen, resume from the
+    files alone, dispatch again from any record at or before the cut: the bytes of a run that never stopped."""
+    slots, entries = geometry
+    recs = make_records(raw)
+    with tempfile.TemporaryDirectory(dir=tmp_path) as d:
+        root = Path(d)
+        whole = straight(root / "whole", [recs], slots, entries)
+        total_keys = sum(len(model_queries([r]).get(k, [])) for r in recs for k in model_queries([r]))
+        limit = data.draw(st.integers(0, total_keys), label="keys put before the kill")
+        cut = IndexService(str(root / "cut"), slots, entries, BIG_BATCH)
+        cut.load()
+        put = 0
+        real_put = IndexFile.put_keys
+
+        def put_some(self, key_hash, phy_offset, store_timestamp):
+            nonlocal put
+            k = min(len(key_hash), limit - put)
+            if k <= 0:
+                raise KeyboardInterrupt
+            done = real_put(self, key_hash[:k], phy_offset[:k], store_timestamp[:k])
+            put += done
+            return done
+
+        IndexFile.put_keys = put_some
+        try:
+            cut.build_index(make_dispatch_batch(recs))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            IndexFile.put_keys = real_put
+        del cut
+        resumed = IndexService(str(root / "cut"), slots, entries, BIG_BATCH)
+        resumed.load()
+        point = resumed.resume_point()
+        resumed.resume_from(point)
+        # at the latest from the record at the resume offset; from the first one when nothing was indexed
+        latest = 0 if point is None else sum(1 for r in recs if r.phy_offset < point.phy_offset)
+        first = data.draw(st.integers(0, latest), label="replay from")
+        resumed.build_index(make_dispatch_batch(recs[first:]))
+        resumed.close()
+        assert disk_files(root / "cut") == whole
 
 
 # --- header sanity at load ------------------------------------------------------------------------------------

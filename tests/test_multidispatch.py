@@ -42,7 +42,7 @@ from indexcore.commitlog import (
     parse_properties,
 )
 from indexcore.consumequeue import CQ_UNIT_SIZE, ConsumeQueue, ConsumeQueueStore, consume_queue_units, pack_units
-from indexcore.errors import CorruptRecordError
+from indexcore.errors import CORRUPT_RECORD_FIELDS, CorruptRecordError
 from indexcore.javahash import java_string_hash
 from indexcore.multidispatch import (
     MULTI_DISPATCH_FIELD,
@@ -828,3 +828,8 @@ def test_hostile_lmq_name_in_a_prepared_record_is_never_dispatched(tmp_path: Pat
     assert res.returncode == 0, res.stderr
     assert sorted(os.listdir(tmp_path / "out" / "consumequeue")) == ["T"]
     shutil.rmtree(tmp_path / "out")
+
+
+def test_multi_dispatch_fields_are_declared_corruption_reasons():
+    """Metrics label corruption by declared field names only: a hostile LMQ name must count, not crash."""
+    assert {MULTI_DISPATCH_FIELD, MULTI_QUEUE_OFFSET_FIELD} <= set(CORRUPT_RECORD_FIELDS)

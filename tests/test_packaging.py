@@ -1,10 +1,11 @@
 """The deployment files — systemd/reputd.service, Dockerfile, .dockerignore — checked without systemd or a
 container engine: parsed here and held against the config, the CLI and the repository's files. The image's
-HEALTHCHECK command is run for real against a local HTTP server; `systemd-analyze` checks the unit when it
-is installed."""
+HEALTHCHECK command is run for real against a local HTTP server and a real daemon; `systemd-analyze` checks
+the unit when it is installed."""
 
 from __future__ import annotations
 
+import errno
 import glob
 import http.server
 import json
@@ -24,8 +25,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon import healthcheck as image_healthcheck
 from daemon.cli import EXIT_USAGE, build_parser
 from daemon.config import load_config
+from daemon.metrics import DOWN, HEALTH_PATH
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "reputd.service"
@@ -407,8 +410,10 @@ def test_docker_entrypoint_and_cmd_are_exec_form(stages):
 def test_docker_expose_matches_the_default_metrics_port(stages):
     port = yaml.safe_load(CONFIG.read_text())["metrics"]["port"]
     assert instructions(stages, "runtime", "EXPOSE") == [str(port)]
-    _, command = healthcheck(stages, "runtime")
-    assert f"'http://127.0.0.1:%s/healthz' % os.environ.get('REPUTD_METRICS_PORT', '{port}')" in command[-1]
+    assert port == image_healthcheck.DEFAULT_PORT
+    # The check's own copies of the daemon's names (it does not import daemon.metrics, to start fast).
+    assert (image_healthcheck.HEALTH_PATH, image_healthcheck.DOWN) == (HEALTH_PATH, DOWN)
+    assert load_config(CONFIG, env={image_healthcheck.PORT_VARIABLE: "19999"}).metrics.port == 19999
 
 
 def test_docker_volumes_and_environment(stages):
@@ -479,15 +484,13 @@ def test_docker_copy_sources_exist_and_reach_the_context(stages):
     assert "readme" in (ROOT / "pyproject.toml").read_text()
 
 
-def test_docker_healthcheck_is_exec_form_python(stages):
+def test_docker_healthcheck_runs_the_packaged_check(stages):
     options, command = healthcheck(stages, "runtime")
-    assert command[:2] == ["python", "-c"]
-    assert len(command) == 3
-    assert "urllib" in command[2]
-    assert "/healthz" in command[2]
-    timeout = re.search(r"timeout=(\d+(?:\.\d+)?)\)", command[2])
-    assert timeout, "urlopen needs a timeout, or a hung endpoint hangs the check"
-    assert float(timeout.group(1)) < timespan_seconds(options["timeout"])
+    assert command == ["python", "-m", "daemon.healthcheck"]
+    # `python` is the image venv's (PATH), which has the daemon package installed.
+    assert env_of(stages, "runtime")["PATH"].startswith("/opt/reputd/bin:")
+    # urlopen's timeout lets the check print its own line before Docker kills it.
+    assert timespan_seconds(options["timeout"]) > image_healthcheck.TIMEOUT_S
     assert timespan_seconds(options["start-period"]) >= 30
     assert int(options["retries"]) >= 1
 
@@ -531,17 +534,27 @@ def _run_healthcheck(stages: list[Stage], port: int) -> subprocess.CompletedProc
                           check=False)
 
 
-@pytest.mark.parametrize(("code", "body", "healthy"), [
-    (200, {"status": "healthy", "commitLogOffset": 1024}, True),
-    (200, {"status": "degraded", "reason": "corrupt segment skipped"}, True),
-    (503, {"status": "down"}, False),
+@pytest.mark.parametrize(("code", "body", "healthy", "line"), [
+    (200, {"status": "healthy", "reason": "", "reputFromOffset": 1024, "commitLogMaxOffset": 1024},
+     True, "healthy (HTTP 200; reputFromOffset 1024, commitLogMaxOffset 1024)"),
+    (200, {"status": "degraded", "reason": "corrupt segment skipped"}, True,
+     "degraded: corrupt segment skipped (HTTP 200)"),
+    (503, {"status": "down", "reason": "CommitLog unavailable: /store/commitlog: no such directory"}, False,
+     "down: CommitLog unavailable: /store/commitlog: no such directory (HTTP 503)"),
+    (503, {"status": "down"}, False, "down (HTTP 503)"),
+    (200, ["not", "a", "health", "answer"], False, "unhealthy: "),
 ])
-def test_docker_healthcheck_command_against_a_live_server(stages, health_server, code, body, healthy):
+def test_docker_healthcheck_command_against_a_live_server(stages, health_server, code, body, healthy, line):
+    """Exit 0 while running (healthy, degraded), 1 when down; one line saying why, which Docker keeps in
+    State.Health.Log, never a traceback."""
     _Health.answer = (code, body)
     _Health.paths.clear()
     result = _run_healthcheck(stages, health_server)
-    assert (result.returncode == 0) is healthy, result.stderr
+    assert (result.returncode == 0) is healthy, result.stdout + result.stderr
     assert _Health.paths == ["/healthz"]
+    assert result.stdout.startswith(line), result.stdout
+    assert result.stdout.count("\n") == 1
+    assert result.stderr == ""
 
 
 def test_docker_healthcheck_command_without_a_server(stages):
@@ -549,8 +562,39 @@ def test_docker_healthcheck_command_without_a_server(stages):
         probe.bind(("127.0.0.1", 0))
         closed_port = probe.getsockname()[1]  # bound, never listening: connections are refused
         result = _run_healthcheck(stages, closed_port)
-    assert result.returncode != 0
-    assert "Connection refused" in result.stderr or "URLError" in result.stderr
+    assert result.returncode == 1
+    assert result.stdout == f"unhealthy: no answer from http://127.0.0.1:{closed_port}/healthz: " \
+                            f"[Errno {errno.ECONNREFUSED}] Connection refused\n"
+    assert result.stderr == ""
+
+
+def test_docker_healthcheck_against_a_daemon_waiting_for_its_commitlog(stages, tmp_path):
+    """The real daemon with no CommitLog directory is down (503): the check exits 1 printing the daemon's
+    own reason, which names the missing directory."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = tmp_path / "reputd.yaml"
+    config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(tmp_path / "store")},
+                                      "output": {"dir": str(tmp_path / "out")}, "metrics": {"port": port}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REPUTD_", "NOTIFY_SOCKET", "WATCHDOG_"))}
+    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--config", str(config)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        result = None
+        for _ in range(600):
+            result = _run_healthcheck(stages, port)
+            if "no answer" not in result.stdout:
+                break
+        assert result is not None
+        assert result.returncode == 1, result.stdout
+        assert result.stdout.startswith("down: "), result.stdout
+        assert str(tmp_path / "store" / "commitlog") in result.stdout
+        assert result.stdout.rstrip().endswith("(HTTP 503)")
+    finally:
+        daemon.terminate()
+        _, err = daemon.communicate(timeout=30)
+    assert daemon.returncode == 0, err
 
 
 # --- .dockerignore ----------------------------------------------------------------------------------------
@@ -564,7 +608,53 @@ def test_dockerignore_excludes(path):
     assert dockerignored(path)
 
 
-@pytest.mark.parametrize("path", ["pyproject.toml", "README.md", "daemon/cli.py", "indexcore/commitlog.py",
-                                  "config/reputd.yaml", "Dockerfile"])
+@pytest.mark.parametrize("path", ["pyproject.toml", "setup.py", "README.md", "daemon/cli.py", "indexcore/commitlog.py",
+                                  "indexcore/_kernels.c", "config/reputd.yaml", "Dockerfile"])
 def test_dockerignore_keeps_the_build_inputs(path):
     assert not dockerignored(path)
+
+
+def test_dockerignore_comment_names_every_file_the_build_copies(stages):
+    comment = " ".join(line for line in DOCKERIGNORE.read_text().splitlines() if line.startswith("#"))
+    for s, flags, sources, _ in copies(stages):
+        for source in sources if "from" not in flags else ():
+            assert source.rstrip("/").split("/")[-1] in comment, f"{source} (COPY in {s.name})"
+
+
+# --- the documented `docker run` --------------------------------------------------------------------------
+
+def documented_docker_run() -> list[str]:
+    """The `docker run` example of the Dockerfile's header, as argv."""
+    header = []
+    for line in DOCKERFILE.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[1:].strip())
+    text = "\n".join(header)
+    m = re.search(r"^docker run .*?(?<!\\)$", text.replace("\\\n", " "), re.MULTILINE)
+    assert m, "the Dockerfile's header has no docker run example"
+    return shlex.split(m.group(0))
+
+
+def test_docker_run_example_sets_the_four_sizes_it_calls_required(stages):
+    argv = documented_docker_run()
+    env = dict(argv[i + 1].split("=", 1) for i, a in enumerate(argv) if a == "-e")
+    image_env = {k: v for k, v in env_of(stages, "runtime").items() if k.startswith("REPUTD_")}
+    config = load_config(CONFIG, env={**image_env, **env})
+    demo = load_config(CONFIG, env=image_env)
+    names = {"mappedFileSizeCommitLog": "mapped_file_size_commit_log",
+             "mappedFileSizeConsumeQueue": "mapped_file_size_consume_queue",
+             "maxHashSlotNum": "max_hash_slot_num", "maxIndexNum": "max_index_num"}
+    # RocketMQ's defaults, which the example shows, and not the image config's demo sizes
+    assert {k: getattr(config.store, v) for k, v in names.items()} == {
+        "mappedFileSizeCommitLog": 1073741824, "mappedFileSizeConsumeQueue": 6000000,
+        "maxHashSlotNum": 5000000, "maxIndexNum": 20000000}
+    assert getattr(demo.store, names["mappedFileSizeCommitLog"]) != 1073741824
+    assert "/store:ro" in " ".join(argv)
+    assert argv[-1] == "reputd"
+
+
+def test_docker_docs_say_podman_needs_the_docker_format():
+    header = DOCKERFILE.read_text()
+    assert "--format docker" in header
+    assert "--format docker" in (ROOT / "README.md").read_text()

@@ -10,7 +10,7 @@ import yaml
 
 from daemon.config import load_config
 from daemon.metrics import ReputMetrics
-from daemon.reput import open_session
+from daemon.session import open_session
 from indexcore.consumequeue import ConsumeQueue
 from tests.test_daemon import Store, assert_same_as_rebuild
 

@@ -14,6 +14,7 @@ tests/test_crash.py.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import random
@@ -396,3 +397,48 @@ def test_chunk_plans_cover_every_byte_once():
             assert covered == list(range(size)), (order, size)
     assert chunk_plan(200, "size-last", rng)[-1] == (0, 4)
     assert chunk_plan(200, "tail-head-last", rng)[-1] == (0, VEC)
+
+
+@pytest.mark.parametrize("ended", ["corrupt", "rolled"])
+def test_a_torn_record_is_held_back_whatever_ended_the_read(tmp_path, ended):
+    """A read that decoded a front-to-back torn record (its properties still ending in zeros) and then
+    stopped for another reason — the writer's next bytes looked corrupt a moment later, or the segment
+    rolled — still has its torn record cut off: `hold_torn_tail` looks at every read with late records,
+    whatever its status. Deterministic: the torn image is read, then the record is completed."""
+    from types import SimpleNamespace
+
+    from daemon.head import hold_torn_tail
+    from indexcore.errors import CorruptRecordError
+    from indexcore.reader import CommitLog, CommitLogReader, ReadStatus
+
+    writer = CommitLogWriter(str(tmp_path / "commitlog"), SEGMENT)
+    appended = [writer.append(message(i)) for i in range(3)]
+    writer.close()
+    segment = tmp_path / "commitlog" / offset_to_file_name(0)
+    complete = segment.read_bytes()
+    torn_at = appended[2].phy_offset
+    end = torn_at + appended[2].msg_size
+    segment.write_bytes(complete[:end - 6] + bytes(len(complete) - end + 6))  # UNIQ_KEY's last bytes not in yet
+
+    log = CommitLog(str(tmp_path / "commitlog"), SEGMENT, follow=True)
+    session = SimpleNamespace(commit_log=log, reader=CommitLogReader(log, batch_bytes=SEGMENT))
+    read = session.reader.read(0, verify_end=False)
+    assert len(read.batch) == 3
+    assert "\0" in read.batch.uniq_key[2]
+    if ended == "corrupt":
+        read = dataclasses.replace(read, status=ReadStatus.CORRUPT,
+                                   error=CorruptRecordError("totalSize", "zero TOTALSIZE with data after it",
+                                                            path=str(segment), offset=end))
+    else:
+        read = dataclasses.replace(read, rolled=True, next_offset=SEGMENT)
+    segment.write_bytes(complete)  # the writer finishes the record while the read ran
+
+    held = hold_torn_tail(session, 0, read, written=torn_at)
+    assert len(held.batch) == 2
+    assert held.next_offset == torn_at
+    assert held.error is None
+    assert not held.rolled
+    assert held.status is not ReadStatus.CORRUPT
+    again = session.reader.read(held.next_offset, verify_end=False)
+    assert again.batch.uniq_key[0] == f"{2:032X}"
+    session.reader.close()

@@ -92,6 +92,8 @@ MIN_JAVA = 17
 JAVA_INSTALL_HINT = (f"Spark needs a Java {MIN_JAVA} (or later) runtime: install one (Debian/Ubuntu: apt-get "
                      f"install openjdk-{MIN_JAVA}-jre-headless; RHEL: dnf install java-{MIN_JAVA}-openjdk-headless) "
                      f"or set JAVA_HOME to it")
+ARROW_BATCH_BYTES = 4 * 1024 * 1024
+LOCAL_DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
 _JAVA_VERSION = re.compile(r'version "(\d+)(?:\.(\d+))?')
 _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Fault|Failed)): (.+)$")
 
@@ -162,8 +164,14 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
                 "spark.python.worker.reuse": "true",
                 # one job per action: adaptive execution would run every shuffle stage as a job of its own
                 "spark.sql.adaptive.enabled": "false",
-                # rows are runs of units or keys of up to a few MB: a few per batch keeps a writer's batch small
-                "spark.sql.execution.arrow.maxRecordsPerBatch": "8"}
+                # rows are runs of units (a few KB) or keys (up to 448 KiB): batches bounded by bytes, not by
+                # a handful of rows (8 rows made a writer take thousands of tiny batches)
+                "spark.sql.execution.arrow.maxRecordsPerBatch": "10000",
+                "spark.sql.execution.arrow.maxBytesPerBatch": str(ARROW_BATCH_BYTES)}
+    if master.startswith("local"):
+        # the driver JVM runs the tasks too: a short job spends seconds in the optimising JIT (C2) on cores the
+        # decode needs; the quick compiler alone cut the work after start-up by about a quarter here
+        settings["spark.driver.extraJavaOptions"] = LOCAL_DRIVER_JAVA_OPTIONS
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
@@ -313,23 +321,24 @@ def _check_catalog_absent(catalog: str, s3: S3Options) -> None:
         raise BackfillError(f"--catalog {catalog}: already exists; give a new path")
 
 
-def _decode_rows(settings: DecodeSettings, fault: Fault | None):
-    """The mapInArrow function of the decode: each input row is a pickled RangeTask or Reread."""
+def _decode_rows(settings: DecodeSettings, work, fault: Fault | None):
+    """The mapInArrow function of the decode: each input row is the index (`id`) of a RangeTask or Reread in
+    `work`, a broadcast list of them pickled (fetched once per worker, not shipped with every task)."""
 
     def run(batches):
         for rb in batches:
-            for blob in rb.column("task").to_pylist():
-                work = pickle.loads(blob)
+            for number in rb.column("id").to_pylist():
+                item = pickle.loads(work.value[number])
                 attempt = _task_attempt()
                 if fault is not None:
                     fault.check("decode", "started", attempt.attempt_number)
                 try:
-                    if isinstance(work, Reread):
-                        yield from _reread(work, settings)
+                    if isinstance(item, Reread):
+                        yield from _reread(item, settings)
                     else:
-                        yield from decode_range(work, settings)
+                        yield from decode_range(item, settings)
                 except Exception as e:
-                    name = work.tasks[0].location if isinstance(work, Reread) else work.location
+                    name = item.tasks[0].location if isinstance(item, Reread) else item.location
                     raise BackfillTaskError(f"decode task for {name}: {e}") from e
 
     return run
@@ -366,6 +375,7 @@ class _Job:
         self.fault = fault
         self.s3 = s3
         self.frames: list = []  # cached decode outputs: the first pass, then each round of re-reads
+        self.broadcasts: list = []  # the work items of each frame
         self.source: dict[int, int] = {}  # range number -> the frame its accepted rows are in
         self.outcomes: dict[int, RangeOutcome] = {}
         self.all_outcomes: list[RangeOutcome] = []  # every decode task's, re-reads included
@@ -377,12 +387,16 @@ class _Job:
         for frame in self.frames:
             with contextlib.suppress(Exception):
                 frame.unpersist()
+        for items in self.broadcasts:
+            with contextlib.suppress(Exception):
+                items.destroy()
 
     def _decode_frame(self, work: Sequence) -> list[RangeOutcome]:
-        sc = self.spark.sparkContext
-        rows = sc.parallelize([(pickle.dumps(w),) for w in work], len(work))
-        frame = (self.spark.createDataFrame(rows, "task binary")
-                 .mapInArrow(_decode_rows(self.settings, self.fault), DECODED_DDL)
+        # one partition per item, generated in the JVM: no Python RDD to convert (its own worker per task)
+        items = self.spark.sparkContext.broadcast([pickle.dumps(w) for w in work])
+        self.broadcasts.append(items)
+        frame = (self.spark.range(0, len(work), 1, len(work))
+                 .mapInArrow(_decode_rows(self.settings, items, self.fault), DECODED_DDL)
                  .persist(StorageLevel.MEMORY_AND_DISK))
         self.frames.append(frame)
         metas = frame.filter(F.col("kind") == META).select("data").collect()

@@ -1,0 +1,158 @@
+"""The CommitLog's head: where the written data ends, and records that were still being written.
+
+A broker writes through a memory mapping, front to back or not, and pre-creates its next segments, so
+the newest bytes of a CommitLog may be a record half copied in or files of zeros. The reput loop uses
+`written_below` and `hold_torn_tail` to dispatch only records that were complete when read; the lag
+gauges use `written_end`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+
+import numpy as np
+
+from daemon.session import Session
+from indexcore.commitlog import RECORD_PREFIX, MessageRecord
+from indexcore.dispatch import DispatchBatch
+from indexcore.errors import CorruptRecordError, StoreError
+from indexcore.reader import CommitLog, ReadResult, ReadStatus
+
+
+def _data_frontier(path: str, start: int, size: int, offset: int, horizon: int | None = None) -> int:
+    """In the segment file `path` (CommitLog offsets [start, start + size)): the end of the last non-zero
+    byte before the first all-zero page past `offset`'s page, found by galloping then bisecting pages (a
+    zero page inside a record only makes it lower); with `horizon`, simply a written page that many bytes
+    on when there is one. `offset` itself on any error."""
+    page = mmap.PAGESIZE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return offset
+
+    def zero(n: int) -> bool:
+        data = os.pread(fd, page, n * page)
+        return data.count(0) == len(data)
+
+    try:
+        first, pages = (offset - start) // page, -(-size // page)
+        if horizon is not None:
+            far = (offset - start + horizon) // page
+            if far < pages and not zero(far):  # catching up: the writer is far ahead
+                return start + far * page
+        lo, step = first, 1  # page lo holds data (or is offset's own page); find a zero page above it
+        hi = min(lo + step, pages)
+        while hi < pages and not zero(hi):
+            lo, step = hi, step * 2
+            hi = min(lo + step, pages)
+        while hi - lo > 1:  # page lo: data or offset's page; page hi: zero (or the end)
+            mid = (lo + hi) // 2
+            if zero(mid):
+                hi = mid
+            else:
+                lo = mid
+        tail = os.pread(fd, page, lo * page).rstrip(b"\0")
+        return start + lo * page + len(tail)
+    except OSError:
+        return offset
+    finally:
+        os.close(fd)
+
+
+def written_below(commit_log: CommitLog, offset: int, horizon: int) -> int:
+    """A point of the segment holding `offset` below which every byte a front-to-back writer meant to write
+    is in (`_data_frontier`, or a written page `horizon` bytes on: no read ends past it). A record copied
+    in another order (TOTALSIZE last) does not decode before it is complete: only front-to-back copies
+    need it."""
+    path = commit_log.find_segment(offset)
+    if path is None:
+        return offset
+    return _data_frontier(path, commit_log.segment_start(offset), commit_log.segment_size, offset, horizon)
+
+
+def hold_torn_tail(s: Session, offset: int, result: ReadResult, written: int) -> ReadResult:
+    """Dispatch only records that were complete when they were decoded.
+
+    A record copied front to back decodes as soon as its header, body (CRC-checked), topic and properties
+    length are in, while its properties still end in unwritten zeros: dispatched then, its KEYS, UNIQ_KEY
+    or TAGS would be cut short. `written` was taken before the read (`written_below`): records ending
+    below it were complete. The others were written while the read ran: the last one must be complete
+    now (its final byte written, or data after it, or no NUL in its properties: a record without
+    properties ends in its zero length), then all of them are decoded again and must match what the read
+    saw. The batch is cut before the first that fails; the rest is read again. Whatever ended the read
+    (a roll, or the writer's next bytes looking corrupt a moment later) does not exempt its batch: the
+    cut read ends at the cut. (tests/test_torn_writes.py)
+    """
+    batch = result.batch
+    n = len(batch)
+    if not n:
+        return result
+    late = batch.phy_offset.astype(np.int64) + batch.msg_size > written
+    if not late.any():
+        return result
+    first = int(np.argmax(late))  # records lie in offset order: the late ones are a suffix
+    cut, pending = n, None
+    at, size = int(batch.phy_offset[n - 1]), int(batch.msg_size[n - 1])
+    path = s.commit_log.find_segment(at)
+    try:
+        with open(path, "rb") as f:  # before reading it again: what is complete now reads complete then
+            data = os.pread(f.fileno(), size + RECORD_PREFIX.size, at - s.commit_log.segment_start(at))
+        if len(data) >= size and not data[size - 1] and not any(data[size:]):
+            properties = MessageRecord.decode(data[:size], check_crc=False, max_message_size=size).properties
+            if b"\0" in properties:
+                cut = n - 1
+                pending = CorruptRecordError("properties", "last byte not written yet (properties end in zeros)",
+                                             path=path, offset=at)
+    except (OSError, TypeError, StoreError):
+        cut = n - 1  # the next read decides
+    start = int(batch.phy_offset[first])
+    again = _read_records(s, start, result.next_offset - start)
+    for i in range(first, cut):
+        j = i - first
+        if j >= len(again.batch) or not _same_dispatch(again.batch, j, batch, i):
+            cut = i
+            break
+    if cut == n:
+        return result
+    head = _read_records(s, offset, int(batch.phy_offset[cut]) - offset) if cut else None
+    if head is None or head.next_offset != int(batch.phy_offset[cut]):
+        head = ReadResult(DispatchBatch.empty(offset), offset, ReadStatus.OK)
+    return dataclasses.replace(result, batch=head.batch, next_offset=head.next_offset, error=None, pending=pending,
+                               status=ReadStatus.OK if pending is None else ReadStatus.END, rolled=False)
+
+
+def _read_records(s: Session, offset: int, max_bytes: int) -> ReadResult:
+    """The records that start in [offset, offset + max_bytes), decoded now."""
+    limit = s.reader.batch_bytes
+    s.reader.batch_bytes = max(max_bytes, 1)
+    try:
+        return s.reader.read(offset, verify_end=False)
+    finally:
+        s.reader.batch_bytes = limit
+
+
+def _same_dispatch(a, i: int, b, j: int) -> bool:
+    """Whether row `i` of batch `a` dispatches as row `j` of batch `b`."""
+    return (a.topic_of(i) == b.topic_of(j) and a.keys[i] == b.keys[j] and a.uniq_key[i] == b.uniq_key[j]
+            and all(int(getattr(a, c)[i]) == int(getattr(b, c)[j]) for c in _DISPATCH_COLUMNS))
+
+
+_DISPATCH_COLUMNS = ("phy_offset", "msg_size", "queue_id", "queue_offset", "sys_flag", "store_timestamp",
+                     "tags_code", "prepared_transaction_offset")
+
+
+def written_end(commit_log: CommitLog, offset: int) -> int:
+    """The CommitLog's max offset as a broker's operators read it: the end of the written data, wherever the
+    files end. A broker creates its next segment (and the one after) before it needs them, so the newest
+    files may hold nothing yet: the end is in the newest segment with data, and never below `offset`.
+    Exact unless a message ends in zero bytes; it costs a few page reads per scrape."""
+    size = commit_log.segment_size
+    for start, path in reversed(commit_log.segments):
+        if start + size <= offset:
+            break
+        end = _data_frontier(path, start, size, max(offset, start))
+        if end > start or start <= offset:
+            return max(offset, end)
+    return offset

@@ -1,0 +1,201 @@
+"""Recovery: where `reputd run` and `reputd rebuild` start reading, and how the output is put back to a
+point from which dispatching again ends in the files of an uninterrupted run.
+
+Every start goes through `recover_output`, with one set of rules per output file kind:
+
+| output file  | checkpoint with dispatcher state (X, S)    | no such checkpoint                                |
+|--------------|--------------------------------------------|---------------------------------------------------|
+| ConsumeQueue | units at or past X zeroed, a file left     | the end of the last unit over all queues (the     |
+|              | empty deleted                              | broker's rule); each queue skips units it holds   |
+| IndexFile    | files newer than S's deleted, entries past | the last record indexed is at the newest file's   |
+|              | S removed and their slots restored;        | end_phy_offset E, and the files hold its first j  |
+|              | records below X left out                   | keys (counted back from the newest entry, across  |
+|              |                                            | a roll): from E, putting only its other keys;     |
+|              |                                            | records below E left out                          |
+| plug-in      | `recover(X, state)`                        | `resume_offset()`                                 |
+
+"No such checkpoint": none, a replay marker (a checkpoint without dispatcher state), or one that cannot be
+trusted. The start is X when the checkpoint covers every dispatcher; otherwise the lowest offset any
+dispatcher needs (a kind with nothing written needs the CommitLog's first offset), and never above a
+replay marker's offset. A start derived from the files is first written as a replay marker, durably: a
+batch is written queue by queue, so until the first real checkpoint the files may hold part of one, and
+a kill must make the next start read that batch again rather than derive a higher offset.
+
+Before any of it, each kind's load removes what a kill during a file's creation left: the temporary
+file of a creation cut short and, from an older reputd or a broker, a 0-byte newest file, a queue's
+only file allocated without its pre-blank units, a newest IndexFile allocated without its header. They
+hold nothing, so the checkpoint stays good. An output file of the wrong size or with a garbage header is
+damage: `run` moves it to `quarantine/` in the output directory with what depends on it (a ConsumeQueue's
+whole queue directory, an IndexFile and every newer one), after a replay marker at the CommitLog's first
+offset, and what it held is dispatched again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from daemon.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
+from daemon.config import Config
+from daemon.dispatchers import Dispatcher, build_dispatchers
+from daemon.logs import get_logger
+from daemon.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason
+from indexcore.consumequeue import CONSUME_QUEUE_DIR
+from indexcore.errors import StoreError, StoreLayoutError
+from indexcore.indexservice import INDEX_DIR
+from indexcore.reader import CommitLog
+
+MS_PER_SECOND = 1000
+QUARANTINE_DIR = "quarantine"
+MAX_QUARANTINES = 64
+
+
+@dataclass(slots=True)
+class Recovered:
+    """The output put back to a consistent point, and where to read from."""
+
+    dispatchers: list[Dispatcher]
+    start: int  # the CommitLog offset to dispatch from
+    decision: str
+    checkpoint: Checkpoint  # the checkpoint now on disk (a replay marker for a derived start)
+    output_end: int  # records at or past it are new to the output; those below were in it already
+
+
+def _inside(path: str, directory: str) -> bool:
+    return os.path.commonpath([os.path.abspath(path), os.path.abspath(directory)]) == os.path.abspath(directory)
+
+
+def quarantine(output_dir: str, bad_path: str) -> list[str]:
+    """Move a damaged output file out of the way, with everything that depends on it: a ConsumeQueue's
+    whole queue directory, or an IndexFile and every newer one. Returns the paths moved."""
+    rel = os.path.relpath(bad_path, output_dir).split(os.sep)
+    moved = []
+    if rel[0] == CONSUME_QUEUE_DIR and len(rel) >= 3:
+        targets = [os.path.join(output_dir, *rel[:3])]
+    elif rel[0] == INDEX_DIR and len(rel) == 2:
+        # newest first: a kill part-way leaves the older files, the damaged one still among them, so the
+        # next start quarantines the rest and never sees a hole in the index
+        index_dir = os.path.join(output_dir, INDEX_DIR)
+        targets = [os.path.join(index_dir, n) for n in sorted(os.listdir(index_dir), reverse=True) if n >= rel[1]]
+    else:
+        targets = [bad_path]
+    stamp = time.strftime("%Y%m%d%H%M%S")
+    for target in targets:
+        dest = os.path.join(output_dir, QUARANTINE_DIR, stamp, os.path.relpath(target, output_dir))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.replace(target, dest)
+        moved.append(target)
+    return moved
+
+
+def write_replay_marker(output_dir: str, offset: int, reason: str, log) -> Checkpoint:
+    """A checkpoint with no dispatcher state: "read again from `offset`; each dispatcher skips what its
+    files already hold". Written, durably, before any step that a kill must not make recovery forget: a
+    quarantine, or a start from offsets derived from the files."""
+    marker = Checkpoint(offset, {}, int(time.time() * MS_PER_SECOND))
+    write_checkpoint(output_dir, marker)
+    log.info("replay_marker_written", reput_from_offset=offset, reason=reason)
+    return marker
+
+
+def _count(metrics: ReputMetrics | None, name: str, amount: float = 1, **labels) -> None:
+    if metrics is not None:
+        getattr(metrics, name).labels(**labels).inc(amount)
+
+
+def _build_with_quarantine(config: Config, output_dir: str, commit_log: CommitLog, log,
+                           metrics: ReputMetrics | None, enabled: bool) -> tuple[list[Dispatcher], list[str]]:
+    moved: list[str] = []
+    for _ in range(MAX_QUARANTINES):
+        try:
+            return build_dispatchers(config, output_dir), moved
+        except StoreLayoutError as e:
+            if not enabled or not _inside(e.path, output_dir) or \
+                    os.path.abspath(e.path) == os.path.abspath(output_dir):
+                raise
+            if not moved:
+                write_replay_marker(output_dir, commit_log.min_offset, "output files quarantined", log)
+            paths = quarantine(output_dir, e.path)
+            _count(metrics, "errors", kind=ErrorKind.RECOVERY)  # one damaged output file, counted as it is moved
+            log.error("output_file_quarantined", path=e.path, error=str(e), moved=paths,
+                      to=os.path.join(output_dir, QUARANTINE_DIR))
+            moved.extend(paths)
+    raise StoreLayoutError(output_dir, f"still damaged after quarantining {len(moved)} paths")
+
+
+def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: dict[str, Any], first_offset: int,
+                           log) -> int:
+    """Cut the dispatchers that the checkpoint covers back to it; a dispatcher it does not cover (one
+    added to the config since, or every one under a replay marker) needs records from its own resume
+    offset, which may be lower."""
+    start = offset
+    for d in dispatchers:
+        if d.name in states and hasattr(d, "recover"):
+            d.recover(offset, states[d.name])
+            log.info("dispatcher_recovered", dispatcher=d.name, reput_from_offset=offset)
+        elif hasattr(d, "resume_offset"):
+            resume = d.resume_offset()
+            start = min(start, first_offset if resume is None else resume)
+            log.info("dispatcher_not_in_checkpoint", dispatcher=d.name, resume_offset=resume)
+    return start
+
+
+def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetrics | None = None,
+                   log=None, quarantine_damaged: bool = True) -> Recovered:
+    """Open the dispatchers on the output, put their files back to a consistent point by the rules above,
+    and decide the offset to dispatch from. Raises StoreError or OSError when the output cannot be used;
+    without `quarantine_damaged` (`reputd rebuild`, an operator's command), also for a damaged file, which
+    the operator then sees named instead of moved."""
+    log = log or get_logger(component="recovery")
+    out = config.output.dir
+    os.makedirs(out, exist_ok=True)
+    try:
+        checkpoint = read_checkpoint(out)
+    except CheckpointError as e:
+        log.error("checkpoint_corrupt", path=e.path, error=e.detail, decision="rebuild from the CommitLog")
+        _count(metrics, "errors", kind=ErrorKind.CHECKPOINT)
+        checkpoint = None
+    dispatchers, moved = _build_with_quarantine(config, out, commit_log, log, metrics, quarantine_damaged)
+    for d in dispatchers:
+        removed = getattr(d, "removed", None)
+        if removed:
+            log.warning("unfinished_files_removed", dispatcher=d.name, paths=removed,
+                        detail="files whose creation a kill cut short; they held nothing")
+    if moved:
+        checkpoint = read_checkpoint(out)  # the replay marker written before the first move
+    if checkpoint is not None and checkpoint.reput_from_offset > commit_log.max_offset:
+        _count(metrics, "errors", kind=ErrorKind.CHECKPOINT)
+        log.error("checkpoint_distrusted", reason="checkpoint is past the end of the CommitLog",
+                  reput_from_offset=checkpoint.reput_from_offset, commit_log_max_offset=commit_log.max_offset)
+        checkpoint = None
+    start: int | None = None
+    decision = RecoveryDecision.DERIVED
+    if checkpoint is not None:
+        try:
+            start = _recover_to_checkpoint(dispatchers, checkpoint.reput_from_offset, checkpoint.dispatchers,
+                                           commit_log.min_offset, log)
+            decision = RecoveryDecision.CHECKPOINT if checkpoint.dispatchers else RecoveryDecision.REPLAY
+        except (StoreError, ValueError) as e:
+            log.error("checkpoint_distrusted", reason=str(e))
+            _count(metrics, "errors", kind=ErrorKind.RECOVERY)
+    if start is None:
+        offsets = [d.resume_offset() for d in dispatchers if hasattr(d, "resume_offset")]
+        start = min((commit_log.min_offset if o is None else o for o in offsets), default=commit_log.min_offset)
+    if start < commit_log.min_offset:
+        skipped = commit_log.min_offset - start
+        log.warning("offset_below_oldest_segment", requested=start, resumed_at=commit_log.min_offset,
+                    skipped_bytes=skipped, detail="CommitLog segments were deleted before they were dispatched")
+        _count(metrics, "skipped", skipped, reason=SkipReason.RETENTION)
+        start = commit_log.min_offset
+    if decision == RecoveryDecision.DERIVED:
+        checkpoint = write_replay_marker(out, start, "no checkpoint to trust", log)
+    if decision == RecoveryDecision.CHECKPOINT:
+        output_end = checkpoint.reput_from_offset
+    else:
+        output_end = max([start, *(d.output_end() for d in dispatchers if hasattr(d, "output_end"))])
+    _count(metrics, "recoveries", decision=decision)
+    log.info("recovered", decision=decision, reput_from_offset=start, checkpoint=checkpoint.reput_from_offset,
+             commit_log_min_offset=commit_log.min_offset, segments=len(commit_log.segments))
+    return Recovered(dispatchers, start, decision, checkpoint, output_end)

@@ -1,0 +1,63 @@
+"""A session: one life of the live pipeline, from a recovery to a stop or a failure.
+
+It holds what the reput loop (`daemon.reput`), the flusher thread (`daemon.flusher`) and the metrics
+share: the CommitLog and its reader, the dispatchers, and how far records are dispatched, flushed and
+checkpointed. `open_session` makes one from what recovery (`daemon.recovery`) decided.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.config import Config
+from daemon.dispatchers import Dispatcher
+from daemon.metrics import ReputMetrics
+from daemon.rebuild import make_reader
+from daemon.recovery import recover_output
+from indexcore.reader import CommitLog, CommitLogReader
+
+
+@dataclass(eq=False)
+class Session:
+    """The state the loop, the flusher and the metrics share; the lock is held for each dispatch."""
+
+    config: Config
+    output_dir: str
+    commit_log: CommitLog
+    reader: CommitLogReader
+    dispatchers: list[Dispatcher]
+    metrics: ReputMetrics
+    dispatched_offset: int
+    dispatched_store_timestamp: int = 0
+    flushed_offset: int = 0
+    checkpoint_offset: int = -1
+    checkpoint_states: dict[str, Any] = field(default_factory=dict)
+    checkpoint_written_at: float = 0.0
+    poisoned: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    synced_paths: set[str] = field(default_factory=set)  # files and directories whose entries are durable
+    dispatched_counters: list = field(default_factory=list)  # per dispatcher, labels resolved once
+
+    def __post_init__(self) -> None:
+        self.dispatched_counters = [self.metrics.dispatched.labels(dispatcher=d.name) for d in self.dispatchers]
+
+    def files(self, name: str) -> int:
+        for d in self.dispatchers:
+            if d.name == name and hasattr(d, "files"):
+                return d.files()
+        return 0
+
+
+def open_session(config: Config, metrics: ReputMetrics) -> Session:
+    """Recover the output (`daemon.recovery`) and open a session of the live loop reading from there."""
+    commit_log = CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log, follow=True)
+    r = recover_output(config, commit_log, metrics=metrics)
+    session = Session(config, config.output.dir, commit_log, make_reader(config, commit_log), r.dispatchers, metrics,
+                      dispatched_offset=r.start, flushed_offset=r.start)
+    session.checkpoint_offset = r.checkpoint.reput_from_offset
+    session.checkpoint_states = r.checkpoint.dispatchers
+    session.checkpoint_written_at = time.time()
+    return session

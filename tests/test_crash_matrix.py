@@ -1,0 +1,115 @@
+"""The crash matrix: `reputd run` killed (SIGKILL) at every step of creating and rolling a ConsumeQueue file
+and an IndexFile, with and without a checkpoint carrying dispatcher state, then restarted: the output must
+end byte-identical to a clean rebuild, recovered from the checkpoint it had (nothing quarantined).
+
+Random kills found a roll bug once in eight runs (issue 11); here each step is hit on purpose, through the
+REPUTD_FAILPOINT test hook (daemon/failpoint.py). The CommitLog is small and written once:
+
+* phase 1, the records `reputd run` has dispatched (and checkpointed) before the kill: the first IndexFile
+  nearly full, four queues below the end of their first ConsumeQueue file;
+* phase 2, read by the killed run in one batch: record 133's three keys straddle the first roll of the
+  IndexFile (its UNIQ_KEY ends file 1, its KEYS start file 2), each queue rolls to its second file, then
+  TopicC's queue starts at queue offset 57, so its first file is created with pre-blank units.
+
+"Without a checkpoint" is how the daemon starts after a quarantine or in its first minute: a replay
+marker (offset 0, no dispatcher state), so the files alone say where to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from daemon.checkpoint import CHECKPOINT_FILE, Checkpoint, read_checkpoint, write_checkpoint
+from indexcore.writer import CommitLogWriter, Message
+from tests.test_daemon import clean_env, events, output_files
+
+REPUTD = [sys.executable, "-m", "daemon.cli"]
+SEGMENT = 256 * 1024
+CQ_FILE = 40 * 20  # 40 units a file
+PHASE_1, PHASE_2 = 130, 300  # records
+LATE_QUEUE_AT, LATE_QUEUE_OFFSET = 200, 57  # TopicC's first record, and its queue offset
+
+CREATE_STEPS = ("before_create", "after_create", "after_allocate", "after_header", "after_fsync", "after_rename")
+# (fail point, what is created there); `@N`: the Nth time in the killed run
+CASES = [
+    *((f"index.{step}", "IndexFile roll") for step in CREATE_STEPS),
+    ("index.after_straddling_key", "IndexFile roll"),
+    *((f"consumequeue.{step}", "ConsumeQueue roll") for step in CREATE_STEPS),
+    *((f"consumequeue.{step}@5", "ConsumeQueue first file, pre-blanks") for step in CREATE_STEPS),
+]
+
+
+def append(writer: CommitLogWriter, first: int, last: int) -> None:
+    """Records with UNIQ_KEY and 1-3 KEYS (2, 3, 4 keys: 399 entries a file end inside record 133)."""
+    for i in range(first, last):
+        topic, queue = ("TopicA", "TopicB")[i % 2], i % 4
+        if i >= LATE_QUEUE_AT and i % 10 == 0:
+            topic, queue = "TopicC", 0
+            writer.queue_offsets.setdefault((topic, queue), LATE_QUEUE_OFFSET)
+        keys = " ".join(f"key-{i}-{t}" for t in range(1 + i % 3))
+        writer.append(Message(topic, queue, bytes([i % 251]) * (60 + i % 40),
+                              {"TAGS": f"t{i % 5}", "KEYS": keys, "UNIQ_KEY": f"{i:032X}"}))
+
+
+def reputd(command: str, config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*REPUTD, command, "--config", str(config), *args], env=clean_env(env),
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """The CommitLog after phase 2, the output of a run over phase 1 with its checkpoint and with a replay
+    marker instead, and the reference: a clean rebuild of the whole CommitLog."""
+    root = tmp_path_factory.mktemp("matrix")
+    clock = iter(range(1_700_000_000_000, 1_800_000_000_000, 211))
+    writer = CommitLogWriter(str(root / "store" / "commitlog"), SEGMENT, clock=lambda: next(clock))
+    cfg = {"store": {"storePathRootDir": str(root / "store"), "mappedFileSizeCommitLog": SEGMENT,
+                     "mappedFileSizeConsumeQueue": CQ_FILE, "maxHashSlotNum": 97, "maxIndexNum": 400},
+           "output": {"dir": str(root / "out")}, "metrics": {"enabled": False},
+           "logging": {"level": "info", "format": "json"}}
+    config = root / "reputd.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    append(writer, 0, PHASE_1)
+    res = reputd("run", config, "--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    with_state = root / "phase1-with"
+    shutil.copytree(root / "out", with_state)
+    assert read_checkpoint(str(with_state)).dispatchers["index"] is not None
+    without = root / "phase1-without"
+    shutil.copytree(root / "out", without)
+    write_checkpoint(str(without), Checkpoint(0, {}, 0))
+    append(writer, PHASE_1, PHASE_2)
+    writer.close()
+    res = reputd("rebuild", config, "--out", str(root / "reference"))
+    assert res.returncode == 0, res.stderr
+    reference = output_files(root / "reference")
+    assert len([n for n in reference if n.startswith("index/")]) >= 2
+    assert {n.rsplit("/", 2)[0] for n in reference if n.startswith("consumequeue/")} >= {"consumequeue/TopicC"}
+    return root, config, {"with": with_state, "without": without}, reference
+
+
+@pytest.mark.parametrize("checkpoint", ["with", "without"])
+@pytest.mark.parametrize(("point", "what"), CASES, ids=[c[0] for c in CASES])
+def test_kill_at_every_step_of_a_creation(matrix, point, what, checkpoint):
+    root, config, phase1, reference = matrix
+    out = root / f"{point}-{checkpoint}"
+    shutil.copytree(phase1[checkpoint], out)
+    killed = reputd("run", config, "--until-caught-up", "--out", str(out), env={"REPUTD_FAILPOINT": point})
+    assert killed.returncode == -9, f"{point} was never reached ({what}): {killed.returncode} {killed.stderr[-500:]}"
+    restart = reputd("run", config, "--until-caught-up", "--out", str(out))
+    assert restart.returncode == 0, restart.stderr
+    log = events(restart.stdout)
+    assert [e["decision"] for e in log if e["event"] == "recovered"] == [
+        "checkpoint" if checkpoint == "with" else "replay"]
+    assert not [e for e in log if e["event"] == "output_file_quarantined"]
+    actual = output_files(out)
+    differ = sorted(n for n in set(actual) | set(reference) if actual.get(n) != reference.get(n))
+    assert not differ, f"after a kill at {point} ({what}), {checkpoint} a checkpoint: {differ} differ from a rebuild"
+    assert json.loads((out / CHECKPOINT_FILE).read_text())["payload"]["reputFromOffset"] > 0

@@ -1,0 +1,166 @@
+"""Output files are created complete or not at all (indexcore.mappedfile.create_file), and what a creation
+cut short leaves is passed over by readers and removed by the next writer, never taken for data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from indexcore import _failpoints
+from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT_SIZE, ConsumeQueue, ConsumeQueueStore
+from indexcore.indexfile import INDEX_HEADER, IndexFile, index_file_size
+from indexcore.indexservice import IndexService
+from indexcore.mappedfile import TEMP_SUFFIX, create_file
+from tests.conftest import DispatchRec, make_dispatch_batch
+
+STEPS = ("before_create", "after_create", "after_allocate", "after_header", "after_fsync", "after_rename")
+SLOTS, ENTRIES = 7, 5
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL at a fail point: nothing after it runs."""
+
+
+@pytest.fixture
+def kill_at():
+    def arm(point: str) -> None:
+        def hook(reached: str) -> None:
+            if reached == point:
+                raise Killed(point)
+        _failpoints.hook = hook
+    yield arm
+    _failpoints.hook = None
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_file_is_complete_or_absent_at_every_step(tmp_path, kill_at, step):
+    path = tmp_path / "00000000000000000000"
+    kill_at(f"test.{step}")
+    with pytest.raises(Killed):
+        create_file(str(path), 4096, b"header", label="test")
+    tmp = Path(str(path) + TEMP_SUFFIX)
+    if step == "after_rename":
+        assert path.read_bytes() == b"header" + bytes(4090)
+        assert not tmp.exists()
+    else:
+        assert not path.exists()
+        assert tmp.exists() == (step != "before_create")
+
+
+def test_no_room_leaves_nothing(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="cannot allocate") as e:
+        create_file(str(tmp_path / "f"), 4096, label="test")
+    assert e.value.filename == str(tmp_path / "f")
+    assert os.listdir(tmp_path) == []
+
+
+def test_create_never_replaces_a_file(tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(FileExistsError):
+        create_file(str(tmp_path / "f"), 4096, label="test")
+    assert (tmp_path / "f").read_bytes() == b"x"
+
+
+def rec(phy: int, keys: str) -> DispatchRec:
+    return DispatchRec(phy_offset=phy, msg_size=100, topic="T", store_timestamp=1_700_000_000_000 + phy, keys=keys)
+
+
+def test_index_leftovers_are_passed_over_by_readers_and_removed_by_writers(tmp_path):
+    service = IndexService(str(tmp_path), SLOTS, ENTRIES)
+    service.load()
+    service.build_index(make_dispatch_batch([rec(0, "a b c d"), rec(100, "e")]))  # four a file: two files
+    service.close()
+    names = sorted(os.listdir(tmp_path / "index"))
+    assert len(names) == 2
+    before = {n: (tmp_path / "index" / n).read_bytes() for n in names}
+    leftover = tmp_path / "index" / f"29991231000000000{TEMP_SUFFIX}"
+    leftover.write_bytes(b"\0" * 10)
+    empty = tmp_path / "index" / "29991231000000000"  # a 0-byte newest file, as an older reputd left
+    empty.write_bytes(b"")
+    reader = IndexService(str(tmp_path), SLOTS, ENTRIES)
+    reader.load(readonly=True)
+    assert reader.names == names
+    assert reader.query_offset("T", "e", 64, 0, 2**63 - 1).phy_offsets == [100]
+    reader.close()
+    assert leftover.exists()  # a reader changes nothing
+    assert empty.exists()
+    writer = IndexService(str(tmp_path), SLOTS, ENTRIES)
+    writer.load()
+    assert sorted(writer.removed) == sorted([str(leftover), str(empty)])
+    writer.close()
+    assert {n: (tmp_path / "index" / n).read_bytes() for n in sorted(os.listdir(tmp_path / "index"))} == before
+
+
+def test_an_index_file_allocated_without_its_header_is_removed(tmp_path):
+    """An older reputd (or a broker) killed after allocating a new IndexFile, before its header: all zeros,
+    after a predecessor whose end it would have been seeded with. It holds nothing."""
+    service = IndexService(str(tmp_path), SLOTS, ENTRIES)
+    service.load()
+    service.build_index(make_dispatch_batch([rec(0, "a b c"), rec(100, "d")]))
+    service.close()
+    zero = tmp_path / "index" / "29991231000000000"
+    with open(zero, "wb") as f:
+        f.truncate(index_file_size(SLOTS, ENTRIES))
+    again = IndexService(str(tmp_path), SLOTS, ENTRIES)
+    again.load()
+    assert again.removed == [str(zero)]
+    assert again.resume_point().phy_offset == 100
+    again.close()
+
+
+def test_a_first_index_file_with_a_zero_header_is_a_real_one(tmp_path):
+    """The first file's seed values are zeros: its header is all zero until the first put, and it stays."""
+    IndexFile(str(tmp_path / "f"), SLOTS, ENTRIES, create=True).close()
+    assert INDEX_HEADER.unpack_from((tmp_path / "f").read_bytes()) == (0, 0, 0, 0, 0, 0)
+    (tmp_path / "index").mkdir()
+    os.replace(tmp_path / "f", tmp_path / "index" / "20231114221320000")
+    service = IndexService(str(tmp_path), SLOTS, ENTRIES)
+    service.load()
+    assert service.removed == []
+    assert service.names == ["20231114221320000"]
+    assert service.resume_point() is None
+    service.close()
+
+
+def test_queue_leftovers_are_passed_over_by_readers_and_removed_by_writers(tmp_path):
+    size = 4 * CQ_UNIT_SIZE
+    cq = ConsumeQueue(str(tmp_path / "q"), "T", 0, size)
+    n = 6
+    cq.put_units(np.arange(n), np.arange(n) * 100, np.full(n, 100, np.int32), np.zeros(n, np.int64))
+    cq.close()
+    files = sorted(os.listdir(tmp_path / "q"))
+    before = {f: (tmp_path / "q" / f).read_bytes() for f in files}
+    (tmp_path / "q" / f"{2 * size:020d}{TEMP_SUFFIX}").write_bytes(b"")
+    (tmp_path / "q" / f"{2 * size:020d}").write_bytes(b"")
+    reader = ConsumeQueue(str(tmp_path / "q"), "T", 0, size, readonly=True)
+    assert reader.max_offset == n
+    assert len(os.listdir(tmp_path / "q")) == len(files) + 2
+    writer = ConsumeQueue(str(tmp_path / "q"), "T", 0, size)
+    assert len(writer.removed) == 2
+    assert writer.max_offset == n
+    writer.close()
+    assert {f: (tmp_path / "q" / f).read_bytes() for f in sorted(os.listdir(tmp_path / "q"))} == before
+
+
+def test_a_first_queue_file_left_without_its_blanks_is_removed(tmp_path):
+    """An older reputd killed after allocating a queue's first file, before its pre-blank units: the next
+    put must lay them down, not append at unit 0."""
+    size = 10 * CQ_UNIT_SIZE
+    (tmp_path / "consumequeue" / "T" / "0").mkdir(parents=True)
+    with open(tmp_path / "consumequeue" / "T" / "0" / f"{0:020d}", "wb") as f:
+        f.truncate(size)
+    store = ConsumeQueueStore(str(tmp_path), size)
+    store.load()
+    cq = store.queue("T", 0)
+    assert len(cq.removed) == 1
+    cq.put_units(np.array([3]), np.array([500]), np.array([100], np.int32), np.array([0]))
+    store.close()
+    data = (tmp_path / "consumequeue" / "T" / "0" / f"{0:020d}").read_bytes()
+    assert data[: 3 * CQ_UNIT_SIZE] == BLANK_UNIT * 3

@@ -1,0 +1,163 @@
+"""The daemon's metrics as an alert sees them: every known label value of a labelled counter exists at 0
+from the start (so `increase(...) > 0` fires on the first event), no `*_created` series, and label values
+that come only from the sets daemon/metrics.py declares."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from daemon.metrics import (
+    CORRUPT_REASONS,
+    DEGRADED,
+    DOWN,
+    HEALTH_STATES,
+    HEALTHY,
+    ErrorKind,
+    Lag,
+    OutputStage,
+    RecoveryDecision,
+    ReputMetrics,
+    SkipReason,
+)
+from indexcore.commitlog import RECORD_ERRORS
+from indexcore.errors import CORRUPT_RECORD_FIELDS, CorruptRecordError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# metric family -> (label, the values it must have from the start)
+KNOWN_LABELS = {
+    "reputd_errors": ("kind", [k.value for k in ErrorKind]),
+    "reputd_corrupt_records": ("reason", list(CORRUPT_REASONS)),
+    "reputd_skipped_bytes": ("reason", [r.value for r in SkipReason]),
+    "reputd_output_space_exhausted": ("stage", [s.value for s in OutputStage]),
+    "reputd_recoveries": ("decision", [d.value for d in RecoveryDecision]),
+}
+
+
+@pytest.fixture
+def metrics() -> ReputMetrics:
+    return ReputMetrics(lambda: None)
+
+
+@pytest.mark.parametrize("family", sorted(KNOWN_LABELS))
+def test_every_known_label_value_starts_at_zero(metrics, family):
+    label, values = KNOWN_LABELS[family]
+    assert values
+    for value in values:
+        assert metrics.registry.get_sample_value(f"{family}_total", {label: value}) == 0.0, (family, value)
+    # and no other value: the set is exactly the declared one
+    exposed = {s.labels[label] for m in metrics.registry.collect() if m.name == family for s in m.samples}
+    assert exposed == set(values)
+
+
+def test_the_first_event_moves_a_series_that_was_already_there(metrics):
+    """What `increase()` needs: a sample at 0 before the first error, then 1."""
+    before = metrics.registry.get_sample_value("reputd_errors_total", {"kind": "flush"})
+    metrics.errors.labels(kind=ErrorKind.FLUSH).inc()
+    metrics.corrupt.labels(reason="body_crc").inc()
+    assert (before, metrics.registry.get_sample_value("reputd_errors_total", {"kind": "flush"})) == (0.0, 1.0)
+    assert metrics.registry.get_sample_value("reputd_corrupt_records_total", {"reason": "body_crc"}) == 1.0
+    assert metrics.registry.get_sample_value("reputd_errors_total", {"kind": "dispatch"}) == 0.0
+
+
+def test_an_undeclared_label_value_is_refused(metrics):
+    with pytest.raises(ValueError, match="'bogus' is not a declared label value: dispatch, flush"):
+        metrics.errors.labels(kind="bogus")
+    with pytest.raises(ValueError, match="not a declared label value"):
+        metrics.corrupt.labels("no_such_field")
+    assert metrics.errors.labels("flush") is metrics.errors.labels(kind=ErrorKind.FLUSH)
+    exposed = {s.labels["kind"] for m in metrics.registry.collect() if m.name == "reputd_errors" for s in m.samples}
+    assert "bogus" not in exposed
+
+
+def test_health_has_one_series_per_state_from_the_start(metrics):
+    get = metrics.registry.get_sample_value
+    assert {s: get("reputd_health", {"state": s}) for s in HEALTH_STATES} == {HEALTHY: 0.0, DEGRADED: 0.0, DOWN: 1.0}
+    metrics.set_health(HEALTHY)
+    assert {s: get("reputd_health", {"state": s}) for s in HEALTH_STATES} == {HEALTHY: 1.0, DEGRADED: 0.0, DOWN: 0.0}
+
+
+def test_no_created_series(metrics):
+    metrics.errors.labels(kind=ErrorKind.LOOP).inc()
+    metrics.flush_duration.observe(0.01)
+    assert metrics.registry.get_sample_value("reputd_errors_created", {"kind": "loop"}) is None
+    assert metrics.registry.get_sample_value("reputd_flush_duration_seconds_created") is None
+    text = generate_latest(metrics.registry).decode()
+    assert "_created" not in text
+    assert 'reputd_errors_total{kind="loop"} 1.0' in text
+
+
+def test_files_gauge_has_both_kinds_whenever_lag_is_known():
+    lag = Lag(reput_offset=10, commit_log_max_offset=20, flushed_offset=10, checkpoint_offset=10,
+              checkpoint_written_at=0.0, behind_seconds=1.5, consume_queue_files=3, index_files=1)
+    registry = ReputMetrics(lambda: lag).registry
+    assert registry.get_sample_value("reputd_files", {"kind": "consumequeue"}) == 3
+    assert registry.get_sample_value("reputd_files", {"kind": "index"}) == 1
+    assert registry.get_sample_value("rocketmq_storage_dispatch_behind_bytes") == 10
+
+
+# --- label values come from the declared sets only ----------------------------------------------------------
+
+def _python_files(*dirs: str) -> list[Path]:
+    return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py"))
+
+
+def _calls(tree: ast.AST, name: str):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called == name:
+                yield node
+
+
+LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical", "msg", "bind"}
+
+
+def test_no_label_value_is_a_string_literal_at_a_call_site():
+    """The daemon names a label value by a member of its declared set, never by a string of its own: no
+    `.labels(...)` with a literal, and no literal equal to a known label value passed as that label's
+    keyword to any call but a log event (`_count(metrics, "errors", kind="flush")` is caught too)."""
+    known = {label: set(values) for label, values in KNOWN_LABELS.values()}
+    known["state"] = set(HEALTH_STATES)
+    literals = []
+    for path in _python_files("daemon"):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(ROOT)
+        for call in _calls(tree, "labels"):
+            for arg in [*call.args, *(k.value for k in call.keywords)]:
+                if isinstance(arg, ast.Constant | ast.JoinedStr):
+                    literals.append(f"{where}:{call.lineno}")
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+            if name in LOG_METHODS:
+                continue
+            literals += [f"{where}:{call.lineno} {k.arg}={k.value.value!r}" for k in call.keywords
+                         if isinstance(k.value, ast.Constant) and k.value.value in known.get(k.arg, ())]
+            literals += [f"{where}:{call.lineno} {a.value!r}" for a in call.args
+                         if name == "_report_no_space" and isinstance(a, ast.Constant)]
+    assert literals == []
+
+
+def test_every_corrupt_record_field_raised_is_declared():
+    """`reputd_corrupt_records_total{reason}` is the error's field: each field a CorruptRecordError is made
+    with anywhere (literal or from the record error table) is in CORRUPT_RECORD_FIELDS, and no other."""
+    raised = {field for field, _ in RECORD_ERRORS.values()}
+    for path in _python_files("indexcore", "daemon"):
+        for call in _calls(ast.parse(path.read_text(), str(path)), "CorruptRecordError"):
+            if call.args and isinstance(call.args[0], ast.Constant):
+                raised.add(call.args[0].value)
+            elif call.args and isinstance(call.args[0], ast.Name):  # a module constant naming the field
+                module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+                value = getattr(module, call.args[0].id, None)  # a local variable is the table's field
+                if isinstance(value, str):
+                    raised.add(value)
+    assert len(raised) >= 8
+    assert raised == set(CORRUPT_RECORD_FIELDS), raised ^ set(CORRUPT_RECORD_FIELDS)
+    assert set(CORRUPT_REASONS) >= set(CORRUPT_RECORD_FIELDS)
+    assert CorruptRecordError("body_crc", "x").field in CORRUPT_REASONS

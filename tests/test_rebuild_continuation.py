@@ -1,0 +1,145 @@
+"""`reputd rebuild` into an output that already holds files continues it exactly where it ends, by the resume
+rules `reputd run` uses (daemon/recovery.py): run twice, or stopped anywhere and run again, it ends with the
+files of one rebuild, with no (hash, offset) pair indexed twice, and says how many messages were new.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from daemon.checkpoint import CHECKPOINT_FILE
+from indexcore.indexfile import INDEX_ENTRY_DTYPE, INDEX_HEADER, INDEX_HEADER_SIZE
+from indexcore.writer import CommitLogWriter
+from tests.conformance import discover
+from tests.test_crash_matrix import PHASE_1, PHASE_2, append
+from tests.test_daemon import clean_env, events, output_files
+
+REPUTD = [sys.executable, "-m", "daemon.cli"]
+SEGMENT = 256 * 1024
+SLOTS, ENTRIES = 97, 400
+
+
+def reputd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*REPUTD, *args], env=clean_env(env), capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+def index_pairs(root: Path, slots: int = SLOTS) -> Counter:
+    """(key hash, CommitLog offset) of every entry the IndexFiles record, counted."""
+    pairs: Counter = Counter()
+    directory = root / "index"
+    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+        data = path.read_bytes()
+        count = max(INDEX_HEADER.unpack_from(data)[5], 1)
+        entries = np.frombuffer(data, dtype=INDEX_ENTRY_DTYPE, count=count, offset=INDEX_HEADER_SIZE + 4 * slots)[1:]
+        pairs.update(zip(entries["key_hash"].tolist(), entries["phy_offset"].tolist(), strict=True))
+    return pairs
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A CommitLog (phase 1 of the crash matrix: records whose keys straddle IndexFile rolls) and a config."""
+    clock = iter(range(1_700_000_000_000, 1_800_000_000_000, 211))
+    writer = CommitLogWriter(str(tmp_path / "store" / "commitlog"), SEGMENT, clock=lambda: next(clock))
+    append(writer, 0, PHASE_1)
+    cfg = {"store": {"storePathRootDir": str(tmp_path / "store"), "mappedFileSizeCommitLog": SEGMENT,
+                     "mappedFileSizeConsumeQueue": 800, "maxHashSlotNum": SLOTS, "maxIndexNum": ENTRIES},
+           "output": {"dir": str(tmp_path / "out")}, "logging": {"level": "info", "format": "json"}}
+    config = tmp_path / "reputd.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    yield tmp_path, config, writer
+    writer.close()
+
+
+def rebuild(config: Path, *args: str, env: dict | None = None) -> dict:
+    res = reputd("rebuild", "--config", str(config), "--json", *args, env=env)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+def reference(tmp: Path, config: Path) -> tuple[dict, Counter]:
+    ref = tmp / "reference"
+    shutil.rmtree(ref, ignore_errors=True)
+    rebuild(config, "--out", str(ref))
+    return output_files(ref), index_pairs(ref)
+
+
+def test_rebuild_twice_is_one_rebuild(store):
+    tmp, config, writer = store
+    first = rebuild(config)
+    assert first["newMessages"] == first["messages"] == PHASE_1
+    before = output_files(tmp / "out")
+    again = rebuild(config)
+    assert (again["messages"], again["newMessages"]) == (0, 0)
+    assert again["startOffset"] == first["endOffset"]
+    assert output_files(tmp / "out") == before
+    append(writer, PHASE_1, PHASE_2)
+    writer.flush()
+    more = rebuild(config)
+    assert more["newMessages"] == more["messages"] == PHASE_2 - PHASE_1
+    expected, pairs = reference(tmp, config)
+    assert output_files(tmp / "out") == expected
+    assert index_pairs(tmp / "out") == pairs
+
+
+@pytest.mark.parametrize("point", ["index.after_straddling_key", "index.after_allocate", "consumequeue.after_rename@3",
+                                   "consumequeue.before_create"])
+@pytest.mark.parametrize("earlier", ["empty output", "earlier rebuild"])
+def test_interrupted_rebuild_run_again_is_one_rebuild(store, point, earlier):
+    """Killed mid-batch (a batch is written queue by queue, and an IndexFile roll mid-record), then run again:
+    the files of one rebuild, each (hash, offset) pair once."""
+    tmp, config, writer = store
+    if earlier == "earlier rebuild":
+        rebuild(config)
+    append(writer, PHASE_1, PHASE_2)
+    writer.flush()
+    killed = reputd("rebuild", "--config", str(config), env={"REPUTD_FAILPOINT": point})
+    assert killed.returncode == -9, killed.stderr[-500:]
+    again = rebuild(config)
+    assert again["newMessages"] <= again["messages"]
+    expected, pairs = reference(tmp, config)
+    assert output_files(tmp / "out") == expected
+    assert index_pairs(tmp / "out") == pairs
+
+
+def test_run_after_rebuild_goes_on_from_its_checkpoint(store):
+    tmp, config, writer = store
+    rebuild(config)
+    ckpt = json.loads((tmp / "out" / CHECKPOINT_FILE).read_text())["payload"]
+    assert ckpt["dispatchers"]["index"] is not None
+    append(writer, PHASE_1, PHASE_2)
+    writer.flush()
+    res = reputd("run", "--config", str(config), "--until-caught-up", env={"REPUTD_METRICS_ENABLED": "false"})
+    assert res.returncode == 0, res.stderr
+    recovered = [e for e in events(res.stdout) if e["event"] == "recovered"]
+    assert [(e["decision"], e["reput_from_offset"]) for e in recovered] == [("checkpoint", ckpt["reputFromOffset"])]
+    expected, _ = reference(tmp, config)
+    assert output_files(tmp / "out") == expected
+
+
+@pytest.mark.parametrize("conformance", discover()[:1], ids=lambda s: s.name)
+def test_rebuild_into_a_brokers_store_adds_nothing(tmp_path, conformance):
+    """The broker's own files, rebuilt into three times: nothing is new, no file changes, and a key's
+    offset is returned once (before, each run added the newest IndexFile's last record's keys again)."""
+    root = tmp_path / "store"
+    shutil.copytree(conformance.store, root)
+    for p in root.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    config = tmp_path / "reputd.yaml"
+    config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(root), **conformance.store_settings()},
+                                      "logging": {"level": "warning"}}))
+    before = output_files(root)
+    newest = sorted((root / "index").iterdir())[-1]
+    for _ in range(3):
+        summary = rebuild(config)
+        assert summary["newMessages"] == 0
+    assert output_files(root) == before, f"{newest.name} and the queues are the broker's still"
