@@ -113,3 +113,69 @@ def test_kill_at_every_step_of_a_creation(matrix, point, what, checkpoint):
     differ = sorted(n for n in set(actual) | set(reference) if actual.get(n) != reference.get(n))
     assert not differ, f"after a kill at {point} ({what}), {checkpoint} a checkpoint: {differ} differ from a rebuild"
     assert json.loads((out / CHECKPOINT_FILE).read_text())["payload"]["reputFromOffset"] > 0
+
+
+# --- LMQ: a batch's new queues created in parallel --------------------------------------------------------
+
+LMQ_PHASE_1, LMQ_PHASE_2 = 60, 140  # records
+OLD_ROOMS, NEW_ROOMS = 4, 16  # NEW_ROOMS >= dispatchers.PARALLEL_CREATE_MIN: made in parallel, one batch
+NEW_ROOM_FIRST_OFFSET = 3  # every other new room starts here: its first file is created with pre-blanks
+LMQ_CASES = [f"consumequeue.{step}@{n}" for step in CREATE_STEPS for n in (1, 9)]
+
+
+def append_lmq(writer: CommitLogWriter, first: int, last: int) -> None:
+    """Records naming two LMQ rooms each: old ones in phase 1, from record LMQ_PHASE_1 on also new ones,
+    all of them first met in the one batch the killed run reads."""
+    for i in range(first, last):
+        rooms = [f"%LMQ%old-{i % OLD_ROOMS}"]
+        if i >= LMQ_PHASE_1:
+            room = f"%LMQ%new-{i % NEW_ROOMS}"
+            if i % NEW_ROOMS % 2:
+                writer.lmq_queue_offsets.setdefault((room, 0), NEW_ROOM_FIRST_OFFSET)
+            rooms.append(room)
+        writer.append(Message("im-chat", i % 2, bytes([i % 251]) * (50 + i % 30),
+                              {"KEYS": f"k-{i}", "UNIQ_KEY": f"{i:032X}", "INNER_MULTI_DISPATCH": ",".join(rooms)}))
+
+
+@pytest.fixture(scope="module")
+def lmq_matrix(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lmq-matrix")
+    clock = iter(range(1_700_000_000_000, 1_800_000_000_000, 211))
+    writer = CommitLogWriter(str(root / "store" / "commitlog"), SEGMENT, clock=lambda: next(clock),
+                             enable_multi_dispatch=True, enable_lmq=True)
+    cfg = {"store": {"storePathRootDir": str(root / "store"), "mappedFileSizeCommitLog": SEGMENT,
+                     "mappedFileSizeConsumeQueue": CQ_FILE, "enableMultiDispatch": True, "enableLmq": True},
+           "output": {"dir": str(root / "out")}, "metrics": {"enabled": False},
+           "logging": {"level": "info", "format": "json"}}
+    config = root / "reputd.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    append_lmq(writer, 0, LMQ_PHASE_1)
+    assert reputd("run", config, "--until-caught-up").returncode == 0
+    phase1 = {"with": root / "phase1-with", "without": root / "phase1-without"}
+    shutil.copytree(root / "out", phase1["with"])
+    shutil.copytree(root / "out", phase1["without"])
+    write_checkpoint(str(phase1["without"]), Checkpoint(0, {}, 0))
+    append_lmq(writer, LMQ_PHASE_1, LMQ_PHASE_2)
+    writer.close()
+    assert reputd("rebuild", config, "--out", str(root / "reference")).returncode == 0
+    reference = output_files(root / "reference")
+    assert len({n.split("/")[1] for n in reference if n.startswith("consumequeue/%LMQ%new-")}) == NEW_ROOMS
+    return root, config, phase1, reference
+
+
+@pytest.mark.parametrize("checkpoint", ["with", "without"])
+@pytest.mark.parametrize("point", LMQ_CASES)
+def test_kill_while_a_batch_creates_its_new_lmq_queues(lmq_matrix, point, checkpoint):
+    """The kill strikes one creation while other threads are in the middle of theirs: whatever mix of
+    temporary, renamed and pre-blanked files that leaves, the restart ends in a clean rebuild's files."""
+    root, config, phase1, reference = lmq_matrix
+    out = root / f"{point}-{checkpoint}"
+    shutil.copytree(phase1[checkpoint], out)
+    killed = reputd("run", config, "--until-caught-up", "--out", str(out), env={"REPUTD_FAILPOINT": point})
+    assert killed.returncode == -9, f"{point} was never reached: {killed.returncode} {killed.stderr[-500:]}"
+    restart = reputd("run", config, "--until-caught-up", "--out", str(out))
+    assert restart.returncode == 0, restart.stderr
+    assert not [e for e in events(restart.stdout) if e["event"] == "output_file_quarantined"]
+    actual = output_files(out)
+    differ = sorted(n for n in set(actual) | set(reference) if actual.get(n) != reference.get(n))
+    assert not differ, f"after a kill at {point}, {checkpoint} a checkpoint: {differ} differ from a rebuild"
