@@ -144,7 +144,8 @@ def lmq_matrix(tmp_path_factory):
     writer = CommitLogWriter(str(root / "store" / "commitlog"), SEGMENT, clock=lambda: next(clock),
                              enable_multi_dispatch=True, enable_lmq=True)
     cfg = {"store": {"storePathRootDir": str(root / "store"), "mappedFileSizeCommitLog": SEGMENT,
-                     "mappedFileSizeConsumeQueue": CQ_FILE, "enableMultiDispatch": True, "enableLmq": True},
+                     "mappedFileSizeConsumeQueue": CQ_FILE, "maxHashSlotNum": 97, "maxIndexNum": 400,
+                     "enableMultiDispatch": True, "enableLmq": True},
            "output": {"dir": str(root / "out")}, "metrics": {"enabled": False},
            "logging": {"level": "info", "format": "json"}}
     config = root / "reputd.yaml"
