@@ -253,7 +253,8 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     tasks = plan_ranges(listing.segments, listing.segment_size, start, to_offset, config.backfill.range_bytes)
     owns_session = spark is None
     master = master or DEFAULT_MASTER
-    summary = BackfillSummary(start_offset=start, end_offset=start, catalog=catalog, ranges=len(tasks))
+    summary = BackfillSummary(start_offset=start, end_offset=start, output_end=start, catalog=catalog,
+                              ranges=len(tasks))
     started = time.perf_counter()
     say = progress or (lambda _text: None)
     if spark is None:
@@ -431,7 +432,7 @@ class _Job:
         s.end_offset = plan.end_offset
         s.pending = plan.pending
         s.segments = plan.segments
-        s.messages = plan.messages
+        s.messages = s.new_messages = plan.messages  # every file is written anew from `start`
         s.bytes_read_remote = sum(o.bytes_read for o in self.all_outcomes)
         s.arrow_bytes_to_jvm = sum(o.arrow_bytes for o in self.all_outcomes)
         s.decode_task_seconds = sum(o.seconds for o in self.all_outcomes)
