@@ -479,6 +479,12 @@ def run_sampled(cmd: list[str], env: dict | None = None) -> tuple[float, str, Tr
         return wall, out.read(), sampler, usage.ru_utime + usage.ru_stime
 
 
+def _interrupted(signum, _frame) -> None:
+    """SIGTERM as Ctrl-C: unwinds through the scenarios' cleanups (a moto server, a standalone cluster)
+    instead of leaving them running without the benchmark."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _s3_source(store: Path, cleanup: list):
     """A moto S3 server (subprocess, free port; its stop appended to `cleanup`) holding the data set's
     segments; (environment for the backfill, URI)."""
@@ -658,6 +664,7 @@ def main() -> int:
                     help="backfill runs: local[N], cluster (a standalone master and 2 workers), s3 (moto source)")
     ap.add_argument("--cli-queries", type=int, default=CLI_QUERIES, help="`reputd query key` processes to time")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _interrupted)  # so each scenario's `finally` stops its servers and cluster
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     scale = 0.1 if args.quick else 1.0
@@ -691,4 +698,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as e:
+        print(f"bench_suite: interrupted ({e or 'Ctrl-C'}); servers and clusters it started are stopped",
+              file=sys.stderr)
+        sys.exit(130)
