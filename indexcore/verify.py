@@ -48,6 +48,7 @@ from indexcore.consumequeue import (
     PutStats,
     QueueCursor,
     consume_queue_units,
+    open_queue_files_limit,
     place_units,
 )
 from indexcore.dispatch import DispatchBatch, index_keys_of
@@ -93,7 +94,9 @@ KINDS = (COMMIT_LOG_CORRUPT, CQ_QUEUE_MISSING, CQ_QUEUE_ORPHANED, CQ_FILE_MISSIN
 
 MAX_RANGES = 16  # ranges of queue offsets / entry numbers kept per finding; the count covers them all
 MAX_EXAMPLES = 5
-OPEN_MAPPINGS = 256  # a mapping keeps a descriptor: queues beyond this many are re-mapped when met again
+# A mapping keeps a descriptor: IndexFiles beyond this many are re-mapped when met again (the ConsumeQueue
+# check keeps `open_queue_files_limit`, half the descriptor limit: an LMQ store's queues are met every batch)
+OPEN_MAPPINGS = 256
 TAIL_SCAN_UNITS = 1 << 16  # units (or entries) read at a time past the expected end, until one read is all zero
 _HEADER_BEGIN = (0, 2)  # begin_timestamp, begin_phy_offset: written by a file's first put only
 _HEADER_JSON = ("beginTimestamp", "endTimestamp", "beginPhyOffset", "endPhyOffset", "hashSlotCount", "indexCount")
@@ -290,7 +293,7 @@ class ConsumeQueueCheck:
         self.live = live
         self.frontier = frontier
         self.queues: dict[tuple[str, int], _Queue] = {}
-        self.maps = MappedFiles()
+        self.maps = MappedFiles(open_queue_files_limit())  # an LMQ store's thousands of queues
         self.stats = PutStats()
         self.units = 0
         self.files_checked = 0
@@ -303,7 +306,8 @@ class ConsumeQueueCheck:
             if q is None:
                 q = self._open_queue(group.topic, group.queue_id, int(group.queue_offset[0]))
             self.units += len(group.units)
-            for p in place_units(q.cursor, group.queue_offset, group.ends, self.file_size, self.stats):
+            for p in place_units(q.cursor, group.queue_offset, group.ends, self.file_size, self.stats,
+                                 group.one_streak):
                 q.expected_files.add(p.file_start)
                 if p.blanks:
                     at = p.logical - p.blanks * CQ_UNIT_SIZE

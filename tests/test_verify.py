@@ -485,6 +485,18 @@ def test_damage_is_reported_exactly(broker_store, damage):
     assert report.repair is not None
 
 
+def test_queue_files_beyond_the_mapping_limit_are_checked_alike(broker_store, monkeypatch):
+    """With room for two queue files mapped at once (a store with more queues than half the descriptor
+    limit, as an LMQ broker's), each batch re-maps what it meets: the same verdict and the same finding."""
+    import indexcore.verify
+
+    store, root, config = broker_store
+    monkeypatch.setattr(indexcore.verify, "open_queue_files_limit", lambda: 2)
+    assert run_verify(config).consistent
+    expected = damage_units_swapped(store, root)
+    assert found(run_verify(config)) == expected
+
+
 def test_swapped_units_name_both_queue_offsets(broker_store):
     store, root, config = broker_store
     ((_, file, position),) = damage_units_swapped(store, root)
