@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -459,8 +460,16 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
         print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
 
 
+# The master URLs Spark parses (SparkContext's scheduler choice); any other one fails only once the JVM is up.
+SPARK_MASTER_URL = re.compile(r"local(\[(\d+|\*)(\s*,\s*\d+)?\])?|local-cluster\[\s*\d+\s*,\s*\d+\s*,\s*\d+\s*\]"
+                              r"|yarn|(spark|k8s|mesos)://\S+")
+
+
 def _backfill_checks(args, config: Config) -> None:
     """What `backfill` can refuse without reading data or starting Spark (UsageError, exit 2)."""
+    if not SPARK_MASTER_URL.fullmatch(args.master):
+        raise UsageError(f"--master {args.master} is not a Spark master URL: local, local[N], local[*], "
+                         "spark://HOST:PORT, yarn or k8s://...")
     if args.from_offset is not None and args.to_offset is not None and args.from_offset >= args.to_offset:
         raise UsageError(f"--from {args.from_offset} is not before --to {args.to_offset}")
     if args.catalog and "://" not in args.catalog and os.path.lexists(args.catalog):

@@ -418,6 +418,25 @@ def test_segments_take_paths_and_file_s3_hdfs_uris(tmp_path):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("master", ["local1", "local[x]", "spark:/host:7077", "127.0.0.1:7077", ""])
+def test_a_master_spark_cannot_parse_is_refused_before_spark_starts(tmp_path, master):
+    """A master URL Spark would reject once its JVM is up is a usage error at once, naming the accepted forms."""
+    config = make_config(tmp_path, "out", tmp_path / "store")
+    res = run_cli("backfill", "--config", str(tmp_path / "out.yaml"), "--master", master)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    assert f"--master {master} is not a Spark master URL: local, local[N]" in res.stderr
+    assert not os.path.exists(config.output.dir)
+
+
+def test_the_master_urls_spark_accepts_pass():
+    from daemon.cli import SPARK_MASTER_URL
+
+    for master in ("local", "local[1]", "local[*]", "local[4, 2]", "local-cluster[2, 1, 1024]", "yarn",
+                   "spark://127.0.0.1:7077", "spark://h1:7077,h2:7077", "k8s://https://api:6443", "mesos://zk://h:2181"):
+        assert SPARK_MASTER_URL.fullmatch(master), master
+
+
 def test_hdfs_reaches_the_filesystem_call(tmp_path, monkeypatch):
     """hdfs:// goes to pyarrow's HadoopFileSystem with the namenode of the URI; without libhdfs (as here) the
     error names the URI and what HDFS needs."""
