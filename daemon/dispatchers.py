@@ -22,7 +22,7 @@ from daemon.logs import get_logger
 from indexcore.consumequeue import CREATE_LABEL, ConsumeQueueStore, NewQueue, PutStats, QueueUnits, consume_queue_units
 from indexcore.dispatch import DispatchBatch
 from indexcore.indexservice import IndexResume, IndexService, IndexState, IndexStats
-from indexcore.mappedfile import create_file
+from indexcore.mappedfile import create_sparse_files
 
 PAGE_SIZE = mmap.PAGESIZE  # the unit of flushConsumeQueueLeastPages, as the broker's OS_PAGE_SIZE
 
@@ -60,22 +60,22 @@ def _fdatasync(path: str) -> None:
         os.close(fd)
 
 
-def _create_queue(q: NewQueue, file_size: int) -> tuple[NewQueue, int] | None:
-    os.makedirs(q.directory, exist_ok=True)
-    try:
-        return q, create_file(q.path, file_size, q.header, label=CREATE_LABEL, allocate=False, keep_open=True)
-    except FileExistsError:  # made by someone else since the store was loaded: the store reads it then
-        return None
-
-
 def create_queues(new: list[NewQueue], file_size: int) -> list[tuple[NewQueue, int]]:
-    """Create the directories and first files of many new queues, SYNC_THREADS at a time (a batch of an LMQ
-    store meets hundreds or thousands); on an error every file made is closed and the error raised."""
-    made: list[tuple[NewQueue, int]] = []
-    with ThreadPoolExecutor(min(SYNC_THREADS, len(new)), thread_name_prefix="reputd-create") as pool:
-        futures = [pool.submit(_create_queue, q, file_size) for q in new]
+    """Create the directories and first files of many new queues (`create_sparse_files`: a batch of an LMQ
+    store meets hundreds or thousands), SYNC_THREADS slices at once: each the kernel creates with the GIL
+    released, and a creat or mkdir that waits for the disk holds up one slice only. The queues made, each
+    with its read-write descriptor; queues found made by someone else are left out. On an error every
+    descriptor made is closed and the first error raised; the files made stay, complete."""
+    slices = [new[at::SYNC_THREADS] for at in range(min(SYNC_THREADS, len(new)))]
+
+    def create(queues: list[NewQueue]) -> list[int | bool]:
+        return create_sparse_files([(q.directory, q.path, q.header) for q in queues], file_size, label=CREATE_LABEL)
+
+    with ThreadPoolExecutor(max(1, len(slices)), thread_name_prefix="reputd-create") as pool:
+        futures = [pool.submit(create, queues) for queues in slices]
+    made = [(q, fd) for queues, f in zip(slices, futures, strict=True) if f.exception() is None
+            for q, fd in zip(queues, f.result(), strict=True) if fd is not False]
     errors = [f.exception() for f in futures if f.exception() is not None]
-    made = [f.result() for f in futures if f.exception() is None and f.result() is not None]
     if errors:
         for _, fd in made:
             os.close(fd)

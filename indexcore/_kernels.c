@@ -8,6 +8,11 @@
  * put_keys       the broker's IndexFile.putKey loop, straight into the mapped file (or, for `reputd verify`,
  *                into the slots and a window of entries held in memory).
  * group_units    the ConsumeQueue units of a batch, queue by queue in put order (consume_queue_units).
+ * create_files   mappedfile.create_file for many sparse files at once (the first files of the hundreds of
+ *                queues an LMQ batch meets), its steps in its order, with the GIL released throughout:
+ *                the creating thread then does not wait for the GIL after every system call.
+ * pwrite_many    the appends a batch makes to many ConsumeQueue files, in one call without the GIL.
+ * syncfs         syncfs(2) on the file system holding a descriptor.
  *
  * The record layout is the one commitlog.py documents; the offsets below are exported as module
  * attributes and a test holds them equal to commitlog.py's. Outputs go to buffers the caller owns, the
@@ -20,6 +25,10 @@
 #include <stdint.h>
 #include <string.h>
 #include <zlib.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_CLMUL_CRC 1
@@ -104,14 +113,16 @@ enum {
 };
 enum { K_HASH, K_OWNER, KEY_COLUMNS };
 enum { M_OWNER, M_TOPIC_ID, M_QUEUE_ID, M_QUEUE_OFFSET, MULTI_COLUMNS };
-enum { T_AT, T_LEN, T_FIRST, T_FNV, T_JAVA_PREFIX, T_ROLE, TOPIC_COLUMNS };
+enum { T_AT, T_LEN, T_FIRST, T_HASH, T_JAVA_PREFIX, T_ROLE, TOPIC_COLUMNS };
 /* T_ROLE: how a name was first met in the window */
 enum { ROLE_TOPIC, ROLE_MULTI_DISPATCH };
 /* the in/out counters */
 enum { S_RECORDS, S_KEYS, S_TEXT, S_TOPICS, S_MULTI, STATE_COLUMNS };
 
-#define FNV_OFFSET 0xCBF29CE484222325ULL
-#define FNV_PRIME 0x100000001B3ULL
+#define NAME_HASH_SEED 0xCBF29CE484222325ULL      /* FNV-1a's offset basis */
+#define NAME_HASH_MULTIPLIER 0x9E3779B97F4A7C15ULL /* 2^64 / the golden ratio */
+#define FMIX_MULTIPLIER_1 0xFF51AFD7ED558CCDULL
+#define FMIX_MULTIPLIER_2 0xC4CEB9FE1A85EC53ULL
 
 static inline int64_t be32(const uint8_t *b) {
     return (int32_t)(((uint32_t)b[0] << 24) | ((uint32_t)b[1] << 16) | ((uint32_t)b[2] << 8) | b[3]);
@@ -260,15 +271,32 @@ typedef struct {
     int64_t n, nkeys, ntext, ntopics, nmulti;
 } Out;
 
-static uint64_t fnv(const uint8_t *b, int64_t n) {
-    uint64_t f = FNV_OFFSET;
-    for (int64_t k = 0; k < n; k++) f = (f ^ b[k]) * FNV_PRIME;
-    return f >> 1;
+/* The table's hash of a name, eight bytes at a time (a multiply step per word, then MurmurHash3's finaliser,
+ * so that names differing in their last bytes differ in the low bits the table indexes by): with
+ * multi-dispatch on, every record hashes its topic and each of its targets. */
+static uint64_t name_hash(const uint8_t *b, int64_t n) {
+    uint64_t h = NAME_HASH_SEED ^ (uint64_t)n, w;
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        memcpy(&w, b + k, 8);
+        h = (h ^ w) * NAME_HASH_MULTIPLIER;
+    }
+    if (k < n) {
+        w = 0;
+        memcpy(&w, b + k, (size_t)(n - k));
+        h = (h ^ w) * NAME_HASH_MULTIPLIER;
+    }
+    h ^= h >> 33;
+    h *= FMIX_MULTIPLIER_1;
+    h ^= h >> 33;
+    h *= FMIX_MULTIPLIER_2;
+    h ^= h >> 33;
+    return h >> 1;
 }
 
 static void table_insert(Out *o, int64_t t) {
     uint64_t mask = (uint64_t)o->table_size - 1;
-    uint64_t s = (uint64_t)o->topics[t * TOPIC_COLUMNS + T_FNV] & mask;
+    uint64_t s = (uint64_t)o->topics[t * TOPIC_COLUMNS + T_HASH] & mask;
     while (o->table[s] >= 0) s = (s + 1) & mask;
     o->table[s] = t;
 }
@@ -277,14 +305,14 @@ static void table_insert(Out *o, int64_t t) {
  * Multi-dispatch queue names share the table: each becomes a directory under consumequeue/ too. */
 static int64_t topic_id(Out *o, int64_t at, int64_t n, int64_t role) {
     const uint8_t *b = o->buf;
-    uint64_t f = fnv(b + at, n);
+    uint64_t f = name_hash(b + at, n);
     uint64_t mask = (uint64_t)o->table_size - 1;
     uint64_t s = f & mask;
     for (;;) {
         int64_t t = o->table[s];
         if (t < 0) break;
         int64_t *row = o->topics + t * TOPIC_COLUMNS;
-        if ((uint64_t)row[T_FNV] == f && row[T_LEN] == n && memcmp(b + row[T_AT], b + at, (size_t)n) == 0)
+        if ((uint64_t)row[T_HASH] == f && row[T_LEN] == n && memcmp(b + row[T_AT], b + at, (size_t)n) == 0)
             return t;
         s = (s + 1) & mask;
     }
@@ -294,7 +322,7 @@ static int64_t topic_id(Out *o, int64_t at, int64_t n, int64_t role) {
     row[T_AT] = at;
     row[T_LEN] = n;
     row[T_FIRST] = o->n;
-    row[T_FNV] = (int64_t)f;
+    row[T_HASH] = (int64_t)f;
     row[T_JAVA_PREFIX] = java_step(java_hash_utf8(b + at, n, 0), INDEX_KEY_SEPARATOR);
     row[T_ROLE] = role;
     o->table[s] = t;
@@ -814,6 +842,197 @@ static PyObject *py_java_hash_utf8(PyObject *self, PyObject *args) {
     return PyLong_FromLong((int32_t)out);
 }
 
+/* mkdir -p: create `dir` and any missing parents (mode 0777 before the umask, as os.makedirs) */
+static int make_dirs(char *dir) {
+    if (mkdir(dir, 0777) == 0 || errno == EEXIST) return 0;
+    if (errno != ENOENT) return -1;
+    char *slash = strrchr(dir, '/');
+    if (slash == NULL || slash == dir) return -1;
+    *slash = '\0';
+    int r = make_dirs(dir);
+    *slash = '/';
+    if (r != 0) return -1;
+    return (mkdir(dir, 0777) == 0 || errno == EEXIST) ? 0 : -1;
+}
+
+typedef struct {
+    char *dir, *path, *tmp;
+    const char *header;
+    Py_ssize_t header_len;
+    int fd;
+} CreateItem;
+
+/* One file: open `tmp`, size it (sparse), write the header, fdatasync, rename to `path`. -1 with errno and
+ * *failed set to the path the error concerns; a temporary made is removed. */
+static int create_one(CreateItem *it, int64_t size, int sync_headerless, const char **failed) {
+    struct stat st;
+    *failed = it->dir;
+    if (make_dirs(it->dir) != 0) return -1;
+    *failed = it->path;
+    if (lstat(it->path, &st) == 0) {
+        it->fd = -1; /* made by someone else since the store was loaded */
+        return 0;
+    }
+    if (errno != ENOENT) return -1;
+    *failed = it->tmp;
+    int fd = open(it->tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return -1;
+    if (ftruncate(fd, (off_t)size) != 0) goto fail;
+    for (Py_ssize_t done = 0; done < it->header_len;) {
+        ssize_t w = pwrite(fd, it->header + done, (size_t)(it->header_len - done), (off_t)done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            if (w == 0) errno = ENOSPC;
+            goto fail;
+        }
+        done += w;
+    }
+    if ((it->header_len > 0 || sync_headerless) && fdatasync(fd) != 0) goto fail;
+    if (rename(it->tmp, it->path) != 0) goto fail;
+    it->fd = fd;
+    return 0;
+fail: {
+        int e = errno;
+        close(fd);
+        unlink(it->tmp);
+        errno = e;
+        return -1;
+    }
+}
+
+static PyObject *py_create_files(PyObject *self, PyObject *args) {
+    PyObject *items;
+    long long size;
+    const char *suffix;
+    int sync_headerless;
+    if (!PyArg_ParseTuple(args, "O!Lsp", &PyList_Type, &items, &size, &suffix, &sync_headerless)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    size_t suffix_len = strlen(suffix);
+    CreateItem *it = PyMem_Calloc((size_t)(n ? n : 1), sizeof(CreateItem));
+    PyObject **keep = PyMem_Calloc((size_t)(n ? 3 * n : 1), sizeof(PyObject *));
+    PyObject *out = NULL;
+    if (it == NULL || keep == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *dir = NULL, *path = NULL, *header = NULL;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(items, i), "O&O&O!", PyUnicode_FSConverter, &dir,
+                              PyUnicode_FSConverter, &path, &PyBytes_Type, &header)) {
+            Py_XDECREF(dir);
+            Py_XDECREF(path);
+            goto done;
+        }
+        keep[3 * i] = dir;
+        keep[3 * i + 1] = path;
+        Py_ssize_t plen = PyBytes_GET_SIZE(path);
+        PyObject *tmp = PyBytes_FromStringAndSize(NULL, plen + (Py_ssize_t)suffix_len);
+        if (tmp == NULL) goto done;
+        keep[3 * i + 2] = tmp;
+        memcpy(PyBytes_AS_STRING(tmp), PyBytes_AS_STRING(path), (size_t)plen);
+        memcpy(PyBytes_AS_STRING(tmp) + plen, suffix, suffix_len);
+        it[i].dir = PyBytes_AS_STRING(dir);
+        it[i].path = PyBytes_AS_STRING(path);
+        it[i].tmp = PyBytes_AS_STRING(tmp);
+        it[i].header = PyBytes_AS_STRING(header); /* `items` holds the header for the call */
+        it[i].header_len = PyBytes_GET_SIZE(header);
+        it[i].fd = -1;
+    }
+    Py_ssize_t made = 0;
+    int err = 0;
+    const char *failed = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (; made < n; made++) {
+        if (create_one(&it[made], (int64_t)size, sync_headerless, &failed) != 0) {
+            err = errno;
+            break;
+        }
+    }
+    if (err != 0)
+        for (Py_ssize_t i = 0; i < made; i++)
+            if (it[i].fd >= 0) close(it[i].fd);
+    Py_END_ALLOW_THREADS
+    if (err != 0) {
+        PyObject *name = PyUnicode_DecodeFSDefault(failed);
+        if (name != NULL) {
+            errno = err;
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, name);
+            Py_DECREF(name);
+        }
+        goto done;
+    }
+    out = PyList_New(n);
+    if (out == NULL) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (it[i].fd >= 0) close(it[i].fd);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(it[i].fd));
+done:
+    if (keep != NULL)
+        for (Py_ssize_t i = 0; i < 3 * n; i++) Py_XDECREF(keep[i]);
+    PyMem_Free(keep);
+    PyMem_Free(it);
+    return out;
+}
+
+/* pwrite_many: every (fd, data, position) written in full, in order, with the GIL released once. Returns
+ * None, or (index, bytes left, position reached, errno) of the first write that failed. */
+static PyObject *py_pwrite_many(PyObject *self, PyObject *args) {
+    PyObject *writes;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &writes)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(writes), got = 0;
+    Py_buffer *bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    int *fds = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int));
+    long long *pos = PyMem_Calloc((size_t)(n ? n : 1), sizeof(long long));
+    PyObject *out = NULL;
+    if (bufs == NULL || fds == NULL || pos == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n; got++)
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(writes, got), "iy*L", &fds[got], &bufs[got], &pos[got])) goto done;
+    Py_ssize_t failed = -1, left = 0;
+    long long at = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && failed < 0; i++) {
+        const char *p = bufs[i].buf;
+        left = bufs[i].len;
+        at = pos[i];
+        while (left > 0) {
+            ssize_t w = pwrite(fds[i], p, (size_t)left, (off_t)at);
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) {
+                err = w == 0 ? ENOSPC : errno;
+                failed = i;
+                break;
+            }
+            p += w;
+            left -= w;
+            at += w;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    out = failed < 0 ? Py_NewRef(Py_None) : Py_BuildValue("(nnLi)", failed, left, at, err);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(fds);
+    PyMem_Free(pos);
+    return out;
+}
+
+static PyObject *py_syncfs(PyObject *self, PyObject *args) {
+    int fd, r;
+    if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    r = syncfs(fd);
+    Py_END_ALLOW_THREADS
+    if (r != 0) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"decode_window", py_decode_window, METH_VARARGS,
      "decode_window(image, start, stop_at, file_size, base, max_size, check_crc, multi_flags, records, keys, "
@@ -829,6 +1048,14 @@ static PyMethodDef methods[] = {
      "crc32(data, folded=True) -> the body CRC path's crc32 of data (folded=False: zlib's, for comparison)"},
     {"java_hash_utf8", py_java_hash_utf8, METH_VARARGS,
      "java_hash_utf8(data, h=0) -> String.hashCode of the UTF-8 data decoded as Java decodes it"},
+    {"create_files", py_create_files, METH_VARARGS,
+     "create_files([(directory, path, header), ...], size, temp_suffix, sync_headerless) -> read-write "
+     "descriptors (-1: the path existed already); on an error every descriptor made is closed and OSError "
+     "names the path"},
+    {"pwrite_many", py_pwrite_many, METH_VARARGS,
+     "pwrite_many([(fd, data, position), ...]) -> None, or (index, bytes left, position, errno) of the first "
+     "write that failed"},
+    {"syncfs", py_syncfs, METH_VARARGS, "syncfs(fd): sync the whole file system holding fd"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -540,22 +540,27 @@ class ConsumeQueue:
         return self.put_packed(queue_offset.astype(np.int64, copy=False), pack_units(commit_log_offset, msg_size,
                                                                                      tags_code), ends)
 
-    def put_packed(self, qo: np.ndarray, units: np.ndarray, ends: np.ndarray, one_streak: bool = False
-                   ) -> PutStats:
+    def put_packed(self, qo: np.ndarray, units: np.ndarray, ends: np.ndarray, one_streak: bool = False, *,
+                   later: bool = False) -> PutStats:
         """`put_units` with the units already laid out (CQ_UNIT_DTYPE) and each one's CommitLog end.
 
         Unit by unit this is the broker's put; runs of units it would treat alike are handled at once: a
         streak of consecutive queue offsets and growing ends is written with one copy, and units the
         broker would skip (ending at or below maxPhysicOffset, or behind the queue's end) are skipped
         together. `one_streak` says the units are one streak (`QueueUnits.streaks`), so the common case,
-        a streak that continues the queue inside its last file, costs no array operation."""
+        a streak that continues the queue inside its last file, costs no array operation. With `later`, that
+        streak is written at the store's next `OpenFiles.flush_writes` (`units` must not change until then)."""
         stats = PutStats()
         n = len(qo)
         if one_streak and self._files and int(ends[0]) > self.max_physic_offset and \
                 int(qo[0]) * CQ_UNIT_SIZE == self._last_start + self._write_pos and \
                 n <= (self.file_size - self._write_pos) // CQ_UNIT_SIZE:
             # the one placement place_units gives a streak that continues the queue inside its last file
-            self._write(self._write_pos, units.tobytes())
+            if later:
+                self._dirty = True
+                self._open.write_later(self._writing, units, self._write_pos)
+            else:
+                self._write(self._write_pos, units.tobytes())
             self._write_pos += n * CQ_UNIT_SIZE
             self.max_physic_offset = int(ends[-1])
             stats.written = n
@@ -750,13 +755,17 @@ class ConsumeQueueStore:
         return True
 
     def dispatch(self, batch: DispatchBatch, units: Iterable[QueueUnits] | None = None) -> PutStats:
-        """Put the units of the batch (`consume_queue_units`), queue by queue."""
+        """Put the units of the batch (`consume_queue_units`), queue by queue; the appends that continue a
+        queue are made together at the end, in one call (`OpenFiles.write_later`)."""
         stats = PutStats()
         touched = self.touched
-        for group in consume_queue_units(batch) if units is None else units:
-            stats.add(self.queue(group.topic, group.queue_id).put_packed(group.queue_offset, group.units, group.ends,
-                                                                         group.one_streak))
-            touched.add((group.topic, group.queue_id))
+        try:
+            for group in consume_queue_units(batch) if units is None else units:
+                stats.add(self.queue(group.topic, group.queue_id).put_packed(
+                    group.queue_offset, group.units, group.ends, group.one_streak, later=True))
+                touched.add((group.topic, group.queue_id))
+        finally:
+            self.open_files.flush_writes()
         return stats
 
     def max_physic_offset(self) -> int:

@@ -18,7 +18,7 @@ import os
 import re
 from collections import OrderedDict
 
-from indexcore import _failpoints
+from indexcore import _failpoints, _kernels
 from indexcore.errors import SizeMismatchError, StoreLayoutError
 
 FILE_NAME_DIGITS = 20
@@ -95,7 +95,11 @@ def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file
     Steps: open `path` + TEMP_SUFFIX, allocate it in full, write the header, fdatasync, rename. A kill
     before the rename leaves only the temporary file (removed at the next load, `remove_temporaries`);
     after it, the complete file. The data is synced before the rename, so a power loss cannot leave the
-    name with a file whose header never reached the disk. The directory is not synced here: until it
+    name with a file whose header never reached the disk. A sparse file without a header holds nothing
+    but its size, which the journal commits with the rename or before it; the sync is skipped for it (a
+    power loss can only leave it absent or all zeros, which every load takes as a creation cut short).
+
+    The directory is not synced here: until it
     is, a power loss may only lose the new name, i.e. leave the file absent, the other allowed outcome;
     whoever checkpoints the file syncs its directory first (`daemon.flusher.sync_new_entries`), which
     costs one directory sync per flush instead of one per file created. `label` names the steps for the
@@ -122,7 +126,8 @@ def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file
             if written != len(header):
                 raise OSError(errno.ENOSPC, f"wrote {written} of {len(header)} header bytes", tmp)
         _failpoints.reached(f"{label}.after_header")
-        os.fdatasync(fd)
+        if header or allocate:
+            os.fdatasync(fd)
         _failpoints.reached(f"{label}.after_fsync")
         os.rename(tmp, path)
     except OSError:  # no room, say: nothing is left behind (anything else stands for a kill, in tests)
@@ -134,6 +139,34 @@ def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file
         fd = None
     _failpoints.reached(f"{label}.after_rename")
     return fd
+
+
+def create_sparse_files(files: list[tuple[str, str, bytes]], size: int, *, label: str = "file") -> list[int | bool]:
+    """`create_file(path, size, header, allocate=False, keep_open=True)` for many (directory, path, header),
+    each directory made first if missing: for each, its read-write descriptor, or False when the path
+    exists already.
+
+    The kernel (`_kernels.create_files`) takes the same steps in the same order for all of them with the
+    GIL released, so a thread creating a thousand LMQ queues does not queue for the GIL after each of its
+    six system calls while the dispatching thread runs; with a fail point hook installed (the crash matrix
+    stops the process at the steps), `create_file` does it file by file. On an error every descriptor made
+    is closed and the error raised; the files made stay, complete."""
+    if _failpoints.hook is None:
+        return [fd if fd >= 0 else False for fd in _kernels.create_files(files, size, TEMP_SUFFIX, False)]
+    made: list[int | bool] = []
+    try:
+        for directory, path, header in files:
+            os.makedirs(directory, exist_ok=True)
+            try:
+                made.append(create_file(path, size, header, label=label, allocate=False, keep_open=True))
+            except FileExistsError:
+                made.append(False)
+    except BaseException:
+        for fd in made:
+            if fd is not False:
+                os.close(fd)
+        raise
+    return made
 
 
 def _preallocate(fd: int, path: str, size: int) -> None:
@@ -155,13 +188,15 @@ class OpenFiles:
     stays within the process's descriptor limit (and, unlike a mapping per file, within vm.max_map_count).
     """
 
-    __slots__ = ("_fds", "limit")
+    __slots__ = ("_fds", "_pending", "_pending_paths", "limit")
 
     def __init__(self, limit: int):
         if limit < 1:
             raise ValueError(f"OpenFiles needs room for at least one descriptor, not {limit}")
         self.limit = limit
         self._fds: OrderedDict[str, int] = OrderedDict()
+        self._pending: list[tuple[int, object, int]] = []  # write_later's (fd, data, position), in order
+        self._pending_paths: list[str] = []
 
     def __len__(self) -> int:
         return len(self._fds)
@@ -177,13 +212,38 @@ class OpenFiles:
             fd = create_file(path, create_size, header, label=label, allocate=False, keep_open=True)
         else:
             fd = os.open(path, os.O_RDWR)
-        while len(self._fds) >= self.limit:
-            os.close(self._fds.popitem(last=False)[1])
+        self._make_room()
         self._fds[path] = fd
         return fd
 
+    def _make_room(self) -> None:
+        while len(self._fds) >= self.limit:
+            self.flush_writes()
+            os.close(self._fds.popitem(last=False)[1])
+
+    def write_later(self, path: str, data, position: int) -> None:
+        """`write`, deferred until `flush_writes` or until anything else is done here, whichever comes first
+        (so writes keep their order): the appends a batch makes to a thousand LMQ queues then go to the
+        kernel in one call, without the GIL. `data` (any contiguous buffer) must not change until then."""
+        fd = self.fd(path)  # first: making room for it flushes, and replaces, the pending lists
+        self._pending.append((fd, data, position))
+        self._pending_paths.append(path)
+
+    def flush_writes(self) -> None:
+        """Make the deferred writes, in order; no room (or any other failure) is an OSError naming the file,
+        and the writes after it are dropped, as if the failure had stopped the writer there."""
+        if not self._pending:
+            return
+        pending, paths = self._pending, self._pending_paths
+        self._pending, self._pending_paths = [], []
+        failed = _kernels.pwrite_many(pending)
+        if failed is not None:
+            at, left, position, err = failed
+            raise OSError(err, f"cannot write {left} bytes at {position} ({os.strerror(err)})", paths[at])
+
     def write(self, path: str, data: bytes, position: int) -> None:
         """pwrite all of `data`; no room (or any other failure) is an OSError naming `path`."""
+        self.flush_writes()
         fd = self.fd(path)
         view = memoryview(data)
         try:
@@ -196,22 +256,26 @@ class OpenFiles:
     def adopt(self, path: str, fd: int) -> None:
         """Take in a descriptor opened elsewhere (read-write), as `fd` would have opened it."""
         self.discard(path)
-        while len(self._fds) >= self.limit:
-            os.close(self._fds.popitem(last=False)[1])
+        self._make_room()
         self._fds[path] = fd
 
     def sync(self, path: str) -> None:
         """fdatasync `path`: what was written to it survives a crash."""
+        self.flush_writes()
         os.fdatasync(self.fd(path))
 
     def discard(self, path: str) -> None:
+        self.flush_writes()
         fd = self._fds.pop(path, None)
         if fd is not None:
             os.close(fd)
 
     def close(self) -> None:
-        while self._fds:
-            os.close(self._fds.popitem()[1])
+        try:
+            self.flush_writes()
+        finally:
+            while self._fds:
+                os.close(self._fds.popitem()[1])
 
 
 class MappedFile:

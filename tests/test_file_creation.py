@@ -164,3 +164,118 @@ def test_a_first_queue_file_left_without_its_blanks_is_removed(tmp_path):
     store.close()
     data = (tmp_path / "consumequeue" / "T" / "0" / f"{0:020d}").read_bytes()
     assert data[: 3 * CQ_UNIT_SIZE] == BLANK_UNIT * 3
+
+
+# --- many files at once (the first files of the queues an LMQ batch meets) --------------------------------
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _many(root: Path) -> list[tuple[str, str, bytes]]:
+    """Queue directories two levels deep, some with pre-blank units as their header, one existing already."""
+    files = []
+    for i in range(40):
+        directory = root / "consumequeue" / f"%LMQ%room-{i}" / "0"
+        files.append((str(directory), str(directory / "00000000000000000000"), BLANK_UNIT * (i % 3)))
+    existing = Path(files[7][1])
+    existing.parent.mkdir(parents=True)
+    existing.write_bytes(b"made by someone else")
+    return files
+
+
+@pytest.mark.parametrize("watched", [False, True], ids=["kernel", "file by file"])
+def test_create_sparse_files_makes_what_create_file_makes(tmp_path, watched):
+    """The kernel's batch (no fail point hook) and the file-by-file path (a hook installed, as in the crash
+    matrix) take the same steps: the same directories and files, the existing one left alone."""
+    from indexcore.mappedfile import create_sparse_files
+
+    files = _many(tmp_path)
+    before = _open_descriptors()
+    if watched:
+        _failpoints.hook = lambda point: None
+    try:
+        made = create_sparse_files(files, 4000, label="test")
+    finally:
+        _failpoints.hook = None
+    assert made[7] is False
+    assert all(isinstance(fd, int) and fd is not False for i, fd in enumerate(made) if i != 7)
+    assert _open_descriptors() == before + len(files) - 1
+    for fd in made:
+        if fd is not False:
+            os.write(fd, b"")  # read-write
+            os.close(fd)
+    for i, (directory, path, header) in enumerate(files):
+        data = Path(path).read_bytes()
+        assert data == (b"made by someone else" if i == 7 else header + bytes(4000 - len(header)))
+        assert os.listdir(directory) == ["00000000000000000000"]  # no temporary left
+
+
+@pytest.mark.parametrize("watched", [False, True], ids=["kernel", "file by file"])
+def test_create_sparse_files_error_names_the_path_and_closes_what_it_made(tmp_path, watched):
+    from indexcore.mappedfile import create_sparse_files
+
+    files = _many(tmp_path)
+    blocked = tmp_path / "consumequeue" / "%LMQ%blocked"
+    blocked.write_bytes(b"a file where a topic directory should be")
+    files.insert(20, (str(blocked / "0"), str(blocked / "0" / "00000000000000000000"), b""))
+    before = _open_descriptors()
+    if watched:
+        _failpoints.hook = lambda point: None
+    try:
+        with pytest.raises(NotADirectoryError) as e:
+            create_sparse_files(files, 4000, label="test")
+    finally:
+        _failpoints.hook = None
+    assert e.value.filename == str(blocked / "0")
+    assert _open_descriptors() == before
+    for _, path, header in files[:20]:  # made before the error: complete, and they stay
+        if Path(path).read_bytes() != b"made by someone else":
+            assert Path(path).read_bytes() == header + bytes(4000 - len(header))
+    assert not list(tmp_path.rglob("*" + TEMP_SUFFIX))
+
+
+def test_a_sparse_file_without_header_is_not_synced_one_with_is(tmp_path, monkeypatch):
+    """Only zeros and a size: a power loss leaves it absent or all zeros, which every load takes for a
+    creation cut short, so its creation does not wait for the disk."""
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    os.close(create_file(str(tmp_path / "a"), 4000, b"", allocate=False, keep_open=True))
+    assert synced == []
+    os.close(create_file(str(tmp_path / "b"), 4000, BLANK_UNIT, allocate=False, keep_open=True))
+    assert len(synced) == 1
+    create_file(str(tmp_path / "c"), 4000, b"")  # allocated: written through a mapping later
+    assert len(synced) == 2
+
+
+def test_deferred_writes_keep_their_order_and_are_made_before_a_descriptor_closes(tmp_path):
+    from indexcore.mappedfile import OpenFiles
+
+    paths = [str(tmp_path / name) for name in ("a", "b", "c")]
+    for p in paths:
+        Path(p).write_bytes(bytes(100))
+    files = OpenFiles(1)  # every new file evicts the one before
+    files.write_later(paths[0], np.frombuffer(b"AAAA", np.uint8), 0)
+    files.write_later(paths[1], b"BB", 10)  # evicts a: its pending write is made first
+    assert Path(paths[0]).read_bytes()[:4] == b"AAAA"
+    files.write_later(paths[1], b"bb", 10)
+    files.write(paths[1], b"X", 11)  # a plain write comes after those deferred
+    assert Path(paths[1]).read_bytes()[10:12] == b"bX"
+    files.write_later(paths[2], b"CC", 0)
+    files.close()
+    assert Path(paths[2]).read_bytes()[:2] == b"CC"
+
+
+def test_a_deferred_write_that_fails_names_its_file(tmp_path):
+    from indexcore.mappedfile import OpenFiles
+
+    path = str(tmp_path / "a")
+    Path(path).write_bytes(bytes(100))
+    files = OpenFiles(4)
+    files.write_later(path, b"data", 0)
+    os.close(files.fd(path))  # the descriptor gone behind its back: the write fails
+    with pytest.raises(OSError, match="cannot write 4 bytes at 0") as e:
+        files.flush_writes()
+    assert e.value.filename == path
+    files._fds.clear()

@@ -4,6 +4,7 @@ checkpoints. Also recovery's decisions on a checkpoint that cannot be trusted.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,56 @@ def test_checkpoint_naming_a_missing_index_file_falls_back_to_derivation(tmp_pat
     assert session.dispatched_offset == 0, "the index must be rebuilt from the start"
     assert ckpt.reput_from_offset > 0
     close(session)
+
+
+def _plans(tmp_path: Path, files: int):
+    from daemon.dispatchers import FlushPlan
+
+    paths = []
+    for i in range(files):
+        d = tmp_path / "consumequeue" / f"%LMQ%r{i}" / "0"
+        d.mkdir(parents=True)
+        (d / "00000000000000000000").write_bytes(b"unit")
+        paths.append(str(d / "00000000000000000000"))
+    done = []
+    return [FlushPlan(paths=paths, done=lambda: done.append(True))], done
+
+
+@pytest.mark.parametrize("files", [3, 300])
+def test_a_rebuilds_last_flush_of_many_files_syncs_the_file_system_once(tmp_path, monkeypatch, files):
+    """From SYNCFS_MIN_FILES files, one syncfs per file system instead of an fdatasync per file and an fsync
+    per new directory; the periodic flush of `run` always keeps to its own files."""
+    from daemon import flusher
+
+    calls = {"syncfs": 0, "fdatasync": 0}
+    real_syncfs, real_sync_paths = flusher._kernels.syncfs, flusher.sync_paths
+    monkeypatch.setattr(flusher._kernels, "syncfs", lambda fd: (calls.__setitem__("syncfs", calls["syncfs"] + 1),
+                                                              real_syncfs(fd)))
+    monkeypatch.setattr(flusher, "sync_paths", lambda paths: (calls.__setitem__("fdatasync", len(paths)),
+                                                              real_sync_paths(paths)))
+    plans, done = _plans(tmp_path, files)
+    flusher.sync_plans(plans, str(tmp_path), set(), whole_fs=True)
+    whole = files >= flusher.SYNCFS_MIN_FILES
+    assert calls == ({"syncfs": 1, "fdatasync": 0} if whole else {"syncfs": 0, "fdatasync": files})
+    assert done == [True]
+    calls.update(syncfs=0, fdatasync=0)
+    plans, _ = _plans(tmp_path / "again", files)
+    flusher.sync_plans(plans, str(tmp_path / "again"), set())
+    assert calls == {"syncfs": 0, "fdatasync": files}
+
+
+def test_sync_file_systems_syncs_each_file_system_once(tmp_path, monkeypatch):
+    from daemon import flusher
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs a second file system")
+    synced = []
+    monkeypatch.setattr(flusher._kernels, "syncfs", lambda fd: synced.append(os.fstat(fd).st_dev))
+    other = shm / f"reputd-test-{os.getpid()}"
+    other.write_bytes(b"x")
+    try:
+        flusher.sync_file_systems([str(tmp_path), str(tmp_path / "."), str(other)])
+    finally:
+        other.unlink()
+    assert sorted(synced) == sorted({tmp_path.stat().st_dev, shm.stat().st_dev})
