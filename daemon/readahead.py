@@ -4,7 +4,9 @@ The batch decoder runs without the GIL, so one thread decoding window i+1 while 
 window i keeps both cores busy during a rebuild. Results come back in CommitLog order; the thread stops
 after the first read that is not OK (end of data or corruption), exactly where a plain loop would. The
 `prepare` callables run on that thread too, on each batch before it is handed over: work a dispatcher can
-do ahead (the ConsumeQueue grouping of a batch), off the dispatching thread.
+do ahead (the ConsumeQueue grouping of a batch), off the dispatching thread. Only while the dispatching
+thread is busy, though: when it is waiting for the batch, the batch goes to it as it is (its dispatch
+prepares it) and this thread decodes the next, so whichever thread has time does that work.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ReadAhead:
         self._results: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
+        self._consumer_waiting = False  # set while `__iter__` waits for the next result
         self._thread = threading.Thread(target=self._run, name="reputd-readahead", daemon=True)
         self._thread.start()
 
@@ -38,7 +41,7 @@ class ReadAhead:
         try:
             while not self._stop.is_set():
                 result = self._reader.read(offset)
-                if len(result.batch):
+                if len(result.batch) and not self._consumer_waiting:
                     for prepare in self._prepare:
                         prepare(result.batch)
                 self._put(result)
@@ -59,7 +62,9 @@ class ReadAhead:
     def __iter__(self):
         """The results, once: iterating again after the last one (or after `close`) yields nothing."""
         while not self._done:
+            self._consumer_waiting = True
             item = self._results.get()
+            self._consumer_waiting = False
             if isinstance(item, BaseException):
                 self._done = True
                 raise item
