@@ -113,7 +113,10 @@ enum {
 };
 enum { K_HASH, K_OWNER, KEY_COLUMNS };
 enum { M_OWNER, M_TOPIC_ID, M_QUEUE_ID, M_QUEUE_OFFSET, MULTI_COLUMNS };
-enum { T_AT, T_LEN, T_FIRST, T_HASH, T_JAVA_PREFIX, T_ROLE, TOPIC_COLUMNS };
+/* T_HEAD0/T_HEAD1: the name's first 16 bytes (zero padded), compared in place of the name's first
+ * occurrence, which lies anywhere in the window and is rarely in the cache */
+enum { T_AT, T_LEN, T_FIRST, T_HASH, T_JAVA_PREFIX, T_ROLE, T_HEAD0, T_HEAD1, TOPIC_COLUMNS };
+#define NAME_HEAD_BYTES 16
 /* T_ROLE: how a name was first met in the window */
 enum { ROLE_TOPIC, ROLE_MULTI_DISPATCH };
 /* the in/out counters */
@@ -282,8 +285,7 @@ static uint64_t name_hash(const uint8_t *b, int64_t n) {
         h = (h ^ w) * NAME_HASH_MULTIPLIER;
     }
     if (k < n) {
-        w = 0;
-        memcpy(&w, b + k, (size_t)(n - k));
+        for (w = 0; k < n; k++) w = (w << 8) | b[k];
         h = (h ^ w) * NAME_HASH_MULTIPLIER;
     }
     h ^= h >> 33;
@@ -294,11 +296,41 @@ static uint64_t name_hash(const uint8_t *b, int64_t n) {
     return h >> 1;
 }
 
+/* A table slot holds the topic's id in its low 32 bits and its hash's high 32 bits above (the hash has 63
+ * bits, so a slot in use is never negative): a probe rules out most other names without reading their row. */
+#define SLOT_ID_BITS 32
+#define SLOT_ID_MASK ((1LL << SLOT_ID_BITS) - 1)
+
+static inline int64_t table_slot(uint64_t hash, int64_t t) {
+    return (int64_t)((hash >> SLOT_ID_BITS) << SLOT_ID_BITS) | t;
+}
+
 static void table_insert(Out *o, int64_t t) {
-    uint64_t mask = (uint64_t)o->table_size - 1;
-    uint64_t s = (uint64_t)o->topics[t * TOPIC_COLUMNS + T_HASH] & mask;
+    uint64_t mask = (uint64_t)o->table_size - 1, hash = (uint64_t)o->topics[t * TOPIC_COLUMNS + T_HASH];
+    uint64_t s = hash & mask;
     while (o->table[s] >= 0) s = (s + 1) & mask;
-    o->table[s] = t;
+    o->table[s] = table_slot(hash, t);
+}
+
+/* The first NAME_HEAD_BYTES of b[0:n] as two words, zero padded */
+static inline void name_head(const uint8_t *b, int64_t n, uint64_t head[2]) {
+    head[0] = head[1] = 0;
+    int64_t m = n < NAME_HEAD_BYTES ? n : NAME_HEAD_BYTES;
+    for (int64_t k = 0; k < m; k++) head[k >> 3] |= (uint64_t)b[k] << (8 * (k & 7));
+}
+
+/* b[0:n] == c[0:n], names being short: eight bytes at a time, inline */
+static inline int same_name(const uint8_t *b, const uint8_t *c, int64_t n) {
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        uint64_t x, y;
+        memcpy(&x, b + k, 8);
+        memcpy(&y, c + k, 8);
+        if (x != y) return 0;
+    }
+    for (; k < n; k++)
+        if (b[k] != c[k]) return 0;
+    return 1;
 }
 
 /* The id of the topic spelled b[at:at+n] in this window, or -1 if it is new and there is no room.
@@ -307,13 +339,19 @@ static int64_t topic_id(Out *o, int64_t at, int64_t n, int64_t role) {
     const uint8_t *b = o->buf;
     uint64_t f = name_hash(b + at, n);
     uint64_t mask = (uint64_t)o->table_size - 1;
-    uint64_t s = f & mask;
+    uint64_t s = f & mask, head[2];
+    name_head(b + at, n, head);
     for (;;) {
-        int64_t t = o->table[s];
-        if (t < 0) break;
-        int64_t *row = o->topics + t * TOPIC_COLUMNS;
-        if ((uint64_t)row[T_HASH] == f && row[T_LEN] == n && memcmp(b + row[T_AT], b + at, (size_t)n) == 0)
-            return t;
+        int64_t slot = o->table[s];
+        if (slot < 0) break;
+        if (((uint64_t)slot ^ f) >> SLOT_ID_BITS == 0) {
+            int64_t t = slot & SLOT_ID_MASK, *row = o->topics + t * TOPIC_COLUMNS;
+            if ((uint64_t)row[T_HASH] == f && row[T_LEN] == n && (uint64_t)row[T_HEAD0] == head[0]
+                && (uint64_t)row[T_HEAD1] == head[1]
+                && (n <= NAME_HEAD_BYTES
+                    || same_name(b + row[T_AT] + NAME_HEAD_BYTES, b + at + NAME_HEAD_BYTES, n - NAME_HEAD_BYTES)))
+                return t;
+        }
         s = (s + 1) & mask;
     }
     if (o->ntopics == o->cap_topics || 2 * (o->ntopics + 1) > o->table_size) return -1;
@@ -325,7 +363,9 @@ static int64_t topic_id(Out *o, int64_t at, int64_t n, int64_t role) {
     row[T_HASH] = (int64_t)f;
     row[T_JAVA_PREFIX] = java_step(java_hash_utf8(b + at, n, 0), INDEX_KEY_SEPARATOR);
     row[T_ROLE] = role;
-    o->table[s] = t;
+    row[T_HEAD0] = (int64_t)head[0];
+    row[T_HEAD1] = (int64_t)head[1];
+    o->table[s] = table_slot(f, t);
     return t;
 }
 

@@ -118,6 +118,26 @@ def test_outputs_grow_past_every_first_guess() -> None:
     assert [batch.topic_of(i) for i in range(400)] == [r.topic for r in records]
 
 
+@given(st.lists(st.text(alphabet="ab%-_", min_size=1, max_size=40), min_size=1, max_size=60),
+       st.lists(st.integers(0, 10_000), min_size=1, max_size=120))
+@settings(max_examples=60, deadline=None)
+@example(["a" * 16, "a" * 16 + "b", "a" * 15, "a" * 17, "a" * 8, "a" * 7, "a" * 24 + "b", "a" * 24 + "c"],
+         list(range(8)))
+def test_every_record_gets_its_own_topic_whatever_the_names_share(names: list[str], picks: list[int]) -> None:
+    """The kernel's name table tells names apart by hash, length, first 16 bytes and the rest: names that
+    share a prefix of any length, or all but their last byte, or are a byte longer, each keep their own
+    id, and a repeated name gets the one it had."""
+    records, pos = [], 0
+    for p in picks:
+        r = _record(names[p % len(names)], pos, {})
+        records.append(r)
+        pos += r.total_size
+    image = _segment(records, pos + 4096)
+    batch = decode_segment(image, 0, segment_offset=0, segment_size=len(image), max_bytes=len(image)).batch
+    assert [batch.topic_of(i) for i in range(len(records))] == [r.topic for r in records]
+    assert len(batch.topics) == len({r.topic for r in records})
+
+
 def test_kernel_stops_before_a_record_its_tables_cannot_hold() -> None:
     """STOP_FULL leaves the record for the next call: position and counters stay at the record before."""
     records = [_record("t", 0, {"KEYS": "a"})]
