@@ -541,7 +541,7 @@ class ConsumeQueue:
                                                                                      tags_code), ends)
 
     def put_packed(self, qo: np.ndarray, units: np.ndarray, ends: np.ndarray, one_streak: bool = False, *,
-                   later: bool = False) -> PutStats:
+                   later: bool = False, stats: PutStats | None = None) -> PutStats:
         """`put_units` with the units already laid out (CQ_UNIT_DTYPE) and each one's CommitLog end.
 
         Unit by unit this is the broker's put; runs of units it would treat alike are handled at once: a
@@ -549,11 +549,13 @@ class ConsumeQueue:
         broker would skip (ending at or below maxPhysicOffset, or behind the queue's end) are skipped
         together. `one_streak` says the units are one streak (`QueueUnits.streaks`), so the common case,
         a streak that continues the queue inside its last file, costs no array operation. With `later`, that
-        streak is written at the store's next `OpenFiles.flush_writes` (`units` must not change until then)."""
-        stats = PutStats()
+        streak is written at the store's next `OpenFiles.flush_writes` (`units` must not change until then).
+        The counts are added to `stats` when given (a batch's thousand puts share one), and returned."""
+        if stats is None:
+            stats = PutStats()
         n = len(qo)
-        if one_streak and self._files and int(ends[0]) > self.max_physic_offset and \
-                int(qo[0]) * CQ_UNIT_SIZE == self._last_start + self._write_pos and \
+        if one_streak and self._files and ends.item(0) > self.max_physic_offset and \
+                qo.item(0) * CQ_UNIT_SIZE == self._last_start + self._write_pos and \
                 n <= (self.file_size - self._write_pos) // CQ_UNIT_SIZE:
             # the one placement place_units gives a streak that continues the queue inside its last file
             if later:
@@ -562,8 +564,8 @@ class ConsumeQueue:
             else:
                 self._write(self._write_pos, units.tobytes())
             self._write_pos += n * CQ_UNIT_SIZE
-            self.max_physic_offset = int(ends[-1])
-            stats.written = n
+            self.max_physic_offset = ends.item(-1)
+            stats.written += n
             return stats
         cursor = QueueCursor(self._last_start if self._files else None, self.write_offset, self.max_physic_offset)
         for p in place_units(cursor, qo, ends, self.file_size, stats, one_streak):
@@ -758,12 +760,13 @@ class ConsumeQueueStore:
         """Put the units of the batch (`consume_queue_units`), queue by queue; the appends that continue a
         queue are made together at the end, in one call (`OpenFiles.write_later`)."""
         stats = PutStats()
-        touched = self.touched
+        touched, queues = self.touched, self.queues
         try:
             for group in consume_queue_units(batch) if units is None else units:
-                stats.add(self.queue(group.topic, group.queue_id).put_packed(
-                    group.queue_offset, group.units, group.ends, group.one_streak, later=True))
-                touched.add((group.topic, group.queue_id))
+                key = (group.topic, group.queue_id)
+                cq = queues.get(key) or self.queue(*key)
+                cq.put_packed(group.queue_offset, group.units, group.ends, group.one_streak, later=True, stats=stats)
+                touched.add(key)
         finally:
             self.open_files.flush_writes()
         return stats
