@@ -167,7 +167,14 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
                 # rows are runs of units (a few KB) or keys (up to 448 KiB): batches bounded by bytes, not by
                 # a handful of rows (8 rows made a writer take thousands of tiny batches)
                 "spark.sql.execution.arrow.maxRecordsPerBatch": "10000",
-                "spark.sql.execution.arrow.maxBytesPerBatch": str(ARROW_BATCH_BYTES)}
+                "spark.sql.execution.arrow.maxBytesPerBatch": str(ARROW_BATCH_BYTES),
+                # a Python worker talks to its JVM over a Unix socket (Spark 4.1+; older ones ignore it): over
+                # loopback TCP every task's short last write waited for a delayed ACK, about 40 ms a task
+                "spark.python.unix.domain.socket.enabled": "true",
+                # the rows are few and large (runs of units and keys), so evaluating their expressions costs
+                # nothing, while compiling generated code for each stage cost seconds in a short job
+                "spark.sql.codegen.wholeStage": "false",
+                "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
     if master.startswith("local"):
         # the driver JVM runs the tasks too: a short job spends seconds in the optimising JIT (C2) on cores the
         # decode needs; the quick compiler alone cut the work after start-up by about a quarter here
@@ -536,8 +543,13 @@ class _Job:
         first_file = F.expr(f"g0 div {capacity}").cast("int")
         last_file = F.least(F.expr(f"(g0 + count) div {capacity}"), F.lit(last)).cast("int")
         keys = keys.select(F.explode(F.sequence(first_file, last_file)).alias("file"), "g0", "count", "data")
-        plans = self.spark.createDataFrame([(p.number, PLAN_ROW, 0, pickle.dumps(p)) for p in layout.files],
-                                           "file int, g0 bigint, count int, data binary")
+        # the plan rows from literals, in the JVM: a DataFrame made from a Python list is a Python RDD, and
+        # its task started a Python worker of its own (1.3-1.7 s here)
+        plan_of = F.element_at(F.array(*[F.lit(pickle.dumps(p)) for p in layout.files]), F.col("id").cast("int") + 1)
+        number_of = F.element_at(F.array(*[F.lit(p.number) for p in layout.files]), F.col("id").cast("int") + 1)
+        plans = self.spark.range(0, len(layout.files), 1, 1).select(
+            number_of.cast("int").alias("file"), F.lit(PLAN_ROW).cast("bigint").alias("g0"),
+            F.lit(0).cast("int").alias("count"), plan_of.alias("data"))
         return (keys.unionByName(plans).repartition(min(parts, len(layout.files)), "file")
                 .sortWithinPartitions("file", "g0").mapInArrow(run, RESULT_DDL))
 
