@@ -161,6 +161,7 @@ class BackfillConfig:
     s3_access_key_id: str = ""
     s3_secret_access_key: str = ""
     catalog_body: bool = False
+    jvm_class_archive: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +220,12 @@ def _one_of(*choices: str) -> Check:
         return None if value in choices else f"{value!r} is not one of: {', '.join(choices)}"
 
     return check
+
+
+def _class_archive(value: str) -> str | None:
+    if value in ("auto", "off") or os.path.isabs(value):
+        return None
+    return f"{value!r} is not auto, off or an absolute path"
 
 
 def _non_empty(value: str) -> str | None:
@@ -315,6 +322,7 @@ _KEY_LIST = (
     _Key("backfill", "s3AccessKeyId", "str"),
     _Key("backfill", "s3SecretAccessKey", "str"),
     _Key("backfill", "catalogBody", "bool"),
+    _Key("backfill", "jvmClassArchive", "str", (_class_archive,)),
 )
 _KEYS: dict[tuple[str, str], _Key] = {(k.section, k.name): k for k in _KEY_LIST}
 _DISPATCHERS_SECTION = "dispatchers"

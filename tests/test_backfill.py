@@ -360,19 +360,29 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_readme_quer
 
 
 def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
-    """`reputd backfill --master local[1]` exits 0 with messages, bytes, segments, seconds and msgs/s."""
+    """`reputd backfill --master local[1]` exits 0 with messages, bytes, segments, seconds and msgs/s. The
+    first run records the driver JVM's class archive as it ends; the second maps it and writes the same
+    files; the JVM's messages about the archive stay off standard output, which holds the JSON summary."""
     tmp, results, expected = generated
-    config = config_file(tmp_path, "out", tmp / "store")
-    res = run_cli("backfill", "--config", str(config), "--master", "local[1]", "--conf", "spark.ui.enabled=false",
-                  "--json", timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert "Traceback" not in res.stderr
-    summary = json.loads(res.stdout)
-    assert summary["messages"] == summary["newMessages"] == len(results)  # the human line says "0 new" at 0
-    assert summary["segments"] > 3
-    assert summary["msgsPerSecond"] > 0
-    assert summary["master"] == "local[1]"
-    assert_same_files(outputs(tmp_path / "out"), expected)
+    cache = tmp_path / "cache"
+    for run in ("records the archive", "maps it"):
+        out = tmp_path / run.replace(" ", "-")
+        config = config_file(tmp_path, out.name, tmp / "store")
+        res = run_cli("backfill", "--config", str(config), "--master", "local[1]", "--conf", "spark.ui.enabled=false",
+                      "--json", env={"XDG_CACHE_HOME": str(cache)}, timeout=300)
+        assert res.returncode == 0, res.stderr
+        assert "Traceback" not in res.stderr
+        summary = json.loads(res.stdout)
+        assert summary["messages"] == summary["newMessages"] == len(results)  # the human line says "0 new" at 0
+        assert summary["segments"] > 3
+        assert summary["msgsPerSecond"] > 0
+        assert summary["master"] == "local[1]"
+        assert_same_files(outputs(out), expected)
+        archives = list((cache / "reputd").glob("spark-driver-*.jsa"))
+        assert len(archives) == 1, run
+        assert archives[0].stat().st_size > 0, run
+        assert ("saveClassArchive" in summary["phaseSeconds"]) == (run == "records the archive")
+    assert not list((cache / "reputd").glob("*.tmp"))
 
 
 def test_cli_corrupt_store_exits_1_with_one_line(tmp_path):

@@ -21,7 +21,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -42,6 +41,7 @@ from daemon.backfill.commit import (
     remove_tree,
     staging_root,
 )
+from daemon.backfill.jvm import ClassArchive, choose_archive, java_version_text, save_archive
 from daemon.backfill.plan import (
     BackfillError,
     IndexLayout,
@@ -142,10 +142,10 @@ def check_java(env: Mapping[str, str] | None = None) -> str:
             raise BackfillError(f"no Java runtime found (JAVA_HOME is not set and there is no `java` on PATH); "
                                 f"{JAVA_INSTALL_HINT}")
     try:
-        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60, check=False)
+        text = java_version_text(java)
     except OSError as e:
         raise BackfillError(f"{java} does not run ({e}); {JAVA_INSTALL_HINT}") from None
-    match = _JAVA_VERSION.search(out.stderr + out.stdout)
+    match = _JAVA_VERSION.search(text)
     if match:
         major = int(match[1]) if match[1] != "1" else int(match[2] or 0)  # "1.8.0" is Java 8
         if major < MIN_JAVA:
@@ -153,9 +153,11 @@ def check_java(env: Mapping[str, str] | None = None) -> str:
     return java
 
 
-def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None = None):
+def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None = None,
+                   archive: ClassArchive | None = None):
     """A SparkSession for the backfill. Local workers run this interpreter (so they import reputd and
-    numpy from the same environment); on a cluster, PYSPARK_PYTHON or spark.pyspark.python decides."""
+    numpy from the same environment); on a cluster, PYSPARK_PYTHON or spark.pyspark.python decides.
+    `archive`: the class-data archive a local driver JVM maps or records (`jvm.py`)."""
     check_java()
     if master.startswith("local") and "PYSPARK_PYTHON" not in os.environ:
         os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -179,6 +181,8 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
         # the driver JVM runs the tasks too: a short job spends seconds in the optimising JIT (C2) on cores the
         # decode needs; the quick compiler alone cut the work after start-up by about a quarter here
         settings["spark.driver.extraJavaOptions"] = LOCAL_DRIVER_JAVA_OPTIONS
+        if archive is not None:
+            settings["spark.driver.extraJavaOptions"] += " " + archive.java_options()
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
@@ -264,8 +268,14 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
                               ranges=len(tasks))
     started = time.perf_counter()
     say = progress or (lambda _text: None)
+    archive = None
     if spark is None:
-        spark = create_session(master, spark_conf)
+        if master.startswith("local"):
+            archive = choose_archive(config.backfill.jvm_class_archive, check_java(), LOCAL_DRIVER_JAVA_OPTIONS)
+            if archive is not None and archive.saving:
+                say(f"this first local backfill with this Java and Spark records the JVM's classes in "
+                    f"{archive.path} as it ends, so that later ones start faster")
+        spark = create_session(master, spark_conf, archive)
         summary.phases["startup"] = time.perf_counter() - started
     sc = spark.sparkContext
     summary.master = sc.master
@@ -301,6 +311,12 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
         remove_tree(staging_root(out, job_id))
         if owns_session:
             spark.stop()
+            if archive is not None and archive.saving:
+                t0 = time.perf_counter()
+                if save_archive(archive):
+                    summary.phases["saveClassArchive"] = time.perf_counter() - t0
+                    log.info("jvm_class_archive_saved", path=archive.path,
+                             seconds=round(summary.phases["saveClassArchive"], 3))
         summary.seconds = time.perf_counter() - started
     if summary.pending is not None:
         log.warning("incomplete_record_at_end", error=str(summary.pending))

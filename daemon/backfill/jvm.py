@@ -1,0 +1,123 @@
+"""The driver JVM of a local backfill, and the class-data archive that shortens its start.
+
+With a `local[...]` master the driver JVM runs the tasks too, and most of a short backfill's fixed cost
+is that JVM loading and verifying Spark's classes: its start-up, then each code path's first use (the first
+query, the first Arrow task, the first shuffle). A dynamic class-data-sharing archive (AppCDS, JDK 13+)
+keeps those classes parsed and verified in a file the next JVM maps: the first local backfill on a machine
+records the classes its JVM loaded when it exits (`-XX:ArchiveClassesAtExit`), every later one maps them
+(`-XX:SharedArchiveFile`). An archive only fits the JVM and the jars it was made with, so its name carries
+a digest of both: a new Java or PySpark makes a new archive, and the JVM itself ignores one that does not
+fit. `backfill.jvmClassArchive` is `auto` (in the user's cache directory), `off`, or a path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import subprocess
+from dataclasses import dataclass
+
+ARCHIVE_AUTO, ARCHIVE_OFF = "auto", "off"
+ARCHIVE_SUFFIX = ".jsa"
+CACHE_SUBDIR = "reputd"
+# the JVM's own messages about the archive (a class it cannot archive, an archive that does not fit) would
+# go to standard output, which `--json` keeps for the summary: warnings go to standard error, without
+# the archive's
+LOG_OPTIONS = "-Xlog:disable -Xlog:all=warning,cds=off,cds+dynamic=off:stderr"
+SAVE_TIMEOUT_SECONDS = 300
+
+
+@dataclass(frozen=True, slots=True)
+class ClassArchive:
+    """The archive a backfill maps (`saving` False) or records as it ends (`saving` True, under a temporary
+    name that `save` moves into place)."""
+
+    path: str
+    saving: bool
+
+    @property
+    def temporary(self) -> str:
+        return f"{self.path}.{os.getpid()}.tmp"
+
+    def java_options(self) -> str:
+        target = f"-XX:ArchiveClassesAtExit={self.temporary}" if self.saving else f"-XX:SharedArchiveFile={self.path}"
+        return f"{target} {LOG_OPTIONS}"
+
+
+def default_archive_dir(env: dict[str, str] | None = None) -> str:
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, CACHE_SUBDIR)
+
+
+@functools.lru_cache(maxsize=8)
+def java_version_text(java: str) -> str:
+    """What `java -version` prints (run once per runtime and process: it takes a JVM start)."""
+    out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60, check=False)
+    return out.stderr + out.stdout
+
+
+def install_digest(java: str, java_options: str) -> str:
+    """What an archive depends on: the Java runtime (its path and version) and Spark's jars (names and
+    sizes), and the JVM options it runs with."""
+    import pyspark  # noqa: PLC0415
+
+    h = hashlib.sha256()
+    h.update(os.path.realpath(java).encode())
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        h.update(java_version_text(java).encode())
+    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.scandir(jars), key=lambda e: e.name):
+            h.update(f"{entry.name}:{entry.stat().st_size};".encode())
+    h.update(java_options.encode())
+    return h.hexdigest()[:16]
+
+
+def choose_archive(setting: str, java: str, java_options: str) -> ClassArchive | None:
+    """The archive this backfill uses or records; None when it is off or its directory cannot be written."""
+    if setting == ARCHIVE_OFF:
+        return None
+    if setting == ARCHIVE_AUTO:
+        directory = default_archive_dir()
+        path = os.path.join(directory, f"spark-driver-{install_digest(java, java_options)}{ARCHIVE_SUFFIX}")
+    else:
+        path = setting
+        directory = os.path.dirname(path) or "."
+    if os.path.isfile(path) and os.path.getsize(path) > 0:
+        return ClassArchive(path, saving=False)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError:
+        return None
+    return ClassArchive(path, saving=True) if os.access(directory, os.W_OK) else None
+
+
+def save_archive(archive: ClassArchive) -> bool:
+    """After the session has stopped: end the driver JVM (it writes the archive as it exits) and move the
+    archive into place. False when there was nothing to save (the JVM was not this backfill's)."""
+    from pyspark import SparkContext  # noqa: PLC0415
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if proc is not None:
+        with contextlib.suppress(Exception):
+            gateway.shutdown()
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # the gateway server exits at the end of its standard input
+        try:
+            proc.wait(timeout=SAVE_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+    temporary = archive.temporary
+    if not os.path.isfile(temporary) or os.path.getsize(temporary) == 0:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        return False
+    os.replace(temporary, archive.path)
+    return True

@@ -1,0 +1,70 @@
+"""Where a local backfill's driver JVM finds or records its class-data archive (daemon/backfill/jvm.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from daemon.backfill.job import check_java
+from daemon.backfill.jvm import ARCHIVE_AUTO, ARCHIVE_OFF, ClassArchive, choose_archive, default_archive_dir
+from daemon.config import ConfigError, load_config
+
+JAVA = "/no/such/java"  # the digest takes what it can read; no JVM is started here
+
+
+def test_auto_records_an_archive_in_the_cache_directory_then_maps_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = choose_archive(ARCHIVE_AUTO, JAVA, "-XX:TieredStopAtLevel=1")
+    assert first.saving
+    assert os.path.dirname(first.path) == str(tmp_path / "reputd") == default_archive_dir()
+    assert f"-XX:ArchiveClassesAtExit={first.temporary}" in first.java_options()
+    assert first.temporary != first.path  # written aside, moved into place once the JVM has exited
+    with open(first.path, "wb") as f:
+        f.write(b"archive")
+    again = choose_archive(ARCHIVE_AUTO, JAVA, "-XX:TieredStopAtLevel=1")
+    assert again == ClassArchive(first.path, saving=False)
+    assert f"-XX:SharedArchiveFile={first.path}" in again.java_options()
+    # other JVM options, another archive: one archive fits the options it was made with
+    assert choose_archive(ARCHIVE_AUTO, JAVA, "-Xmx1g").path != first.path
+
+
+def test_an_empty_archive_is_recorded_again(tmp_path):
+    path = tmp_path / "driver.jsa"
+    path.touch()
+    assert choose_archive(str(path), JAVA, "") == ClassArchive(str(path), saving=True)
+
+
+def test_off_and_a_directory_that_cannot_be_made_mean_no_archive(tmp_path):
+    assert choose_archive(ARCHIVE_OFF, JAVA, "") is None
+    (tmp_path / "a-file").write_text("")
+    assert choose_archive(str(tmp_path / "a-file" / "driver.jsa"), JAVA, "") is None
+
+
+def test_an_archive_that_does_not_fit_is_ignored_quietly(tmp_path):
+    """A damaged archive (or one of another JVM) is not an error: the JVM starts without it, and says
+    nothing on standard output, which `--json` keeps for the summary."""
+    damaged = tmp_path / "driver.jsa"
+    damaged.write_bytes(os.urandom(64 * 1024))
+    options = ClassArchive(str(damaged), saving=False).java_options().split()
+    res = subprocess.run([check_java(), *options, "-version"], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == ""
+    assert "version" in res.stderr
+
+
+@pytest.mark.parametrize("value", ["relative/driver.jsa", "on", ""])
+def test_a_bad_setting_is_a_config_error(tmp_path, value):
+    config = tmp_path / "reputd.yaml"
+    config.write_text(f"backfill:\n  jvmClassArchive: '{value}'\n")
+    with pytest.raises(ConfigError, match="jvmClassArchive"):
+        load_config(config)
+
+
+@pytest.mark.parametrize("value", ["auto", "off", "/var/cache/reputd/driver.jsa"])
+def test_good_settings_load(tmp_path, value):
+    config = tmp_path / "reputd.yaml"
+    config.write_text(f"backfill:\n  jvmClassArchive: '{value}'\n")
+    assert load_config(config).backfill.jvm_class_archive == value
