@@ -36,6 +36,23 @@ def test_an_empty_archive_is_recorded_again(tmp_path):
     assert choose_archive(str(path), JAVA, "") == ClassArchive(str(path), saving=True)
 
 
+def test_a_recording_that_died_leaves_no_temporary_archive_behind(tmp_path):
+    """A backfill killed while recording leaves `NAME.PID.tmp`; the next recording removes it, not the
+    temporary archive of one still running (this process) nor other files."""
+    path = tmp_path / "driver.jsa"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    abandoned = tmp_path / f"driver.jsa.{dead.pid}.tmp"
+    running = tmp_path / f"driver.jsa.{os.getpid()}.tmp"
+    other = tmp_path / "notes.tmp"
+    for f in (abandoned, running, other):
+        f.write_bytes(b"x")
+    assert choose_archive(str(path), JAVA, "").saving
+    assert not abandoned.exists()
+    assert running.exists()
+    assert other.exists()
+
+
 def test_off_and_a_directory_that_cannot_be_made_mean_no_archive(tmp_path):
     assert choose_archive(ARCHIVE_OFF, JAVA, "") is None
     (tmp_path / "a-file").write_text("")

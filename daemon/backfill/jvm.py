@@ -92,7 +92,33 @@ def choose_archive(setting: str, java: str, java_options: str) -> ClassArchive |
         os.makedirs(directory, exist_ok=True)
     except OSError:
         return None
-    return ClassArchive(path, saving=True) if os.access(directory, os.W_OK) else None
+    if not os.access(directory, os.W_OK):
+        return None
+    remove_abandoned(path)
+    return ClassArchive(path, saving=True)
+
+
+def remove_abandoned(path: str) -> None:
+    """Delete the temporary archives of recording backfills that died before moving theirs into place (a
+    kill -9, a lost machine): each is as large as the archive, and nothing else would ever remove it."""
+    prefix, suffix = f"{os.path.basename(path)}.", ".tmp"
+    with contextlib.suppress(OSError), os.scandir(os.path.dirname(path) or ".") as entries:
+        for entry in entries:
+            pid = entry.name[len(prefix):-len(suffix)]
+            if entry.name.startswith(prefix) and entry.name.endswith(suffix) and pid.isdigit() \
+                    and not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: it exists
+    return True
 
 
 def save_archive(archive: ClassArchive) -> bool:
