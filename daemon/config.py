@@ -149,6 +149,11 @@ class ReputConfig:
     shutdown_timeout_ms: int = 10000
 
 
+# the AWS SDK's own request timeout (3 s) is also how long a response may send nothing: a busy S3-compatible
+# server (MinIO, moto, a gateway) preparing a 16 MiB range sent nothing for longer, and the backfill failed
+DEFAULT_S3_REQUEST_TIMEOUT_SECONDS = 60
+
+
 @dataclass(frozen=True, slots=True)
 class BackfillConfig:
     """How `reputd backfill` cuts segments into tasks and reaches archives on S3 (empty: the standard AWS_*
@@ -160,6 +165,7 @@ class BackfillConfig:
     s3_region: str = ""
     s3_access_key_id: str = ""
     s3_secret_access_key: str = ""
+    s3_request_timeout_seconds: int = DEFAULT_S3_REQUEST_TIMEOUT_SECONDS
     catalog_body: bool = False
     jvm_class_archive: str = "auto"
 
@@ -321,6 +327,7 @@ _KEY_LIST = (
     _Key("backfill", "s3Region", "str"),
     _Key("backfill", "s3AccessKeyId", "str"),
     _Key("backfill", "s3SecretAccessKey", "str"),
+    _Key("backfill", "s3RequestTimeoutSeconds", "int", (_in_range(1, 3600),)),
     _Key("backfill", "catalogBody", "bool"),
     _Key("backfill", "jvmClassArchive", "str", (_class_archive,)),
 )

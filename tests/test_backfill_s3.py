@@ -3,7 +3,12 @@ port) serves the CommitLog, and the backfill reads it in ranges: the same rows a
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import pickle
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,7 @@ from bench.moto_server import MotoServerError, start_moto_server
 from daemon.backfill import backfill
 from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
 from daemon.backfill.source import LOCAL, S3, S3Options, SegmentDir, SegmentListing
+from daemon.config import BackfillConfig
 from daemon.rebuild import rebuild
 from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
 from tests.backfill_stores import write_forged_store
@@ -91,3 +97,89 @@ def test_backfill_from_s3_writes_the_rebuilds_files(spark, s3_server, archived, 
     summary = backfill(config, spark=spark, segments=f"s3://{BUCKET}/broker-a/commitlog", partitions=2)
     assert summary.messages == len(results)
     assert_same_files(outputs(tmp_path / "bf"), outputs(tmp_path / "reference"))
+
+
+class StallingProxy:
+    """A TCP proxy in front of the S3 server that holds back each ranged GET's response for `stall` seconds
+    before its first byte, as a busy server preparing a large range does."""
+
+    def __init__(self, upstream: str, stall: float):
+        self.upstream = upstream.split("://", 1)[1].rsplit(":", 1)
+        self.stall = stall
+        self.ranged_gets = 0
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection((self.upstream[0], int(self.upstream[1])))
+            ranged = threading.Event()
+            threading.Thread(target=self._pump, args=(client, upstream, ranged, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, ranged, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, ranged: threading.Event, requests: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if requests and data.startswith(b"GET ") and b"\r\nrange:" in data.lower():
+                    self.ranged_gets += 1
+                    ranged.set()
+                elif not requests and ranged.is_set():
+                    time.sleep(self.stall)
+                    ranged.clear()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+@pytest.fixture
+def slow_server(s3_server):
+    proxy = StallingProxy(s3_server, stall=4.0)
+    yield proxy
+    proxy.close()
+
+
+def _first_range(root: Path, listed_by: S3Options, read_by: S3Options):
+    """The rows and outcome of the first range task, listed through one server and read through another."""
+    listing = SegmentListing([SegmentDir(S3, f"{BUCKET}/broker-a/commitlog")], SEGMENT, listed_by)
+    task = plan_ranges(listing.segments, SEGMENT, 0, None, SEGMENT)[0]
+    settings = DecodeSettings(SEGMENT, True, 64 * 1024, DEFAULT_MESSAGE_DELAY_LEVEL, 8192, 1 << 20, True, True,
+                              True, read_by)
+    rows = [r for rb in decode_range(task, settings) for r in rb.to_pylist()]
+    outcome = pickle.loads(rows.pop()["data"])
+    return rows, (outcome.first, outcome.next_offset, outcome.status, outcome.records, outcome.keys)
+
+
+def test_a_server_that_sends_nothing_for_seconds_is_waited_for(slow_server, s3_server, archived):
+    """Ranged reads whose responses start 4 s late (longer than the AWS SDK's own 3 s): with a 2 s request
+    timeout every attempt fails; with the
+    default `backfill.s3RequestTimeoutSeconds` the rows are those read without the proxy."""
+    root, _ = archived
+    direct = options(s3_server)
+    impatient = dataclasses.replace(options(slow_server.endpoint), request_timeout=2)
+    with pytest.raises(OSError, match=r"(?i)timeout"):
+        _first_range(root, direct, impatient)
+    assert slow_server.ranged_gets >= 1
+    before = slow_server.ranged_gets
+    patient = options(slow_server.endpoint)
+    assert patient.request_timeout == BackfillConfig().s3_request_timeout_seconds == 60
+    rows, outcome = _first_range(root, direct, patient)
+    assert slow_server.ranged_gets > before
+    assert (rows, outcome) == _first_range(root, direct, direct)
+    assert len(rows) > 1
+
+
+def test_the_request_timeout_comes_from_the_config(tmp_path):
+    config = make_config(tmp_path, "out", tmp_path, backfill={"s3RequestTimeoutSeconds": 7})
+    assert S3Options.resolve(config.backfill, {}).request_timeout == 7

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from daemon.config import DEFAULT_S3_REQUEST_TIMEOUT_SECONDS
 from indexcore.commitlog import RECORD_PREFIX
 from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import FILE_NAME_DIGITS, offset_to_file_name
@@ -30,6 +31,7 @@ from indexcore.reader import CommitLog
 
 LOCAL, S3, HDFS = "file", "s3", "hdfs"
 SCHEMES = (LOCAL, S3, HDFS)
+S3_CONNECT_TIMEOUT_SECONDS = 10
 AWS_ENV = ("AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
@@ -41,6 +43,7 @@ class S3Options:
     region: str | None = None
     access_key: str | None = None
     secret_key: str | None = None
+    request_timeout: int = DEFAULT_S3_REQUEST_TIMEOUT_SECONDS
 
     @classmethod
     def resolve(cls, backfill_config, env: Mapping[str, str] | None = None) -> S3Options:
@@ -48,7 +51,8 @@ class S3Options:
         return cls(backfill_config.s3_endpoint or env.get("AWS_ENDPOINT_URL") or None,
                    backfill_config.s3_region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None,
                    backfill_config.s3_access_key_id or env.get("AWS_ACCESS_KEY_ID") or None,
-                   backfill_config.s3_secret_access_key or env.get("AWS_SECRET_ACCESS_KEY") or None)
+                   backfill_config.s3_secret_access_key or env.get("AWS_SECRET_ACCESS_KEY") or None,
+                   backfill_config.s3_request_timeout_seconds)
 
     def __repr__(self) -> str:  # never print the secret
         return f"S3Options(endpoint={self.endpoint!r}, region={self.region!r})"
@@ -113,7 +117,9 @@ def remote_filesystem(d: SegmentDir, s3: S3Options):
         if endpoint and "://" in endpoint:
             scheme, endpoint = endpoint.split("://", 1)
         return fs.S3FileSystem(access_key=s3.access_key, secret_key=s3.secret_key, region=s3.region or "us-east-1",
-                               endpoint_override=endpoint, scheme=scheme, allow_bucket_creation=False)
+                               endpoint_override=endpoint, scheme=scheme, allow_bucket_creation=False,
+                               request_timeout=s3.request_timeout, connect_timeout=min(s3.request_timeout,
+                                                                                       S3_CONNECT_TIMEOUT_SECONDS))
     host, _, port = d.authority.partition(":")
     try:
         return fs.HadoopFileSystem(host or "default", int(port) if port else 0)
