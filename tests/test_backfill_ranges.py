@@ -4,12 +4,14 @@ tasks and the driver's walk are plain functions; tests/test_backfill.py runs the
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from daemon.backfill import ranges as ranges_module
 from daemon.backfill.job import _reread
 from daemon.backfill.plan import BackfillFailed, Reread, walk_ranges
 from daemon.backfill.ranges import CATALOG, KEYS, META, UNITS, DecodeSettings, decode_range, plan_ranges
@@ -228,6 +230,41 @@ def test_large_segments_at_the_range_sizes_of_a_deployment(tmp_path_factory, ran
     plan, queues, keys, _ = ranged(root / "commitlog", range_bytes, segment=segment, s=s)
     end, ref_queues, ref_keys, _ = sequential(root / "commitlog", segment=segment)
     assert end > 64 * MIB
+    assert plan.end_offset == end
+    same(queues, ref_queues)
+    assert keys == ref_keys
+
+
+def _first_of(task, s: DecodeSettings | None = None):
+    for rb in decode_range(task, s or settings()):
+        for row in rb.to_pylist():
+            if row["kind"] == META:
+                return pickle.loads(row["data"]).first
+    raise AssertionError("no outcome row")
+
+
+def test_a_record_starting_in_a_ranges_last_bytes_is_its_first(forged):
+    """A range owns the records whose first byte lies in it, up to its last byte: one that starts 1-3 bytes
+    before the end (its MAGICCODE past the end) is found there, not left for the chain check to re-read."""
+    commitlog, results = forged
+    listing = SegmentListing([SegmentDir(LOCAL, str(commitlog))], SEGMENT)
+    template = plan_ranges(listing.segments, SEGMENT, 0, None, SEGMENT)[0]
+    starts = [r.phy_offset for r in results if 0 < r.phy_offset < SEGMENT - 64][:40]
+    assert len(starts) == 40
+    for p in starts:
+        for after in (1, 2, 3, 4):
+            task = dataclasses.replace(template, begin=p - 1, end=p + after, known=False)
+            assert _first_of(task) == p, (p, after)
+
+
+@pytest.mark.parametrize("step", [5, 4099])
+def test_the_search_step_does_not_change_the_ranges(forged, monkeypatch, step):
+    """The first record is searched for a step at a time: with tiny or odd steps the ranges still chain to
+    the sequential read, a record straddling a step's end included."""
+    monkeypatch.setattr(ranges_module, "_FIND_STEP", step)
+    commitlog, _ = forged
+    plan, queues, keys, _ = ranged(commitlog, 4099)
+    end, ref_queues, ref_keys, _ = sequential(commitlog)
     assert plan.end_offset == end
     same(queues, ref_queues)
     assert keys == ref_keys

@@ -62,6 +62,9 @@ _END_CHECK_SLACK = 64
 MAX_ROW_ITEMS = 16384  # units or keys per row: rows of at most 448 KiB
 MAX_LOGGED_MISMATCHES = 1000  # per range: a hostile CommitLog could have one in every record
 _ZERO_PROBE = 1 << 20
+# the search for a range's first record looks this far at a time: a magic absent from the data (the v2 one
+# in a v1 CommitLog, BLANK's before a segment's end) would otherwise be searched for through a whole read
+_FIND_STEP = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,22 +190,31 @@ def find_first_record(image, task: RangeTask, settings: DecodeSettings) -> int |
             return None
         hi = min(task.end, pos + settings.read_bytes)
         image.ensure(pos, hi + settings.lookahead)
-        buf = image.buffer
-        upcoming = {m: buf.find(m, pos + _MAGIC_AT, hi + _MAGIC_AT) for m in _MAGICS}
-        while True:
-            live = [at for at in upcoming.values() if at >= 0]
-            if not live:
-                break
-            at = min(live)
-            p = at - _MAGIC_AT
-            if header_at(buf, p, task.seg_start, size, max_size):
-                return p
-            for m, found in upcoming.items():
-                if found == at:
-                    upcoming[m] = buf.find(m, at + 1, hi + _MAGIC_AT)
+        for lo in range(pos, hi, _FIND_STEP):
+            found = _first_header_in(image.buffer, lo, min(hi, lo + _FIND_STEP), task.seg_start, size, max_size)
+            if found is not None:
+                return found
         image.release(pos, hi)
         pos = hi
     return None
+
+
+def _first_header_in(buf, lo: int, hi: int, seg_start: int, seg_size: int, max_size: int) -> int | None:
+    """The first position p in [lo, hi) where a self-validating header starts, found by its MAGICCODE at
+    p + 4 (each magic's search may end 4 bytes past hi, so that no p below hi is missed)."""
+    end = {m: hi + _MAGIC_AT + len(m) - 1 for m in _MAGICS}
+    upcoming = {m: buf.find(m, lo + _MAGIC_AT, end[m]) for m in _MAGICS}
+    while True:
+        live = [at for at in upcoming.values() if at >= 0]
+        if not live:
+            return None
+        at = min(live)
+        p = at - _MAGIC_AT
+        if header_at(buf, p, seg_start, seg_size, max_size):
+            return p
+        for m, found in upcoming.items():
+            if found == at:
+                upcoming[m] = buf.find(m, at + 1, end[m])
 
 
 def _unwritten(image, start: int, end: int) -> bool:
