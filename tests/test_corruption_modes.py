@@ -392,7 +392,9 @@ def test_commitlog_the_broker_would_not_load_is_reported_not_crash_looped(tmp_pa
     assert bad_path in failed[0]["error"]
     proc = store.start()
     try:
-        health = wait_for(lambda: store.get("/healthz")[0] == 503 and store.health(), WAIT_S, "down")
+        # /healthz is 503 "starting" before recovery has run: wait for recovery's own verdict
+        health = wait_for(lambda: store.get("/healthz")[0] == 503 and store.health()["reason"] != "starting"
+                          and store.health(), WAIT_S, "down")
         assert health["status"] == "down"
         assert bad_path in health["reason"]
         assert store.metrics()["reputd_errors_total{kind=recovery}"] >= 1

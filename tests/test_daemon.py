@@ -358,8 +358,10 @@ def test_missing_commitlog_is_a_clear_error_not_a_crash_loop(tmp_path):
     assert "Traceback" not in res.stderr
     proc = store.start()
     try:
-        status = wait_for(lambda: store.get("/healthz")[0] == 503 and store.health(), what="health down")
+        status = wait_for(lambda: store.get("/healthz")[0] == 503 and store.health()["reason"] != "starting"
+                          and store.health(), what="health down")
         assert status["status"] == "down"
+        assert "commitlog" in status["reason"]
         os.rename(tmp_path / "elsewhere", tmp_path / "store" / "commitlog")
         wait_for(lambda: store.health()["status"] == "healthy", timeout=30, what="up once the CommitLog is back")
     finally:
