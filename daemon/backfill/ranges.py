@@ -60,6 +60,7 @@ _MAGICS = tuple(struct.pack(">i", m) for m in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC
 _MAGIC_AT = 4  # MAGICCODE's offset in a record
 _END_CHECK_SLACK = 64
 MAX_ROW_ITEMS = 16384  # units or keys per row: rows of at most 448 KiB
+BINARY_MAX_BYTES = 2**31 - 1  # an Arrow binary column's int32 offsets
 MAX_LOGGED_MISMATCHES = 1000  # per range: a hostile CommitLog could have one in every record
 _ZERO_PROBE = 1 << 20
 # the search for a range's first record looks this far at a time: a magic absent from the data (the v2 one
@@ -345,9 +346,23 @@ class RangeRows:
             pa.array([r.get("pos") for r in rows], pa.int64()),
             pa.array([r.get("aux") for r in rows], pa.int64()),
             pa.array([r.get("count") for r in rows], pa.int32()),
-            pa.array([memoryview(r["data"]) if isinstance(r["data"], np.ndarray) else r["data"] for r in rows],
-                     pa.binary()),
+            self._binary([r["data"] for r in rows]),
         ], schema=self.schema)
+
+    def _binary(self, pieces: list):
+        """A binary column of `pieces` (bytes, or slices of a batch's unit array), copied once into one buffer.
+
+        pyarrow's `pa.array` keeps a reference to every buffer-protocol object it is given (a memoryview
+        of a numpy slice): each window's unit array stayed alive, and a worker grew by its size per range."""
+        pa = self.pa
+        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
+        np.cumsum([len(p) if isinstance(p, bytes) else p.nbytes for p in pieces], out=offsets[1:])
+        if offsets[-1] > BINARY_MAX_BYTES:
+            raise ValueError(f"{offsets[-1]} bytes of rows in one Arrow batch: over the {BINARY_MAX_BYTES} a binary "
+                             f"column holds")
+        data = b"".join(pieces)
+        return pa.Array.from_buffers(pa.binary(), len(pieces),
+                                     [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)])
 
 
 def decoded_arrow_schema():
