@@ -21,6 +21,7 @@ from daemon.config import Config, ConfigError, DispatcherSpec, StoreConfig
 from daemon.logs import get_logger
 from indexcore.consumequeue import CREATE_LABEL, ConsumeQueueStore, NewQueue, PutStats, QueueUnits, consume_queue_units
 from indexcore.dispatch import DispatchBatch
+from indexcore.indexfile import RELEASE_AFTER_KEYS
 from indexcore.indexservice import IndexResume, IndexService, IndexState, IndexStats
 from indexcore.mappedfile import create_sparse_files
 
@@ -41,9 +42,6 @@ class Dispatcher(Protocol):
     def close(self) -> None: ...
 
 
-# While catching up, an IndexFile gets millions of entries between two flushes: drop its pages from the
-# RSS every this many keys (about 20 MB of entries) instead of only at the flush.
-RELEASE_AFTER_KEYS = 1 << 20
 # Files synced (or queues created) at once: each fdatasync, mkdir or creat waits for a journal commit, and
 # concurrent ones share it, which matters with thousands of LMQ queues (1,064 files synced: 3.4 s one
 # after the other here, 0.5 s in parallel).

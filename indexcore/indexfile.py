@@ -60,6 +60,9 @@ INT64_MAX = 2**63 - 1
 # entries read (and zeroed) at a time past the header's indexCount when truncating: a put cut short by
 # a crash may have written entries, and slots, beyond the count its header never got to record
 TAIL_SCAN_ENTRIES = 1024
+# A writer putting millions of keys (a rebuild catching up, a backfill task) drops the file's pages from its RSS
+# every this many keys (about 20 MB of entries) with `release`, instead of only when the file is flushed.
+RELEASE_AFTER_KEYS = 1 << 20
 
 _HEADER_HASH_SLOT_COUNT = 32
 

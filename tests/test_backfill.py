@@ -473,7 +473,7 @@ def test_spark_errors_become_the_task_error_line():
             "Traceback (most recent call last):\n  File \"/x/worker.py\", line 1, in main\n"
             "OSError: [Errno 28] No space left on device: '/out/index/20231114221623169'\n\n"
             "The above exception was the direct cause of the following exception:\n\n"
-            "daemon.backfill.job.BackfillTaskError: index task 0: [Errno 28] No space left on device: "
+            "daemon.backfill.tasks.BackfillTaskError: index task 0: [Errno 28] No space left on device: "
             "'/out/index/20231114221623169'\n\n\tat org.apache.spark.api.python.BasePythonRunner.handle(x.scala:1)\n")
     assert spark_error_line(RuntimeError(text)) == (
         "BackfillTaskError: index task 0: [Errno 28] No space left on device: '/out/index/20231114221623169'")

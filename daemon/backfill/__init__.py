@@ -12,18 +12,26 @@ the range size, partitions or executors; Spark only spreads the work:
     job      the Spark session and jobs, Java detection, Spark errors as one line
 """
 
-from daemon.backfill.job import BackfillSummary, backfill, check_java, commit_log_dirs, create_session
-from daemon.backfill.plan import BackfillError, BackfillFailed
-from daemon.backfill.writers import Fault, InjectedFault
+import importlib
 
-__all__ = [
-    "BackfillError",
-    "BackfillFailed",
-    "BackfillSummary",
-    "Fault",
-    "InjectedFault",
-    "backfill",
-    "check_java",
-    "commit_log_dirs",
-    "create_session",
-]
+# what each public name is imported from, on first use: a Python worker imports this package to reach the
+# task functions (`tasks`), and must not load the driver's session and planning code for it
+_EXPORTS = {
+    "BackfillError": "daemon.backfill.plan",
+    "BackfillFailed": "daemon.backfill.plan",
+    "BackfillSummary": "daemon.backfill.job",
+    "Fault": "daemon.backfill.writers",
+    "InjectedFault": "daemon.backfill.writers",
+    "backfill": "daemon.backfill.job",
+    "check_java": "daemon.backfill.job",
+    "commit_log_dirs": "daemon.backfill.job",
+    "create_session": "daemon.backfill.job",
+}
+__all__ = ["BackfillError", "BackfillFailed", "BackfillSummary", "Fault", "InjectedFault", "backfill", "check_java",
+           "commit_log_dirs", "create_session"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

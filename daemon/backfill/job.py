@@ -28,13 +28,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from pyspark import StorageLevel, TaskContext
+from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from daemon.backfill.catalog import catalog_filesystem
 from daemon.backfill.commit import (
-    attempt_dir,
     commit_index_file,
     commit_queue_dir,
     file_counts,
@@ -46,7 +45,6 @@ from daemon.backfill.plan import (
     BackfillError,
     IndexLayout,
     ReadPlan,
-    Reread,
     check_existing_index,
     index_file_names,
     keys_per_file,
@@ -57,25 +55,28 @@ from daemon.backfill.ranges import (
     CATALOG,
     DECODED_DDL,
     KEYS,
-    LIMIT,
     META,
     UNITS,
     DecodeSettings,
     RangeOutcome,
     RangeTask,
-    decode_range,
     plan_ranges,
 )
 from daemon.backfill.source import LOCAL, S3Options, SegmentDir, SegmentListing, parse_segment_dirs
+from daemon.backfill.tasks import (
+    CATALOG_FILES,
+    CATALOG_STAGING,
+    INDEX_FILES,
+    QUEUES,
+    catalog_writer,
+    decode_rows,
+    index_writer,
+    queue_writer,
+)
 from daemon.backfill.writers import (
     PLAN_ROW,
-    Attempt,
     Fault,
     WriteStats,
-    result_rows,
-    write_catalog,
-    write_index_files,
-    write_queues,
 )
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
@@ -207,22 +208,12 @@ def spark_error_line(error: BaseException) -> str:
     return first[:500]
 
 
-def _task_attempt() -> Attempt:
-    ctx = TaskContext.get()
-    return Attempt(ctx.partitionId(), ctx.taskAttemptId(), ctx.attemptNumber())
-
-
-class BackfillTaskError(RuntimeError):
-    """What a task died of, with the phase and partition: the one line the driver reports."""
-
-
 # --- the job -----------------------------------------------------------------------------------------
 
 RESULT_DDL = "kind string, value binary"
 # A decode task reads this much per window (at least reput.batchBytes): large enough that per-window Python
 # costs little, small enough that a worker's mapped pages and decoded columns stay well under its budget.
 DECODE_WINDOW_BYTES = 8 * 1024 * 1024
-QUEUES, INDEX_FILES, CATALOG_FILES = "queues", "index", "catalog"
 
 
 def segment_dirs(config: Config, segments: str | None) -> tuple[SegmentDir, ...]:
@@ -345,44 +336,6 @@ def _check_catalog_absent(catalog: str, s3: S3Options) -> None:
         raise BackfillError(f"--catalog {catalog}: already exists; give a new path")
 
 
-def _decode_rows(settings: DecodeSettings, work, fault: Fault | None):
-    """The mapInArrow function of the decode: each input row is the index (`id`) of a RangeTask or Reread in
-    `work`, a broadcast list of them pickled (fetched once per worker, not shipped with every task)."""
-
-    def run(batches):
-        for rb in batches:
-            for number in rb.column("id").to_pylist():
-                item = pickle.loads(work.value[number])
-                attempt = _task_attempt()
-                if fault is not None:
-                    fault.check("decode", "started", attempt.attempt_number)
-                try:
-                    if isinstance(item, Reread):
-                        yield from _reread(item, settings)
-                    else:
-                        yield from decode_range(item, settings)
-                except Exception as e:
-                    name = item.tasks[0].location if isinstance(item, Reread) else item.location
-                    raise BackfillTaskError(f"decode task for {name}: {e}") from e
-
-    return run
-
-
-def _reread(work: Reread, settings: DecodeSettings):
-    """Decode consecutive ranges from a known boundary, until one's own first record is where the range
-    before it stopped."""
-    offset = work.start
-    for i, t in enumerate(work.tasks):
-        if i and work.claimed[i] == offset:
-            return
-        if offset >= t.seg_start + t.end:
-            continue
-        outcome = yield from decode_range(t, settings, start=offset)
-        if outcome.status != LIMIT or t.to_limit:
-            return
-        offset = outcome.next_offset
-
-
 class _Job:
     """The phases of one backfill, sharing the config, the session and the summary."""
 
@@ -420,7 +373,7 @@ class _Job:
         items = self.spark.sparkContext.broadcast([pickle.dumps(w) for w in work])
         self.broadcasts.append(items)
         frame = (self.spark.range(0, len(work), 1, len(work))
-                 .mapInArrow(_decode_rows(self.settings, items, self.fault), DECODED_DDL)
+                 .mapInArrow(decode_rows(self.settings, items, self.fault), DECODED_DDL)
                  .persist(StorageLevel.MEMORY_AND_DISK))
         self.frames.append(frame)
         metas = frame.filter(F.col("kind") == META).select("data").collect()
@@ -515,40 +468,16 @@ class _Job:
         self._timed("commit", t0)
 
     def _queue_writer(self, plan: ReadPlan, parts: int):
-        out, job_id, fault = self.out, self.job_id, self.fault
-        file_size = self.config.store.mapped_file_size_consume_queue
-
-        def run(batches):
-            attempt = _task_attempt()
-            stage = attempt_dir(out, job_id, "cq", attempt.partition, attempt.attempt_id)
-            try:
-                stats, staged = write_queues(batches, stage_dir=stage, file_size=file_size, attempt=attempt,
-                                             fault=fault)
-            except Exception as e:
-                remove_tree(stage)
-                raise BackfillTaskError(f"consumequeue task {attempt.partition}: {e}") from e
-            yield from result_rows(QUEUES, (stats, staged))
-
+        run = queue_writer(self.out, self.job_id, self.config.store.mapped_file_size_consume_queue, self.fault)
         return (self._selected(plan, UNITS).select("topic", "queue", "pos", "seq", "aux", "count", "data")
                 .repartition(parts, "topic", "queue").sortWithinPartitions("topic", "queue", "pos", "seq")
                 .mapInArrow(run, RESULT_DDL))
 
     def _index_writer(self, plan: ReadPlan, layout: IndexLayout, parts: int):
-        out, job_id, fault = self.out, self.job_id, self.fault
         store = self.config.store
         capacity = keys_per_file(store.max_index_num)
         last = len(layout.files) - 1
-
-        def run(batches):
-            attempt = _task_attempt()
-            stage = attempt_dir(out, job_id, "index", attempt.partition, attempt.attempt_id)
-            try:
-                stats, staged = write_index_files(batches, stage_dir=stage, hash_slot_num=store.max_hash_slot_num,
-                                                  index_num=store.max_index_num, attempt=attempt, fault=fault)
-            except Exception as e:
-                remove_tree(stage)
-                raise BackfillTaskError(f"index task {attempt.partition}: {e}") from e
-            yield from result_rows(INDEX_FILES, (stats, staged))
+        run = index_writer(self.out, self.job_id, store.max_hash_slot_num, store.max_index_num, self.fault)
 
         # each range's first global key number, as a literal array indexed by range number (no join, no job)
         bases = [0] * (max(layout.key_base) + 1)
@@ -570,20 +499,7 @@ class _Job:
                 .sortWithinPartitions("file", "g0").mapInArrow(run, RESULT_DDL))
 
     def _catalog_writer(self, plan: ReadPlan, parts: int, catalog: str):
-        s3, job_id = self.s3, self.job_id
-
-        def run(batches):
-            attempt = _task_attempt()
-            filesystem, base = catalog_filesystem(catalog, s3)
-            stage = f"{base.rstrip('/')}/{CATALOG_STAGING}/{job_id}/a{attempt.attempt_id}"
-            try:
-                written = write_catalog(batches, stage=stage, filesystem=filesystem, attempt=attempt)
-            except Exception as e:
-                with contextlib.suppress(Exception):
-                    filesystem.delete_dir(stage)
-                raise BackfillTaskError(f"catalog task {attempt.partition}: {e}") from e
-            yield from result_rows(CATALOG_FILES, written)
-
+        run = catalog_writer(catalog, self.s3, self.job_id)
         return (self._selected(plan, CATALOG).select("topic", "aux", "range", "seq", "data")
                 .repartition(parts, "topic", "aux").sortWithinPartitions("topic", "aux", "range", "seq")
                 .select("topic", "aux", "data").mapInArrow(run, RESULT_DDL))
@@ -655,4 +571,3 @@ class _Job:
                                     f"after --to")
 
 
-CATALOG_STAGING = "_reputd-staging"

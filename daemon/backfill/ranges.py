@@ -235,10 +235,12 @@ class RangeRows:
     def __init__(self, task: RangeTask, outcome: RangeOutcome, settings: DecodeSettings):
         import pyarrow as pa  # noqa: PLC0415
 
-        from daemon.backfill.catalog import catalog_groups  # noqa: PLC0415
-
         self.pa = pa
-        self.catalog_groups = catalog_groups
+        self.catalog_groups = None
+        if settings.catalog:  # pyarrow.compute and parquet: only for a run that writes a catalog
+            from daemon.backfill.catalog import catalog_groups  # noqa: PLC0415
+
+            self.catalog_groups = catalog_groups
         self.task = task
         self.outcome = outcome
         self.settings = settings
@@ -335,34 +337,44 @@ class RangeRows:
     def _arrow(self, rows: list[dict]):
         pa = self.pa
         n = len(rows)
-        seq = list(range(self.seq, self.seq + n))
+        seq = range(self.seq, self.seq + n)
         self.seq += n
         return pa.RecordBatch.from_arrays([
-            pa.array([r["kind"] for r in rows], pa.int8()),
-            pa.array([self.task.number] * n, pa.int32()),
-            pa.array(seq, pa.int32()),
-            pa.array([r.get("topic") for r in rows], pa.string()),
-            pa.array([r.get("queue") for r in rows], pa.int32()),
-            pa.array([r.get("pos") for r in rows], pa.int64()),
-            pa.array([r.get("aux") for r in rows], pa.int64()),
-            pa.array([r.get("count") for r in rows], pa.int32()),
-            self._binary([r["data"] for r in rows]),
+            arrow_column([r["kind"] for r in rows], pa.int8()),
+            arrow_column([self.task.number] * n, pa.int32()),
+            arrow_column(seq, pa.int32()),
+            arrow_column([r.get("topic") for r in rows], pa.string()),
+            arrow_column([r.get("queue") for r in rows], pa.int32()),
+            arrow_column([r.get("pos") for r in rows], pa.int64()),
+            arrow_column([r.get("aux") for r in rows], pa.int64()),
+            arrow_column([r.get("count") for r in rows], pa.int32()),
+            arrow_column([r["data"] for r in rows], pa.binary()),
         ], schema=self.schema)
 
-    def _binary(self, pieces: list):
-        """A binary column of `pieces` (bytes, or slices of a batch's unit array), copied once into one buffer.
 
-        pyarrow's `pa.array` keeps a reference to every buffer-protocol object it is given (a memoryview
-        of a numpy slice): each window's unit array stayed alive, and a worker grew by its size per range."""
-        pa = self.pa
-        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
-        np.cumsum([len(p) if isinstance(p, bytes) else p.nbytes for p in pieces], out=offsets[1:])
-        if offsets[-1] > BINARY_MAX_BYTES:
-            raise ValueError(f"{offsets[-1]} bytes of rows in one Arrow batch: over the {BINARY_MAX_BYTES} a binary "
-                             f"column holds")
-        data = b"".join(pieces)
-        return pa.Array.from_buffers(pa.binary(), len(pieces),
-                                     [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)])
+def arrow_column(values, arrow_type):
+    """An Arrow array of `values` (None for null) built from its buffers: ints of an integer type, or str, bytes
+    and slices of numpy arrays for a string or binary type, copied once into one buffer.
+
+    Not `pa.array`: its first call imports pandas when pandas is installed (a quarter of a second in every
+    Python worker), and it keeps a reference to every buffer-protocol object it is given (the memoryview
+    of a numpy slice), so each window's unit array stayed alive and a worker grew by it range after range."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    values = list(values)
+    n = len(values)
+    present = [v is not None for v in values]
+    validity = None if all(present) else pa.py_buffer(np.packbits(present, bitorder="little"))
+    if pa.types.is_integer(arrow_type):
+        data = np.array([0 if v is None else v for v in values], dtype=arrow_type.to_pandas_dtype())
+        return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(data)])
+    pieces = [b"" if v is None else v.encode() if isinstance(v, str) else v for v in values]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum([len(p) if isinstance(p, bytes) else p.nbytes for p in pieces], out=offsets[1:])
+    if offsets[-1] > BINARY_MAX_BYTES:
+        raise ValueError(f"{offsets[-1]} bytes in one Arrow column: over the {BINARY_MAX_BYTES} its offsets reach")
+    return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(offsets.astype(np.int32)),
+                                                 pa.py_buffer(b"".join(pieces))])
 
 
 def decoded_arrow_schema():

@@ -32,10 +32,9 @@ import numpy as np
 
 from daemon.backfill.commit import file_counts
 from daemon.backfill.plan import BackfillError, IndexFilePlan
-from daemon.backfill.ranges import NO_CREATOR
-from daemon.dispatchers import RELEASE_AFTER_KEYS
+from daemon.backfill.ranges import NO_CREATOR, arrow_column
 from indexcore.consumequeue import CQ_UNIT_DTYPE, ConsumeQueueStore
-from indexcore.indexfile import IndexFile
+from indexcore.indexfile import RELEASE_AFTER_KEYS, IndexFile
 from indexcore.indexservice import INDEX_DIR
 
 PLAN_ROW = -1  # the g0 of a file's plan row: sorts before its keys
@@ -276,5 +275,6 @@ def result_rows(kind: str, value) -> Iterator:
     """A task's result as one Arrow row (kind, pickled value)."""
     import pyarrow as pa  # noqa: PLC0415
 
-    yield pa.RecordBatch.from_pydict({"kind": [kind], "value": [pickle.dumps(value)]},
-                                     schema=pa.schema([("kind", pa.string()), ("value", pa.binary())]))
+    yield pa.RecordBatch.from_arrays(
+        [arrow_column([kind], pa.string()), arrow_column([pickle.dumps(value)], pa.binary())],
+        schema=pa.schema([("kind", pa.string()), ("value", pa.binary())]))
