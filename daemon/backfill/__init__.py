@@ -10,6 +10,7 @@ the range size, partitions or executors; Spark only spreads the work:
     catalog  the Parquet catalog's rows and files
     commit   staged files linked into place without clobbering (merge into blank units)
     job      the Spark session and jobs, Java detection, Spark errors as one line
+    tasks    what the Python workers run (the decode, the writers), importing no more than they need
 """
 
 import importlib
