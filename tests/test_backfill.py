@@ -372,6 +372,7 @@ def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
                       "--json", env={"XDG_CACHE_HOME": str(cache)}, timeout=300)
         assert res.returncode == 0, res.stderr
         assert "Traceback" not in res.stderr
+        assert "[Stage" not in res.stderr  # Spark's progress bar is for a terminal, not a captured stderr
         summary = json.loads(res.stdout)
         assert summary["messages"] == summary["newMessages"] == len(results)  # the human line says "0 new" at 0
         assert summary["segments"] > 3

@@ -163,7 +163,9 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
     if master.startswith("local") and "PYSPARK_PYTHON" not in os.environ:
         os.environ["PYSPARK_PYTHON"] = sys.executable
     builder = SparkSession.builder.appName("reputd-backfill").master(master)
-    settings = {"spark.ui.showConsoleProgress": "true", "spark.log.level": "FATAL",
+    # Spark's stage progress bar on a terminal only, as `reputd rebuild` draws its own: written into a log
+    # file or the journal it is a stream of carriage-return lines
+    settings = {"spark.ui.showConsoleProgress": str(sys.stderr.isatty()).lower(), "spark.log.level": "FATAL",
                 "spark.python.worker.reuse": "true",
                 # one job per action: adaptive execution would run every shuffle stage as a job of its own
                 "spark.sql.adaptive.enabled": "false",
