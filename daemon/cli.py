@@ -1,5 +1,5 @@
 """The `reputd` command line. Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error,
-130 interrupted (SIGINT or SIGTERM during rebuild).
+130 interrupted (SIGINT or SIGTERM during rebuild or backfill).
 
 Operators run `reputd query` by hand in an incident, so its start-up counts: this module imports only
 argparse at the top, each command imports what it uses, and the query commands defer the modules their

@@ -478,3 +478,38 @@ def test_spark_errors_become_the_task_error_line():
             "'/out/index/20231114221623169'\n\n\tat org.apache.spark.api.python.BasePythonRunner.handle(x.scala:1)\n")
     assert spark_error_line(RuntimeError(text)) == (
         "BackfillTaskError: index task 0: [Errno 28] No space left on device: '/out/index/20231114221623169'")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_cli_backfill_interrupted_mid_job_exits_130_cleanly(generated, tmp_path, sig):
+    """Ctrl-C (or a service manager's SIGTERM) while a Spark job runs: the jobs are cancelled, the staging
+    directory removed, nothing written, exit 130 with one line. PySpark's own SIGINT handler called into
+    the JVM from inside a JVM call: py4j printed three tracebacks; SIGTERM killed the command outright."""
+    tmp, _, _ = generated
+    config = config_file(tmp_path, "out", tmp / "store")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    proc = subprocess.Popen([*REPUTD, "backfill", "--config", str(config), "--master", "local[1]", "--conf",
+                             "spark.ui.enabled=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    seen: list[str] = []
+
+    def read_stderr() -> None:
+        seen.extend(proc.stderr)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while not any("decoding" in line for line in seen) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "".join(seen)
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    reader.join(timeout=10)
+    err = "".join(seen)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.rstrip().endswith("reputd: interrupted"), err[-2000:]
+    out = tmp_path / "out"
+    assert not (out / STAGING_DIR).exists()
+    assert not (out / "consumequeue").exists()
+    assert not (out / "index").exists()

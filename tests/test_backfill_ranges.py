@@ -342,3 +342,24 @@ def test_a_python_worker_imports_only_what_its_tasks_need():
     assert loaded.isdisjoint({"daemon.backfill.job", "daemon.backfill.catalog", "daemon.dispatchers",
                               "daemon.recovery", "daemon.metrics", "daemon.logs", "prometheus_client",
                               "structlog", "watchdog", "pyarrow.parquet", "pandas"}), sorted(loaded)
+
+
+def test_the_python_daemon_ends_a_worker_whose_socket_closed_quietly():
+    """A worker whose task Spark cancelled finds its socket closed: it exits 1, as PySpark's daemon has it
+    exit, without the BrokenPipeError traceback PySpark prints (it reached the terminal on every Ctrl-C)."""
+    import subprocess
+    import sys
+
+    code = ("import daemon.backfill.pydaemon as d\n"
+            "def closed(sock, authenticated):\n"
+            "    raise BrokenPipeError(32, 'Broken pipe')\n"
+            "d._pyspark_worker = closed\n"
+            "import pyspark.daemon\n"
+            "assert pyspark.daemon.worker is d.worker\n"
+            "pyspark.daemon.worker(None, False)\n"
+            "print('not reached')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
+                         cwd=Path(__file__).resolve().parent.parent, timeout=60)
+    assert res.returncode == 1, res.stderr
+    assert res.stdout == ""
+    assert res.stderr == ""

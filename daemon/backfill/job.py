@@ -21,7 +21,9 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -179,7 +181,9 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
                 # the rows are few and large (runs of units and keys), so evaluating their expressions costs
                 # nothing, while compiling generated code for each stage cost seconds in a short job
                 "spark.sql.codegen.wholeStage": "false",
-                "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
+                "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+                # PySpark's daemon, but a worker whose task was cancelled ends without a BrokenPipeError traceback
+                "spark.python.daemon.module": "daemon.backfill.pydaemon"}
     if master.startswith("local"):
         # the driver JVM runs the tasks too: a short job spends seconds in the optimising JIT (C2) on cores the
         # decode needs; the quick compiler alone cut the work after start-up by about a quarter here
@@ -268,6 +272,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
             if archive is not None and archive.saving:
                 say(f"this first local backfill with this Java and Spark records the JVM's classes in "
                     f"{archive.path} as it ends, so that later ones start faster")
+        before = _signal_handlers()
         spark = create_session(master, spark_conf, archive)
         summary.phases["startup"] = time.perf_counter() - started
     sc = spark.sparkContext
@@ -285,13 +290,18 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
                               build_index, catalog is not None, config.backfill.catalog_body, s3,
                               multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq))
     job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
+    interrupt = _Interrupt(sc, group, install=owns_session)
     try:
         if catalog is not None:
             _check_catalog_absent(catalog, s3)
         if tasks:
             plan = job.decode(tasks, listing, start, to_offset, from_offset is not None)
+            interrupt.check()
             job.write(plan, build_cq, build_index, catalog)
+            interrupt.check()
     except Exception as e:
+        if interrupt.signal is not None:
+            raise KeyboardInterrupt from None  # the jobs failed because the signal cancelled them
         if isinstance(e, StoreError | ValueError | OSError):
             raise
         if type(e).__module__.startswith(("py4j", "pyspark")):
@@ -304,6 +314,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
         remove_tree(staging_root(out, job_id))
         if owns_session:
             spark.stop()
+            _restore_signal_handlers(before)
             if archive is not None and archive.saving:
                 t0 = time.perf_counter()
                 if save_archive(archive):
@@ -315,6 +326,53 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
         log.warning("incomplete_record_at_end", error=str(summary.pending))
     log.info("backfill_finished", **summary.as_dict())
     return summary
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _signal_handlers() -> dict | None:
+    """SIGINT's and SIGTERM's handlers before the SparkContext replaces SIGINT's (None off the main thread,
+    where none can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+
+
+def _restore_signal_handlers(handlers: dict | None) -> None:
+    for sig, handler in (handlers or {}).items():
+        signal.signal(sig, handler)
+
+
+class _Interrupt:
+    """SIGINT or SIGTERM during a backfill: its Spark jobs are cancelled from another thread, and the job that
+    fails of it ends the backfill as an interruption (the caller's KeyboardInterrupt: staging removed, the
+    session stopped). PySpark's own SIGINT handler calls into the JVM from the thread the signal interrupts,
+    which is inside a call to the JVM: py4j then printed three tracebacks. A second signal interrupts at once.
+    Only for a session the backfill owns (`install`): a caller's own session keeps the caller's handlers."""
+
+    def __init__(self, sc, group: str, install: bool = True):
+        self.sc = sc
+        self.group = group
+        self.signal: int | None = None
+        if install and threading.current_thread() is threading.main_thread():
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+        threading.Thread(target=self._cancel, name="reputd-backfill-cancel", daemon=True).start()
+
+    def _cancel(self) -> None:
+        with contextlib.suppress(Exception):  # the context may be stopping already
+            self.sc.cancelJobGroup(self.group)
+
+    def check(self) -> None:
+        """Raise the interruption if a signal came while the driver was not waiting for a job."""
+        if self.signal is not None:
+            raise KeyboardInterrupt
 
 
 def first_real_unit(directory: str) -> tuple[str, int] | None:

@@ -1,0 +1,31 @@
+"""PySpark's Python daemon (`spark.python.daemon.module`), minus one traceback.
+
+When Spark cancels or kills a task (a Ctrl-C, a failed task's siblings), the JVM closes the task's socket
+and the worker's last flush fails with a broken pipe. PySpark then ends the worker, as it should, but prints
+the BrokenPipeError's traceback first, and it reaches the operator's terminal through the JVM. Here the
+worker ends the same way (exit status 1, Spark starts another one) without it. Everything else is
+`pyspark.daemon`: its manager forks and serves the workers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyspark.daemon
+
+_pyspark_worker = pyspark.daemon.worker
+WORKER_GONE_EXIT = 1  # what pyspark.daemon's manager exits a worker with after an exception
+
+
+def worker(sock, authenticated):
+    """`pyspark.daemon.worker`, ending quietly when the JVM has closed the task's socket."""
+    try:
+        return _pyspark_worker(sock, authenticated)
+    except (BrokenPipeError, ConnectionResetError):
+        os._exit(WORKER_GONE_EXIT)
+
+
+pyspark.daemon.worker = worker
+
+if __name__ == "__main__":
+    pyspark.daemon.manager()
