@@ -266,13 +266,13 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     started = time.perf_counter()
     say = progress or (lambda _text: None)
     archive = None
+    interrupt = _Interrupt(own=owns_session)
     if spark is None:
         if master.startswith("local"):
             archive = choose_archive(config.backfill.jvm_class_archive, check_java(), LOCAL_DRIVER_JAVA_OPTIONS)
             if archive is not None and archive.saving:
                 say(f"this first local backfill with this Java and Spark records the JVM's classes in "
                     f"{archive.path} as it ends, so that later ones start faster")
-        before = _signal_handlers()
         spark = create_session(master, spark_conf, archive)
         summary.phases["startup"] = time.perf_counter() - started
     sc = spark.sparkContext
@@ -290,7 +290,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
                               build_index, catalog is not None, config.backfill.catalog_body, s3,
                               multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq))
     job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
-    interrupt = _Interrupt(sc, group, install=owns_session)
+    interrupt.arm(sc, group)
     try:
         if catalog is not None:
             _check_catalog_absent(catalog, s3)
@@ -314,7 +314,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
         remove_tree(staging_root(out, job_id))
         if owns_session:
             spark.stop()
-            _restore_signal_handlers(before)
+            interrupt.disarm()
             if archive is not None and archive.saving:
                 t0 = time.perf_counter()
                 if save_archive(archive):
@@ -331,33 +331,31 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _signal_handlers() -> dict | None:
-    """SIGINT's and SIGTERM's handlers before the SparkContext replaces SIGINT's (None off the main thread,
-    where none can be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
-
-
-def _restore_signal_handlers(handlers: dict | None) -> None:
-    for sig, handler in (handlers or {}).items():
-        signal.signal(sig, handler)
-
-
 class _Interrupt:
     """SIGINT or SIGTERM during a backfill: its Spark jobs are cancelled from another thread, and the job that
     fails of it ends the backfill as an interruption (the caller's KeyboardInterrupt: staging removed, the
     session stopped). PySpark's own SIGINT handler calls into the JVM from the thread the signal interrupts,
     which is inside a call to the JVM: py4j then printed three tracebacks. A second signal interrupts at once.
-    Only for a session the backfill owns (`install`): a caller's own session keeps the caller's handlers."""
 
-    def __init__(self, sc, group: str, install: bool = True):
-        self.sc = sc
-        self.group = group
+    Made before the session that the backfill owns (`own`): it keeps the handlers the SparkContext is about
+    to replace, `arm` installs its own once the job group exists, and `disarm` puts the kept ones back. For a
+    caller's session, and off the main thread (where no handler can be set), it does nothing."""
+
+    def __init__(self, own: bool):
         self.signal: int | None = None
-        if install and threading.current_thread() is threading.main_thread():
-            for sig in _STOP_SIGNALS:
-                signal.signal(sig, self._on_signal)
+        self._sc = self._group = None
+        self._kept = {}
+        if own and threading.current_thread() is threading.main_thread():
+            self._kept = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+
+    def arm(self, sc, group: str) -> None:
+        self._sc, self._group = sc, group
+        for sig in self._kept:
+            signal.signal(sig, self._on_signal)
+
+    def disarm(self) -> None:
+        for sig, handler in self._kept.items():
+            signal.signal(sig, handler)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.signal is not None:
@@ -367,7 +365,7 @@ class _Interrupt:
 
     def _cancel(self) -> None:
         with contextlib.suppress(Exception):  # the context may be stopping already
-            self.sc.cancelJobGroup(self.group)
+            self._sc.cancelJobGroup(self._group)
 
     def check(self) -> None:
         """Raise the interruption if a signal came while the driver was not waiting for a job."""
