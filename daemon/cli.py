@@ -350,6 +350,18 @@ def cmd_run(args, config: Config) -> int:
     return run_daemon(config, until_caught_up=args.until_caught_up, on_exit=summary)
 
 
+def _freeze_start_up() -> None:
+    """Before a pass over a whole CommitLog: what start-up made (modules, config, the logger) lives as
+    long as the command, so it is moved out of the cyclic collector's reach. The pass allocates enough
+    to trigger collections, which would otherwise walk all of it each time while holding the GIL the
+    read-ahead thread waits for (an LMQ rebuild of the bench store: 31 ms of collections, 10 ms frozen).
+    A command's business, not the library's: `rebuild()` called in a longer-lived process leaves its gc
+    alone."""
+    import gc
+
+    gc.freeze()
+
+
 def cmd_rebuild(args, config: Config) -> int:
     import signal
     import threading
@@ -374,6 +386,7 @@ def cmd_rebuild(args, config: Config) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _freeze_start_up()
     try:
         summary = rebuild(config, from_offset=args.from_offset, progress=bar, stop=stop)
     except FromOffsetError as e:
@@ -407,6 +420,7 @@ def cmd_verify(args, config: Config) -> int:
 
     bar = ProgressBar() if sys.stderr.isatty() and not args.json else None
     configure_logging(config.logging.level, config.logging.format, stream=bar)
+    _freeze_start_up()
     try:
         report = verify(config, from_offset=args.from_offset, progress=bar)
     except VerifyUsageError as e:

@@ -281,3 +281,47 @@ def test_bad_plugin_is_a_config_error(store, name, needle):
     assert "dispatchers[0]" in res.stderr
     assert needle in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("command", ["rebuild", "verify"])
+def test_whole_log_commands_freeze_start_up_objects_before_the_pass(store, command):
+    """rebuild and verify move what start-up made out of the cyclic collector's reach before they read the
+    CommitLog (collections during the pass hold the GIL the read-ahead thread waits for); the library
+    functions themselves leave a caller's gc alone."""
+    _, config, _ = store
+    probe = (
+        "import gc, sys, daemon.rebuild as rb, daemon.verify as vf\n"
+        "from daemon import cli\n"
+        "seen = []\n"
+        "def spy(real):\n"
+        "    def call(*a, **k):\n"
+        "        seen.append(gc.get_freeze_count())\n"
+        "        return real(*a, **k)\n"
+        "    return call\n"
+        "rb.rebuild, vf.verify = spy(rb.rebuild), spy(vf.verify)\n"
+        f"code = cli.main([{command!r}, '--config', {str(config)!r}])\n"
+        "print(seen)\n"
+        "sys.exit(code)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    if command == "verify":
+        assert run("rebuild", "--config", str(config)).returncode == 0
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(seen) == 1, seen  # the command ran the pass once
+    assert seen[0] > 1000, seen  # with start-up's objects (tens of thousands) frozen before it
+
+
+def test_rebuild_called_as_a_library_function_leaves_gc_alone(store, monkeypatch):
+    import gc
+
+    from daemon.config import load_config
+    from daemon.rebuild import rebuild
+
+    _, config, results = store
+    for name in [k for k in os.environ if k.startswith("REPUTD_")]:
+        monkeypatch.delenv(name)
+    before = gc.get_freeze_count()
+    assert rebuild(load_config(str(config))).messages == len(results)
+    assert gc.get_freeze_count() == before
