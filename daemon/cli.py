@@ -475,8 +475,9 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
 
 
 # The master URLs Spark parses (SparkContext's scheduler choice); any other one fails only once the JVM is up.
+_HOST_PORT = r"(\[[0-9A-Fa-f:.]+\]|[^\s,:\[\]/]+):\d+"
 SPARK_MASTER_URL = re.compile(r"local(\[(\d+|\*)(\s*,\s*\d+)?\])?|local-cluster\[\s*\d+\s*,\s*\d+\s*,\s*\d+\s*\]"
-                              r"|yarn|(spark|k8s|mesos)://\S+")
+                              rf"|yarn|spark://{_HOST_PORT}(,{_HOST_PORT})*|(k8s|mesos)://\S+")
 
 
 def _backfill_checks(args, config: Config) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -373,6 +374,10 @@ def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
         assert res.returncode == 0, res.stderr
         assert "Traceback" not in res.stderr
         assert "[Stage" not in res.stderr  # Spark's progress bar is for a terminal, not a captured stderr
+        # nor Spark's start-up chatter: its default logging profile, host name and Hadoop warnings, levels
+        for chatter in ("log4j profile", " WARN ", "Setting default log level", "Setting Spark log level",
+                        "NativeCodeLoader"):
+            assert chatter not in res.stderr, res.stderr
         summary = json.loads(res.stdout)
         assert summary["messages"] == summary["newMessages"] == len(results)  # the human line says "0 new" at 0
         assert summary["segments"] > 3
@@ -429,7 +434,8 @@ def test_segments_take_paths_and_file_s3_hdfs_uris(tmp_path):
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize("master", ["local1", "local[x]", "spark:/host:7077", "127.0.0.1:7077", ""])
+@pytest.mark.parametrize("master", ["local1", "local[x]", "spark:/host:7077", "127.0.0.1:7077", "", "spark://host",
+                                    "spark://h1:7077,h2", "spark://host:port"])
 def test_a_master_spark_cannot_parse_is_refused_before_spark_starts(tmp_path, master):
     """A master URL Spark would reject once its JVM is up is a usage error at once, naming the accepted forms."""
     config = make_config(tmp_path, "out", tmp_path / "store")
@@ -444,8 +450,43 @@ def test_the_master_urls_spark_accepts_pass():
     from daemon.cli import SPARK_MASTER_URL
 
     for master in ("local", "local[1]", "local[*]", "local[4, 2]", "local-cluster[2, 1, 1024]", "yarn",
-                   "spark://127.0.0.1:7077", "spark://h1:7077,h2:7077", "k8s://https://api:6443", "mesos://zk://h:2181"):
+                   "spark://127.0.0.1:7077", "spark://h1:7077,h2:7077", "spark://[::1]:7077", "k8s://https://api:6443",
+                   "mesos://zk://h:2181"):
         assert SPARK_MASTER_URL.fullmatch(master), master
+
+
+def test_a_standalone_master_nothing_answers_at_fails_at_once_naming_it(generated, tmp_path):
+    """`--master spark://HOST:PORT` with nothing listening there: exit 1 with one line naming the address,
+    before Spark starts (Spark retried for over a minute, then said only "Cannot call methods on a stopped
+    SparkContext"), and nothing written but the lock."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    config = config_file(tmp_path, "out", generated[0] / "store")
+    res = run_cli("backfill", "--config", str(config), "--master", f"spark://127.0.0.1:{port}")
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr
+    assert f"reputd: error: no Spark master answers at 127.0.0.1:{port} (Connection refused)" in res.stderr
+    assert "stopped SparkContext" not in res.stderr
+    assert sorted(os.listdir(tmp_path / "out")) == [LOCK_FILE]
+
+
+def test_one_standalone_master_that_answers_is_enough():
+    """A master with standbys (`spark://h1:p1,h2:p2`): one address accepting connections passes the check;
+    local and cluster-manager masters are Spark's business."""
+    from daemon.backfill.job import check_master_answers
+
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))
+        dead_port = dead.getsockname()[1]
+    with socket.create_server(("127.0.0.1", 0)) as live:
+        live_port = live.getsockname()[1]
+        check_master_answers(f"spark://127.0.0.1:{dead_port},127.0.0.1:{live_port}")
+        check_master_answers(f"spark://127.0.0.1:{live_port}")
+    with pytest.raises(BackfillError, match=rf"127.0.0.1:{dead_port} \(Connection refused\)"):
+        check_master_answers(f"spark://127.0.0.1:{dead_port}")
+    for master in ("local[2]", "yarn", "k8s://https://api:6443"):
+        check_master_answers(master)
 
 
 def test_hdfs_reaches_the_filesystem_call(tmp_path, monkeypatch):

@@ -138,6 +138,7 @@ def test_wheel_holds_every_package_of_the_source_tree(installed):
     sources = sorted(str(p.relative_to(ROOT)) for name in OWN_PACKAGES for p in (ROOT / name).rglob("*.py"))
     assert [s for s in sources if s not in names] == []
     assert [n for n in names if n.startswith("indexcore/_kernels.") and n.endswith(".so")]
+    assert "daemon/backfill/log4j2.properties" in names  # the backfill driver's logging, read by its JVM
     assert not [n for n in names if n.split("/")[0] in {"tests", "bench"}]
 
 
@@ -202,6 +203,7 @@ def test_installed_backfill_builds_the_rebuilds_files(installed, rebuilt, tmp_pa
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     assert "No module named" not in result.stderr
+    assert "log4j" not in result.stderr  # the installed logging file was found: neither Spark's nor an error
     assert _output(backfilled) == _output(out)
     print(f"installed reputd backfill: {result.stdout.strip().splitlines()[-1]}")
 

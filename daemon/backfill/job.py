@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import pickle
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -97,6 +99,10 @@ JAVA_INSTALL_HINT = (f"Spark needs a Java {MIN_JAVA} (or later) runtime: install
                      f"or set JAVA_HOME to it")
 ARROW_BATCH_BYTES = 4 * 1024 * 1024
 LOCAL_DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
+STANDALONE_PREFIX = "spark://"
+MASTER_CONNECT_TIMEOUT_S = 5.0
+# the driver JVM's logging: Spark's errors only, not its start-up chatter (the file says why)
+DRIVER_LOG_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
 _JAVA_VERSION = re.compile(r'version "(\d+)(?:\.(\d+))?')
 _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Fault|Failed)): (.+)$")
 
@@ -156,12 +162,34 @@ def check_java(env: Mapping[str, str] | None = None) -> str:
     return java
 
 
+def check_master_answers(master: str, timeout: float = MASTER_CONNECT_TIMEOUT_S) -> None:
+    """A standalone master (`spark://HOST:PORT`, or several, comma-separated, for a master with standbys)
+    must accept a connection at one of its addresses. Spark itself retries for over a minute, then fails
+    with "Cannot call methods on a stopped SparkContext", the reason (no master answered) being a log line
+    the backfill keeps quiet; a wrong port is the usual cause. Other masters are left to Spark."""
+    if not master.startswith(STANDALONE_PREFIX):
+        return
+    failures = []
+    for address in master[len(STANDALONE_PREFIX):].split(","):
+        host, _, port = address.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise BackfillError(f"--master {master}: {address!r} is not HOST:PORT")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+            return
+        except OSError as e:
+            failures.append(f"{address.strip()} ({e.strerror or e})")
+    raise BackfillError(f"no Spark master answers at {', '.join(failures)}: is the master running, and is "
+                        "that its port (the one its web UI shows as spark://HOST:PORT)?")
+
+
 def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None = None,
                    archive: ClassArchive | None = None):
     """A SparkSession for the backfill. Local workers run this interpreter (so they import reputd and
     numpy from the same environment); on a cluster, PYSPARK_PYTHON or spark.pyspark.python decides.
     `archive`: the class-data archive a local driver JVM maps or records (`jvm.py`)."""
     check_java()
+    check_master_answers(master)
     if master.startswith("local") and "PYSPARK_PYTHON" not in os.environ:
         os.environ["PYSPARK_PYTHON"] = sys.executable
     builder = SparkSession.builder.appName("reputd-backfill").master(master)
@@ -184,12 +212,14 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
                 "spark.sql.codegen.factoryMode": "NO_CODEGEN",
                 # PySpark's daemon, but a worker whose task was cancelled ends without a BrokenPipeError traceback
                 "spark.python.daemon.module": "daemon.backfill.pydaemon"}
+    driver_options = [driver_log_option()]
     if master.startswith("local"):
         # the driver JVM runs the tasks too: a short job spends seconds in the optimising JIT (C2) on cores the
         # decode needs; the quick compiler alone cut the work after start-up by about a quarter here
-        settings["spark.driver.extraJavaOptions"] = LOCAL_DRIVER_JAVA_OPTIONS
+        driver_options.append(LOCAL_DRIVER_JAVA_OPTIONS)
         if archive is not None:
-            settings["spark.driver.extraJavaOptions"] += " " + archive.java_options()
+            driver_options.append(archive.java_options())
+    settings["spark.driver.extraJavaOptions"] = " ".join(driver_options)
     settings.update(conf or {})
     for key, value in settings.items():
         builder = builder.config(key, value)
@@ -197,6 +227,11 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
         return builder.getOrCreate()
     except Exception as e:  # the JVM did not come up: PySparkRuntimeError, Py4JError...
         raise BackfillError(f"Spark did not start with master {master}: {spark_error_line(e)}") from None
+
+
+def driver_log_option() -> str:
+    """The JVM option that makes the driver log with DRIVER_LOG_CONFIG (a URI: the path may hold spaces)."""
+    return f"-Dlog4j2.configurationFile={pathlib.Path(DRIVER_LOG_CONFIG).as_uri()}"
 
 
 def spark_error_line(error: BaseException) -> str:
