@@ -92,6 +92,29 @@ def _record(topic: str, pos: int, props: dict[str, str]) -> MessageRecord:
                          body=body, properties=encode_properties(props), body_crc=body_crc32(body))
 
 
+def _rss_anon_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+def test_the_records_table_costs_only_the_pages_a_window_writes() -> None:
+    """The records table is sized for the most records a window could hold and a window fills a fraction
+    of each of its rows: its memory is what the decode writes, 4 KiB pages, not a 2 MiB transparent huge
+    page per row (clearing those cost a rebuild's first window up to 160 ms)."""
+    from indexcore.batchdecode import _sparse_table
+
+    rows, columns = 16, 1 << 20  # 128 MiB of address space
+    before = _rss_anon_kib()
+    table = _sparse_table(rows, columns)
+    assert table.shape == (rows, columns)
+    assert table.dtype == np.int64
+    assert not table[:, ::4096].any()  # zero, as a fresh mapping is (this reads one page per 32 KiB)
+    table[:, :1024] = 7  # 8 KiB of each row: two pages
+    grown = _rss_anon_kib() - before
+    assert grown < 8 * 1024, f"{grown} KiB for 128 KiB written"
+    assert int(table[:, :1024].sum()) == 7 * rows * 1024
+
+
 def test_outputs_grow_past_every_first_guess() -> None:
     """More records, keys, text and topics than the first buffers hold: the kernel stops, the wrapper
     grows what is full and the decode goes on, with the same result as one record at a time."""
