@@ -337,6 +337,7 @@ def cmd_run(args, config: Config) -> int:
     if args.until_caught_up and not args.metrics:
         config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, enabled=False))
     _lock_output(args, config)
+    raise_open_files_limit()
 
     def summary(s: dict) -> None:
         if not args.until_caught_up:
@@ -362,6 +363,27 @@ def _freeze_start_up() -> None:
     gc.freeze()
 
 
+# What a process may raise its descriptor limit to when the hard limit is unlimited: Linux refuses more than
+# fs.nr_open, 1,048,576 unless an administrator raised it.
+NOFILE_WHEN_UNLIMITED = 1 << 20
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft limit on open descriptors to the hard one, as the broker's JVM does for itself
+    (HotSpot's MaxFDLimit, on by default). A store keeps half the soft limit of its queue files open
+    (`open_queue_files_limit`): under a shell's usual 1,024 an LMQ store's thousand queues would be opened
+    and closed again batch after batch. Where the kernel refuses, the limit stays as it was."""
+    import contextlib
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = NOFILE_WHEN_UNLIMITED if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def cmd_rebuild(args, config: Config) -> int:
     import signal
     import threading
@@ -370,6 +392,7 @@ def cmd_rebuild(args, config: Config) -> int:
     from daemon.rebuild import FromOffsetError, ProgressBar, RebuildFailed, rebuild
 
     _lock_output(args, config)
+    raise_open_files_limit()
     bar = ProgressBar() if sys.stderr.isatty() else None
     if bar is None:
         configure_logging(config.logging.level, config.logging.format)
@@ -420,6 +443,7 @@ def cmd_verify(args, config: Config) -> int:
 
     bar = ProgressBar() if sys.stderr.isatty() and not args.json else None
     configure_logging(config.logging.level, config.logging.format, stream=bar)
+    raise_open_files_limit()
     _freeze_start_up()
     try:
         report = verify(config, from_offset=args.from_offset, progress=bar)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon import cli
 from indexcore.commitlog import PHYSICAL_OFFSET_OFFSET
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import discover, files_under
@@ -311,6 +312,70 @@ def test_whole_log_commands_freeze_start_up_objects_before_the_pass(store, comma
     seen = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(seen) == 1, seen  # the command ran the pass once
     assert seen[0] > 1000, seen  # with start-up's objects (tens of thousands) frozen before it
+
+
+@pytest.mark.parametrize("command", ["run", "rebuild", "verify"])
+def test_store_commands_raise_the_open_files_limit_to_the_hard_one(store, command):
+    """Started under a shell's low soft limit, run, rebuild and verify raise it to the hard limit before they
+    open the store's files, as the broker's JVM does (a store keeps half the soft limit of its queue files
+    open); the hard limit stays as it was."""
+    import resource
+
+    _, config, _ = store
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 64
+    if hard != resource.RLIM_INFINITY and hard <= low:
+        pytest.skip(f"the hard limit here ({hard}) leaves nothing to raise")
+    probe = (
+        "import json, resource, sys, daemon.rebuild as rb, daemon.verify as vf, daemon.reput as rp\n"
+        "from daemon import cli\n"
+        "seen = []\n"
+        "def spy(real):\n"
+        "    def call(*a, **k):\n"
+        "        seen.append(resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+        "        return real(*a, **k)\n"
+        "    return call\n"
+        "rb.rebuild, vf.verify, rp.run_daemon = spy(rb.rebuild), spy(vf.verify), spy(rp.run_daemon)\n"
+        f"args = [{command!r}, '--config', {str(config)!r}] + (['--until-caught-up'] if {command!r} == 'run' else [])\n"
+        "code = cli.main(args)\n"
+        "print(json.dumps(seen))\n"
+        "sys.exit(code)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    if command == "verify":
+        assert run("rebuild", "--config", str(config)).returncode == 0
+
+    def lower() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120,
+                         check=False, preexec_fn=lower)
+    assert res.returncode == 0, res.stderr
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    wanted = cli.NOFILE_WHEN_UNLIMITED if hard == resource.RLIM_INFINITY else hard
+    assert seen == [[wanted, hard]], seen
+
+
+def test_open_files_limit_left_alone_when_high_enough_or_refused(monkeypatch):
+    """Nothing is lowered, an unlimited hard limit gets fs.nr_open's default, and a refusal is not an error."""
+    import resource
+
+    calls = []
+    limits = {"now": (resource.RLIM_INFINITY, resource.RLIM_INFINITY)}
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: limits["now"])
+
+    def setrlimit(_which, value):
+        calls.append(value)
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    cli.raise_open_files_limit()  # soft unlimited already
+    limits["now"] = (4096, 1024 * 1024 * 4)
+    cli.raise_open_files_limit()  # refused: no exception
+    limits["now"] = (1024, resource.RLIM_INFINITY)
+    cli.raise_open_files_limit()
+    limits["now"] = (8192, 8192)
+    cli.raise_open_files_limit()  # at the hard limit already
+    assert calls == [(1024 * 1024 * 4, 1024 * 1024 * 4), (cli.NOFILE_WHEN_UNLIMITED, resource.RLIM_INFINITY)]
 
 
 def test_rebuild_called_as_a_library_function_leaves_gc_alone(store, monkeypatch):
