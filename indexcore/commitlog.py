@@ -157,7 +157,9 @@ def check_topic(raw: bytes, magic: int = MESSAGE_MAGIC_CODE) -> str:
     """Decode a stored topic, refusing names that are unsafe as a directory name.
 
     The topic becomes `consumequeue/{topic}/`, so a stored `../x`, a slash, a NUL or a control character
-    must never reach the file system. Raises CorruptRecordError(field="topic").
+    must never reach the file system, nor may `.` or `..` as the whole name. Dots inside a name are
+    ordinary: the broker stores an LMQ named `%LMQ%v2..double.dot` in a directory of that name.
+    Raises CorruptRecordError(field="topic").
     """
     if not raw:
         raise CorruptRecordError("topic", "empty topic")
@@ -169,8 +171,10 @@ def check_topic(raw: bytes, magic: int = MESSAGE_MAGIC_CODE) -> str:
         raise CorruptRecordError("topic", f"not valid UTF-8: {raw!r}") from None
     if len(raw) > MAX_TOPIC_NAME_BYTES:
         raise CorruptRecordError("topic", f"{len(raw)} bytes, over the {MAX_TOPIC_NAME_BYTES} of a directory name")
-    if "/" in topic or "\\" in topic or ".." in topic or topic == ".":
-        raise CorruptRecordError("topic", f"path separator or '..' in topic {topic!r}")
+    if "/" in topic or "\\" in topic:
+        raise CorruptRecordError("topic", f"path separator in topic {topic!r}")
+    if topic in (".", ".."):
+        raise CorruptRecordError("topic", f"topic {topic!r} names a directory itself, not one of its own")
     if any(unicodedata.category(c) == "Cc" for c in topic):  # C0, DEL and C1
         raise CorruptRecordError("topic", f"NUL or control character in topic {topic!r}")
     return topic

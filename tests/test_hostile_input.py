@@ -386,7 +386,8 @@ MULTI_FIELD = "properties.INNER_MULTI_DISPATCH"
 # LMQ name and as a plain one; and names that only a property can hold
 HOSTILE_NAMES = {
     **{f"lmq_{name}": b"%LMQ%" + case.spec.topic for name, case in HOSTILE_TOPICS.items()
-       if case.field == "topic" and not set(case.spec.topic) & {1, 2, 0x2C} and name != "dot"},  # %LMQ%. is fine
+       # %LMQ%. and %LMQ%.. are ordinary names: only "." and ".." as a whole name are a directory's own entries
+       if case.field == "topic" and not set(case.spec.topic) & {1, 2, 0x2C} and name not in ("dot", "dotdot")},
     **{f"plain_{name}": case.spec.topic for name, case in HOSTILE_TOPICS.items()
        if case.field == "topic" and not set(case.spec.topic) & {1, 2, 0x2C} and case.spec.topic},
     "empty_first": b",%LMQ%ok",

@@ -453,6 +453,21 @@ def test_lmq_units_go_to_queue_0_and_plain_names_to_the_records_queue(tmp_path: 
     assert not (out / "consumequeue" / "%LMQ%r1" / "2").exists()
 
 
+def test_lmq_names_with_dots_are_queues_like_any_other(tmp_path: Path) -> None:
+    """A broker accepts any `%LMQ%` name its clients send; names such as `%LMQ%v2..double.dot` or `%LMQ%a.b.c`
+    (written by a real 4.9.3 store: ConformanceWriter's second workload) get their directory and units."""
+    names = ["%LMQ%v2..double.dot", "%LMQ%a.b.c", "%LMQ%-lead-dash", "%LMQ%p%q", "%LMQ%..x"]
+    w = writer(tmp_path)
+    m = w.append(Message("mqtt_parent-v2", 1, b"a", {"TAGS": "t", MD: ",".join(names)}))
+    w.close()
+    _, summary, _ = quiet_rebuild(lmq_config(tmp_path))
+    assert summary.messages == 1
+    unit = (m.phy_offset, m.msg_size, java_string_hash("t"))
+    for name in names:
+        assert queue_units(tmp_path / "out", name, 0) == [unit], name
+    assert sorted(os.listdir(tmp_path / "out" / "consumequeue")) == sorted([*names, "mqtt_parent-v2"])
+
+
 def test_without_enable_lmq_every_name_takes_the_records_queue(tmp_path: Path) -> None:
     """MultiDispatch.queueKey and multiDispatchLmqQueue use queue 0 only when enableLmq is set."""
     w = writer(tmp_path, lmq=False)
