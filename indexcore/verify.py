@@ -97,6 +97,9 @@ MAX_EXAMPLES = 5
 # A mapping keeps a descriptor: IndexFiles beyond this many are re-mapped when met again (the ConsumeQueue
 # check keeps `open_queue_files_limit`, half the descriptor limit: an LMQ store's queues are met every batch)
 OPEN_MAPPINGS = 256
+# vm.max_map_count bounds every mapping of a process (one more fails with ENOMEM); Linux's default
+MAX_MAP_COUNT_PATH = "/proc/sys/vm/max_map_count"
+DEFAULT_MAX_MAP_COUNT = 65530
 TAIL_SCAN_UNITS = 1 << 16  # units (or entries) read at a time past the expected end, until one read is all zero
 _HEADER_BEGIN = (0, 2)  # begin_timestamp, begin_phy_offset: written by a file's first put only
 _HEADER_JSON = ("beginTimestamp", "endTimestamp", "beginPhyOffset", "endPhyOffset", "hashSlotCount", "indexCount")
@@ -189,6 +192,19 @@ class RecordLocator:
             i = int(np.searchsorted(b.phy_offset, phy_offset))
             return int(b.phy_offset[i]) == phy_offset and int(b.msg_size[i]) == size
         return phy_offset >= 0 and self._read_size(phy_offset) == size
+
+
+def queue_mappings_limit(max_map_count_path: str = MAX_MAP_COUNT_PATH) -> int:
+    """How many queue files the ConsumeQueue check keeps mapped: as many as a store keeps descriptors for
+    (`open_queue_files_limit`), and at most half of vm.max_map_count. With a high descriptor limit (a
+    container's 1,048,576) the first alone would allow 65,536 mappings, over the default 65,530, and an
+    LMQ store of that many queue files would fail with ENOMEM."""
+    try:
+        with open(max_map_count_path, encoding="ascii") as f:
+            max_map_count = int(f.read())
+    except (OSError, ValueError):
+        max_map_count = DEFAULT_MAX_MAP_COUNT
+    return max(2, min(open_queue_files_limit(), max_map_count // 2))
 
 
 class MappedFiles:
@@ -293,7 +309,7 @@ class ConsumeQueueCheck:
         self.live = live
         self.frontier = frontier
         self.queues: dict[tuple[str, int], _Queue] = {}
-        self.maps = MappedFiles(open_queue_files_limit())  # an LMQ store's thousands of queues
+        self.maps = MappedFiles(queue_mappings_limit())  # an LMQ store's thousands of queues
         self.stats = PutStats()
         self.units = 0
         self.files_checked = 0

@@ -497,6 +497,20 @@ def test_queue_files_beyond_the_mapping_limit_are_checked_alike(broker_store, mo
     assert found(run_verify(config)) == expected
 
 
+def test_queue_mappings_stay_under_half_the_kernels_mapping_limit(tmp_path, monkeypatch):
+    """A container's descriptor limit would allow more queue files mapped than vm.max_map_count: at most
+    half of it, whichever is lower; unreadable, Linux's default is assumed."""
+    import indexcore.verify
+
+    monkeypatch.setattr(indexcore.verify, "open_queue_files_limit", lambda: 65536)
+    sysctl = tmp_path / "max_map_count"
+    sysctl.write_text("800\n")
+    assert indexcore.verify.queue_mappings_limit(str(sysctl)) == 400
+    assert indexcore.verify.queue_mappings_limit(str(tmp_path / "absent")) == 65530 // 2
+    monkeypatch.setattr(indexcore.verify, "open_queue_files_limit", lambda: 300)
+    assert indexcore.verify.queue_mappings_limit(str(sysctl)) == 300
+
+
 def test_swapped_units_name_both_queue_offsets(broker_store):
     store, root, config = broker_store
     ((_, file, position),) = damage_units_swapped(store, root)
