@@ -220,7 +220,11 @@ class MappedFiles:
             self._open.move_to_end(path)
             return mm
         with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError as e:  # ENOMEM past vm.max_map_count: name the file and the number held
+                raise OSError(e.errno, f"cannot map it with {len(self._open)} files mapped ({e.strerror})",
+                              path) from None
         self._open[path] = mm
         if len(self._open) > self._limit:
             self._open.popitem(last=False)[1].close()

@@ -511,6 +511,25 @@ def test_queue_mappings_stay_under_half_the_kernels_mapping_limit(tmp_path, monk
     assert indexcore.verify.queue_mappings_limit(str(sysctl)) == 300
 
 
+def test_a_file_that_cannot_be_mapped_is_named(tmp_path, monkeypatch):
+    """An mmap the kernel refuses (ENOMEM past vm.max_map_count) is an OSError naming the file."""
+    import errno
+    import mmap
+
+    import indexcore.verify
+
+    path = tmp_path / "00000000000000000000"
+    path.write_bytes(bytes(40))
+
+    def refuse(*_args, **_kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with pytest.raises(OSError, match="with 0 files mapped") as info:
+        indexcore.verify.MappedFiles(4).get(str(path))
+    assert (info.value.errno, info.value.filename) == (errno.ENOMEM, str(path))
+
+
 def test_swapped_units_name_both_queue_offsets(broker_store):
     store, root, config = broker_store
     ((_, file, position),) = damage_units_swapped(store, root)
