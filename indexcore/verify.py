@@ -44,6 +44,7 @@ from indexcore.consumequeue import (
     CONSUME_QUEUE_DIR,
     CQ_UNIT_DTYPE,
     CQ_UNIT_SIZE,
+    PRIVATE_OPEN_FILES,
     ConsumeQueueUnit,
     PutStats,
     QueueCursor,
@@ -95,7 +96,7 @@ KINDS = (COMMIT_LOG_CORRUPT, CQ_QUEUE_MISSING, CQ_QUEUE_ORPHANED, CQ_FILE_MISSIN
 MAX_RANGES = 16  # ranges of queue offsets / entry numbers kept per finding; the count covers them all
 MAX_EXAMPLES = 5
 # A mapping keeps a descriptor: IndexFiles beyond this many are re-mapped when met again (the ConsumeQueue
-# check keeps `open_queue_files_limit`, half the descriptor limit: an LMQ store's queues are met every batch)
+# check keeps `queue_mappings_limit`, many more: an LMQ store's queues are met every batch)
 OPEN_MAPPINGS = 256
 # vm.max_map_count bounds every mapping of a process (one more fails with ENOMEM); Linux's default
 MAX_MAP_COUNT_PATH = "/proc/sys/vm/max_map_count"
@@ -204,7 +205,7 @@ def queue_mappings_limit(max_map_count_path: str = MAX_MAP_COUNT_PATH) -> int:
             max_map_count = int(f.read())
     except (OSError, ValueError):
         max_map_count = DEFAULT_MAX_MAP_COUNT
-    return max(2, min(open_queue_files_limit(), max_map_count // 2))
+    return max(PRIVATE_OPEN_FILES, min(open_queue_files_limit(), max_map_count // 2))
 
 
 class MappedFiles:
