@@ -284,32 +284,40 @@ def test_bad_plugin_is_a_config_error(store, name, needle):
     assert "Traceback" not in res.stderr
 
 
-@pytest.mark.parametrize("command", ["rebuild", "verify"])
-def test_whole_log_commands_freeze_start_up_objects_before_the_pass(store, command):
-    """rebuild and verify move what start-up made out of the cyclic collector's reach before they read the
-    CommitLog (collections during the pass hold the GIL the read-ahead thread waits for); the library
-    functions themselves leave a caller's gc alone."""
+def seen_at_the_pass(store, command: str, measure: str, preexec_fn=None) -> list:
+    """Run `reputd COMMAND` in a child process whose pass over the CommitLog (`rebuild`, `verify` or
+    `run_daemon`, as the library functions) is spied on: what the Python expression `measure` gave each
+    time the command started its pass."""
     _, config, _ = store
     probe = (
-        "import gc, sys, daemon.rebuild as rb, daemon.verify as vf\n"
+        "import gc, json, resource, sys, daemon.rebuild as rb, daemon.verify as vf, daemon.reput as rp\n"
         "from daemon import cli\n"
         "seen = []\n"
         "def spy(real):\n"
         "    def call(*a, **k):\n"
-        "        seen.append(gc.get_freeze_count())\n"
+        f"        seen.append({measure})\n"
         "        return real(*a, **k)\n"
         "    return call\n"
-        "rb.rebuild, vf.verify = spy(rb.rebuild), spy(vf.verify)\n"
-        f"code = cli.main([{command!r}, '--config', {str(config)!r}])\n"
-        "print(seen)\n"
+        "rb.rebuild, vf.verify, rp.run_daemon = spy(rb.rebuild), spy(vf.verify), spy(rp.run_daemon)\n"
+        f"args = [{command!r}, '--config', {str(config)!r}] + (['--until-caught-up'] if {command!r} == 'run' else [])\n"
+        "code = cli.main(args)\n"
+        "print(json.dumps(seen))\n"
         "sys.exit(code)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
     if command == "verify":
         assert run("rebuild", "--config", str(config)).returncode == 0
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120,
-                         check=False)
+                         check=False, preexec_fn=preexec_fn)
     assert res.returncode == 0, res.stderr
-    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("command", ["rebuild", "verify"])
+def test_whole_log_commands_freeze_start_up_objects_before_the_pass(store, command):
+    """rebuild and verify move what start-up made out of the cyclic collector's reach before they read the
+    CommitLog (collections during the pass hold the GIL the read-ahead thread waits for); the library
+    functions themselves leave a caller's gc alone."""
+    seen = seen_at_the_pass(store, command, "gc.get_freeze_count()")
     assert len(seen) == 1, seen  # the command ran the pass once
     assert seen[0] > 1000, seen  # with start-up's objects (tens of thousands) frozen before it
 
@@ -321,36 +329,15 @@ def test_store_commands_raise_the_open_files_limit_to_the_hard_one(store, comman
     open); the hard limit stays as it was."""
     import resource
 
-    _, config, _ = store
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = 64
     if hard != resource.RLIM_INFINITY and hard <= low:
         pytest.skip(f"the hard limit here ({hard}) leaves nothing to raise")
-    probe = (
-        "import json, resource, sys, daemon.rebuild as rb, daemon.verify as vf, daemon.reput as rp\n"
-        "from daemon import cli\n"
-        "seen = []\n"
-        "def spy(real):\n"
-        "    def call(*a, **k):\n"
-        "        seen.append(resource.getrlimit(resource.RLIMIT_NOFILE))\n"
-        "        return real(*a, **k)\n"
-        "    return call\n"
-        "rb.rebuild, vf.verify, rp.run_daemon = spy(rb.rebuild), spy(vf.verify), spy(rp.run_daemon)\n"
-        f"args = [{command!r}, '--config', {str(config)!r}] + (['--until-caught-up'] if {command!r} == 'run' else [])\n"
-        "code = cli.main(args)\n"
-        "print(json.dumps(seen))\n"
-        "sys.exit(code)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
-    if command == "verify":
-        assert run("rebuild", "--config", str(config)).returncode == 0
 
     def lower() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
 
-    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120,
-                         check=False, preexec_fn=lower)
-    assert res.returncode == 0, res.stderr
-    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    seen = seen_at_the_pass(store, command, "resource.getrlimit(resource.RLIMIT_NOFILE)", preexec_fn=lower)
     wanted = cli.NOFILE_WHEN_UNLIMITED if hard == resource.RLIM_INFINITY else hard
     assert seen == [[wanted, hard]], seen
 

@@ -29,15 +29,14 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+import yaml
 
 from daemon.checkpoint import CHECKPOINT_FILE
 from indexcore.indexfile import IndexHeader
 from tests.stress import report, scale
 from tests.test_daemon import REPUTD, Store, assert_same_as_rebuild, clean_env, output_files, wait_for
 
-INDEX_NUM = 400  # the Store's maxIndexNum: 399 entries per IndexFile (entry numbers start at 1)
-KEYS_TO_FILL_INDEX_FILES = 5 * (INDEX_NUM - 1)  # a Store message has 3 keys: UNIQ_KEY and two KEYS
-
+KEYS_PER_MESSAGE = 3  # a Store message's UNIQ_KEY and two KEYS
 PAGE = 4096
 CQ_UNIT = struct.Struct(">qiq")  # physical offset, size, tags code
 SIGBUS_EXIT = -signal.SIGBUS
@@ -302,10 +301,11 @@ def test_rlimit_fsize_no_room_then_room_via_prlimit(store):
     # 665 messages of 3 keys fill five IndexFiles of 399 entries exactly, so the very first record appended
     # next needs a new one, however the daemon's reads cut the appends into batches (with 600, the rest of
     # the fifth file took a batch that ended before the roll, and the checkpoint moved when that came first)
-    store.append(KEYS_TO_FILL_INDEX_FILES // 3)
+    index_num = yaml.safe_load(store.config.read_text())["store"]["maxIndexNum"]  # entry numbers start at 1
+    store.append(5 * (index_num - 1) // KEYS_PER_MESSAGE)
     assert store.run("--until-caught-up").returncode == 0
     newest = max((store.out / "index").iterdir())
-    assert IndexHeader.decode(newest.read_bytes()).index_count == INDEX_NUM  # full: the next key rolls
+    assert IndexHeader.decode(newest.read_bytes()).index_count == index_num  # full: the next key rolls
     first = store.end
     daemon = Daemon(store)
     try:
