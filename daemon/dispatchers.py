@@ -113,6 +113,7 @@ class ConsumeQueueDispatcher:
         self.queues = ConsumeQueueStore(output_dir, store.mapped_file_size_consume_queue)
         self.queues.load()
         self.stats = PutStats()
+        self.spread = (0, 0)  # (queues, units) the last batch put units into
         self._log = get_logger(dispatcher=self.name)
         self._flushed: dict[tuple[str, int], int] = {}  # write offset of each queue at its last sync
         self._unsynced: set[tuple[str, int]] = set()  # queues left with unsynced units by the last plan
@@ -131,6 +132,7 @@ class ConsumeQueueDispatcher:
             for at in range(0, len(new), step):
                 self.queues.made_queues(create_queues(new[at : at + step], self.queues.file_size))
         stats = self.queues.dispatch(batch, units)
+        self.spread = (len(units), stats.written + stats.already_built)
         if stats.out_of_order:
             self._log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order,
                               batch_start=batch.start_offset)

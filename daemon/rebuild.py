@@ -21,7 +21,7 @@ import numpy as np
 
 from daemon import failpoint
 from daemon.config import Config
-from daemon.dispatchers import Dispatcher
+from daemon.dispatchers import ConsumeQueueDispatcher, Dispatcher
 from daemon.flusher import final_checkpoint
 from daemon.logs import get_logger
 from daemon.readahead import ReadAhead
@@ -35,6 +35,14 @@ from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
 # least this much per batch (measured: 2,000,000 messages took 1.66 CPU-seconds in 4 MiB batches and
 # 1.13 in 32 MiB ones).
 REBUILD_BATCH_BYTES = 32 * 1024 * 1024
+# A batch spread thin over many queues costs a Python put per queue it touches: in an LMQ store of 100,000
+# queues a 32 MiB batch put two or three units into each of some 85,000. When a batch touches at least
+# THIN_BATCH_QUEUES queues with fewer than THIN_BATCH_UNITS_PER_QUEUE units each on average, the next ones
+# read twice as much, up to REBUILD_MAX_BATCH_BYTES, so that cost is shared by more units (measured on
+# 100,000 LMQ queues: 47.9 CPU-seconds of Python in 32 MiB batches, 12.6 in 256 MiB ones).
+THIN_BATCH_QUEUES = 4096
+THIN_BATCH_UNITS_PER_QUEUE = 32
+REBUILD_MAX_BATCH_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -136,6 +144,9 @@ def rebuild(config: Config, *, from_offset: int | None = None,
         ahead = ReadAhead(reader, offset, prepare=[d.prepare for d in dispatchers if hasattr(d, "prepare")])
         for result in ahead:
             _dispatch(dispatchers, result)
+            for d in dispatchers:
+                if isinstance(d, ConsumeQueueDispatcher):
+                    widen_thin_batches(reader, d.spread)
             summary.messages += len(result.batch)
             summary.new_messages += int(np.count_nonzero(result.batch.phy_offset >= summary.output_end))
             rolls += result.rolled
@@ -195,6 +206,14 @@ def _dispatch(dispatchers: list[Dispatcher], result: ReadResult) -> None:
     if len(result.batch):
         for d in dispatchers:
             d.dispatch(result.batch)
+
+
+def widen_thin_batches(reader: CommitLogReader, spread: tuple[int, int]) -> None:
+    """Double the reader's batch size (up to REBUILD_MAX_BATCH_BYTES) after a batch that spread (queues,
+    units) thin over many queues; the read-ahead thread takes the new size from its next read."""
+    queues, units = spread
+    if queues >= THIN_BATCH_QUEUES and units < THIN_BATCH_UNITS_PER_QUEUE * queues:
+        reader.batch_bytes = max(reader.batch_bytes, min(2 * reader.batch_bytes, REBUILD_MAX_BATCH_BYTES))
 
 
 class ProgressBar:

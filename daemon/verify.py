@@ -32,7 +32,7 @@ import numpy as np
 from daemon.checkpoint import CheckpointError, read_checkpoint
 from daemon.config import Config
 from daemon.readahead import ReadAhead
-from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader
+from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader, widen_thin_batches
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE
@@ -335,6 +335,7 @@ def verify(config: Config, *, from_offset: int | None = None,
             locate.batch = batch
             if cq is not None and n_cq:
                 cq.check(batch if n_cq == len(batch) else batch.head(n_cq, int(batch.phy_offset[n_cq])))
+                widen_thin_batches(reader, cq.spread)
             if index is not None and n_index:
                 index.check(batch if n_index == len(batch) else batch.head(n_index, int(batch.phy_offset[n_index])))
             report.messages += n_cq

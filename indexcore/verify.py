@@ -317,12 +317,15 @@ class ConsumeQueueCheck:
         self.maps = MappedFiles(queue_mappings_limit())  # an LMQ store's thousands of queues
         self.stats = PutStats()
         self.units = 0
+        self.spread = (0, 0)  # (queues, units) of the last batch, as `ConsumeQueueDispatcher.spread`
         self.files_checked = 0
 
     # --- the stream -------------------------------------------------------------------------------------
 
     def check(self, batch: DispatchBatch) -> None:
+        queues, units = 0, self.units
         for group in consume_queue_units(batch):
+            queues += 1
             q = self.queues.get((group.topic, group.queue_id))
             if q is None:
                 q = self._open_queue(group.topic, group.queue_id, int(group.queue_offset[0]))
@@ -335,6 +338,7 @@ class ConsumeQueueCheck:
                     self._compare(q, p.file_start, at, np.frombuffer(BLANK_UNIT * p.blanks, dtype=np.uint8))
                 if p.last > p.first:
                     self._compare(q, p.file_start, p.logical, group.units[p.first : p.last].view(np.uint8))
+        self.spread = (queues, self.units - units)
 
     def _open_queue(self, topic: str, queue_id: int, first_queue_offset: int) -> _Queue:
         q = self.queues[(topic, queue_id)] = _Queue(self.root, topic, queue_id)

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,9 +27,20 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import daemon.rebuild
+import daemon.verify
 from daemon.config import load_config
 from daemon.query import query_queue
-from daemon.rebuild import RebuildFailed, rebuild
+from daemon.rebuild import (
+    REBUILD_BATCH_BYTES,
+    REBUILD_MAX_BATCH_BYTES,
+    THIN_BATCH_QUEUES,
+    THIN_BATCH_UNITS_PER_QUEUE,
+    RebuildFailed,
+    make_reader,
+    rebuild,
+    widen_thin_batches,
+)
 from indexcore import _kernels
 from indexcore.commitlog import (
     SCHEDULE_TOPIC,
@@ -56,6 +68,7 @@ from indexcore.multidispatch import (
     multi_dispatch_targets,
 )
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus, Stop, decode_segment
+from indexcore.verify import CQ_UNIT_WRONG
 from indexcore.writer import CommitLogWriter, Message
 from tests import stress
 from tests.conformance import discover, files_under
@@ -335,6 +348,59 @@ def test_rebuild_equals_the_brokers_sequential_dispatch(tmp_path: Path, seed: in
     assert files_under(out / "consumequeue") == expected
     quiet_rebuild(config)  # everything already built: nothing changes
     assert files_under(out / "consumequeue") == expected
+
+
+def test_batches_spread_thin_over_many_queues_grow_and_write_the_same_files(tmp_path: Path, monkeypatch) -> None:
+    """Batches that put a unit or two into each of many queues make the rebuild read more per batch, up to
+    its maximum; the files are the broker's sequential dispatch all the same, and `verify`, reading the same
+    way, finds them consistent and a damaged unit where it is."""
+    rng = random.Random(7)
+    messages = [Message("im-chat", i % 4, b"x", {MD: ",".join(f"%LMQ%r{rng.randrange(300)}" for _ in range(3))})
+                for i in range(3000)]
+    records = write_workload(tmp_path, messages)
+    readers = []
+
+    def spied_reader(*args, **kwargs):
+        readers.append(make_reader(*args, **kwargs))
+        return readers[-1]
+
+    for module in (daemon.rebuild, daemon.verify):
+        monkeypatch.setattr(module, "make_reader", spied_reader)
+        monkeypatch.setattr(module, "REBUILD_BATCH_BYTES", 2000)
+    monkeypatch.setattr(daemon.rebuild, "REBUILD_MAX_BATCH_BYTES", 64_000)
+    monkeypatch.setattr(daemon.rebuild, "THIN_BATCH_QUEUES", 8)
+    cfg, summary, _ = quiet_rebuild(lmq_config(tmp_path, batch_bytes=2000))
+    assert summary.messages == len(messages)
+    assert readers[-1].batch_bytes == 64_000
+    queues = Path(cfg.output.dir) / "consumequeue"
+    assert files_under(queues) == model_of(records, True, CQ_FILE)
+
+    # `verify` reads in growing batches too, and still finds every difference where it is
+    report = daemon.verify.verify(cfg)
+    assert readers[-1].batch_bytes == 64_000
+    assert report.findings == []
+    assert report.messages == len(messages)
+    damaged = queues / "%LMQ%r7" / "0" / "00000000000000000000"
+    data = bytearray(damaged.read_bytes())
+    data[CQ_UNIT_SIZE + 12 : CQ_UNIT_SIZE + 20] = (12345).to_bytes(8, "big")  # unit 1's tags_code
+    damaged.write_bytes(bytes(data))
+    report = daemon.verify.verify(cfg)
+    assert [(f.kind, f.file, f.position) for f in report.findings] == [
+        (CQ_UNIT_WRONG, str(damaged.relative_to(cfg.output.dir)), CQ_UNIT_SIZE)]
+
+
+@pytest.mark.parametrize(("queues", "units", "grows"), [
+    (THIN_BATCH_QUEUES, THIN_BATCH_QUEUES * THIN_BATCH_UNITS_PER_QUEUE - 1, True),  # thin, as 100,000 LMQ queues
+    (THIN_BATCH_QUEUES - 1, THIN_BATCH_QUEUES - 1, False),  # few queues, however thin (1,000 LMQ queues)
+    (THIN_BATCH_QUEUES, THIN_BATCH_QUEUES * THIN_BATCH_UNITS_PER_QUEUE, False),  # many queues, not thin
+])
+def test_only_a_thin_batch_makes_the_next_ones_larger(queues: int, units: int, grows: bool) -> None:
+    reader = SimpleNamespace(batch_bytes=REBUILD_BATCH_BYTES)
+    widen_thin_batches(reader, (queues, units))
+    assert reader.batch_bytes == (2 * REBUILD_BATCH_BYTES if grows else REBUILD_BATCH_BYTES)
+    reader.batch_bytes = REBUILD_MAX_BATCH_BYTES - 1
+    widen_thin_batches(reader, (queues, units))
+    assert reader.batch_bytes == (REBUILD_MAX_BATCH_BYTES if grows else REBUILD_MAX_BATCH_BYTES - 1)
 
 
 @pytest.mark.parametrize("seed", range(60))
