@@ -43,6 +43,7 @@ from daemon.metrics import (
     ReputMetrics,
     SkipReason,
 )
+from daemon.rebuild import widen_after_dispatch
 from daemon.sdnotify import USEC_PER_SECOND, Notifier
 from daemon.session import Session, open_session
 from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
@@ -477,8 +478,10 @@ class ReputService:
             if result.status is ReadStatus.OK:
                 self._reported = None
                 self._recovered_from_stall(offset)
+                widen_after_dispatch(s.reader, s.dispatchers)  # behind the writer: thin batches grow
                 continue
             if result.status is ReadStatus.END:
+                s.reader.batch_bytes = self.config.reput.batch_bytes  # caught up: back to the configured size
                 self._recovered_from_stall(offset)
                 self._report_caught_up(offset)
                 if self.until_caught_up:

@@ -41,6 +41,7 @@ from daemon.rebuild import (
     rebuild,
     widen_thin_batches,
 )
+from daemon.reput import ReputService
 from indexcore import _kernels
 from indexcore.commitlog import (
     SCHEDULE_TOPIC,
@@ -387,6 +388,36 @@ def test_batches_spread_thin_over_many_queues_grow_and_write_the_same_files(tmp_
     report = daemon.verify.verify(cfg)
     assert [(f.kind, f.file, f.position) for f in report.findings] == [
         (CQ_UNIT_WRONG, str(damaged.relative_to(cfg.output.dir)), CQ_UNIT_SIZE)]
+
+
+def test_run_behind_the_writer_grows_thin_batches_and_shrinks_them_when_caught_up(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """`run` catching up on a store whose batches spread thin reads more per batch as `rebuild` does, back to
+    the configured size once it has caught up; the files are the broker's sequential dispatch."""
+    rng = random.Random(8)
+    messages = [Message("im-chat", i % 4, b"x", {MD: ",".join(f"%LMQ%r{rng.randrange(300)}" for _ in range(3))})
+                for i in range(3000)]
+    records = write_workload(tmp_path, messages)
+    sizes, readers = [], []
+    read = CommitLogReader.read
+
+    def spied_read(self, offset, **kwargs):
+        sizes.append(self.batch_bytes)
+        readers.append(self)
+        return read(self, offset, **kwargs)
+
+    monkeypatch.setattr(CommitLogReader, "read", spied_read)
+    monkeypatch.setattr(daemon.rebuild, "REBUILD_MAX_BATCH_BYTES", 64_000)
+    monkeypatch.setattr(daemon.rebuild, "THIN_BATCH_QUEUES", 8)
+    config = load_config(lmq_config(tmp_path, batch_bytes=2000), env={})
+    service = ReputService(config, until_caught_up=True)
+    with structlog.testing.capture_logs():
+        assert service.run() == 0
+    assert sizes[0] == 2000
+    assert max(sizes) == 64_000
+    assert len(set(readers)) == 1
+    assert readers[0].batch_bytes == 2000
+    assert files_under(Path(config.output.dir) / "consumequeue") == model_of(records, True, CQ_FILE)
 
 
 @pytest.mark.parametrize(("queues", "units", "grows"), [
