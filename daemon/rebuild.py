@@ -207,19 +207,20 @@ def _dispatch(dispatchers: list[Dispatcher], result: ReadResult) -> None:
             d.dispatch(result.batch)
 
 
-def widen_thin_batches(reader: CommitLogReader, spread: tuple[int, int]) -> None:
-    """Double the reader's batch size (up to REBUILD_MAX_BATCH_BYTES) after a batch that spread (queues,
-    units) thin over many queues; the read-ahead thread takes the new size from its next read."""
+def widen_thin_batches(reader: CommitLogReader, spread: tuple[int, int], most: int | None = None) -> None:
+    """Double the reader's batch size, up to `most` (REBUILD_MAX_BATCH_BYTES by default), after a batch that
+    spread (queues, units) thin over many queues; a read-ahead thread takes the new size from its next read."""
+    most = REBUILD_MAX_BATCH_BYTES if most is None else most
     queues, units = spread
     if queues >= THIN_BATCH_QUEUES and units < THIN_BATCH_UNITS_PER_QUEUE * queues:
-        reader.batch_bytes = max(reader.batch_bytes, min(2 * reader.batch_bytes, REBUILD_MAX_BATCH_BYTES))
+        reader.batch_bytes = max(reader.batch_bytes, min(2 * reader.batch_bytes, most))
 
 
-def widen_after_dispatch(reader: CommitLogReader, dispatchers: list[Dispatcher]) -> None:
+def widen_after_dispatch(reader: CommitLogReader, dispatchers: list[Dispatcher], most: int | None = None) -> None:
     """`widen_thin_batches` by the spread of the batch the ConsumeQueue dispatcher took last."""
     for d in dispatchers:
         if isinstance(d, ConsumeQueueDispatcher):
-            widen_thin_batches(reader, d.spread)
+            widen_thin_batches(reader, d.spread, most)
 
 
 class ProgressBar:

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import daemon.rebuild
+import daemon.reput
 import daemon.verify
 from daemon.config import load_config
 from daemon.query import query_queue
@@ -41,7 +42,6 @@ from daemon.rebuild import (
     rebuild,
     widen_thin_batches,
 )
-from daemon.reput import ReputService
 from indexcore import _kernels
 from indexcore.commitlog import (
     SCHEDULE_TOPIC,
@@ -407,10 +407,11 @@ def test_run_behind_the_writer_grows_thin_batches_and_shrinks_them_when_caught_u
         return read(self, offset, **kwargs)
 
     monkeypatch.setattr(CommitLogReader, "read", spied_read)
-    monkeypatch.setattr(daemon.rebuild, "REBUILD_MAX_BATCH_BYTES", 64_000)
+    monkeypatch.setattr(daemon.reput, "RUN_MAX_BATCH_BYTES", 64_000)
+    monkeypatch.setattr(daemon.rebuild, "REBUILD_MAX_BATCH_BYTES", 1 << 30)  # not the limit `run` goes by
     monkeypatch.setattr(daemon.rebuild, "THIN_BATCH_QUEUES", 8)
     config = load_config(lmq_config(tmp_path, batch_bytes=2000), env={})
-    service = ReputService(config, until_caught_up=True)
+    service = daemon.reput.ReputService(config, until_caught_up=True)
     with structlog.testing.capture_logs():
         assert service.run() == 0
     assert sizes[0] == 2000
