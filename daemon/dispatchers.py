@@ -116,6 +116,7 @@ class ConsumeQueueDispatcher:
         self.spread = (0, 0)  # (queues, units) the last batch put units into
         self._log = get_logger(dispatcher=self.name)
         self._flushed: dict[tuple[str, int], int] = {}  # write offset of each queue at its last sync
+        self._plan_synced: dict[tuple[str, int], int] = {}  # write offset each flush plan synced a queue to
         self._unsynced: set[tuple[str, int]] = set()  # queues left with unsynced units by the last plan
         self._prepared: dict[int, tuple[DispatchBatch, list[QueueUnits]]] = {}
 
@@ -178,6 +179,7 @@ class ConsumeQueueDispatcher:
 
         def done() -> None:
             self._flushed.update(synced)
+            self._plan_synced.update(synced)
             self._unsynced -= synced.keys()
 
         plan.done = done
@@ -190,6 +192,7 @@ class ConsumeQueueDispatcher:
         """Remove every unit at or past the checkpoint: those records are dispatched again."""
         self.queues.truncate_to(reput_from_offset)
         self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
+        self._plan_synced = {}
         self._unsynced, self.queues.touched = set(), set()
 
     def resume_offset(self) -> int | None:
@@ -208,6 +211,12 @@ class ConsumeQueueDispatcher:
         return [path for cq in self.queues.queues.values() for path in cq.removed]
 
     def close(self) -> None:
+        """Close every queue; one that a flush plan synced and nothing was written to since is not synced
+        again (after a rebuild's or a stopping `run`'s last flush, that is every queue: 100,000 of them
+        took 5 s of fdatasync here)."""
+        for key, cq in self.queues.queues.items():
+            if cq.dirty and self._plan_synced.get(key) == cq.write_offset:
+                cq.mark_synced()
         self.queues.close()
 
 

@@ -358,7 +358,7 @@ class ReputService:
         code = EXIT_OK if outcome in (Outcome.STOPPED, Outcome.CAUGHT_UP) else EXIT_FAILURE
         if not s.poisoned:
             try:
-                Flusher(s, self._flush_failed).flush_once(thorough=True)
+                Flusher(s, self._flush_failed).flush_once(thorough=True, whole_fs=True)
                 self._log.info("final_flush", reput_from_offset=s.dispatched_offset,
                                checkpoint_offset=s.checkpoint_offset)
             except Exception as e:

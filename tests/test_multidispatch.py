@@ -27,9 +27,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import daemon.dispatchers
+import daemon.flusher
 import daemon.rebuild
 import daemon.reput
 import daemon.verify
+from daemon.checkpoint import read_checkpoint
 from daemon.config import load_config
 from daemon.query import query_queue
 from daemon.rebuild import (
@@ -418,6 +421,35 @@ def test_run_behind_the_writer_grows_thin_batches_and_shrinks_them_when_caught_u
     assert max(sizes) == 64_000
     assert len(set(readers)) == 1
     assert readers[0].batch_bytes == 2000
+    assert files_under(Path(config.output.dir) / "consumequeue") == model_of(records, True, CQ_FILE)
+
+
+@pytest.mark.parametrize("rooms", [20, 300])
+def test_run_stopping_with_many_queue_files_to_flush_syncs_their_file_system_once(tmp_path: Path, monkeypatch,
+                                                                                  rooms: int) -> None:
+    """`run`'s last flush, as it stops, syncs the file system whole (one syncfs) once it has at least
+    SYNCFS_MIN_FILES files to sync, as a rebuild's does; with fewer, each file and new directory on its own.
+    Either way it checkpoints the end, and closing the queues afterwards does not sync them again."""
+    messages = [Message("im-chat", 0, b"x", {MD: f"%LMQ%r{i % rooms}"}) for i in range(600)]
+    records = write_workload(tmp_path, messages)
+    syncfs, closing, synced_closing = [], [], []
+    real_syncfs, real_fdatasync = daemon.flusher._kernels.syncfs, os.fdatasync
+    real_close = daemon.dispatchers.ConsumeQueueDispatcher.close
+
+    def spied_close(self):
+        closing.append(True)
+        real_close(self)
+
+    monkeypatch.setattr(daemon.flusher._kernels, "syncfs", lambda fd: (syncfs.append(fd), real_syncfs(fd)))
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced_closing.append(fd) if closing else None,
+                                                     real_fdatasync(fd)))
+    monkeypatch.setattr(daemon.dispatchers.ConsumeQueueDispatcher, "close", spied_close)
+    config = load_config(lmq_config(tmp_path), env={})
+    with structlog.testing.capture_logs():
+        assert daemon.reput.ReputService(config, until_caught_up=True).run() == 0
+    assert len(syncfs) == (1 if rooms + 1 >= daemon.flusher.SYNCFS_MIN_FILES else 0)
+    assert synced_closing == []  # the last flush synced every queue: closing them syncs none again
+    assert read_checkpoint(config.output.dir).reput_from_offset == records[-1].physical_offset + records[-1].total_size
     assert files_under(Path(config.output.dir) / "consumequeue") == model_of(records, True, CQ_FILE)
 
 
