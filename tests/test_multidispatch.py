@@ -354,13 +354,18 @@ def test_rebuild_equals_the_brokers_sequential_dispatch(tmp_path: Path, seed: in
     assert files_under(out / "consumequeue") == expected
 
 
+def thin_lmq_messages(seed: int) -> list[Message]:
+    """3,000 messages, each also sent to 3 of 300 LMQ queues: batches of a few KB spread thin over them."""
+    rng = random.Random(seed)
+    return [Message("im-chat", i % 4, b"x", {MD: ",".join(f"%LMQ%r{rng.randrange(300)}" for _ in range(3))})
+            for i in range(3000)]
+
+
 def test_batches_spread_thin_over_many_queues_grow_and_write_the_same_files(tmp_path: Path, monkeypatch) -> None:
     """Batches that put a unit or two into each of many queues make the rebuild read more per batch, up to
     its maximum; the files are the broker's sequential dispatch all the same, and `verify`, reading the same
     way, finds them consistent and a damaged unit where it is."""
-    rng = random.Random(7)
-    messages = [Message("im-chat", i % 4, b"x", {MD: ",".join(f"%LMQ%r{rng.randrange(300)}" for _ in range(3))})
-                for i in range(3000)]
+    messages = thin_lmq_messages(7)
     records = write_workload(tmp_path, messages)
     readers = []
 
@@ -397,10 +402,7 @@ def test_run_behind_the_writer_grows_thin_batches_and_shrinks_them_when_caught_u
                                                                                  monkeypatch) -> None:
     """`run` catching up on a store whose batches spread thin reads more per batch as `rebuild` does, back to
     the configured size once it has caught up; the files are the broker's sequential dispatch."""
-    rng = random.Random(8)
-    messages = [Message("im-chat", i % 4, b"x", {MD: ",".join(f"%LMQ%r{rng.randrange(300)}" for _ in range(3))})
-                for i in range(3000)]
-    records = write_workload(tmp_path, messages)
+    records = write_workload(tmp_path, thin_lmq_messages(8))
     sizes, readers = [], []
     read = CommitLogReader.read
 
