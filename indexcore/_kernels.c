@@ -27,7 +27,9 @@
 #include <zlib.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -1016,41 +1018,80 @@ done:
     return out;
 }
 
-/* pwrite_many: every (fd, data, position) written in full, in order, with the GIL released once. Returns
- * None, or (index, bytes left, position reached, errno) of the first write that failed. */
+/* pwrite_many: every (fd, data, position) written in full, in order, with the GIL released once; data is one
+ * buffer or a list of buffers written back to back (pwritev). Returns None, or (index, bytes left, position
+ * reached, errno) of the first write that failed. */
 static PyObject *py_pwrite_many(PyObject *self, PyObject *args) {
     PyObject *writes;
     if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &writes)) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(writes), got = 0;
-    Py_buffer *bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    Py_ssize_t n = PyList_GET_SIZE(writes), nbufs = 0, got = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *w = PyList_GET_ITEM(writes, i);
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 3) {
+            PyErr_SetString(PyExc_TypeError, "pwrite_many: each write is (fd, data, position)");
+            return NULL;
+        }
+        PyObject *data = PyTuple_GET_ITEM(w, 1);
+        nbufs += PyList_Check(data) ? PyList_GET_SIZE(data) : 1;
+    }
+    Py_buffer *bufs = PyMem_Calloc((size_t)(nbufs ? nbufs : 1), sizeof(Py_buffer));
+    struct iovec *iov = PyMem_Calloc((size_t)(nbufs ? nbufs : 1), sizeof(struct iovec));
+    Py_ssize_t *first = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
     int *fds = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int));
     long long *pos = PyMem_Calloc((size_t)(n ? n : 1), sizeof(long long));
     PyObject *out = NULL;
-    if (bufs == NULL || fds == NULL || pos == NULL) {
+    if (bufs == NULL || iov == NULL || first == NULL || fds == NULL || pos == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (; got < n; got++)
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(writes, got), "iy*L", &fds[got], &bufs[got], &pos[got])) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *w = PyList_GET_ITEM(writes, i), *data = PyTuple_GET_ITEM(w, 1);
+        first[i] = got;
+        long fd = PyLong_AsLong(PyTuple_GET_ITEM(w, 0));
+        pos[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 2));
+        if (PyErr_Occurred()) goto done;
+        if (fd < 0 || fd > INT_MAX) {
+            PyErr_SetString(PyExc_ValueError, "pwrite_many: not a descriptor");
+            goto done;
+        }
+        fds[i] = (int)fd;
+        Py_ssize_t parts = PyList_Check(data) ? PyList_GET_SIZE(data) : 1;
+        for (Py_ssize_t k = 0; k < parts; k++, got++) {
+            if (PyObject_GetBuffer(PyList_Check(data) ? PyList_GET_ITEM(data, k) : data, &bufs[got],
+                                   PyBUF_C_CONTIGUOUS) < 0) goto done;
+            iov[got].iov_base = bufs[got].buf;
+            iov[got].iov_len = (size_t)bufs[got].len;
+        }
+    }
+    first[n] = got;
     Py_ssize_t failed = -1, left = 0;
     long long at = 0;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n && failed < 0; i++) {
-        const char *p = bufs[i].buf;
-        left = bufs[i].len;
+        struct iovec *v = iov + first[i];
+        int count = (int)(first[i + 1] - first[i]);
+        left = 0;
+        for (int k = 0; k < count; k++) left += (Py_ssize_t)v[k].iov_len;
         at = pos[i];
         while (left > 0) {
-            ssize_t w = pwrite(fds[i], p, (size_t)left, (off_t)at);
+            while (count > 0 && v->iov_len == 0) { v++; count--; }
+            ssize_t w = pwritev(fds[i], v, count < IOV_MAX ? count : IOV_MAX, (off_t)at);
             if (w < 0 && errno == EINTR) continue;
             if (w <= 0) {
                 err = w == 0 ? ENOSPC : errno;
                 failed = i;
                 break;
             }
-            p += w;
             left -= w;
             at += w;
+            while (w > 0) {  /* past what was written: whole buffers, then into the next one */
+                size_t step = (size_t)w < v->iov_len ? (size_t)w : v->iov_len;
+                v->iov_base = (char *)v->iov_base + step;
+                v->iov_len -= step;
+                w -= (ssize_t)step;
+                if (v->iov_len == 0 && w > 0) { v++; count--; }
+            }
         }
     }
     Py_END_ALLOW_THREADS
@@ -1058,6 +1099,8 @@ static PyObject *py_pwrite_many(PyObject *self, PyObject *args) {
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
     PyMem_Free(bufs);
+    PyMem_Free(iov);
+    PyMem_Free(first);
     PyMem_Free(fds);
     PyMem_Free(pos);
     return out;
@@ -1094,7 +1137,7 @@ static PyMethodDef methods[] = {
      "names the path"},
     {"pwrite_many", py_pwrite_many, METH_VARARGS,
      "pwrite_many([(fd, data, position), ...]) -> None, or (index, bytes left, position, errno) of the first "
-     "write that failed"},
+     "write that failed; data is a buffer or a list of buffers written back to back"},
     {"syncfs", py_syncfs, METH_VARARGS, "syncfs(fd): sync the whole file system holding fd"},
     {NULL, NULL, 0, NULL},
 };

@@ -224,7 +224,8 @@ class OpenFiles:
     def write_later(self, path: str, data, position: int) -> None:
         """`write`, deferred until `flush_writes` or until anything else is done here, whichever comes first
         (so writes keep their order): the appends a batch makes to a thousand LMQ queues then go to the
-        kernel in one call, without the GIL. `data` (any contiguous buffer) must not change until then."""
+        kernel in one call, without the GIL. `data` (any contiguous buffer, or a list of them written back to
+        back) must not change until then."""
         fd = self.fd(path)  # first: making room for it flushes, and replaces, the pending lists
         self._pending.append((fd, data, position))
         self._pending_paths.append(path)

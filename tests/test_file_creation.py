@@ -3,7 +3,11 @@ cut short leaves is passed over by readers and removed by the next writer, never
 
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -279,3 +283,25 @@ def test_a_deferred_write_that_fails_names_its_file(tmp_path):
         files.flush_writes()
     assert e.value.filename == path
     files._fds.clear()
+
+
+def test_a_deferred_write_of_many_buffers_is_one_vectored_write_that_goes_on_after_a_short_one(tmp_path):
+    """A list of buffers is written back to back; a write the kernel cuts short (here: RLIMIT_FSIZE, in a
+    child) goes on from the byte it stopped at, inside a buffer, and a refusal reports what was left."""
+    script = textwrap.dedent("""
+        import os, resource, signal, sys
+        import numpy as np
+        from indexcore import _kernels
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        parts = [b"abc", b"", np.frombuffer(b"defg", np.uint8), memoryview(b"hij")]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (5, resource.RLIM_INFINITY))
+        refused = _kernels.pwrite_many([(fd, parts, 0)])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        done = _kernels.pwrite_many([(fd, b"01", 20), (fd, parts, 10)])
+        print(refused, done, os.pread(fd, 30, 0))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "f")], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.split(" b'")[0] == f"(0, 5, 5, {errno.EFBIG}) None"
+    assert (tmp_path / "f").read_bytes() == b"abcde" + bytes(5) + b"abcdefghij" + b"01"
