@@ -142,6 +142,11 @@ class ConsumeQueueDispatcher:
                               topic=batch.topic_of(row))
         self.stats.add(stats)
 
+    def gather_appends(self, least: int) -> None:
+        """Gather each queue's appends until `least` bytes before writing them (`ConsumeQueueStore.hold_bytes`):
+        for a rebuild, whose files nobody reads before its end; the live loop writes every batch at once."""
+        self.queues.hold_bytes = least
+
     def files(self) -> int:
         """Read by the metrics thread while the loop adds queues: iterate a copy."""
         return sum(cq.file_count for cq in list(self.queues.queues.values()))
@@ -154,6 +159,7 @@ class ConsumeQueueDispatcher:
     def prepare_flush(self, thorough: bool, least_pages: int) -> FlushPlan:
         """`ConsumeQueue.flush(flushLeastPages)` for every queue: sync a queue's writing file when it has
         at least `least_pages` dirty pages, or whatever it has when `thorough`."""
+        self.queues.write_held()
         flushed = self._flushed
         plan = FlushPlan()
         synced: dict[tuple[str, int], int] = {}

@@ -44,6 +44,10 @@ REBUILD_BATCH_BYTES = 32 * 1024 * 1024
 THIN_BATCH_QUEUES = 4096
 THIN_BATCH_UNITS_PER_QUEUE = 32
 REBUILD_MAX_BATCH_BYTES = 256 * 1024 * 1024
+# A rebuild writes each ConsumeQueue's appends once this much of them is gathered (`gather_appends`): a
+# batch of an LMQ store puts some 4.6 KiB into each of a thousand queues, and the kernel took 0.20-0.28 s
+# to write 160 MB to 1,064 files in pieces of that size against 0.07-0.09 s in 16-64 KiB ones (ext4 here).
+REBUILD_GATHER_BYTES = 32 * 1024
 
 
 @dataclass(slots=True)
@@ -131,6 +135,9 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     recovered = recover_output(config, commit_log, log=get_logger(command="rebuild", component="recovery"),
                                quarantine_damaged=False)
     dispatchers = recovered.dispatchers
+    for d in dispatchers:
+        if isinstance(d, ConsumeQueueDispatcher):
+            d.gather_appends(REBUILD_GATHER_BYTES)
     offset = recovered.start if from_offset is None else from_offset
     target = max(target, offset)
     summary = RebuildSummary(start_offset=offset, end_offset=offset, output_end=max(recovered.output_end, offset))

@@ -62,6 +62,10 @@ MAX_QUEUE_KEYS = 1 << 22  # queue keys (topics x span of queue ids) of a batch c
 PRIVATE_OPEN_FILES = 2  # a queue on its own: its writing file, and the one before it while rolling
 MAX_OPEN_QUEUE_FILES = 65536
 CREATE_LABEL = "consumequeue"  # names the steps of a file's creation (`mappedfile.create_file`'s fail points)
+# Appends a store gathers (`ConsumeQueueStore.hold_bytes`) are all written once they come to this many bytes,
+# or were gathered over this many batches: each gathered piece keeps its batch's array of units alive.
+HELD_BYTES_BUDGET = 64 * 1024 * 1024
+HELD_BATCHES = 8
 
 
 class ConsumeQueueUnit(NamedTuple):
@@ -430,6 +434,9 @@ class ConsumeQueue:
         self._dirty = False  # the last file was written since it was last synced
         self._writing: str | None = None  # the last file's path
         self._made = made  # the start of a first file the caller created (empty) for the first unit
+        self._held: list[np.ndarray] | None = None  # appends gathered for one write, up to the write position
+        self._held_at = 0  # where in the last file they go
+        self.held_bytes = 0
         self.removed: list[str] = []  # what loading removed: leftovers of creations cut short
         if not new:  # `new`: the caller knows the directory holds no file (it just made it)
             self._recover()
@@ -511,8 +518,28 @@ class ConsumeQueue:
 
     def _write(self, position: int, data: bytes) -> None:
         """Write into the last file at `position`."""
+        self.release_held()
         self._dirty = True
         self._open.write(self._writing, data, position)
+
+    def _gather(self, units: np.ndarray, hold: int) -> None:
+        """Add `units`, which go at the write position, to the gathered appends (the arrays themselves, not
+        copies: copying costs a fresh page per 4 KiB), and let them go once they are `hold` bytes."""
+        if self._held is None:
+            self._held, self._held_at, self.held_bytes = [units], self._write_pos, units.nbytes
+        else:
+            self._held.append(units)
+            self.held_bytes += units.nbytes
+        if self.held_bytes >= hold:
+            self.release_held()
+
+    def release_held(self) -> None:
+        """Hand the gathered appends to the store's deferred writes (`OpenFiles.write_later`, one vectored
+        write): whatever writes, syncs, reads or closes the last file does this first, so the file is written
+        in order."""
+        if self._held is not None:
+            held, self._held, self.held_bytes = self._held, None, 0
+            self._open.write_later(self._writing, held, self._held_at)
 
     # --- appending --------------------------------------------------------------------------------
 
@@ -541,7 +568,7 @@ class ConsumeQueue:
                                                                                      tags_code), ends)
 
     def put_packed(self, qo: np.ndarray, units: np.ndarray, ends: np.ndarray, one_streak: bool = False, *,
-                   later: bool = False, stats: PutStats | None = None) -> PutStats:
+                   later: bool = False, stats: PutStats | None = None, hold: int = 0) -> PutStats:
         """`put_units` with the units already laid out (CQ_UNIT_DTYPE) and each one's CommitLog end.
 
         Unit by unit this is the broker's put; runs of units it would treat alike are handled at once: a
@@ -549,7 +576,9 @@ class ConsumeQueue:
         broker would skip (ending at or below maxPhysicOffset, or behind the queue's end) are skipped
         together. `one_streak` says the units are one streak (`QueueUnits.streaks`), so the common case,
         a streak that continues the queue inside its last file, costs no array operation. With `later`, that
-        streak is written at the store's next `OpenFiles.flush_writes` (`units` must not change until then).
+        streak is written at the store's next `OpenFiles.flush_writes` (`units` must not change until then);
+        with `hold` as well, a streak smaller than `hold` bytes is gathered with the next ones until they come
+        to `hold` bytes (`release_held`), so that each write is large; `units` must not change until then.
         The counts are added to `stats` when given (a batch's thousand puts share one), and returned."""
         if stats is None:
             stats = PutStats()
@@ -560,7 +589,10 @@ class ConsumeQueue:
             # the one placement place_units gives a streak that continues the queue inside its last file
             if later:
                 self._dirty = True
-                self._open.write_later(self._writing, units, self._write_pos)
+                if hold and (self._held is not None or n * CQ_UNIT_SIZE < hold):
+                    self._gather(units, hold)
+                else:
+                    self._open.write_later(self._writing, units, self._write_pos)
             else:
                 self._write(self._write_pos, units.tobytes())
             self._write_pos += n * CQ_UNIT_SIZE
@@ -606,6 +638,8 @@ class ConsumeQueue:
         """Units from `queue_offset` to the end of the written data of the file holding it."""
         if not self.min_offset <= queue_offset < self.max_offset:
             return []
+        self.release_held()
+        self._open.flush_writes()
         logical = queue_offset * CQ_UNIT_SIZE
         start = logical - logical % self.file_size
         written_end = self._last_start + self._write_pos if start == self._last_start else start + self.file_size
@@ -624,6 +658,8 @@ class ConsumeQueue:
         Unlike the broker, removed units are zeroed and a file left empty is deleted, so the queue
         reads, byte for byte, as if they had never been written.
         """
+        self.release_held()
+        self._open.flush_writes()
         while self._files:
             start = self._last_start
             path = self._path(start)
@@ -671,6 +707,7 @@ class ConsumeQueue:
 
     def flush(self) -> None:
         """Sync the last file if it was written since its last sync."""
+        self.release_held()
         if self._dirty:
             self._open.sync(self._writing)
             self._dirty = False
@@ -692,6 +729,15 @@ class ConsumeQueueStore:
         self.open_files = OpenFiles(open_files_limit or open_queue_files_limit())
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
         self.touched: set[tuple[str, int]] = set()  # queues `dispatch` put units to, for the flusher to take
+        # Appends to a queue smaller than this are gathered in memory until they reach it (0: none are), within
+        # HELD_BYTES_BUDGET and HELD_BATCHES for the store: a rebuild of an LMQ store puts a few kilobytes per
+        # batch into each of a thousand queues, and the kernel writes 160 MB to 1,064 files in 4.6 KiB pieces
+        # in 0.20-0.28 s, in 16-64 KiB ones in 0.07-0.09 s (ext4 here). What is gathered is written before
+        # any sync, read, or close.
+        self.hold_bytes = 0
+        self._holding: set[ConsumeQueue] = set()
+        self._held_total = 0
+        self._held_batches = 0
         self._by_id: dict[tuple[int, str], ConsumeQueue] = {}
 
     def load(self) -> None:
@@ -760,16 +806,42 @@ class ConsumeQueueStore:
         """Put the units of the batch (`consume_queue_units`), queue by queue; the appends that continue a
         queue are made together at the end, in one call (`OpenFiles.write_later`)."""
         stats = PutStats()
-        touched, queues = self.touched, self.queues
+        touched, queues, hold, holding = self.touched, self.queues, self.hold_bytes, self._holding
         try:
             for group in consume_queue_units(batch) if units is None else units:
                 key = (group.topic, group.queue_id)
                 cq = queues.get(key) or self.queue(*key)
-                cq.put_packed(group.queue_offset, group.units, group.ends, group.one_streak, later=True, stats=stats)
+                if hold:
+                    before = cq.held_bytes
+                    cq.put_packed(group.queue_offset, group.units, group.ends, group.one_streak, later=True,
+                                  stats=stats, hold=hold)
+                    after = cq.held_bytes
+                    if after:
+                        holding.add(cq)
+                    self._held_total += after - before
+                else:
+                    cq.put_packed(group.queue_offset, group.units, group.ends, group.one_streak, later=True,
+                                  stats=stats)
                 touched.add(key)
         finally:
+            if self._holding:
+                self._held_batches += 1
+                if self._held_total > HELD_BYTES_BUDGET or self._held_batches >= HELD_BATCHES:
+                    self.release_held()
             self.open_files.flush_writes()
         return stats
+
+    def release_held(self) -> None:
+        """Hand every queue's gathered appends to the deferred writes (`ConsumeQueue.release_held`)."""
+        for cq in self._holding:
+            cq.release_held()
+        self._holding.clear()
+        self._held_total = self._held_batches = 0
+
+    def write_held(self) -> None:
+        """Write every gathered append now: before the files are synced or read by anyone else."""
+        self.release_held()
+        self.open_files.flush_writes()
 
     def max_physic_offset(self) -> int:
         """Max over all queues of the end of the last unit: where the broker restarts its reput."""
@@ -786,6 +858,7 @@ class ConsumeQueueStore:
     def flush(self, sync_paths: Callable[[list[str]], None] | None = None) -> None:
         """Sync every queue written since its last sync; `sync_paths`, when given, syncs the list of
         their files itself (in parallel, say: each sync of a file waits for a journal commit)."""
+        self.write_held()
         dirty = [cq for cq in self.queues.values() if cq.dirty]
         if sync_paths is None:
             for cq in dirty:
@@ -796,6 +869,9 @@ class ConsumeQueueStore:
             cq.mark_synced()
 
     def close(self) -> None:
-        for cq in self.queues.values():
-            cq.close()
-        self.open_files.close()
+        try:
+            self.write_held()
+        finally:
+            for cq in self.queues.values():
+                cq.close()
+            self.open_files.close()

@@ -19,11 +19,13 @@ from indexcore.consumequeue import (
     CQ_UNIT,
     CQ_UNIT_SIZE,
     DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE,
+    HELD_BATCHES,
     ConsumeQueue,
     ConsumeQueueStore,
     PutStats,
+    pack_units,
 )
-from indexcore.mappedfile import offset_to_file_name
+from indexcore.mappedfile import OpenFiles, offset_to_file_name
 from tests.conftest import DispatchRec, make_dispatch_batch
 
 # The model's own layout, straight from §7.2 (not imported from indexcore).
@@ -295,6 +297,155 @@ def test_truncate_then_replay_matches_uninterrupted_run(tmp_path: Path, seed: in
     assert (again.max_offset, again.max_physic_offset) == (reference.max_offset, reference.max_physic_offset), msg
     again.close()
     reference.close()
+
+
+def put_gathered(cq: ConsumeQueue, files: OpenFiles, batch: list[Unit], hold: int) -> PutStats:
+    """A batch put as the store puts it in a rebuild: deferred, small appends gathered until `hold` bytes."""
+    qo, phy, size, tags = (np.array(c, np.int64) for c in zip(*batch, strict=True))
+    ends = phy + size
+    one_streak = bool(np.all(np.diff(qo) == 1) and np.all(np.diff(ends) > 0))
+    stats = cq.put_packed(qo, pack_units(phy, size.astype(np.int32), tags), ends, one_streak, later=True, hold=hold)
+    files.flush_writes()
+    return stats
+
+
+def zero_from(data: dict[str, bytes], name: str | None, at: int, end: int) -> dict[str, bytes]:
+    if name is None or at >= end:
+        return data
+    out = dict(data)
+    out[name] = out[name][:at] + bytes(end - at) + out[name][end:]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_gathered_appends_write_what_the_broker_writes_and_a_kill_loses_only_a_tail(tmp_path: Path, seed: int) -> None:
+    """Appends gathered in memory (`hold`) end in the bytes of the §7.5 model; at every moment the files
+    are the model's with only the gathered tail unwritten, and a kill there (the gathered units lost),
+    then a reload and a replay from the start, ends as a run that never stopped."""
+    rng = random.Random(seed)
+    fs = rng.choice(FILE_SIZES)
+    hold = rng.choice([UNIT_SIZE + 1, 3 * UNIT_SIZE, 10 * UNIT_SIZE, 1 << 20])
+    events = make_events(rng)
+    straight = ConsumeQueue(str(tmp_path / "a"), "T", 0, fs)
+    for batch in chunks(rng, events):
+        put(straight, batch)
+    straight.close()
+
+    directory = tmp_path / "b"
+    files = OpenFiles(4)
+    cq = ConsumeQueue(str(directory), "T", 0, fs, open_files=files)
+    model = CQModel(fs)
+    batches = chunks(rng, events)
+    kill_after = rng.randrange(len(batches))
+    for n, batch in enumerate(batches):
+        msg = f"seed={seed} file_size={fs} hold={hold} batch={n}"
+        before = PutStats(model.stats.written, model.stats.already_built, model.stats.out_of_order)
+        for unit in batch:
+            model.put(*unit)
+        stats = put_gathered(cq, files, batch, hold)
+        assert stats == PutStats(model.stats.written - before.written, model.stats.already_built - before.already_built,
+                                 model.stats.out_of_order - before.out_of_order), msg
+        assert cq.held_bytes < hold, msg
+        assert (cq.max_offset, cq.max_physic_offset) == (model.max_offset, model.max_physic_offset), msg
+        held_name = os.path.basename(cq.writing_path) if cq.held_bytes else None
+        unwritten_at = cq.write_offset - cq.held_bytes - (model.last_start if model.files else 0)
+        expected = zero_from(model_bytes(model), held_name, unwritten_at, unwritten_at + cq.held_bytes)
+        assert dir_bytes(directory) == expected, msg
+        if n == kill_after:
+            break
+    files.close()  # the kill: what was written is in the page cache, the gathered units are gone
+    cq = ConsumeQueue(str(directory), "T", 0, fs)
+    for batch in chunks(rng, events):
+        put(cq, batch)
+    cq.close()
+    assert dir_bytes(directory) == dir_bytes(tmp_path / "a"), f"seed={seed} killed after batch {kill_after}"
+
+
+def test_gathered_appends_are_written_each_time_they_reach_the_hold(tmp_path: Path) -> None:
+    """One unit at a time with a hold of three units: the file gets them three by three, and the last two
+    when the queue is flushed."""
+    files = OpenFiles(2)
+    cq = ConsumeQueue(str(tmp_path / "q"), "T", 0, 100 * UNIT_SIZE, open_files=files)
+    put(cq, [(0, 0, 10, 0)])  # the first unit creates the file
+    written = []
+    for i in range(1, 9):
+        put_gathered(cq, files, [(i, 10 * i, 10, i)], 3 * UNIT_SIZE)
+        data = (tmp_path / "q" / offset_to_file_name(0)).read_bytes()
+        written.append(sum(data[n * UNIT_SIZE : (n + 1) * UNIT_SIZE] != bytes(UNIT_SIZE) for n in range(100)))
+    assert written == [1, 1, 4, 4, 4, 7, 7, 7]
+    assert cq.held_bytes == 2 * UNIT_SIZE
+    cq.flush()
+    data = (tmp_path / "q" / offset_to_file_name(0)).read_bytes()
+    assert [UNIT.unpack_from(data, n * UNIT_SIZE) for n in range(10)] == \
+        [(10 * i, 10, i) for i in range(9)] + [(0, 0, 0)]
+    cq.close()
+
+
+@pytest.mark.parametrize("budget", [None, 3 * UNIT_SIZE])
+def test_store_writes_what_it_gathered_after_a_few_batches_or_bytes(tmp_path: Path, monkeypatch, budget) -> None:
+    """A queue that gets a unit a batch is not gathered for ever (each piece keeps its batch's units in
+    memory): the store writes everything it gathered every HELD_BATCHES batches, or past its byte budget."""
+    if budget is not None:
+        monkeypatch.setattr("indexcore.consumequeue.HELD_BYTES_BUDGET", budget)
+    store = ConsumeQueueStore(str(tmp_path), 1000 * UNIT_SIZE)
+    store.hold_bytes = 1 << 20
+    path = tmp_path / "consumequeue" / "T" / "0" / offset_to_file_name(0)
+    on_disk = []
+    for i in range(2 * HELD_BATCHES + 1):
+        store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=100 * i, queue_offset=i)]))
+        data = path.read_bytes()
+        on_disk.append(sum(data[n * UNIT_SIZE : (n + 1) * UNIT_SIZE] != bytes(UNIT_SIZE) for n in range(i + 1)))
+    # the first unit creates the file and is written with it
+    every = HELD_BATCHES if budget is None else 4  # past the budget: a fourth unit held
+    assert on_disk == [1 + (i // every) * every for i in range(2 * HELD_BATCHES + 1)]
+    store.close()
+    assert path.read_bytes()[: (2 * HELD_BATCHES + 1) * UNIT_SIZE] == b"".join(
+        CQ_UNIT.pack(100 * i, 100, 0) for i in range(2 * HELD_BATCHES + 1))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_store_gathering_appends_writes_the_same_files_and_writes_them_before_a_sync_or_read(tmp_path: Path,
+                                                                                           seed: int) -> None:
+    """A store that gathers appends (`hold_bytes`, a rebuild's setting) writes the files of one that does not,
+    with queues rolling files, units replayed, and budget releases; whatever is gathered is on disk after
+    `flush`, and `read_units` and `truncate_to` see it."""
+    rng = random.Random(seed)
+    queues = [(t, q) for t in ("A", "%LMQ%b", "c") for q in range(rng.randint(1, 4))]
+    next_qo = dict.fromkeys(queues, 0)
+    recs, phy = [], 0
+    for _ in range(rng.randint(50, 400)):
+        t, q = rng.choice(queues)
+        recs.append(DispatchRec(phy_offset=phy, msg_size=rng.randint(50, 300), topic=t, queue_id=q,
+                                queue_offset=next_qo[(t, q)], tags_code=rng.randint(-9, 9)))
+        next_qo[(t, q)] += 1
+        phy += recs[-1].msg_size
+    cut = sorted(rng.sample(range(1, len(recs)), min(len(recs) - 1, rng.randint(1, 12))))
+    batches = [recs[a:b] for a, b in zip([0, *cut], [*cut, len(recs)], strict=True)]
+    if rng.random() < 0.5:  # a replay of earlier records, as a restart from an older offset gives
+        at = rng.randrange(len(batches))
+        batches.insert(at + 1, batches[rng.randrange(at + 1)])
+    file_size = rng.choice([100, 400, 2000])
+
+    plain = ConsumeQueueStore(str(tmp_path / "plain"), file_size)
+    gathering = ConsumeQueueStore(str(tmp_path / "gathering"), file_size)
+    gathering.hold_bytes = rng.choice([30, 100, 1000])
+    for batch in batches:
+        assert gathering.dispatch(make_dispatch_batch(batch)) == plain.dispatch(make_dispatch_batch(batch))
+        if rng.random() < 0.3:
+            key = rng.choice(list(gathering.queues))
+            assert gathering.queues[key].read_units(0) == plain.queues[key].read_units(0)
+        if rng.random() < 0.2:  # as the dispatcher flushes: the files synced through descriptors of its own
+            gathering.flush(lambda paths: None)
+            assert cq_files(tmp_path / "gathering") == {tmp_path / "gathering" / p.relative_to(tmp_path / "plain"): b
+                                                        for p, b in cq_files(tmp_path / "plain").items()}
+    if rng.random() < 0.5:
+        middle = recs[len(recs) // 2].phy_offset
+        plain.truncate_to(middle)
+        gathering.truncate_to(middle)
+    plain.close()
+    gathering.close()
+    assert cq_files(tmp_path / "gathering") == {tmp_path / "gathering" / p.relative_to(tmp_path / "plain"): b
+                                                for p, b in cq_files(tmp_path / "plain").items()}
 
 
 # --- §16.2 vectors ------------------------------------------------------------------------------------

@@ -398,6 +398,28 @@ def test_batches_spread_thin_over_many_queues_grow_and_write_the_same_files(tmp_
         (CQ_UNIT_WRONG, str(damaged.relative_to(cfg.output.dir)), CQ_UNIT_SIZE)]
 
 
+@pytest.mark.parametrize("creations", [40, 333, 700])
+def test_a_rebuild_killed_while_it_gathers_appends_then_run_again_writes_the_same_files(tmp_path: Path,
+                                                                                      creations: int) -> None:
+    """A rebuild gathers each queue's small appends over several batches before writing them; killed at the
+    Nth ConsumeQueue file it creates (some queues then have units written, others only gathered, and lost),
+    then run again, it writes the broker's files all the same."""
+    records = write_workload(tmp_path, thin_lmq_messages(11))
+    config = lmq_config(tmp_path)
+    small_batches = ("import sys, daemon.rebuild as r; r.REBUILD_BATCH_BYTES = r.REBUILD_MAX_BATCH_BYTES = 3000; "
+                     "from daemon.cli import main; sys.exit(main(sys.argv[1:]))")
+    killed = subprocess.run([REPUTD[0], "-c", small_batches, "rebuild", "--config", str(config)],
+                            env=clean_env({"REPUTD_FAILPOINT": f"consumequeue.after_rename@{creations}"}),
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert killed.returncode == -9, killed.stderr[-800:]
+    queues = tmp_path / "out" / "consumequeue"
+    assert 0 < len(files_under(queues)) < len(model_of(records, True, CQ_FILE))
+    again = subprocess.run([*REPUTD, "rebuild", "--config", str(config)], env=clean_env(), capture_output=True,
+                           text=True, timeout=120, check=False)
+    assert again.returncode == 0, again.stderr[-800:]
+    assert files_under(queues) == model_of(records, True, CQ_FILE)
+
+
 def test_run_behind_the_writer_grows_thin_batches_and_shrinks_them_when_caught_up(tmp_path: Path,
                                                                                  monkeypatch) -> None:
     """`run` catching up on a store whose batches spread thin reads more per batch as `rebuild` does, back to
