@@ -5,21 +5,32 @@ files of one rebuild, with no (hash, offset) pair indexed twice, and says how ma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 import yaml
 
 from daemon.checkpoint import CHECKPOINT_FILE
+from daemon.config import load_config
+from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
+from daemon.rebuild import dispatch_batch
+from daemon.rebuild import rebuild as daemon_rebuild
 from indexcore.indexfile import INDEX_ENTRY_DTYPE, INDEX_HEADER, INDEX_HEADER_SIZE
+from indexcore.reader import ReadResult, ReadStatus
 from indexcore.writer import CommitLogWriter
 from tests.conformance import discover
+from tests.conftest import DispatchRec, make_dispatch_batch
 from tests.test_crash_matrix import PHASE_1, PHASE_2, append
 from tests.test_daemon import clean_env, events, output_files
 
@@ -143,3 +154,76 @@ def test_rebuild_into_a_brokers_store_adds_nothing(tmp_path, conformance):
         summary = rebuild(config)
         assert summary["newMessages"] == 0
     assert output_files(root) == before, f"{newest.name} and the queues are the broker's still"
+
+
+class _Recorder:
+    """A dispatcher that notes where and when it took each batch, and fails when told to."""
+
+    def __init__(self, name: str, alongside: bool, log: list, fail: Exception | None = None, pause: float = 0.0):
+        self.name, self.dispatch_alongside, self.log, self.fail, self.pause = name, alongside, log, fail, pause
+
+    def dispatch(self, batch) -> None:
+        self.log.append((self.name, "start", threading.current_thread().name, time.monotonic()))
+        time.sleep(self.pause)
+        self.log.append((self.name, "end", threading.current_thread().name, time.monotonic()))
+        if self.fail is not None:
+            raise self.fail
+
+
+def test_the_index_takes_a_batch_alongside_the_queues_and_errors_come_out_after_both():
+    """A rebuild hands a batch to the dispatchers that say `dispatch_alongside` (the IndexFile's) on a
+    thread of their own while the others take it, returns once all are done, and raises a failure of
+    this thread's dispatchers first, else one of those alongside."""
+    batch = make_dispatch_batch([DispatchRec(phy_offset=0)])
+    result = ReadResult(batch, 100, ReadStatus.OK)
+    assert IndexDispatcher.dispatch_alongside
+    assert not getattr(ConsumeQueueDispatcher, "dispatch_alongside", False)
+    with ThreadPoolExecutor(1, thread_name_prefix="aside") as pool:
+        log: list = []
+        dispatch_batch([_Recorder("cq", False, log, pause=0.2), _Recorder("index", True, log, pause=0.2)], result,
+                       pool)
+        started = {name: t for name, what, _, t in log if what == "start"}
+        ended = {name: t for name, what, _, t in log if what == "end"}
+        assert {name: thread.startswith("aside") for name, _, thread, _ in log} == {"cq": False, "index": True}
+        assert started["index"] < ended["cq"]  # at the same time
+        assert started["cq"] < ended["index"]
+
+        log.clear()
+        with pytest.raises(ValueError, match="index broke"):
+            dispatch_batch([_Recorder("cq", False, log), _Recorder("index", True, log, ValueError("index broke"),
+                                                                    pause=0.2)], result, pool)
+        assert [(n, w) for n, w, _, _ in log if w == "end"] == [("cq", "end"), ("index", "end")]
+
+        log.clear()
+        with pytest.raises(KeyError, match="cq broke"):
+            dispatch_batch([_Recorder("cq", False, log, KeyError("cq broke")),
+                            _Recorder("index", True, log, ValueError("index broke"), pause=0.2)], result, pool)
+        assert ("index", "end") in [(n, w) for n, w, _, _ in log]  # waited for, though its error is not raised
+
+
+def test_an_index_failure_mid_rebuild_stops_it_and_the_next_rebuild_writes_the_files(store, monkeypatch):
+    """The IndexFile's dispatch failing on a batch (alongside the queues') stops the rebuild with that error
+    and no checkpoint past what was flushed before; the next rebuild ends with the files of a clean one."""
+    tmp, config, _ = store
+    calls = {"n": 0}
+    real = IndexDispatcher.dispatch
+
+    def failing(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device", "index/x")
+        real(self, batch)
+
+    monkeypatch.setattr(IndexDispatcher, "dispatch", failing)
+    monkeypatch.setattr("daemon.rebuild.REBUILD_BATCH_BYTES", 4096)
+    cfg = load_config(config)
+    cfg = dataclasses.replace(cfg, reput=dataclasses.replace(cfg.reput, batch_bytes=4096))
+    with structlog.testing.capture_logs(), pytest.raises(OSError, match="No space left"):
+        daemon_rebuild(cfg)
+    assert calls["n"] == 3
+    monkeypatch.setattr(IndexDispatcher, "dispatch", real)
+    summary = rebuild(config)
+    assert summary["endOffset"] > 0
+    expected, pairs = reference(tmp, config)
+    assert output_files(tmp / "out") == expected
+    assert index_pairs(tmp / "out") == pairs
