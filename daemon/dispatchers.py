@@ -216,6 +216,16 @@ class ConsumeQueueDispatcher:
         """Files the load removed: leftovers of creations a kill cut short."""
         return [path for cq in self.queues.queues.values() for path in cq.removed]
 
+    @property
+    def torn(self) -> list[str]:
+        """Files where the load zeroed the first bytes of a unit whose write a kill stopped."""
+        return [path for cq in self.queues.queues.values() for path in cq.torn]
+
+    def drop_torn_tails(self, from_offset: int) -> list[str]:
+        """Before a replay from `from_offset` (a replay marker's): remove each queue's last unit that a kill
+        may have torn (`ConsumeQueue.drop_torn_tail`), for the replay to write again."""
+        return self.queues.drop_torn_tails(from_offset)
+
     def close(self) -> None:
         """Close every queue; one that a flush plan synced and nothing was written to since is not synced
         again (after a rebuild's or a stopping `run`'s last flush, that is every queue: 100,000 of them

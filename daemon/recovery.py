@@ -21,6 +21,11 @@ replay marker's offset. A start derived from the files is first written as a rep
 batch is written queue by queue, so until the first real checkpoint the files may hold part of one, and
 a kill must make the next start read that batch again rather than derive a higher offset.
 
+A kill can stop a ConsumeQueue write between two pages, the unit across the boundary half written
+(`consumequeue.WRITE_PAGE_SIZE`): under a replay marker, each queue's last unit across a page boundary at
+or past the marker is removed first, since its cut-off tags_code would make it look whole and the replay
+would pass it over (`ConsumeQueueDispatcher.drop_torn_tails`); a load zeroes an invalid unit so cut.
+
 Before any of it, each kind's load removes what a kill during a file's creation left: the temporary
 file of a creation cut short and, from an older reputd or a broker, a 0-byte newest file, a queue's
 only file allocated without its pre-blank units, a newest IndexFile allocated without its header. They
@@ -136,6 +141,10 @@ def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: d
             d.recover(offset, states[d.name])
             log.info("dispatcher_recovered", dispatcher=d.name, reput_from_offset=offset)
         elif hasattr(d, "resume_offset"):
+            torn = d.drop_torn_tails(offset) if hasattr(d, "drop_torn_tails") else []
+            if torn:
+                log.warning("torn_units_removed", dispatcher=d.name, paths=torn, reput_from_offset=offset,
+                            detail="last units a kill may have left half written; the replay writes them again")
             resume = d.resume_offset()
             start = min(start, first_offset if resume is None else resume)
             log.info("dispatcher_not_in_checkpoint", dispatcher=d.name, resume_offset=resume)
@@ -163,6 +172,10 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
         if removed:
             log.warning("unfinished_files_removed", dispatcher=d.name, paths=removed,
                         detail="files whose creation a kill cut short; they held nothing")
+        torn = getattr(d, "torn", None)
+        if torn:
+            log.warning("torn_units_zeroed", dispatcher=d.name, paths=torn,
+                        detail="the first bytes of units whose write a kill stopped; they are written again")
     if moved:
         checkpoint = read_checkpoint(out)  # the replay marker written before the first move
     if checkpoint is not None and checkpoint.reput_from_offset > commit_log.max_offset:

@@ -35,6 +35,7 @@ a run that stopped there would not have made it yet.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -62,6 +63,10 @@ MAX_QUEUE_KEYS = 1 << 22  # queue keys (topics x span of queue ids) of a batch c
 PRIVATE_OPEN_FILES = 2  # a queue on its own: its writing file, and the one before it while rolling
 MAX_OPEN_QUEUE_FILES = 65536
 CREATE_LABEL = "consumequeue"  # names the steps of a file's creation (`mappedfile.create_file`'s fail points)
+# The kernel copies a write into the page cache page by page, and a SIGKILL can stop it between two pages:
+# a unit that straddles a page boundary is the one a kill can leave torn, its first bytes written and the
+# rest not (`torn_unit_at`, `ConsumeQueue.drop_torn_tail`).
+WRITE_PAGE_SIZE = mmap.PAGESIZE
 # Appends a store gathers (`ConsumeQueueStore.hold_bytes`) are all written once they come to this many bytes,
 # or were gathered over this many batches: each gathered piece keeps its batch's array of units alive.
 HELD_BYTES_BUDGET = 64 * 1024 * 1024
@@ -214,6 +219,21 @@ def _valid_prefix(units: np.ndarray, below_phy: int | None = None) -> int:
         stop |= units["commit_log_offset"] >= below_phy
     first = np.flatnonzero(stop)
     return int(first[0]) if len(first) else len(units)
+
+
+def straddles_page(position: int) -> bool:
+    """Whether the unit at byte `position` of a file lies across a page boundary."""
+    return position // WRITE_PAGE_SIZE != (position + CQ_UNIT_SIZE - 1) // WRITE_PAGE_SIZE
+
+
+def torn_unit_at(units: np.ndarray, n: int) -> bool:
+    """Whether the invalid unit n, and the written bytes after it, are what a write stopped by a kill leaves:
+    unit n straddles a page boundary, and every written byte from it on lies before that boundary."""
+    position = n * CQ_UNIT_SIZE
+    if not straddles_page(position):
+        return False
+    boundary = position - position % WRITE_PAGE_SIZE + WRITE_PAGE_SIZE
+    return not units.view(np.uint8)[boundary:].any()
 
 
 def pack_units(commit_log_offset: np.ndarray, msg_size: np.ndarray, tags_code: np.ndarray) -> np.ndarray:
@@ -438,6 +458,7 @@ class ConsumeQueue:
         self._held_at = 0  # where in the last file they go
         self.held_bytes = 0
         self.removed: list[str] = []  # what loading removed: leftovers of creations cut short
+        self.torn: list[str] = []  # files where loading zeroed a unit a kill left half written
         if not new:  # `new`: the caller knows the directory holds no file (it just made it)
             self._recover()
 
@@ -467,10 +488,14 @@ class ConsumeQueue:
             units = newest if newest is not None and start == self._files[-1] else _read_units(path)
             n = _valid_prefix(units)
             if n < len(units) and units[n:].view(np.uint8).any():
-                # units are appended in order and truncation zeroes what it removes: written bytes after
-                # the first invalid unit are damage, and taking the queue as ending there would lose them
-                raise StoreLayoutError(path, f"unit {start // CQ_UNIT_SIZE + n} is not a valid unit, and "
-                                             "written units follow it")
+                if not torn_unit_at(units, n):
+                    # units are appended in order and truncation zeroes what it removes: written bytes after
+                    # the first invalid unit are damage, and taking the queue as ending there would lose them
+                    raise StoreLayoutError(path, f"unit {start // CQ_UNIT_SIZE + n} is not a valid unit, and "
+                                                 "written units follow it")
+                if not self.readonly:  # the first bytes of a unit whose write a kill stopped: not a unit
+                    self._open.write(path, bytes(CQ_UNIT_SIZE), n * CQ_UNIT_SIZE)
+                    self.torn.append(path)
             max_phy = _last_real_unit_end(units[:n])
             if max_phy >= 0:
                 self.max_physic_offset = max_phy
@@ -651,6 +676,23 @@ class ConsumeQueue:
         return [ConsumeQueueUnit(*u) for u in CQ_UNIT.iter_unpack(data[: len(data) - len(data) % CQ_UNIT_SIZE])]
 
     # --- truncation, flush, close ----------------------------------------------------------------
+
+    def drop_torn_tail(self, from_phy: int) -> int | None:
+        """Remove the last unit when a kill may have torn it (`WRITE_PAGE_SIZE`): it straddles a page
+        boundary, is no pre-blank unit, and points at or past `from_phy`, where the interrupted run began
+        (its first bytes can look like a whole unit with a zero tags_code, which the replay would pass
+        over as already built). The replay from `from_phy` or before writes it again. Returns its
+        commit_log_offset when removed."""
+        if not self._files or self._write_pos < CQ_UNIT_SIZE or not straddles_page(self._write_pos - CQ_UNIT_SIZE):
+            return None
+        self.release_held()
+        self._open.flush_writes()
+        with open(self._writing, "rb") as f:
+            phy, size, _ = CQ_UNIT.unpack(os.pread(f.fileno(), CQ_UNIT_SIZE, self._write_pos - CQ_UNIT_SIZE))
+        if size == BLANK_UNIT_MSG_SIZE or phy < from_phy:
+            return None
+        self.truncate_to(phy)
+        return phy
 
     def truncate_to(self, phy_offset: int) -> None:
         """Remove every unit whose commit_log_offset >= phy_offset (`truncateDirtyLogicFiles`).
@@ -842,6 +884,15 @@ class ConsumeQueueStore:
         """Write every gathered append now: before the files are synced or read by anyone else."""
         self.release_held()
         self.open_files.flush_writes()
+
+    def drop_torn_tails(self, from_phy: int) -> list[str]:
+        """`ConsumeQueue.drop_torn_tail` for every queue; the files a unit was removed from."""
+        dropped = []
+        for cq in self.queues.values():
+            path = cq.writing_path
+            if cq.drop_torn_tail(from_phy) is not None:
+                dropped.append(path)
+        return dropped
 
     def max_physic_offset(self) -> int:
         """Max over all queues of the end of the last unit: where the broker restarts its reput."""

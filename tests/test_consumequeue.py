@@ -25,6 +25,7 @@ from indexcore.consumequeue import (
     PutStats,
     pack_units,
 )
+from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import OpenFiles, offset_to_file_name
 from tests.conftest import DispatchRec, make_dispatch_batch
 
@@ -446,6 +447,86 @@ def test_store_gathering_appends_writes_the_same_files_and_writes_them_before_a_
     gathering.close()
     assert cq_files(tmp_path / "gathering") == {tmp_path / "gathering" / p.relative_to(tmp_path / "plain"): b
                                                 for p, b in cq_files(tmp_path / "plain").items()}
+
+
+TORN_PAGE = 4096  # pages of this size are the kernel's unit of a write here (mmap.PAGESIZE)
+
+
+def tear(path: Path, at: int) -> None:
+    """What a write stopped by SIGKILL at the page boundary `at` leaves: nothing from `at` on."""
+    data = bytearray(path.read_bytes())
+    data[at:] = bytes(len(data) - at)
+    path.write_bytes(bytes(data))
+
+
+def units_for(n: int, base: int = 0) -> list[Unit]:
+    return [(q, base + 1000 * q, 100 + q % 7, 10_000 + q) for q in range(n)]
+
+
+@pytest.mark.parametrize(("units", "cut"), [(205, 4096), (410, 8192), (615, 12288), (820, 16384)])
+def test_a_last_unit_a_kill_tore_at_a_page_boundary_is_written_again(tmp_path: Path, units: int, cut: int) -> None:
+    """A unit across a page boundary can be left half written by a kill (the kernel copies a write page by
+    page): its tags_code cut off it looks whole, and a replay would pass it over; cut in its size or
+    CommitLog offset it is an invalid unit with written bytes. Either way the queue, reloaded and, from
+    where the interrupted run began, replayed, ends as if never torn."""
+    fs = 1000 * UNIT_SIZE
+    events = units_for(units + 30, base=1 << 40)  # offsets with nonzero high bytes: a cut phy is not zeros
+    straight = ConsumeQueue(str(tmp_path / "a"), "T", 0, fs)
+    put(straight, events)
+    straight.close()
+
+    directory = tmp_path / "b"
+    cq = ConsumeQueue(str(directory), "T", 0, fs)
+    put(cq, events[: units - 10])  # an earlier run, complete
+    put(cq, events[units - 10 : units])  # the interrupted run, begun at record units - 10
+    cq.close()
+    last = (units - 1) * UNIT_SIZE
+    assert last < cut < last + UNIT_SIZE
+    tear(directory / offset_to_file_name(0), cut)
+    begun = events[units - 10][1]
+
+    cq = ConsumeQueue(str(directory), "T", 0, fs)
+    looks_whole = cut - last >= 12 or (cut - last == 11 and events[units - 1][2] >= 256)
+    if looks_whole:
+        assert cq.torn == []
+        assert cq.max_offset == units
+        assert cq.drop_torn_tail(events[units - 1][1] + 1) is None  # from past it: written before the run
+        assert cq.drop_torn_tail(begun) == events[units - 1][1]
+    else:
+        assert cq.torn == [str(directory / offset_to_file_name(0))]
+        assert cq.max_offset == units - 1
+        assert cq.drop_torn_tail(begun) is None  # its last unit now lies inside a page
+    assert cq.max_offset == units - 1
+    put(cq, events[units - 10 :])
+    cq.close()
+    assert dir_bytes(directory) == dir_bytes(tmp_path / "a")
+
+
+def test_only_a_last_unit_across_a_page_boundary_is_taken_for_torn(tmp_path: Path) -> None:
+    """A last unit inside a page, a pre-blank unit, and written bytes past the page boundary (damage, not
+    a kill) are not taken for a torn write."""
+    fs = 1000 * UNIT_SIZE
+    cq = ConsumeQueue(str(tmp_path / "inside"), "T", 0, fs)
+    put(cq, units_for(204))
+    assert cq.drop_torn_tail(0) is None
+    cq.close()
+
+    blanks = ConsumeQueue(str(tmp_path / "blanks"), "T", 0, fs)
+    put(blanks, [(204, 5000, 100, 1)])  # pre-blank units 0-203, then unit 204 across the boundary
+    assert blanks.drop_torn_tail(0) == 5000
+    assert blanks.drop_torn_tail(0) is None  # unit 203, a pre-blank unit inside a page
+    blanks.close()
+
+    damaged = tmp_path / "damaged"
+    cq = ConsumeQueue(str(damaged), "T", 0, fs)
+    put(cq, units_for(300))
+    cq.close()
+    path = damaged / offset_to_file_name(0)
+    data = bytearray(path.read_bytes())
+    data[204 * UNIT_SIZE + 8 : 204 * UNIT_SIZE + 12] = bytes(4)  # unit 204's size zeroed, units after it kept
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreLayoutError, match="unit 204 is not a valid unit"):
+        ConsumeQueue(str(damaged), "T", 0, fs)
 
 
 # --- §16.2 vectors ------------------------------------------------------------------------------------

@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 
 import pytest
+import structlog
 import yaml
 
 from daemon.config import load_config
 from daemon.metrics import ReputMetrics
+from daemon.recovery import write_replay_marker
 from daemon.session import open_session
+from indexcore.consumequeue import CQ_UNIT_SIZE as UNIT_SIZE
 from indexcore.consumequeue import ConsumeQueue
-from tests.test_daemon import Store, assert_same_as_rebuild
+from tests.test_daemon import Store, assert_same_as_rebuild, events
 
 
 class Killed(Exception):
@@ -126,3 +129,35 @@ def test_checkpointed_index_file_deleted_is_rebuilt_not_duplicated(store):
     assert res.returncode == 0, res.stderr
     assert sorted(os.listdir(store.out / "index")) == names
     assert_same_as_rebuild(store)
+
+
+@pytest.mark.parametrize("cut", [4, 8, 12, 16])
+def test_a_unit_a_kill_left_half_written_is_written_again_by_the_next_start(tmp_path, cut):
+    """A kill can stop a write between two pages (the kernel copies it page by page), leaving the unit
+    across the boundary half written: cut in its tags_code it looks whole, cut in its size or CommitLog
+    offset it is invalid with written bytes. The next start, from the replay marker the interrupted run
+    began with, writes it again: the files are a clean rebuild's (before, the tags_code stayed zero, or
+    the queue was refused as damaged)."""
+    store = Store(tmp_path, store={"mappedFileSizeConsumeQueue": 6000})
+    try:
+        store.append(12 * 205)  # 12 queues of 205 units: the last, unit 204 at byte 4080, crosses 4096
+        assert store.run("--until-caught-up").returncode == 0
+        path = store.out / "consumequeue" / "TopicA" / "0" / "00000000000000000000"
+        units = path.read_bytes()
+        last = 204 * UNIT_SIZE
+        assert units[last + UNIT_SIZE : last + 2 * UNIT_SIZE] == bytes(UNIT_SIZE) != units[last : last + UNIT_SIZE]
+        began = int.from_bytes(units[190 * UNIT_SIZE : 190 * UNIT_SIZE + 8], "big")
+        write_replay_marker(str(store.out), began, "the interrupted run's start", structlog.get_logger())
+        with open(path, "r+b") as f:  # what the kill left: the unit's bytes up to the page boundary
+            f.seek(last + cut)
+            f.write(bytes(UNIT_SIZE - cut))
+        res = store.run("--until-caught-up")
+        assert res.returncode == 0, res.stderr
+        named = {kind: {p for e in events(res.stdout) if e["event"] == kind for p in e["paths"]}
+                 for kind in ("torn_units_removed", "torn_units_zeroed")}
+        # cut in its offset's high bytes, which are zeros here, the unit looks never written
+        expect = "torn_units_removed" if cut >= 12 else "torn_units_zeroed" if cut == 8 else None
+        assert {kind for kind, paths in named.items() if str(path) in paths} == ({expect} if expect else set())
+        assert_same_as_rebuild(store)
+    finally:
+        store.writer.close()
