@@ -488,9 +488,10 @@ class ConsumeQueue:
             units = newest if newest is not None and start == self._files[-1] else _read_units(path)
             n = _valid_prefix(units)
             if n < len(units) and units[n:].view(np.uint8).any():
-                if not torn_unit_at(units, n):
+                if start != files[-1][0] or not torn_unit_at(units, n):
                     # units are appended in order and truncation zeroes what it removes: written bytes after
                     # the first invalid unit are damage, and taking the queue as ending there would lose them
+                    # (only the newest file is written to, so only it can hold a write a kill stopped)
                     raise StoreLayoutError(path, f"unit {start // CQ_UNIT_SIZE + n} is not a valid unit, and "
                                                  "written units follow it")
                 if not self.readonly:  # the first bytes of a unit whose write a kill stopped: not a unit

@@ -528,6 +528,15 @@ def test_only_a_last_unit_across_a_page_boundary_is_taken_for_torn(tmp_path: Pat
     with pytest.raises(StoreLayoutError, match="unit 204 is not a valid unit"):
         ConsumeQueue(str(damaged), "T", 0, fs)
 
+    older = tmp_path / "older"  # the pattern of a stopped write in a file before the newest: damage
+    cq = ConsumeQueue(str(older), "T", 0, fs)
+    put(cq, units_for(1100, base=1 << 40))
+    cq.close()
+    tear(older / offset_to_file_name(0), 204 * UNIT_SIZE + 4)
+    with pytest.raises(StoreLayoutError, match="unit 204 is not a valid unit"):
+        ConsumeQueue(str(older), "T", 0, fs)
+    assert (older / offset_to_file_name(fs)).exists()
+
 
 # --- §16.2 vectors ------------------------------------------------------------------------------------
 
