@@ -567,6 +567,11 @@ class ConsumeQueue:
             held, self._held, self.held_bytes = self._held, None, 0
             self._open.write_later(self._writing, held, self._held_at)
 
+    def _write_held(self) -> None:
+        """Write the gathered appends, and any other deferred write, now: before the file is read or cut."""
+        self.release_held()
+        self._open.flush_writes()
+
     # --- appending --------------------------------------------------------------------------------
 
     @property
@@ -664,8 +669,7 @@ class ConsumeQueue:
         """Units from `queue_offset` to the end of the written data of the file holding it."""
         if not self.min_offset <= queue_offset < self.max_offset:
             return []
-        self.release_held()
-        self._open.flush_writes()
+        self._write_held()
         logical = queue_offset * CQ_UNIT_SIZE
         start = logical - logical % self.file_size
         written_end = self._last_start + self._write_pos if start == self._last_start else start + self.file_size
@@ -686,8 +690,7 @@ class ConsumeQueue:
         commit_log_offset when removed."""
         if not self._files or self._write_pos < CQ_UNIT_SIZE or not straddles_page(self._write_pos - CQ_UNIT_SIZE):
             return None
-        self.release_held()
-        self._open.flush_writes()
+        self._write_held()
         with open(self._writing, "rb") as f:
             phy, size, _ = CQ_UNIT.unpack(os.pread(f.fileno(), CQ_UNIT_SIZE, self._write_pos - CQ_UNIT_SIZE))
         if size == BLANK_UNIT_MSG_SIZE or phy < from_phy:
@@ -701,8 +704,7 @@ class ConsumeQueue:
         Unlike the broker, removed units are zeroed and a file left empty is deleted, so the queue
         reads, byte for byte, as if they had never been written.
         """
-        self.release_held()
-        self._open.flush_writes()
+        self._write_held()
         while self._files:
             start = self._last_start
             path = self._path(start)
@@ -854,17 +856,12 @@ class ConsumeQueueStore:
             for group in consume_queue_units(batch) if units is None else units:
                 key = (group.topic, group.queue_id)
                 cq = queues.get(key) or self.queue(*key)
-                if hold:
-                    before = cq.held_bytes
-                    cq.put_packed(group.queue_offset, group.units, group.ends, group.one_streak, later=True,
-                                  stats=stats, hold=hold)
-                    after = cq.held_bytes
-                    if after:
-                        holding.add(cq)
-                    self._held_total += after - before
-                else:
-                    cq.put_packed(group.queue_offset, group.units, group.ends, group.one_streak, later=True,
-                                  stats=stats)
+                before = cq.held_bytes
+                cq.put_packed(group.queue_offset, group.units, group.ends, group.one_streak, later=True, stats=stats,
+                              hold=hold)
+                if cq.held_bytes:
+                    holding.add(cq)
+                self._held_total += cq.held_bytes - before
                 touched.add(key)
         finally:
             if self._holding:
