@@ -99,6 +99,8 @@ class StoreConfig:
     flush_interval_consume_queue: int = 1000
     flush_consume_queue_least_pages: int = 2
     flush_consume_queue_thorough_interval: int = 60000
+    clean_resource_interval: int = 10000
+    delete_consume_queue_files_interval: int = 100
     enable_multi_dispatch: bool = False
     enable_lmq: bool = False
     max_transfer_bytes_on_message_in_memory: int = 256 * 1024
@@ -307,6 +309,8 @@ _KEY_LIST = (
     _Key("store", "flushIntervalConsumeQueue", "int", (_java_int(1),)),
     _Key("store", "flushConsumeQueueLeastPages", "int", (_java_int(0),)),
     _Key("store", "flushConsumeQueueThoroughInterval", "int", (_java_int(0),)),
+    _Key("store", "cleanResourceInterval", "int", (_java_int(1),)),
+    _Key("store", "deleteConsumeQueueFilesInterval", "int", (_java_int(0),)),
     _Key("store", "enableMultiDispatch", "bool"),
     _Key("store", "enableLmq", "bool"),
     _Key("store", "maxTransferBytesOnMessageInMemory", "int", (_java_int(1),)),
@@ -340,9 +344,9 @@ _DISPATCHERS_ENV = env_var_name(_DISPATCHERS_SECTION)
 # transfer limits, pools): accepted under `store:` so a block copied from broker.conf loads, and ignored.
 BROKER_RUNTIME_STORE_KEYS = frozenset({
     "accessMessageInMemoryMaxRatio", "autoMessageVersionOnTopicLen", "bitMapLengthConsumeQueueExt", "brokerRole",
-    "cleanFileForciblyEnable", "cleanResourceInterval", "commitCommitLogLeastPages",
+    "cleanFileForciblyEnable", "commitCommitLogLeastPages",
     "commitCommitLogThoroughInterval", "commitIntervalCommitLog", "dLegerGroup", "dLegerPeers", "dLegerSelfId",
-    "debugLockEnable", "defaultQueryMaxNum", "deleteCommitLogFilesInterval", "deleteConsumeQueueFilesInterval",
+    "debugLockEnable", "defaultQueryMaxNum", "deleteCommitLogFilesInterval",
     "deleteWhen", "destroyMapedFileIntervalForcibly", "diskFallRecorded", "diskMaxUsedSpaceRatio",
     "duplicationEnable", "enableBatchPush", "enableScheduleAsyncDeliver", "enableScheduleMessageStats",
     "enabledAppendPropCRC", "fastFailIfNoBufferInStorePool", "fileReservedTime", "flushCommitLogLeastPages",

@@ -167,13 +167,14 @@ class Flusher:
         now = time.monotonic()
         thorough = thorough or now - self._last_thorough >= self.thorough_interval
         least_pages = 0 if thorough else self.least_pages
-        with s.lock:
-            if s.poisoned:
-                return False
-            offset = s.dispatched_offset
-            plans, states = prepare_flush(s.dispatchers, thorough, least_pages)
-        started = time.perf_counter()
-        sync_plans(plans, s.output_dir, s.synced_paths, whole_fs=whole_fs)
+        with s.files_lock:  # from plan to sync, the cleaner deletes none of the files planned (`daemon.cleaner`)
+            with s.lock:
+                if s.poisoned:
+                    return False
+                offset = s.dispatched_offset
+                plans, states = prepare_flush(s.dispatchers, thorough, least_pages)
+            started = time.perf_counter()
+            sync_plans(plans, s.output_dir, s.synced_paths, whole_fs=whole_fs)
         s.metrics.flush_duration.observe(time.perf_counter() - started)
         if thorough:
             self._last_thorough = now

@@ -55,6 +55,7 @@ class ErrorKind(StrEnum):
     COMMITLOG = "commitlog"
     RECOVERY = "recovery"
     LOOP = "loop"
+    RETENTION = "retention"  # a clean-up pass of expired output files failed (`daemon.cleaner`)
 
 
 class OutputStage(StrEnum):
@@ -68,6 +69,13 @@ class OutputStage(StrEnum):
 class SkipReason(StrEnum):
     CORRUPTION = "corruption"  # onCorruption: skip-segment
     RETENTION = "retention"  # segments deleted before they were dispatched
+
+
+class FileKind(StrEnum):
+    """The output's file kinds, as `reputd_files` and the deletion counters label them."""
+
+    CONSUME_QUEUE = "consumequeue"
+    INDEX = "index"
 
 
 class RecoveryDecision(StrEnum):
@@ -127,8 +135,8 @@ class _LagCollector:
         yield _gauge("reputd_checkpoint_age_seconds",
                      "Seconds since the checkpoint was last written, 0 while it covers everything dispatched.", age)
         files = GaugeMetricFamily("reputd_files", "Output files by kind.", labels=["kind"])
-        files.add_metric(["consumequeue"], lag.consume_queue_files)
-        files.add_metric(["index"], lag.index_files)
+        files.add_metric([FileKind.CONSUME_QUEUE], lag.consume_queue_files)
+        files.add_metric([FileKind.INDEX], lag.index_files)
         yield files
 
 
@@ -148,11 +156,16 @@ class ReputMetrics:
         self.dispatched = Counter("reputd_dispatched_messages", "Messages handed to each dispatcher.",
                                   ["dispatcher"], registry=r)
         self.errors = _known(Counter("reputd_errors", "Errors by kind (dispatch, flush, checkpoint, commitlog, "
-                                     "recovery, loop).", ["kind"], registry=r), ErrorKind)
+                                     "recovery, loop, retention).", ["kind"], registry=r), ErrorKind)
         self.corrupt = _known(Counter("reputd_corrupt_records", "Corrupt CommitLog records met, by field at fault.",
                                       ["reason"], registry=r), CORRUPT_REASONS)
         self.skipped = _known(Counter("reputd_skipped_bytes", "CommitLog bytes not dispatched, by reason.",
                                       ["reason"], registry=r), SkipReason)
+        self.deleted_files = _known(Counter("reputd_deleted_files", "Output files deleted because the CommitLog no "
+                                            "longer holds their records (the broker's CleanConsumeQueueService), "
+                                            "by kind.", ["kind"], registry=r), FileKind)
+        self.deleted_bytes = _known(Counter("reputd_deleted_bytes", "Disk space (allocated bytes) freed by deleting "
+                                            "expired output files, by kind.", ["kind"], registry=r), FileKind)
         self.flush_duration = Histogram("reputd_flush_duration_seconds", "Duration of one flush cycle.",
                                         buckets=FLUSH_BUCKETS, registry=r)
         self.batch_messages = Histogram("reputd_batch_messages", "Messages per dispatched batch.",

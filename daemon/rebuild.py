@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from daemon import failpoint
+from daemon.cleaner import clean_output
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, Dispatcher
 from daemon.flusher import final_checkpoint
@@ -183,6 +184,8 @@ def rebuild(config: Config, *, from_offset: int | None = None,
         if from_offset is None or offset != from_offset:  # never a checkpoint at an unchecked --from alone
             # everything dispatched is flushed and checkpointed: the next rebuild or run goes on from here
             final_checkpoint(out, dispatchers, offset)
+            # the broker's retention rule, as `run` applies it: files whose records the CommitLog no longer holds
+            clean_output(dispatchers, commit_log.dirs, offset, log)
         if failure is not None:
             raise failure
     finally:

@@ -26,6 +26,7 @@ from watchdog.events import EVENT_TYPE_CLOSED_NO_WRITE, EVENT_TYPE_OPENED, FileS
 from watchdog.observers import Observer
 
 from daemon import failpoint
+from daemon.cleaner import Cleaner
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
 from daemon.flusher import Flusher
 from daemon.head import hold_torn_tail, written_below, written_end
@@ -333,8 +334,10 @@ class ReputService:
 
     def _run_session(self, s: Session) -> Outcome:
         flusher = Flusher(s, self._flush_failed, self._flush_succeeded)
+        cleaner = Cleaner(s)
         observer = self._watch(s.commit_log.dirs)
         flusher.start()
+        cleaner.start()
         self._notify_ready(f"recovered; reading from offset {s.dispatched_offset}")
         if not self._retrying():  # a session retried after a failure is healthy once it gets past it
             self._set_health(HEALTHY)
@@ -346,6 +349,7 @@ class ReputService:
             self._log.exception("reput_loop_failed", error=f"{type(e).__name__}: {e}", offset=s.dispatched_offset)
             return Outcome.FAILED
         finally:
+            cleaner.stop()
             flusher.stop()
             if observer is not None:
                 observer.stop()
@@ -361,6 +365,8 @@ class ReputService:
                 Flusher(s, self._flush_failed).flush_once(thorough=True, whole_fs=True)
                 self._log.info("final_flush", reput_from_offset=s.dispatched_offset,
                                checkpoint_offset=s.checkpoint_offset)
+                if outcome is Outcome.CAUGHT_UP:  # a one-off run applies the retention rule once, unpaced
+                    Cleaner(s).clean_reported(pause=False)
             except Exception as e:
                 self._flush_failed(e)
                 code = EXIT_FAILURE

@@ -38,6 +38,9 @@ class Session:
     checkpoint_written_at: float = 0.0
     poisoned: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # held by the flusher from its plan to its last sync and by the cleaner while it deletes (taken before
+    # `lock` by both): no file planned for a sync vanishes
+    files_lock: threading.Lock = field(default_factory=threading.Lock)
     synced_paths: set[str] = field(default_factory=set)  # files and directories whose entries are durable
     dispatched_counters: list = field(default_factory=list)  # per dispatcher, labels resolved once
 

@@ -11,6 +11,7 @@ and the logic around them:
     reader         CommitLog, CommitLogReader: batches from any offset; torn tail vs corruption
     dispatch       DispatchBatch (columnar dispatch requests) and the dispatch rules
     indexservice   IndexService: rolling, naming, loading and querying IndexFiles
+    retention      which ConsumeQueue files and IndexFiles the broker deletes once the CommitLog shrinks
     javahash       Java String.hashCode over UTF-16, scalar and vectorised
     writer         CommitLogWriter: appends as the broker lays records out
     verify         existing ConsumeQueue and IndexFile files compared with what the dispatch rules write

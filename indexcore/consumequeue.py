@@ -653,13 +653,14 @@ class ConsumeQueue:
     def min_offset(self) -> int:
         return self.min_logic_offset // CQ_UNIT_SIZE
 
-    def correct_min_offset(self, commit_log_min_offset: int) -> None:
+    def correct_min_offset(self, commit_log_min_offset: int, first_file: int = 0) -> None:
         """`correctMinOffset`: the first unit of the first file that points at or past the CommitLog's
         oldest offset; blank units (offset 0) before a queue's first real unit are passed over once the
-        CommitLog no longer starts at 0."""
+        CommitLog no longer starts at 0. `first_file`: look in that file (by position) instead, as if the
+        ones before it were deleted already (a query over files retention has not cleaned yet)."""
         if not self._files:
             return
-        start = self._files[0]
+        start = self._files[min(first_file, len(self._files) - 1)]
         units = _read_units(self._path(start))
         at = np.flatnonzero(units["commit_log_offset"] >= commit_log_min_offset)
         if len(at):
@@ -730,6 +731,28 @@ class ConsumeQueue:
     @property
     def file_count(self) -> int:
         return len(self._files)
+
+    @property
+    def file_starts(self) -> list[int]:
+        """The start offsets of the queue's files, oldest first (a copy)."""
+        return list(self._files)
+
+    def file_path(self, start: int) -> str:
+        return self._path(start)
+
+    def forget_oldest(self, n: int) -> list[str]:
+        """Stop using the `n` oldest files (never the newest, which units go to) and return their paths, for
+        the caller to delete (retention: `indexcore.retention`); the min offset moves to the new first file
+        until `correct_min_offset` refines it."""
+        n = min(n, len(self._files) - 1)
+        if n <= 0:
+            return []
+        paths = [self._path(start) for start in self._files[:n]]
+        for path in paths:
+            self._open.discard(path)
+        del self._files[:n]
+        self.min_logic_offset = max(self.min_logic_offset, self._files[0])
+        return paths
 
     @property
     def write_offset(self) -> int:

@@ -321,6 +321,23 @@ class IndexService:
                               truncation.entries_removed if truncation else 0,
                               truncation.slots_restored if truncation else 0)
 
+    def end_phy_offset_of(self, name: str) -> int:
+        """The endPhyOffset a file's header holds (the newest file's in memory, as the broker keeps it)."""
+        if self._last is not None and name == self.names[-1]:
+            return self._last.end_phy_offset
+        with open(self._path(name), "rb") as f:
+            return IndexHeader.decode(f.read(INDEX_HEADER_SIZE)).end_phy_offset
+
+    def forget_oldest(self, n: int) -> list[str]:
+        """Stop listing the `n` oldest files (never the newest) and return their paths, for the caller to
+        delete (retention: `indexcore.retention`). Only the newest file is ever open for writing."""
+        n = min(n, len(self.names) - 1)
+        if n <= 0:
+            return []
+        paths = [self._path(name) for name in self.names[:n]]
+        del self.names[:n]
+        return paths
+
     def _release(self) -> None:
         """Unmap the newest file without writing anything to it."""
         if self._last is not None:
