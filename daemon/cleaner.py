@@ -65,6 +65,7 @@ class CleanPass:
     bytes: dict[str, int] = field(default_factory=lambda: {FileKind.CONSUME_QUEUE: 0, FileKind.INDEX: 0})
     queues: int = 0
     seconds: float = 0.0
+    interrupted: bool = False  # a stop cut the pass short: the next start does it again
 
     def add(self, kind: FileKind, paths: list[str], sizes: int) -> None:
         self.files[kind] += len(paths)
@@ -180,7 +181,8 @@ class Cleaner:
                 size = _sizes(paths)
                 remove_files(paths)
             result.add(FileKind.INDEX, paths, size)
-        if not self._stop.is_set():  # a pass cut short by a stop, or failed, is done again
+        result.interrupted = self._stop.is_set()
+        if not result.interrupted:  # a pass cut short by a stop, or failed, is done again
             self.last_cleaned = below
         result.seconds = time.monotonic() - started
         report(result, self.metrics, self._log)
@@ -196,7 +198,7 @@ def report(result: CleanPass, metrics: ReputMetrics | None, log) -> None:
     log.info("expired_files_deleted", commit_log_min_offset=result.commit_log_min_offset,
              cleaned_below=result.cleaned_below, consumequeue_files=result.files[FileKind.CONSUME_QUEUE],
              index_files=result.files[FileKind.INDEX], deleted_bytes=sum(result.bytes.values()),
-             queues=result.queues, seconds=round(result.seconds, 3))
+             queues=result.queues, seconds=round(result.seconds, 3), interrupted=result.interrupted)
 
 
 def clean_output(dispatchers: list[Dispatcher], commit_log_dirs: tuple[str, ...], checkpoint_offset: int,
