@@ -565,6 +565,19 @@ def _note(args, text: str) -> None:
         print(text, file=sys.stderr)
 
 
+def _removed_note(args, removed: int, first_offset: int, what: str) -> None:
+    """Say that an answer left out messages retention removed: one line on stderr in every format, and in
+    the machine formats a last object, `{"type": "removed", ...}`, after the messages."""
+    if not removed:
+        return
+    print(f"reputd: note: left out {removed} {what}{'s' * (removed > 1)} below the CommitLog's first offset "
+          f"{first_offset}: retention deleted {'their segments' if removed > 1 else 'its segment'}", file=sys.stderr)
+    if _format(args) == "json":
+        import json
+
+        print(json.dumps({"type": "removed", "removed": removed, "unit": what, "commitLogMinOffset": first_offset}))
+
+
 def parse_time(option: str, text: str, now_ms: int | None = None) -> int:
     """A --begin/--end value as epoch milliseconds: an integer is epoch ms; `now`; a relative time
     (-90s, -30m, -1h, -2d, -1w, -500ms); or ISO 8601 (local time unless it carries an offset or Z)."""
@@ -629,6 +642,7 @@ def cmd_query_key(args, config: Config) -> int:
                else f"maxMsgsNumBatch {config.store.max_msgs_num_batch}, the most one index query returns")
         _note(args, f"note: the index gave {result.candidates} candidates, the limit ({why}); older messages "
                     "with this key may exist: narrow the time range with --begin/--end")
+    _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")
     return EXIT_OK
 
 
@@ -658,9 +672,10 @@ def cmd_query_queue(args, config: Config) -> int:
         _note(args, f"FOUND {len(result.messages)} messages at queue offsets [{args.offset}, "
                     f"{result.next_begin_offset}); {where}")
     _print_records(args, result.messages)
-    if result.status == "FOUND" and result.next_begin_offset < result.max_offset:
+    if result.status in ("FOUND", "MESSAGE_WAS_REMOVING") and result.next_begin_offset < result.max_offset:
         _note(args, f"\nnote: more from queue offset {result.next_begin_offset}: reputd query queue "
                     f"{args.topic} {args.queue_id} {result.next_begin_offset}")
+    _removed_note(args, result.removed, result.commit_log_min_offset, "unit")
     return EXIT_OK
 
 
@@ -672,12 +687,14 @@ def cmd_query_msgid(args, config: Config) -> int:
         if note.startswith("warning:") or not result.messages:
             print(f"reputd: {note}" if not note.startswith("warning:") else note, file=sys.stderr)
     if not result.messages:
+        _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")
         print(f"reputd: no message with msgId {args.msgid.strip()}", file=sys.stderr)
         return EXIT_FAILURE
     if result.found_by == "uniqKey":
         n = len(result.messages)
         _note(args, f"msgId {args.msgid.strip()} is a UNIQ_KEY (a client msgId): {n} message{'s' * (n > 1)}")
     _print_records(args, result.messages)
+    _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")
     return EXIT_OK
 
 

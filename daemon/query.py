@@ -29,6 +29,7 @@ from indexcore.errors import StoreLayoutError
 from indexcore.indexservice import INDEX_DIR, IndexService, QueryOffsetResult
 from indexcore.msgid import create_offset_msg_id, decode_offset_msg_id
 from indexcore.reader import CommitLog
+from indexcore.retention import expired_queue_files
 
 LONG_MAX = 2**63 - 1
 MAX_FILTER_MESSAGE_UNITS = 16000 // 20  # getMessage looks at no more units than this (or maxMsgNums)
@@ -69,6 +70,20 @@ def _read(config: Config, log: CommitLog, offset: int) -> MessageRecord:
     return log.read_record(offset, max_message_size=config.store.max_message_size)
 
 
+def is_removed(log: CommitLog, offset: int) -> bool:
+    """Whether retention deleted the segment of `offset`: it lies below the CommitLog's first offset. The
+    broker skips such a message (`queryMessage` ignores a body it cannot read); a missing segment above the
+    first one is damage, not retention, and reading it stays an error."""
+    return 0 <= offset < log.min_offset
+
+
+def split_removed(log: CommitLog, offsets: list[int]) -> tuple[list[int], list[int]]:
+    """`offsets` split into those the CommitLog still holds and those retention removed, order kept."""
+    retained = [o for o in offsets if not is_removed(log, o)]
+    removed = [o for o in offsets if is_removed(log, o)]
+    return retained, removed
+
+
 def _index_service(config: Config) -> IndexService:
     s = config.store
     directory = os.path.join(config.output.dir, INDEX_DIR)
@@ -103,11 +118,15 @@ def matches_key(rec: MessageRecord, topic: str, key: str) -> bool:
 
 class KeyQueryResult(NamedTuple):
     """The matching messages, newest first, and how many candidates the index gave out of at most `limit`
-    (`maxMsgsNumBatch`, or less with --max): when it gave `limit`, older matches may exist."""
+    (`maxMsgsNumBatch`, or less with --max): when it gave `limit`, older matches may exist. `removed`:
+    candidates below the CommitLog's first offset, `commit_log_min_offset`, left out (retention deleted
+    their segments; whether they matched cannot be known)."""
 
     messages: list[MessageRecord]
     candidates: int
     limit: int
+    removed: int = 0
+    commit_log_min_offset: int = 0
 
     @property
     def cut(self) -> bool:
@@ -119,9 +138,10 @@ def query_key_result(config: Config, topic: str, key: str, max_num: int = 64, be
     """Messages whose topic and key match exactly, newest first, each listed once."""
     candidates = query_offsets(config, topic, key, max_num, begin, end).phy_offsets
     log = open_commit_log(config)
-    records = (_read(config, log, offset) for offset in sorted(set(candidates), reverse=True))
+    retained, removed = split_removed(log, sorted(set(candidates), reverse=True))
+    records = (_read(config, log, offset) for offset in retained)
     return KeyQueryResult([rec for rec in records if matches_key(rec, topic, key)], len(candidates),
-                          min(max_num, config.store.max_msgs_num_batch))
+                          min(max_num, config.store.max_msgs_num_batch), len(removed), log.min_offset)
 
 
 def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
@@ -131,13 +151,16 @@ def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: in
 
 
 class QueueQueryResult(NamedTuple):
-    """`GetMessageResult` in brief: status as the broker names it, the queue's bounds, the messages."""
+    """`GetMessageResult` in brief: status as the broker names it, the queue's bounds, the messages, and
+    how many units pointed into segments retention deleted (skipped, as the broker skips them)."""
 
     status: str
     min_offset: int
     max_offset: int
     next_begin_offset: int
     messages: list[MessageRecord]
+    removed: int = 0
+    commit_log_min_offset: int = 0
 
 
 def topics(config: Config) -> list[str]:
@@ -194,37 +217,55 @@ def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: i
     store = ConsumeQueueStore(config.output.dir, config.store.mapped_file_size_consume_queue, readonly=True)
     cq = store.queue(topic, queue_id)
     log = open_commit_log(config)
-    cq.correct_min_offset(log.min_offset)
+    first = log.min_offset
+    # the min offset the broker's clean-up leaves (`indexcore.retention`), even where it has not run yet
+    cq.correct_min_offset(first, expired_queue_files(cq, first) if cq.file_count > 1 else 0)
     try:
         lo, hi = cq.min_offset, cq.max_offset
         if hi == 0:
-            return QueueQueryResult("NO_MESSAGE_IN_QUEUE", lo, hi, 0, [])
+            return QueueQueryResult("NO_MESSAGE_IN_QUEUE", lo, hi, 0, [], 0, first)
         if offset < lo:
-            return QueueQueryResult("OFFSET_TOO_SMALL", lo, hi, lo, [])
+            return QueueQueryResult("OFFSET_TOO_SMALL", lo, hi, lo, [], 0, first)
         if offset == hi:
-            return QueueQueryResult("OFFSET_OVERFLOW_ONE", lo, hi, offset, [])
+            return QueueQueryResult("OFFSET_OVERFLOW_ONE", lo, hi, offset, [], 0, first)
         if offset > hi:
-            return QueueQueryResult("OFFSET_OVERFLOW_BADLY", lo, hi, lo if lo == 0 else hi, [])
+            return QueueQueryResult("OFFSET_OVERFLOW_BADLY", lo, hi, lo if lo == 0 else hi, [], 0, first)
         units = cq.read_units(offset, max(count, MAX_FILTER_MESSAGE_UNITS))
-        taken = taken_bytes = 0
+        taken = taken_bytes = seen = removed = 0
+        next_segment = None  # `nextPhyFileStartOffset`: after a removed unit, units below it are passed over
+        msgs = []
         for u in units:
+            if next_segment is not None and u.commit_log_offset < next_segment:
+                seen += 1
+                continue
             if _batch_full(taken, taken_bytes, u.msg_size, count, config.store):
                 break
+            seen += 1
+            if u.is_valid and is_removed(log, u.commit_log_offset):
+                removed += 1
+                next_segment = log.segment_start(u.commit_log_offset) + log.segment_size
+                continue
+            next_segment = None
             taken += 1
             taken_bytes += u.msg_size
-        msgs = [_read(config, log, u.commit_log_offset) for u in units[:taken] if u.is_valid]
-        return QueueQueryResult("FOUND", lo, hi, offset + taken, msgs)
+            if u.is_valid:
+                msgs.append(_read(config, log, u.commit_log_offset))
+        status = "FOUND" if taken or not removed else "MESSAGE_WAS_REMOVING"
+        return QueueQueryResult(status, lo, hi, offset + seen, msgs, removed, first)
     finally:
         store.close()
 
 
 class MsgIdResult(NamedTuple):
     """What `query msgid` found: by `offset` (an offset msgId naming a record start) or by `uniqKey`
-    (the UNIQ_KEY looked up in the index), newest first; `notes` say what else the lookup saw."""
+    (the UNIQ_KEY looked up in the index), newest first; `notes` say what else the lookup saw; `removed`:
+    index candidates below the CommitLog's first offset, left out (retention deleted their segments)."""
 
     messages: list[MessageRecord]
     found_by: str | None
     notes: list[str]
+    removed: int = 0
+    commit_log_min_offset: int = 0
 
 
 def _record_starts_at(log: CommitLog, offset: int) -> bool:
@@ -262,6 +303,9 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
             if topic is None or rec.topic == topic:
                 return MsgIdResult([rec], "offset", notes)
             notes.append(f"the record at offset {offset} belongs to topic {rec.topic!r}, not {topic!r}")
+        elif is_removed(log, offset):
+            notes.append(f"as an offset msgId ({host}, CommitLog offset {offset}): below the CommitLog's first "
+                         f"offset {log.min_offset}; retention deleted that segment")
         else:
             notes.append(f"as an offset msgId ({host}, CommitLog offset {offset}): no message at that "
                          f"offset (the CommitLog's segments span [{log.min_offset}, {log.max_offset}))")
@@ -272,11 +316,14 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
         return MsgIdResult([], None, notes)
     service = _index_service(config)
     found: dict[int, MessageRecord] = {}
+    removed: set[int] = set()
     try:
         for name in names:
             result = service.query_offset(name, msg_id, config.store.max_msgs_num_batch, 0, LONG_MAX)
             for candidate in result.phy_offsets:
-                if candidate not in found:
+                if is_removed(log, candidate):
+                    removed.add(candidate)
+                elif candidate not in found:
                     rec = _read(config, log, candidate)
                     if rec.topic == name and rec.property_map().get(PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX) == msg_id:
                         found[candidate] = rec
@@ -285,8 +332,10 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
     if not found:
         where = f"topic {topic!r}" if topic is not None else f"any of {len(names)} topics"
         notes.append(f"as a UNIQ_KEY: not in the index under {where}")
-    return MsgIdResult([found[o] for o in sorted(found, reverse=True)], "uniqKey" if found else None, notes)
+    return MsgIdResult([found[o] for o in sorted(found, reverse=True)], "uniqKey" if found else None, notes,
+                       len(removed), log.min_offset)
 
 
-__all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "check_queue", "matches_key", "message_json",
-           "open_commit_log", "query_key", "query_key_result", "query_msgid", "query_offsets", "query_queue", "topics"]
+__all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "check_queue", "is_removed", "matches_key",
+           "message_json", "open_commit_log", "query_key", "query_key_result", "query_msgid", "query_offsets",
+           "query_queue", "split_removed", "topics"]
