@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.logs import get_logger
 from daemon.metrics import ErrorKind, FileKind
 from indexcore.mappedfile import list_queue_files
@@ -80,8 +81,9 @@ def _sizes(paths: list[str]) -> int:
     return total
 
 
-def _named(dispatchers: list[Dispatcher], name: str):
-    return next((d for d in dispatchers if getattr(d, "name", None) == name), None)
+def _named(dispatchers: list[Dispatcher], kind: type):
+    """The built-in dispatcher of that class (a plug-in's files are its own business)."""
+    return next((d for d in dispatchers if isinstance(d, kind)), None)
 
 
 class Cleaner:
@@ -147,7 +149,7 @@ class Cleaner:
         started = time.monotonic()
         s = self.session
         result = CleanPass(first, below)
-        cq = _named(s.dispatchers, "consumequeue")
+        cq = _named(s.dispatchers, ConsumeQueueDispatcher)
         if cq is not None:
             with s.lock:
                 queues = list(cq.queues.queues.values())
@@ -169,7 +171,7 @@ class Cleaner:
                 result.queues += 1
                 if pause and self.pause > 0:
                     self._stop.wait(self.pause)
-        index = _named(s.dispatchers, "index")
+        index = _named(s.dispatchers, IndexDispatcher)
         if index is not None and not self._stop.is_set():
             with s.files_lock:
                 with s.lock:
@@ -213,7 +215,7 @@ def clean_output(dispatchers: list[Dispatcher], commit_log_dirs: tuple[str, ...]
         return None
     started = time.monotonic()
     result = CleanPass(first, below)
-    cq = _named(dispatchers, "consumequeue")
+    cq = _named(dispatchers, ConsumeQueueDispatcher)
     if cq is not None:
         for q in list(cq.queues.queues.values()):
             paths = q.forget_oldest(expired_queue_files(q, below))
@@ -223,7 +225,7 @@ def clean_output(dispatchers: list[Dispatcher], commit_log_dirs: tuple[str, ...]
                 q.correct_min_offset(below)
                 result.add(FileKind.CONSUME_QUEUE, paths, size)
                 result.queues += 1
-    index = _named(dispatchers, "index")
+    index = _named(dispatchers, IndexDispatcher)
     if index is not None:
         paths = index.service.forget_oldest(expired_index_files(index.service, below))
         size = _sizes(paths)
