@@ -4,7 +4,8 @@ The crash matrix (tests/test_crash_matrix.py) sets REPUTD_FAILPOINT to `POINT` o
 the point is reached), e.g. `index.after_allocate@2`; the process then dies by SIGKILL there, leaving the
 files exactly as a kill at that instant would. The points are named in `indexcore.mappedfile.create_file`
 (`{index|consumequeue}.{before_create|after_create|after_allocate|after_header|after_fsync|after_rename}`)
-and `indexcore.indexservice` (`index.after_straddling_key`). Unset, nothing is installed and every point is a
+`indexcore.indexservice` (`index.after_straddling_key`) and `indexcore.retention` (`retention.after_delete`, after
+each expired file deleted). Unset, nothing is installed and every point is a
 no-op. Not for production use.
 """
 

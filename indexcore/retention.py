@@ -25,6 +25,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable
 
+from indexcore import _failpoints
 from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE, ConsumeQueue
 from indexcore.indexservice import IndexService
 
@@ -106,6 +107,7 @@ def remove_files(paths: list[str]) -> None:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+        _failpoints.reached("retention.after_delete")
 
 
 def disk_bytes(path: str) -> int:

@@ -91,3 +91,33 @@ def test_output_shrinks_by_the_brokers_rule_while_segments_are_deleted_under_it(
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == EXIT_OK, res.stdout + res.stderr
     assert sizes[-1][1] <= SEGMENT * KEEP_SEGMENTS
+
+
+def test_a_kill_at_any_deletion_of_a_pass_ends_in_the_brokers_rule(tmp_path):
+    """`kill -9` after the 1st, a middle and the last deletion of a pass (REPUTD_FAILPOINT): the next start
+    loads what is left and its pass ends in the rule's files, which verify finds consistent."""
+    store = Store(tmp_path)
+    store.append(4000)
+    cfg = yaml.safe_load(store.config.read_text())
+    assert store.run("--until-caught-up").returncode == EXIT_OK
+    log_dir = tmp_path / "store" / "commitlog"
+    for name in sorted(os.listdir(log_dir))[:-KEEP_SEGMENTS]:
+        os.unlink(log_dir / name)
+    first = int(sorted(os.listdir(log_dir))[0])
+    pristine = tmp_path / "pristine"
+    shutil.copytree(store.out, pristine)
+    expected = apply_rule(pristine, tmp_path / "expected", first, cfg)
+    deletions = len(output_files(pristine)) - len(expected)
+    assert deletions > 10
+    for kill_at in (1, deletions // 2, deletions):
+        shutil.rmtree(store.out)
+        shutil.copytree(pristine, store.out)
+        killed = store.run("--until-caught-up", env={"REPUTD_FAILPOINT": f"retention.after_delete@{kill_at}"})
+        assert killed.returncode == -9, killed.stderr
+        assert len(output_files(store.out)) == len(output_files(pristine)) - kill_at
+        res = store.run("--until-caught-up")
+        assert res.returncode == EXIT_OK, res.stderr
+        assert output_files(store.out) == expected, f"killed after deletion {kill_at}"
+        verify = subprocess.run([*REPUTD, "verify", "--config", str(store.config)], env=clean_env(),
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert verify.returncode == EXIT_OK, verify.stdout
