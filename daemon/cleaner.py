@@ -173,12 +173,13 @@ class Cleaner:
                     self._stop.wait(self.pause)
         index = _named(s.dispatchers, IndexDispatcher)
         if index is not None and not self._stop.is_set():
+            service = index.service
+            # headers read unlocked: only files older than the newest are read, and those are written no more
+            n = expired_index_files(service, below)
+            if keep_index_from is not None:  # the checkpoint's IndexFile and newer ones stay
+                n = min(n, sum(1 for name in list(service.names) if name < keep_index_from))
             with s.files_lock:
                 with s.lock:
-                    service = index.service
-                    n = expired_index_files(service, below)
-                    if keep_index_from is not None:  # the checkpoint's IndexFile and newer ones stay
-                        n = min(n, sum(1 for name in service.names if name < keep_index_from))
                     paths = service.forget_oldest(n)
                 size = _sizes(paths)
                 remove_files(paths)
