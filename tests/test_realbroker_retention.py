@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import stress
 from tests.test_daemon import clean_env
 from tests.test_realbroker_live import java_build, java_command
 
@@ -75,3 +76,7 @@ def test_files_kept_after_retention_are_the_brokers(tmp_path):
     ours, theirs = files(out, "index"), files(root, "index")
     assert len(ours) == len(theirs)
     assert list(ours.values()) == list(theirs.values())
+    stress.report("realbroker_retention", segments_deleted=len(segments) * 3 // 5, segments=len(segments),
+                  consumequeue_files_kept=len(theirs_cq := files(root, "consumequeue")), index_files_kept=len(theirs),
+                  consumequeue_files_deleted=passes[-1]["consumequeue_files"],
+                  index_files_deleted=passes[-1]["index_files"], identical=files(out, "consumequeue") == theirs_cq)

@@ -16,9 +16,11 @@ from daemon.cli import EXIT_OK
 from indexcore.consumequeue import ConsumeQueueStore
 from indexcore.indexservice import IndexService
 from indexcore.retention import delete_expired
+from tests import stress
 from tests.test_daemon import REPUTD, SEGMENT, Store, clean_env, events, free_port, output_files, stop, wait_for
 
 KEEP_SEGMENTS = 3  # the retention loop keeps the newest segments, as CleanCommitLogService does
+ROUNDS = stress.scale(4, 40)  # write, catch up, delete old segments, wait for the clean-up
 
 
 def du(root: Path) -> int:
@@ -56,7 +58,7 @@ def test_output_shrinks_by_the_brokers_rule_while_segments_are_deleted_under_it(
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sizes = []
     try:
-        for _ in range(4):
+        for _ in range(ROUNDS):
             store.append(1500)
             end = store.end
             wait_for(lambda end=end: store.health()["reputFromOffset"] == end, what="the cleaning daemon caught up")
@@ -87,6 +89,9 @@ def test_output_shrinks_by_the_brokers_rule_while_segments_are_deleted_under_it(
     assert sizes[-1][2] < sizes[-1][3], sizes
     assert sizes[-1][2] <= sizes[0][2] * 1.5, sizes
     print("\nfirst offset, CommitLog bytes, cleaned output bytes, uncleaned output bytes:", *sizes, sep="\n  ")
+    stress.report("retention_run", rounds=ROUNDS, commitlog_bytes=sizes[-1][1], output_bytes=sizes[-1][2],
+                  output_bytes_max=max(row[2] for row in sizes), uncleaned_output_bytes=sizes[-1][3],
+                  passes=len(passes), files_deleted=sum(e["consumequeue_files"] + e["index_files"] for e in passes))
     res = subprocess.run([*REPUTD, "verify", "--config", str(store.config)], env=clean_env(),
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == EXIT_OK, res.stdout + res.stderr
