@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.logs import get_logger
 from daemon.metrics import ErrorKind, FileKind
+from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import list_queue_files
 from indexcore.retention import (
     disk_bytes,
@@ -51,8 +52,13 @@ MS_PER_SECOND = 1000
 
 def commit_log_min_offset(dirs: tuple[str, ...]) -> int | None:
     """`CommitLog.getMinOffset`: the start of the oldest segment over every CommitLog directory, None when
-    there is none. Listed afresh (the reader's segment list belongs to the loop's thread)."""
-    starts = [start for d in dirs for start, _ in list_queue_files(d, temporaries=True)]
+    there is none, or when a directory holds a stray file (the loop reports that, `commitlog_unavailable`,
+    and waits for it to be repaired; so does the clean-up). Listed afresh (the reader's segment list
+    belongs to the loop's thread)."""
+    try:
+        starts = [start for d in dirs for start, _ in list_queue_files(d, temporaries=True)]
+    except StoreLayoutError:
+        return None
     return min(starts) if starts else None
 
 

@@ -332,3 +332,13 @@ def test_cleaner_thread_deletes_while_dispatch_and_flush_go_on(tmp_path):
     assert model_kept_index_files(ends, first) == 0
     close(s)
 
+
+
+def test_a_commitlog_directory_with_a_stray_file_cleans_nothing(tmp_path):
+    """The loop reports a stray file and waits (`commitlog_unavailable`); the clean-up waits too, silently."""
+    d = tmp_path / "commitlog"
+    d.mkdir()
+    (d / offset_to_file_name(1 << 20)).write_bytes(b"")
+    assert commit_log_min_offset((str(d),)) == 1 << 20
+    (d / "stray").write_bytes(b"")
+    assert commit_log_min_offset((str(d),)) is None
