@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,28 @@ def test_a_rebuild_continuing_the_output_cleans_it_and_the_answers_stay(tmp_path
     assert dup.returncode == EXIT_OK
     assert json.loads(dup.stdout.splitlines()[0])["commitLogOffset"] == results[-1].phy_offset
     assert run("query", "msgid", "--config", str(config), UNIQ).returncode == EXIT_OK
+
+
+def test_units_into_removed_segments_are_passed_over_as_get_message_does(tmp_path):
+    """A queue whose units go back below the first offset after a retained one (LMQ offsets can): FOUND with
+    the retained message, the removed unit passed over and counted; from the removed unit alone,
+    MESSAGE_WAS_REMOVING. nextBeginOffset counts both, as the broker's `i` does."""
+    config, results, first = build(tmp_path)
+    new = results[-1]
+    queue = tmp_path / "out" / "consumequeue" / "Crafted" / "0"
+    queue.mkdir(parents=True)
+    units = [(100, 50, 0), (new.phy_offset, new.msg_size, 0), (200, 50, 0)]
+    data = b"".join(struct.pack(">qiq", *u) for u in units)
+    (queue / "00000000000000000000").write_bytes(data + bytes(400 - len(data)))
+    found = run("query", "queue", "--config", str(config), "Crafted", "0", "1", "--json")
+    assert found.returncode == EXIT_OK, found.stderr
+    lines = [json.loads(line) for line in found.stdout.splitlines()]
+    assert [m["commitLogOffset"] for m in lines[:-1]] == [new.phy_offset]
+    assert lines[-1] == {"type": "removed", "removed": 1, "unit": "unit", "commitLogMinOffset": first}
+    removing = run("query", "queue", "--config", str(config), "Crafted", "0", "2", "--format", "text")
+    assert removing.returncode == EXIT_OK, removing.stderr
+    assert removing.stderr.splitlines()[0] == "MESSAGE_WAS_REMOVING: Crafted/0 holds queue offsets [1, 3)"
+    assert removing.stderr.splitlines()[-1] == (f"reputd: note: left out 1 unit below the CommitLog's first offset "
+                                                f"{first}: retention deleted its segment")
+    too_small = run("query", "queue", "--config", str(config), "Crafted", "0", "0")
+    assert "OFFSET_TOO_SMALL: Crafted/0 holds queue offsets [1, 3)" in too_small.stderr
