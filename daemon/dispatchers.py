@@ -134,9 +134,9 @@ class ConsumeQueueDispatcher:
                 self.queues.made_queues(create_queues(new[at : at + step], self.queues.file_size))
         stats = self.queues.dispatch(batch, units)
         self.spread = (len(units), stats.written + stats.already_built)
-        if stats.out_of_order:
-            self._log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order,
-                              batch_start=batch.start_offset)
+        if stats.gap_blanks:
+            self._log.warning("queue_offsets_blanked", blanks=stats.gap_blanks, batch_start=batch.start_offset,
+                              detail="units of records the CommitLog no longer holds, blank at their queue offsets")
         for row in batch.multi_count_mismatch.tolist():  # the broker logs it and writes no extra unit
             self._log.warning("multi_dispatch_count_mismatch", commit_log_offset=int(batch.phy_offset[row]),
                               topic=batch.topic_of(row))
