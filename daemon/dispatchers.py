@@ -119,6 +119,7 @@ class ConsumeQueueDispatcher:
         self._plan_synced: dict[tuple[str, int], int] = {}  # write offset each flush plan synced a queue to
         self._unsynced: set[tuple[str, int]] = set()  # queues left with unsynced units by the last plan
         self._prepared: dict[int, tuple[DispatchBatch, list[QueueUnits]]] = {}
+        self.missing_queues = 0  # queues a checkpoint counted that the output no longer holds (`recover`)
 
     def prepare(self, batch: DispatchBatch) -> None:
         """Group the batch's units ahead of its dispatch (a rebuild's read-ahead thread calls this)."""
@@ -191,11 +192,15 @@ class ConsumeQueueDispatcher:
         plan.done = done
         return plan
 
-    def checkpoint_state(self) -> None:
-        return None
+    def checkpoint_state(self) -> dict:
+        """How many queues the output holds: a start that finds fewer knows a queue was deleted since."""
+        return {"queues": len(self.queues.queues)}
 
     def recover(self, reput_from_offset: int, state: Any) -> None:
-        """Remove every unit at or past the checkpoint: those records are dispatched again."""
+        """Remove every unit at or past the checkpoint: those records are dispatched again. Queues the
+        checkpoint counted that are gone now (`missing_queues`) need the CommitLog from its first offset."""
+        held = state.get("queues") if isinstance(state, dict) else None
+        self.missing_queues = max(0, held - len(self.queues.queues)) if isinstance(held, int) else 0
         self.queues.truncate_to(reput_from_offset)
         self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
         self._plan_synced = {}
@@ -203,7 +208,9 @@ class ConsumeQueueDispatcher:
 
     def resume_offset(self) -> int | None:
         """Where the broker would restart its reput: the end of the last unit over all queues; None when
-        there is no unit, i.e. from the CommitLog's first offset."""
+        there is no unit, i.e. from the CommitLog's first offset. A queue whose files end before it (or that
+        has none) is completed only by a start from the CommitLog's first offset (`recover_output`'s
+        `rescan`), each queue then skipping the units it holds."""
         end = self.queues.max_physic_offset()
         return end if end >= 0 else None
 
