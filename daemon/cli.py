@@ -389,7 +389,7 @@ def cmd_rebuild(args, config: Config) -> int:
     import threading
 
     from daemon.logs import configure_logging
-    from daemon.rebuild import FromOffsetError, ProgressBar, RebuildFailed, rebuild
+    from daemon.rebuild import FromOffsetError, IndexSequenceGap, ProgressBar, RebuildFailed, rebuild
 
     _lock_output(args, config)
     raise_open_files_limit()
@@ -414,6 +414,12 @@ def cmd_rebuild(args, config: Config) -> int:
         summary = rebuild(config, from_offset=args.from_offset, progress=bar, stop=stop)
     except FromOffsetError as e:
         raise UsageError(str(e)) from None
+    except IndexSequenceGap as e:
+        fresh = os.path.join(os.path.dirname(os.path.abspath(config.output.dir)), "reputd-rebuilt")
+        command = _command_with_out(fresh)
+        print(f"reputd: error: {e}; rebuild the index into an empty directory, then, with reputd and the broker "
+              f"stopped, replace {os.path.dirname(e.after)} by its index/: {command}", file=sys.stderr)
+        return EXIT_FAILURE
     except RebuildFailed as e:
         if bar is not None:
             bar.finish()
@@ -462,6 +468,21 @@ def cmd_verify(args, config: Config) -> int:
     return EXIT_OK if report.consistent else EXIT_FAILURE
 
 
+def _command_with_out(directory: str) -> str:
+    """This command line with `--out directory` instead of its own."""
+    import shlex
+
+    argv, out, skip = sys.argv[1:], ["reputd"], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--out", "--from"):
+            skip = True
+        elif not a.startswith(("--out=", "--from=")):
+            out.append(a)
+    return shlex.join([*out, "--out", directory])
+
+
 def _continue_command(offset: int) -> str:
     """This command line with `--from offset`, for a rebuild stopped at `offset`."""
     import shlex
@@ -485,13 +506,19 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
         print(json.dumps(summary.as_dict()))
         return
     files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
-    if getattr(summary, "new_messages", summary.messages) == 0 and not summary.interrupted:  # rebuild: re-read ones
+    restored = getattr(summary, "restored_units", 0)
+    if getattr(summary, "new_messages", summary.messages) == 0 and not restored and not summary.interrupted:
         print(f"{verb} 0 new messages: nothing to dispatch from CommitLog offset {summary.start_offset}{where}; "
               f"{files}; output {config.output.dir}")
     else:
-        print(f"{verb} {summary.messages:,} messages, {summary.bytes:,} bytes [{summary.start_offset}, "
+        new = getattr(summary, "new_messages", summary.messages)
+        read = f"{summary.messages:,} messages" + (f" ({new:,} new to the output)" if new != summary.messages else "")
+        print(f"{verb} {read}, {summary.bytes:,} bytes [{summary.start_offset}, "
               f"{summary.end_offset}){where} in {summary.seconds:.2f} s ({summary.msgs_per_second:,.0f} msgs/s); "
               f"{files}; output {config.output.dir}")
+    if restored:
+        print(f"note: restored {restored:,} ConsumeQueue units below the output's end ({summary.output_end}): "
+              "queues whose files were missing or ended early")
     for lo, hi, error in summary.skipped:
         print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
     if summary.pending is not None:

@@ -119,6 +119,7 @@ class ConsumeQueueDispatcher:
         self._plan_synced: dict[tuple[str, int], int] = {}  # write offset each flush plan synced a queue to
         self._unsynced: set[tuple[str, int]] = set()  # queues left with unsynced units by the last plan
         self._prepared: dict[int, tuple[DispatchBatch, list[QueueUnits]]] = {}
+        self.missing_queues = 0  # queues a checkpoint counted that the output no longer holds (`recover`)
 
     def prepare(self, batch: DispatchBatch) -> None:
         """Group the batch's units ahead of its dispatch (a rebuild's read-ahead thread calls this)."""
@@ -134,9 +135,9 @@ class ConsumeQueueDispatcher:
                 self.queues.made_queues(create_queues(new[at : at + step], self.queues.file_size))
         stats = self.queues.dispatch(batch, units)
         self.spread = (len(units), stats.written + stats.already_built)
-        if stats.out_of_order:
-            self._log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order,
-                              batch_start=batch.start_offset)
+        if stats.gap_blanks:
+            self._log.warning("queue_offsets_blanked", blanks=stats.gap_blanks, batch_start=batch.start_offset,
+                              detail="units of records the CommitLog no longer holds, blank at their queue offsets")
         for row in batch.multi_count_mismatch.tolist():  # the broker logs it and writes no extra unit
             self._log.warning("multi_dispatch_count_mismatch", commit_log_offset=int(batch.phy_offset[row]),
                               topic=batch.topic_of(row))
@@ -191,11 +192,15 @@ class ConsumeQueueDispatcher:
         plan.done = done
         return plan
 
-    def checkpoint_state(self) -> None:
-        return None
+    def checkpoint_state(self) -> dict:
+        """How many queues the output holds: a start that finds fewer knows a queue was deleted since."""
+        return {"queues": len(self.queues.queues)}
 
     def recover(self, reput_from_offset: int, state: Any) -> None:
-        """Remove every unit at or past the checkpoint: those records are dispatched again."""
+        """Remove every unit at or past the checkpoint: those records are dispatched again. Queues the
+        checkpoint counted that are gone now (`missing_queues`) need the CommitLog from its first offset."""
+        held = state.get("queues") if isinstance(state, dict) else None
+        self.missing_queues = max(0, held - len(self.queues.queues)) if isinstance(held, int) else 0
         self.queues.truncate_to(reput_from_offset)
         self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
         self._plan_synced = {}
@@ -203,7 +208,9 @@ class ConsumeQueueDispatcher:
 
     def resume_offset(self) -> int | None:
         """Where the broker would restart its reput: the end of the last unit over all queues; None when
-        there is no unit, i.e. from the CommitLog's first offset."""
+        there is no unit, i.e. from the CommitLog's first offset. A queue whose files end before it (or that
+        has none) is completed only by a start from the CommitLog's first offset (`recover_output`'s
+        `rescan`), each queue then skipping the units it holds."""
         end = self.queues.max_physic_offset()
         return end if end >= 0 else None
 

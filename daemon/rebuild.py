@@ -10,6 +10,7 @@ directory for a from-scratch rebuild.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -29,7 +30,9 @@ from daemon.logs import get_logger
 from daemon.readahead import ReadAhead
 from daemon.recovery import recover_output
 from indexcore.dispatch import DelayLevelTable
-from indexcore.errors import CorruptRecordError, StoreError
+from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
+from indexcore.indexfile import INDEX_HEADER_SIZE, IndexHeader
+from indexcore.indexservice import IndexService
 from indexcore.multidispatch import multi_dispatch_flags
 from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
 
@@ -67,6 +70,8 @@ class RebuildSummary:
     # new; those read below it were already in the output and left as they were
     output_end: int = 0
     new_messages: int = 0
+    # ConsumeQueue units written for records below output_end: queues whose files were gone or ended early
+    restored_units: int = 0
 
     @property
     def bytes(self) -> int:
@@ -84,7 +89,7 @@ class RebuildSummary:
             "pendingTail": str(self.pending) if self.pending else None,
             "skipped": [{"from": a, "to": b, "error": e} for a, b, e in self.skipped],
             "interrupted": self.interrupted,
-            "outputEnd": self.output_end, "newMessages": self.new_messages,
+            "outputEnd": self.output_end, "newMessages": self.new_messages, "restoredUnits": self.restored_units,
         }
 
 
@@ -96,6 +101,57 @@ class RebuildFailed(StoreError):
         self.summary = summary
         self.hint = hint
         super().__init__(f"{cause} ({hint})" if hint else str(cause))
+
+
+class IndexSequenceGap(StoreLayoutError):
+    """An IndexFile is missing from the middle of the sequence: the keys of the records between two files
+    are in none. It cannot be put back in place (its successors hold the later keys, and the broker loads
+    the files in name order), so the index is rebuilt into an empty directory instead."""
+
+    def __init__(self, before: str, after: str, from_offset: int, to_offset: int):
+        self.before, self.after, self.from_offset, self.to_offset = before, after, from_offset, to_offset
+        super().__init__(after, f"an IndexFile is missing before it (after {os.path.basename(before)}): the keys "
+                                f"of the records in CommitLog offsets ({from_offset}, {to_offset}) are in no "
+                                "IndexFile, and one cannot be put back into the middle of the sequence")
+
+
+# How much of the CommitLog `index_sequence_gap` reads after a full IndexFile's last record: the records up to
+# the next one with keys, which begins the next file unless one is missing.
+GAP_CHECK_BYTES = 64 * 1024
+
+
+def index_sequence_gap(config: Config, commit_log: CommitLog) -> IndexSequenceGap | None:
+    """Whether an IndexFile is missing from the middle of the output's sequence. A file follows a full one,
+    and its first entry is the full one's last record (its keys straddle the roll) or the next record with
+    keys: a record with keys between them means a file between them is gone. Files whose last record
+    retention deleted are not judged. One small read per full file."""
+    store = config.store
+    if not store.message_index_enable:
+        return None
+    service = IndexService(config.output.dir, store.max_hash_slot_num, store.max_index_num)
+    service.load(readonly=True)
+    try:
+        headers = []
+        for name in service.names:
+            with open(os.path.join(service.directory, name), "rb") as f:
+                headers.append((os.path.join(service.directory, name), IndexHeader.decode(f.read(INDEX_HEADER_SIZE))))
+    finally:
+        service.close()
+    pairs = [(a, ha, b, hb) for (a, ha), (b, hb) in itertools.pairwise(headers)
+             if ha.index_count >= store.max_index_num and ha.end_phy_offset >= commit_log.min_offset
+             and hb.begin_phy_offset > ha.end_phy_offset]
+    if not pairs:
+        return None
+    reader = make_reader(config, commit_log, GAP_CHECK_BYTES)
+    try:
+        for a, ha, b, hb in pairs:
+            batch = reader.read(ha.end_phy_offset, verify_end=False).batch
+            keyed = batch.phy_offset[np.unique(batch.key_owner[batch.index_mask()[batch.key_owner]])]
+            if ((keyed > ha.end_phy_offset) & (keyed < hb.begin_phy_offset)).any():
+                return IndexSequenceGap(a, b, ha.end_phy_offset, hb.begin_phy_offset)
+    finally:
+        reader.close()
+    return None
 
 
 class FromOffsetError(ValueError):
@@ -134,12 +190,16 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     if from_offset is not None and not commit_log.min_offset <= from_offset <= target:
         raise FromOffsetError(f"--from {from_offset} is outside the CommitLog, which holds "
                               f"[{commit_log.min_offset}, {target}) in {config.store.store_path_commit_log}")
+    if from_offset is None:  # before anything is written
+        gap = index_sequence_gap(config, commit_log)
+        if gap is not None:
+            raise gap
     recovered = recover_output(config, commit_log, log=get_logger(command="rebuild", component="recovery"),
-                               quarantine_damaged=False)
+                               quarantine_damaged=False, rescan=from_offset is None)
     dispatchers = recovered.dispatchers
-    for d in dispatchers:
-        if isinstance(d, ConsumeQueueDispatcher):
-            d.gather_appends(REBUILD_GATHER_BYTES)
+    queues = [d for d in dispatchers if isinstance(d, ConsumeQueueDispatcher)]
+    for d in queues:
+        d.gather_appends(REBUILD_GATHER_BYTES)
     offset = recovered.start if from_offset is None else from_offset
     target = max(target, offset)
     summary = RebuildSummary(start_offset=offset, end_offset=offset, output_end=max(recovered.output_end, offset))
@@ -154,10 +214,14 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     try:
         ahead = ReadAhead(reader, offset, prepare=[d.prepare for d in dispatchers if hasattr(d, "prepare")])
         for result in ahead:
+            written = sum(d.stats.written for d in queues)
             dispatch_batch(dispatchers, result, alongside)
             widen_after_dispatch(reader, dispatchers)
             summary.messages += len(result.batch)
             summary.new_messages += int(np.count_nonzero(result.batch.phy_offset >= summary.output_end))
+            if queues and len(result.batch) and int(result.batch.phy_offset[0]) < summary.output_end:
+                summary.restored_units += max(0, sum(d.stats.written for d in queues) - written
+                                              - new_units(result.batch, summary.output_end))
             rolls += result.rolled
             offset = result.next_offset
             summary.end_offset = offset
@@ -204,6 +268,14 @@ def rebuild(config: Config, *, from_offset: int | None = None,
         log.warning("rebuild_interrupted", stopped_at=summary.end_offset, messages=summary.messages)
     log.info("rebuild_finished", **summary.as_dict())
     return summary
+
+
+def new_units(batch, output_end: int) -> int:
+    """The ConsumeQueue units the batch's records at or past `output_end` put (their own and their
+    multi-dispatch targets'): units written for the others restored what the output lacked."""
+    new = batch.consume_queue_mask() & (batch.phy_offset >= output_end)
+    owner = batch.multi_owner
+    return int(np.count_nonzero(new)) + (int(np.count_nonzero(new[owner])) if len(owner) else 0)
 
 
 def written_end_of(commit_log: CommitLog) -> int:

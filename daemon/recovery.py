@@ -5,14 +5,28 @@ Every start goes through `recover_output`, with one set of rules per output file
 
 | output file  | checkpoint with dispatcher state (X, S)    | no such checkpoint                                |
 |--------------|--------------------------------------------|---------------------------------------------------|
-| ConsumeQueue | units at or past X zeroed, a file left     | the end of the last unit over all queues (the     |
-|              | empty deleted                              | broker's rule); each queue skips units it holds   |
+| ConsumeQueue | units at or past X zeroed, a file left     | `run`: the end of the last unit over all queues   |
+|              | empty deleted; fewer queues than S counts: | (the broker's rule); `rebuild` (`rescan`): the    |
+|              | from the CommitLog's first offset          | CommitLog's first offset; each queue skips units  |
+|              |                                            | it holds                                          |
 | IndexFile    | files newer than S's deleted, entries past | the last record indexed is at the newest file's   |
 |              | S removed and their slots restored;        | end_phy_offset E, and the files hold its first j  |
 |              | records below X left out                   | keys (counted back from the newest entry, across  |
 |              |                                            | a roll): from E, putting only its other keys;     |
 |              |                                            | records below E left out                          |
 | plug-in      | `recover(X, state)`                        | `resume_offset()`                                 |
+
+One rule places every unit, whatever the start: at its own record's queue offset. A queue skips the units
+it holds (their records end at or below its last unit's, or their offsets lie below its write position),
+goes on at its write position, and meets a unit past it only when the records between were never read:
+retention deleted them (a start below the CommitLog's first offset reads from there) or a queue's files
+were deleted. The unit goes to its offset with blank units between (`consumequeue.place_units`), where a
+4.9.3 broker appends it off its offset for good. That is why the start may be as low as any file needs
+and no lower than the CommitLog allows: a deleted queue is rebuilt exactly by `rebuild`, which reads from
+the first offset when no checkpoint says where the output ends (the end of the last unit over all queues
+tells nothing of a queue that is gone or ends early), and a restart across a retention gap leaves
+retained records' units where a broker running all along has them, the units the output never held
+durably blank, and counts as retention-skipped only the bytes no output file holds.
 
 "No such checkpoint": none, a replay marker (a checkpoint without dispatcher state), or one that cannot be
 trusted. The start is X when the checkpoint covers every dispatcher; otherwise the lowest offset any
@@ -65,7 +79,7 @@ class Recovered:
     start: int  # the CommitLog offset to dispatch from
     decision: str
     checkpoint: Checkpoint  # the checkpoint now on disk (a replay marker for a derived start)
-    output_end: int  # records at or past it are new to the output; those below were in it already
+    output_end: int  # records at or past it are new to some output file; those below, every dispatcher had
 
 
 def _inside(path: str, directory: str) -> bool:
@@ -134,12 +148,19 @@ def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: d
                            log) -> int:
     """Cut the dispatchers that the checkpoint covers back to it; a dispatcher it does not cover (one
     added to the config since, or every one under a replay marker) needs records from its own resume
-    offset, which may be lower."""
+    offset, which may be lower, and one that lost files the checkpoint counted (a deleted queue) needs the
+    CommitLog from its first offset."""
     start = offset
     for d in dispatchers:
         if d.name in states and hasattr(d, "recover"):
             d.recover(offset, states[d.name])
             log.info("dispatcher_recovered", dispatcher=d.name, reput_from_offset=offset)
+            missing = getattr(d, "missing_queues", 0)
+            if missing:
+                start = first_offset
+                log.warning("queues_missing", dispatcher=d.name, queues=missing, reput_from_offset=first_offset,
+                            detail="queues the checkpoint counted are gone: read again from the CommitLog's "
+                                   "first offset, each queue skipping the units it holds")
         elif hasattr(d, "resume_offset"):
             torn = d.drop_torn_tails(offset) if hasattr(d, "drop_torn_tails") else []
             if torn:
@@ -152,11 +173,13 @@ def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: d
 
 
 def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetrics | None = None,
-                   log=None, quarantine_damaged: bool = True) -> Recovered:
+                   log=None, quarantine_damaged: bool = True, rescan: bool = False) -> Recovered:
     """Open the dispatchers on the output, put their files back to a consistent point by the rules above,
     and decide the offset to dispatch from. Raises StoreError or OSError when the output cannot be used;
     without `quarantine_damaged` (`reputd rebuild`, an operator's command), also for a damaged file, which
-    the operator then sees named instead of moved."""
+    the operator then sees named instead of moved. With `rescan` (`reputd rebuild`), a start without a
+    checkpoint is the CommitLog's first offset, so that a queue whose files are gone or end early is
+    completed exactly (each queue skips the units it holds, the index the records it indexed)."""
     log = log or get_logger(component="recovery")
     out = config.output.dir
     os.makedirs(out, exist_ok=True)
@@ -196,18 +219,25 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
     if start is None:
         offsets = [d.resume_offset() for d in dispatchers if hasattr(d, "resume_offset")]
         start = min((commit_log.min_offset if o is None else o for o in offsets), default=commit_log.min_offset)
+        if rescan:
+            start = commit_log.min_offset
+    if decision == RecoveryDecision.CHECKPOINT:
+        output_end = held = checkpoint.reput_from_offset
+    else:
+        ends = [d.output_end() for d in dispatchers if hasattr(d, "output_end")]
+        output_end = max(start, min(ends, default=start))  # from here on, new to at least one dispatcher
+        held = max([start, *ends])  # below it, some output file holds the records
     if start < commit_log.min_offset:
-        skipped = commit_log.min_offset - start
+        # only what no output file holds was lost to retention; the units of the records it never got are
+        # blank at their queue offsets (`consumequeue.place_units`), every later unit at its own
+        skipped = max(0, commit_log.min_offset - held)
         log.warning("offset_below_oldest_segment", requested=start, resumed_at=commit_log.min_offset,
-                    skipped_bytes=skipped, detail="CommitLog segments were deleted before they were dispatched")
+                    skipped_bytes=skipped, output_end=held,
+                    detail="CommitLog segments were deleted before their records were dispatched")
         _count(metrics, "skipped", skipped, reason=SkipReason.RETENTION)
         start = commit_log.min_offset
     if decision == RecoveryDecision.DERIVED:
         checkpoint = write_replay_marker(out, start, "no checkpoint to trust", log)
-    if decision == RecoveryDecision.CHECKPOINT:
-        output_end = checkpoint.reput_from_offset
-    else:
-        output_end = max([start, *(d.output_end() for d in dispatchers if hasattr(d, "output_end"))])
     _count(metrics, "recoveries", decision=decision)
     log.info("recovered", decision=decision, reput_from_offset=start, checkpoint=checkpoint.reput_from_offset,
              commit_log_min_offset=commit_log.min_offset, segments=len(commit_log.segments))

@@ -102,8 +102,9 @@ class QueueCursor:
 
 class Placement(NamedTuple):
     """Where `place_units` puts units[first:last]: at logical byte offset `logical`, in the file starting
-    at `file_start` (`created`: made for this put), after `blanks` pre-blank units written before them.
-    first == last when the put only creates a file."""
+    at `file_start` (`created`: made for this put), after `blanks` blank units written just before them (a
+    first file's pre-blank units, or a gap in the queue's offsets; in a file `created` for this put they
+    start at its position 0, its header). first == last when the put only creates a file or fills it."""
 
     file_start: int
     created: bool
@@ -146,16 +147,17 @@ class NewQueue(NamedTuple):
 
 @dataclass(slots=True)
 class PutStats:
-    """What a put did: units written, units already present, units appended off their queue offset."""
+    """What a put did: units written, units already present, blank units written into gaps of a queue's
+    offsets (units whose records the output never got: `place_units`)."""
 
     written: int = 0
     already_built: int = 0
-    out_of_order: int = 0
+    gap_blanks: int = 0
 
     def add(self, other: PutStats) -> None:
         self.written += other.written
         self.already_built += other.already_built
-        self.out_of_order += other.out_of_order
+        self.gap_blanks += other.gap_blanks
 
 
 def _last_real_unit_end(units: np.ndarray) -> int:
@@ -382,9 +384,17 @@ def place_units(cursor: QueueCursor, qo: np.ndarray, ends: np.ndarray, file_size
     Unit by unit this is the broker's put; runs of units it treats alike are placed at once: a streak of
     consecutive queue offsets and growing ends goes to one place, and units it skips (ending at or below
     maxPhysicOffset; or behind the queue's end: "build consume queue repeatedly") are skipped together. A
-    unit off its queue offset is appended at the write position, as the broker appends it, and one at
-    offset 0 wherever the queue ends (no order check for it). `one_streak` (`QueueUnits.one_streak`)
-    spares the search for streak ends."""
+    unit at offset 0 goes wherever the queue ends (no order check for it).
+
+    One rule differs from 4.9.3 on purpose: a unit whose queue offset lies past the queue's write position
+    goes to its own queue offset, the units between made blank units (0, 0x7FFFFFFF, 0), the bytes of the
+    broker's pre-blank (`fillPreBlank`), to the end of each file they cross. The broker appends such a unit
+    at the write position ("[BUG]logic queue order maybe wrong") and every later unit of the queue then
+    sits off its offset for ever; it only meets the case when records were never dispatched, which a
+    broker running all along never does, while reputd does whenever retention deleted CommitLog segments
+    it had not read. Blank units keep the queue contiguous for both recoveries (they count as valid units)
+    and for `getMessage` (a unit below the CommitLog's first offset reads as removed). `one_streak`
+    (`QueueUnits.one_streak`) spares the search for streak ends."""
     n = len(qo)
     if n == 0:
         return
@@ -422,10 +432,17 @@ def place_units(cursor: QueueCursor, qo: np.ndarray, ends: np.ndarray, file_size
                 yield Placement(cursor.file_start, True, blanks, current, i, i)
             i += skip
             continue
+        if q != 0 and expect > current:  # a gap: blank units up to the unit's own offset
+            end_of_file = cursor.file_start + file_size
+            gap = (min(expect, end_of_file) - current) // CQ_UNIT_SIZE
+            stats.gap_blanks += gap
+            cursor.write_offset = current = current + gap * CQ_UNIT_SIZE
+            blanks += gap
+            if current == end_of_file:  # the gap runs on into the next file
+                yield Placement(cursor.file_start, created, blanks, current, i, i)
+                continue
         # queue offset 0 skips the order check (§7.5); the units after it are each checked again
         j = min(i + 1 if q == 0 else streak_end, i + (file_size - (current - cursor.file_start)) // CQ_UNIT_SIZE)
-        if q != 0 and expect > current:
-            stats.out_of_order += j - i
         yield Placement(cursor.file_start, created, blanks, current, i, j)
         cursor.write_offset += (j - i) * CQ_UNIT_SIZE
         cursor.max_physic_offset = int(ends[j - 1])
@@ -505,6 +522,18 @@ class ConsumeQueue:
                 break
         self._truncate_files_after(end)
         self.min_logic_offset = self._files[0] if self._files else 0
+        if self.max_physic_offset < 0 and len(self._files) > RECOVER_FROM_LAST_FILES:
+            self.max_physic_offset = self._real_end_before(len(self._files) - RECOVER_FROM_LAST_FILES)
+
+    def _real_end_before(self, index: int) -> int:
+        """The end of the last real unit in the files before the `index`th, or -1: the newest files may hold
+        nothing but blank units (a gap in the queue's offsets, `place_units`), which say nothing of the
+        CommitLog. Read newest first, so only the blank files and the one before them are read."""
+        for start in reversed(self._files[:index]):
+            end = _last_real_unit_end(_read_units(self._path(start)))
+            if end >= 0:
+                return end
+        return -1
 
     def _drop_newest(self, files: list[tuple[int, str]]) -> None:
         """Forget the newest file, which holds no real unit; writable, delete it."""
@@ -636,6 +665,8 @@ class ConsumeQueue:
                 if not self._files:
                     self.min_logic_offset = p.logical
                 self._create_file(p.file_start, p.blanks)
+            elif p.blanks:  # a gap in the queue's offsets, inside the file it has
+                self._write(p.logical - p.file_start - p.blanks * CQ_UNIT_SIZE, BLANK_UNIT * p.blanks)
             if p.last > p.first:
                 self._write(p.logical - p.file_start, units[p.first : p.last].tobytes())
                 self.max_physic_offset = int(ends[p.last - 1])
@@ -727,6 +758,8 @@ class ConsumeQueue:
             break
         if not self._files:
             self.min_logic_offset = 0
+        elif self.max_physic_offset < 0:
+            self.max_physic_offset = self._real_end_before(len(self._files) - 1)
 
     @property
     def file_count(self) -> int:

@@ -89,8 +89,17 @@ class CQModel:
             if expect < current:
                 self.stats.already_built += 1
                 return
-            if expect > current:
-                self.stats.out_of_order += 1
+            while expect > current:  # reputd's rule: blank units up to its own offset, across files
+                if self.write_pos == fs:
+                    self.files[self.last_start + fs] = bytearray(fs)
+                    self.write_pos = 0
+                UNIT.pack_into(self.files[self.last_start], self.write_pos, 0, 0x7FFFFFFF, 0)
+                self.write_pos += UNIT_SIZE
+                self.stats.gap_blanks += 1
+                current = self.write_offset
+            if self.write_pos == fs:
+                self.files[self.last_start + fs] = bytearray(fs)
+                self.write_pos = 0
         self.max_physic_offset = phy + size  # step 8
         UNIT.pack_into(self.files[self.last_start], self.write_pos, phy, size, tags_code)
         self.write_pos += UNIT_SIZE
@@ -234,12 +243,12 @@ def test_random_units_match_model(tmp_path: Path, seed: int) -> None:
     model = CQModel(fs)
     for n, batch in enumerate(chunks(rng, events)):
         msg = f"seed={seed} file_size={fs} batch={n} {batch}"
-        before = PutStats(model.stats.written, model.stats.already_built, model.stats.out_of_order)
+        before = PutStats(model.stats.written, model.stats.already_built, model.stats.gap_blanks)
         for unit in batch:
             model.put(*unit)
         stats = put(cq, batch)
         expected = PutStats(model.stats.written - before.written, model.stats.already_built - before.already_built,
-                            model.stats.out_of_order - before.out_of_order)
+                            model.stats.gap_blanks - before.gap_blanks)
         assert stats == expected, msg
         assert_matches(cq, model, directory, msg)
         if rng.random() < 0.2:
@@ -340,12 +349,12 @@ def test_gathered_appends_write_what_the_broker_writes_and_a_kill_loses_only_a_t
     kill_after = rng.randrange(len(batches))
     for n, batch in enumerate(batches):
         msg = f"seed={seed} file_size={fs} hold={hold} batch={n}"
-        before = PutStats(model.stats.written, model.stats.already_built, model.stats.out_of_order)
+        before = PutStats(model.stats.written, model.stats.already_built, model.stats.gap_blanks)
         for unit in batch:
             model.put(*unit)
         stats = put_gathered(cq, files, batch, hold)
         assert stats == PutStats(model.stats.written - before.written, model.stats.already_built - before.already_built,
-                                 model.stats.out_of_order - before.out_of_order), msg
+                                 model.stats.gap_blanks - before.gap_blanks), msg
         assert cq.held_bytes < hold, msg
         assert (cq.max_offset, cq.max_physic_offset) == (model.max_offset, model.max_physic_offset), msg
         held_name = os.path.basename(cq.writing_path) if cq.held_bytes else None
@@ -640,18 +649,26 @@ def test_pre_blank_scaled(tmp_path: Path) -> None:
     cq.close()
 
 
-def test_logic_queue_order_quirk(tmp_path: Path) -> None:
-    """§7.5 step 7: expect > current appends at current (counted out of order); expect < current is skipped."""
+def test_a_unit_past_the_write_position_goes_to_its_own_queue_offset(tmp_path: Path) -> None:
+    """§7.5 step 7 where reputd differs from 4.9.3 on purpose: expect > current fills the gap with blank units
+    (not the broker's append at current, which leaves every later unit off its offset); expect < current is
+    skipped as the broker skips it."""
     cq = ConsumeQueue(str(tmp_path), "T", 0, 200)
     assert put(cq, [(0, 0, 10, 1), (1, 10, 10, 2), (2, 20, 10, 3)]) == PutStats(written=3)
-    assert put(cq, [(7, 30, 10, 4)]) == PutStats(written=1, out_of_order=1)
-    assert cq.max_offset == 4
-    assert cq.read_units(3) == [(30, 10, 4)]
-    assert put(cq, [(8, 40, 10, 5)]) == PutStats(written=1, out_of_order=1)  # the drift stays
-    assert put(cq, [(4, 50, 10, 6)]) == PutStats(already_built=1)  # 80 < current 100: "already there"
-    assert put(cq, [(5, 60, 10, 7)]) == PutStats(written=1)  # expect == current again
-    assert cq.read_units(0) == [(0, 10, 1), (10, 10, 2), (20, 10, 3), (30, 10, 4), (40, 10, 5), (60, 10, 7)]
+    assert put(cq, [(7, 30, 10, 4)]) == PutStats(written=1, gap_blanks=4)
+    assert cq.max_offset == 8
+    assert cq.read_units(3) == [(0, 0x7FFFFFFF, 0)] * 4 + [(30, 10, 4)]
+    assert put(cq, [(8, 40, 10, 5)]) == PutStats(written=1)  # no drift: the next offset continues
+    assert put(cq, [(4, 50, 10, 6)]) == PutStats(already_built=1)  # 80 < current 180: "already there"
+    assert put(cq, [(23, 60, 10, 7)]) == PutStats(written=1, gap_blanks=14)  # across a file: 10 units a file
+    assert sorted(os.listdir(tmp_path)) == ["00000000000000000000", "00000000000000000200", "00000000000000000400"]
+    assert (tmp_path / "00000000000000000200").read_bytes() == BLANK * 10
+    assert cq.read_units(20) == [(0, 0x7FFFFFFF, 0)] * 3 + [(60, 10, 7)]
+    assert (cq.max_offset, cq.max_physic_offset) == (24, 70)
     cq.close()
+    again = ConsumeQueue(str(tmp_path), "T", 0, 200)  # the blanks are valid units: recovery keeps the queue
+    assert (again.max_offset, again.max_physic_offset) == (24, 70)
+    again.close()
 
 
 def test_queue_offset_zero_skips_the_order_check(tmp_path: Path) -> None:

@@ -21,12 +21,15 @@ import json
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from daemon.checkpoint import CHECKPOINT_FILE, Checkpoint, read_checkpoint, write_checkpoint
+from indexcore.indexfile import INDEX_ENTRY_DTYPE, INDEX_HEADER, INDEX_HEADER_SIZE
 from indexcore.writer import CommitLogWriter, Message
 from tests.test_daemon import clean_env, events, output_files
 
@@ -180,3 +183,140 @@ def test_kill_while_a_batch_creates_its_new_lmq_queues(lmq_matrix, point, checkp
     actual = output_files(out)
     differ = sorted(n for n in set(actual) | set(reference) if actual.get(n) != reference.get(n))
     assert not differ, f"after a kill at {point}, {checkpoint} a checkpoint: {differ} differ from a rebuild"
+
+
+# --- a restart across a retention gap -----------------------------------------------------------------------
+#
+# `reputd run` dispatches phase 1 and stops (cleanly, or killed while it reads phase 2 with no checkpoint after
+# its start); the broker writes phase 2; retention deletes the oldest segments, the output's checkpoint among
+# them; `reputd run` starts again. What "a clean run" means once the start of the CommitLog is gone: every
+# retained record's unit at its own queue offset, as a broker that was running all along holds it (the
+# reference dispatched everything before the deletion), and exactly the units of a rebuild of the retained
+# data into an empty output; a unit of a deleted record the output never held durably is a blank unit (the
+# broker's pre-blank bytes), the queue's offsets running on contiguously; the index holds each key of the
+# records it dispatched once: those of phase 1 and the retained ones.
+
+GAP_SEGMENT = 64 * 1024
+GAP_PHASE_1, GAP_PHASE_2 = 300, 1500  # records: phase 1 ends in segment 1; segments 0-2 are deleted later
+GAP_DELETED = 3
+GAP_LATE_TOPIC_AT = 500  # TopicC's first record: inside the deleted segments, and it goes on past them
+GAP_CASES = [("clean", "with"), ("clean", "without"), ("kill", "with"), ("kill", "without")]
+BLANK_UNIT_BYTES = bytes(8) + b"\x7f\xff\xff\xff" + bytes(8)
+
+
+def append_gap(writer: CommitLogWriter, first: int, last: int) -> None:
+    for i in range(first, last):
+        topic, queue = ("TopicA", "TopicB")[i % 2], i % 3
+        if i >= GAP_LATE_TOPIC_AT and i % 7 == 0:
+            topic, queue = "TopicC", 1
+        elif GAP_PHASE_1 <= i < 600 and i % 11 == 0:
+            topic, queue = "TopicD", 0  # only in the deleted segments
+        writer.append(Message(topic, queue, bytes([i % 251]) * (120 + i % 50),
+                              {"TAGS": f"t{i % 5}", "KEYS": f"key-{i}", "UNIQ_KEY": f"{i:032X}"}))
+
+
+def _units(data: bytes) -> list[bytes]:
+    return [data[p : p + 20] for p in range(0, len(data), 20)]
+
+
+@pytest.fixture(scope="module")
+def gap_matrix(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gap-matrix")
+    clock = iter(range(1_700_000_000_000, 1_800_000_000_000, 211))
+    writer = CommitLogWriter(str(root / "store" / "commitlog"), GAP_SEGMENT, clock=lambda: next(clock))
+    cfg = {"store": {"storePathRootDir": str(root / "store"), "mappedFileSizeCommitLog": GAP_SEGMENT,
+                     "mappedFileSizeConsumeQueue": CQ_FILE, "maxHashSlotNum": 97, "maxIndexNum": 400,
+                     "flushIntervalConsumeQueue": 600_000},  # no checkpoint in the killed run after its start
+           "output": {"dir": str(root / "out")}, "metrics": {"enabled": False},
+           "logging": {"level": "info", "format": "json"}}
+    config = root / "reputd.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    append_gap(writer, 0, GAP_PHASE_1)
+    assert reputd("run", config, "--until-caught-up").returncode == 0
+    x = read_checkpoint(str(root / "out")).reput_from_offset
+    phase1 = {"with": root / "phase1-with", "without": root / "phase1-without"}
+    shutil.copytree(root / "out", phase1["with"])
+    shutil.copytree(root / "out", phase1["without"])
+    write_checkpoint(str(phase1["without"]), Checkpoint(0, {}, 0))
+    append_gap(writer, GAP_PHASE_1, GAP_PHASE_2)
+    writer.close()
+    for checkpoint, phase in phase1.items():  # killed reading phase 2: units and keys past the checkpoint
+        shutil.copytree(phase, root / f"kill-{checkpoint}")
+        killed = reputd("run", config, "--until-caught-up", "--out", str(root / f"kill-{checkpoint}"),
+                        env={"REPUTD_FAILPOINT": "consumequeue.after_rename@4"})
+        assert killed.returncode == -9, killed.stderr[-500:]
+    assert reputd("rebuild", config, "--out", str(root / "reference")).returncode == 0
+    segments = sorted((root / "store" / "commitlog").iterdir())
+    for path in segments[:GAP_DELETED]:
+        path.unlink()
+    m = GAP_DELETED * GAP_SEGMENT
+    assert x < m < int(segments[-1].name)
+    assert reputd("rebuild", config, "--out", str(root / "retained")).returncode == 0
+    reference = output_files(root / "reference")
+    assert "consumequeue/TopicD/0/00000000000000000000" in reference
+    return root, config, phase1, x, m, reference, output_files(root / "retained")
+
+
+def index_pairs(root: Path, slots: int = 97) -> Counter:
+    """(key hash, CommitLog offset) of every entry the IndexFiles record, counted."""
+    pairs: Counter = Counter()
+    for path in sorted((root / "index").iterdir()):
+        data = path.read_bytes()
+        count = max(INDEX_HEADER.unpack_from(data)[5], 1)
+        entries = np.frombuffer(data, dtype=INDEX_ENTRY_DTYPE, count=count, offset=INDEX_HEADER_SIZE + 4 * slots)[1:]
+        pairs.update(zip(entries["key_hash"].tolist(), entries["phy_offset"].tolist(), strict=True))
+    return pairs
+
+
+def _phy(unit: bytes) -> int:
+    return int.from_bytes(unit[:8], "big", signed=True)
+
+
+@pytest.mark.parametrize(("stop", "checkpoint"), GAP_CASES, ids=[f"{s}-{c}" for s, c in GAP_CASES])
+def test_restart_across_a_retention_gap_lands_units_at_their_queue_offsets(gap_matrix, stop, checkpoint):
+    root, config, phase1, x, m, reference, retained = gap_matrix
+    out = root / f"restart-{stop}-{checkpoint}"
+    shutil.copytree(phase1[checkpoint] if stop == "clean" else root / f"kill-{checkpoint}", out)
+    restart = reputd("run", config, "--until-caught-up", "--out", str(out))
+    assert restart.returncode == 0, restart.stderr
+    log = events(restart.stdout)
+    assert not [e for e in log if e["event"] in ("logic_queue_order_maybe_wrong", "output_file_quarantined")]
+    [below] = [e for e in log if e["event"] == "offset_below_oldest_segment"]
+    if stop == "clean":  # what the output held is not counted as lost to retention
+        assert below["skipped_bytes"] == m - x
+    actual = output_files(out)
+    phase1_queues = {n.rsplit("/", 1)[0] for n in output_files(phase1["with"]) if n.startswith("consumequeue/")}
+    for name, ref in reference.items():
+        if not name.startswith("consumequeue/"):
+            continue
+        got = actual.get(name)
+        gone = [u for u in _units(ref) if x <= _phy(u) < m or u == BLANK_UNIT_BYTES or not any(u)]
+        if got is None:  # a queue met only in the deleted data, or its files before its first retained unit
+            assert len(gone) == len(_units(ref)), name
+            assert name.rsplit("/", 1)[0] not in phase1_queues, name
+            continue
+        for pos, (want, have) in enumerate(zip(_units(ref), _units(got), strict=True)):
+            if x <= _phy(want) < m and have != want:
+                # blank, or past the end of a queue that has no retained record (the killed run made it)
+                ended = not any(got[pos * 20 :]) and not any(_phy(u) >= m for u in _units(ref))
+                assert have == BLANK_UNIT_BYTES or ended, f"{name} unit {pos}: a deleted record's unit, not blank"
+                assert stop == "kill" or name.rsplit("/", 1)[0] in phase1_queues or any(
+                    _phy(u) >= m for u in _units(got)[pos:]), name
+            else:
+                assert have == want, f"{name} unit {pos} ({stop}, {checkpoint} a checkpoint): {have} != {want}"
+    assert not {n for n in actual if n.startswith("consumequeue/")} - set(reference)
+    for name, clean in retained.items():  # a clean run over the retained data: the same units where it has one
+        if name.startswith("consumequeue/"):
+            for pos, unit in enumerate(_units(clean)):
+                if unit != BLANK_UNIT_BYTES and any(unit):
+                    assert _units(actual[name])[pos] == unit, f"{name} unit {pos}"
+    pairs = index_pairs(out)
+    want = {p for p in index_pairs(root / "reference") if p[1] < x or p[1] >= m}
+    assert {p for p in pairs if p[1] < x or p[1] >= m} == want
+    assert max(pairs.values()) == 1
+    if stop == "clean":
+        assert set(pairs) == want
+        if checkpoint == "without":
+            assert actual == output_files(root / "restart-clean-with"), "the files alone resume as a checkpoint"
+    res = reputd("verify", config, "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -224,6 +225,92 @@ def test_an_index_failure_mid_rebuild_stops_it_and_the_next_rebuild_writes_the_f
     monkeypatch.setattr(IndexDispatcher, "dispatch", real)
     summary = rebuild(config)
     assert summary["endOffset"] > 0
+    expected, pairs = reference(tmp, config)
+    assert output_files(tmp / "out") == expected
+    assert index_pairs(tmp / "out") == pairs
+
+
+# --- the operator's repair: output files deleted from a broker store, then `rebuild` into it ------------------
+
+def _broker_store_copy(tmp_path: Path) -> tuple[Path, Path, dict]:
+    """A copy of the conformance store (the real 4.9.3 broker's files) and a config rebuilding into it."""
+    stores = [s for s in discover() if s.name == "visible"]
+    if not stores:
+        pytest.skip("the conformance store is not found (set REPUTD_CONFORMANCE_DIR)")
+    conformance = stores[0]
+    root = tmp_path / "store"
+    shutil.copytree(conformance.store, root)
+    for p in root.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    config = tmp_path / "reputd.yaml"
+    config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(root), **conformance.store_settings()},
+                                      "logging": {"level": "warning"}}))
+    return root, config, output_files(root)
+
+
+def _index_contents(files: dict) -> list[bytes]:
+    return [files[n] for n in sorted(n for n in files if n.startswith("index/"))]
+
+
+@pytest.mark.parametrize("deleted", ["consumequeue/TopicTest", "newest files of a queue", "newest IndexFiles"])
+def test_rebuild_into_a_broker_store_restores_deleted_files_exactly(tmp_path, deleted):
+    """Issue 27 §2.7: the files the broker wrote, some deleted, rebuilt in place: the broker's bytes again."""
+    root, config, broker = _broker_store_copy(tmp_path)
+    if deleted == "consumequeue/TopicTest":
+        shutil.rmtree(root / "consumequeue" / "TopicTest")
+    elif deleted == "newest files of a queue":
+        queue = max((root / "consumequeue").glob("*/*"), key=lambda q: len(list(q.iterdir())))
+        for path in sorted(queue.iterdir())[-2:]:
+            path.unlink()
+    else:
+        for path in sorted((root / "index").iterdir())[-2:]:
+            path.unlink()
+    res = reputd("rebuild", "--config", str(config))
+    assert res.returncode == 0, res.stderr
+    if deleted != "newest IndexFiles":
+        assert re.search(r"note: restored [1-9][\d,]* ConsumeQueue units below the output's end", res.stdout)
+    actual = output_files(root)
+    assert {n: b for n, b in actual.items() if n.startswith("consumequeue/")} == \
+        {n: b for n, b in broker.items() if n.startswith("consumequeue/")}
+    assert _index_contents(actual) == _index_contents(broker)  # names are wall-clock times: compared in order
+    again = reputd("rebuild", "--config", str(config), "--json")
+    assert json.loads(again.stdout)["newMessages"] == 0
+
+
+def test_rebuild_names_an_indexfile_missing_from_the_middle_and_the_command_that_rebuilds_it(tmp_path):
+    """An IndexFile cannot be put back between two others: exit 1 naming them, nothing written, and the
+    printed command rebuilds an index equal to the broker's."""
+    root, config, broker = _broker_store_copy(tmp_path)
+    names = sorted((root / "index").iterdir())
+    names[7].unlink()
+    res = reputd("rebuild", "--config", str(config))
+    assert res.returncode == 1
+    assert f"{names[8]}: an IndexFile is missing before it (after {names[6].name})" in res.stderr
+    assert not (root / CHECKPOINT_FILE).exists()
+    command = res.stderr.rsplit(": ", 1)[1].split()
+    assert command[:2] == ["reputd", "rebuild"]
+    fresh = Path(command[command.index("--out") + 1])
+    done = reputd(*command[1:])
+    assert done.returncode == 0, done.stderr
+    assert _index_contents(output_files(fresh)) == _index_contents(broker)
+
+
+@pytest.mark.parametrize("command", ["rebuild", "run"])
+def test_a_queue_deleted_from_reputds_own_output_is_rebuilt_from_the_checkpoints_count(store, command):
+    """The checkpoint counts the queues: one deleted since makes the next start read from the CommitLog's
+    first offset (`queues_missing`), each queue skipping what it holds, and the files are one rebuild's."""
+    tmp, config, writer = store
+    rebuild(config)
+    assert json.loads((tmp / "out" / CHECKPOINT_FILE).read_text())["payload"]["dispatchers"]["consumequeue"] == \
+        {"queues": len(list((tmp / "out" / "consumequeue").glob("*/*")))}
+    shutil.rmtree(tmp / "out" / "consumequeue" / "TopicA" / "2")
+    append(writer, PHASE_1, PHASE_2)
+    writer.flush()
+    res = reputd(command, "--config", str(config), *(["--until-caught-up"] if command == "run" else []),
+                 env={"REPUTD_METRICS_ENABLED": "false"})
+    assert res.returncode == 0, res.stderr
+    [missing] = [e for e in events(res.stdout + res.stderr) if e["event"] == "queues_missing"]
+    assert (missing["queues"], missing["reput_from_offset"]) == (1, 0)
     expected, pairs = reference(tmp, config)
     assert output_files(tmp / "out") == expected
     assert index_pairs(tmp / "out") == pairs

@@ -609,8 +609,9 @@ class _Job:
         stats = WriteStats()
         for part, _ in results[QUEUES] + results[INDEX_FILES]:
             stats.add(part)
-        if stats.out_of_order:
-            self.log.warning("logic_queue_order_maybe_wrong", units=stats.out_of_order)
+        if stats.gap_blanks:
+            self.log.warning("queue_offsets_blanked", blanks=stats.gap_blanks,
+                             detail="units of records the CommitLog no longer holds, blank at their queue offsets")
         s.arrow_bytes_from_jvm = stats.arrow_bytes
         s.write_task_seconds = stats.seconds
         counts = file_counts()

@@ -80,7 +80,7 @@ class WriteStats:
     queues: int = 0
     units: int = 0
     already_built: int = 0
-    out_of_order: int = 0
+    gap_blanks: int = 0  # blank units written into gaps of a queue's offsets
     index_files: int = 0
     keys: int = 0
     arrow_bytes: int = 0  # Arrow batches received from the JVM
@@ -88,7 +88,7 @@ class WriteStats:
     files: dict[str, int] = field(default_factory=file_counts)
 
     def add(self, other: WriteStats) -> None:
-        for name in ("queues", "units", "already_built", "out_of_order", "index_files", "keys", "arrow_bytes",
+        for name in ("queues", "units", "already_built", "gap_blanks", "index_files", "keys", "arrow_bytes",
                      "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.files.items():
@@ -129,7 +129,7 @@ def write_queues(batches: Iterable, *, stage_dir: str, file_size: int, attempt: 
             put = cq.put_packed(np.arange(first_qo, first_qo + count, dtype=np.int64), units, ends)
             stats.units += put.written
             stats.already_built += put.already_built
-            stats.out_of_order += put.out_of_order
+            stats.gap_blanks += put.gap_blanks
     if cq is not None:
         _done_with(store, cq)
     store.close()
