@@ -311,12 +311,14 @@ def _output_flag(args) -> str:
 
 
 def _lock_output(args, config: Config) -> None:
-    """Take the output directory's writer lock for the rest of the process (daemon/outlock.py)."""
-    from daemon.outlock import OutputLocked, OutputNotWritable, lock_output
+    """Take the output directory's writer lock for the rest of the process (daemon/outlock.py); a running
+    broker's store root is refused before anything is created. `main` removes what taking it created when
+    the command fails having written nothing."""
+    from daemon.outlock import BrokerRunning, OutputLocked, OutputNotWritable, lock_output
 
     try:
-        args.lock_fd = lock_output(config.output.dir, args.command)
-    except OutputLocked as e:
+        args.output_lock = lock_output(config.output.dir, args.command)
+    except (BrokerRunning, OutputLocked) as e:
         raise UsageError(str(e)) from None
     except OutputNotWritable as e:
         raise UsageError(f"{_output_flag(args)}: {e}") from None
@@ -754,8 +756,19 @@ def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; a writing command that failed before writing leaves no trace of its output
+    directory (daemon/outlock.py)."""
+    args = argparse.Namespace()
+    code = _main(argv, args)
+    lock = getattr(args, "output_lock", None)
+    if code != EXIT_OK and lock is not None:
+        lock.forget()
+    return code
+
+
+def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
     argv = _joined_time_options(list(sys.argv[1:] if argv is None else argv))
-    args = _parser_for(argv).parse_args(argv)
+    _parser_for(argv).parse_args(argv, namespace=args)
     if args.command == "query":  # modules a query imports but never uses (daemon/deferred.py)
         from daemon.deferred import defer
 

@@ -1,0 +1,187 @@
+"""Papercuts an operator meets on a first day (issue 33, issue 27 §2 item 6): each through the real CLI as a
+subprocess, checking the exit code and the line printed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.outlock import LOCK_FILE
+from tests.test_cli import SEGMENT, make_store, run, write_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def no_traceback(res) -> None:
+    assert "Traceback" not in res.stderr
+
+
+def listing(path: Path) -> list[str]:
+    """Every path under `path`, relative to it, sorted."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+# --- 33.2: a command that fails before writing leaves no trace ----------------------------------------
+
+def test_a_rebuild_refused_by_its_config_creates_no_output_directory(tmp_path):
+    """Exit 2 on a size setting that is not the broker's: neither the output directory nor the parents
+    it would have made are left behind."""
+    make_store(tmp_path, n=40)
+    config = write_config(tmp_path, mappedFileSizeCommitLog=SEGMENT // 2)
+    out = tmp_path / "new" / "w1out"
+    res = run("rebuild", "--config", str(config), "--out", str(out))
+    assert res.returncode == 2
+    assert res.stderr.startswith("reputd: config error: ")
+    assert "mappedFileSizeCommitLog" in res.stderr
+    no_traceback(res)
+    assert not (tmp_path / "new").exists()
+
+
+def test_run_on_a_busy_metrics_port_creates_no_output_directory(tmp_path):
+    make_store(tmp_path, n=40)
+    config = write_config(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = run("run", "--config", str(config), "--out", str(tmp_path / "out-x"),
+                  env={"REPUTD_METRICS_PORT": str(port), "REPUTD_METRICS_HOST": "127.0.0.1"})
+    assert res.returncode == 2
+    assert f"metrics.port: {port} on 127.0.0.1 is in use" in res.stderr
+    assert not (tmp_path / "out-x").exists()
+
+
+def test_a_failed_rebuild_leaves_an_existing_directory_as_it_was(tmp_path):
+    """--from inside a record: exit 1; the directory existed, so it stays, holding only what it held
+    (not the lock file, not a checkpoint)."""
+    make_store(tmp_path, n=40)
+    config = write_config(tmp_path)
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    res = run("rebuild", "--config", str(config), "--out", str(out), "--from", "5")
+    assert res.returncode == 1
+    assert "--from 5 may not be the start of a record" in res.stderr
+    assert listing(out) == ["notes.txt"]
+
+
+def test_a_failure_after_writing_keeps_what_was_written(tmp_path):
+    """A corrupt record half-way: what was dispatched before it stays, with the lock file and checkpoint
+    (a rebuild run again continues it)."""
+    results = make_store(tmp_path, n=300)
+    config = write_config(tmp_path)
+    seg = tmp_path / "store" / "commitlog" / f"{0:020d}"
+    victim = results[150].phy_offset
+    with open(seg, "r+b") as f:
+        f.seek(victim + 4)
+        f.write(b"\0\0\0\0")  # the magic code
+    res = run("rebuild", "--config", str(config))
+    assert res.returncode == 1
+    assert f"offset {victim}" in res.stderr
+    out = tmp_path / "out"
+    assert (out / LOCK_FILE).exists()
+    assert (out / "reputd.checkpoint").exists()
+    assert any(p.is_file() for p in (out / "consumequeue").rglob("*"))
+
+
+def test_a_held_reputd_lock_file_that_existed_stays(tmp_path):
+    """A second rebuild refused by a size setting on an output that holds files: nothing of it is
+    removed, the lock file included."""
+    make_store(tmp_path, n=40)
+    config = write_config(tmp_path)
+    assert run("rebuild", "--config", str(config)).returncode == 0
+    before = listing(tmp_path / "out")
+    res = run("rebuild", "--config", str(write_config(tmp_path, mappedFileSizeConsumeQueue=4000)))
+    assert res.returncode == 2, res.stderr
+    assert listing(tmp_path / "out") == before
+
+
+# --- 27 §2.6: a running broker's store root is refused before anything is written --------------------
+
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)  # F_SETLK on [0, 1): FileChannel.tryLock(0, 1, false)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def hold_broker_lock(path: Path) -> subprocess.Popen:
+    """A process holding the broker's `lock` as the JVM does (a POSIX record lock, fcntl F_SETLK)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def broker_store(tmp: Path) -> tuple[Path, Path]:
+    """A broker store root (CommitLog and the broker's `lock`) and a config whose output is that root."""
+    make_store(tmp, n=40)
+    (tmp / "store" / "lock").write_bytes(b"lock")
+    return tmp / "store", write_config(tmp)
+
+
+@pytest.mark.parametrize("command", ["rebuild", "run", "backfill"])
+def test_a_store_root_whose_broker_holds_its_lock_is_refused_with_nothing_written(tmp_path, command):
+    root, config = broker_store(tmp_path)
+    before = listing(root)
+    holder = hold_broker_lock(root / "lock")
+    try:
+        extra = ["--until-caught-up"] if command == "run" else []
+        res = run(command, "--config", str(config), "--store", str(root), *extra)
+        # a reader still reads: verify knows the broker is running by the same test
+        checked = run("verify", "--config", str(config), "--store", str(root))
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == (f"reputd: error: output directory {root} is the store root of a running broker (PID "
+                          f"{holder.pid} holds {root / 'lock'}), which writes consumequeue/ and index/ there "
+                          f"itself: stop the broker first, or write elsewhere with --out DIR; nothing was written\n")
+    assert listing(root) == before
+    assert "broker running" in checked.stdout
+    # writing elsewhere while the broker runs is what reputd is for; once it stops, the root is writable too
+    res = run("rebuild", "--config", str(config), "--store", str(root), "--out", str(tmp_path / "elsewhere"))
+    assert res.returncode == 0, res.stderr
+    res = run("rebuild", "--config", str(config), "--store", str(root))
+    assert res.returncode == 0, res.stderr
+
+
+def test_a_store_root_of_the_real_broker_running_is_refused(tmp_path):
+    """The real 4.9.3 store (LiveWriter: DefaultMessageStore.start() takes `lock`) writing into a root:
+    `reputd rebuild` into it is exit 2 and leaves neither reputd.lock nor reputd.checkpoint there."""
+    from tests.test_realbroker_live import REALBROKER, java_command
+
+    missing = [tool for tool in ("java",) if shutil.which(tool) is None]
+    build = Path(os.environ.get("RMQ493_BUILD", "/var/tmp/rmq493-build"))
+    if missing:
+        pytest.skip("the real-broker check needs java (a JDK 17) on PATH")
+    if not (build / "harness" / "LiveWriter.class").is_file():
+        pytest.skip(f"the real store is not built at {build} (run {REALBROKER / 'build.sh'})")
+    root = tmp_path / "broker"
+    sizes = {"mappedFileSizeCommitLog": 1 << 20, "mappedFileSizeConsumeQueue": 6000, "maxHashSlotNum": 97,
+             "maxIndexNum": 400}
+    config = write_config(tmp_path, storePathRootDir=str(root), **sizes)
+    writer = subprocess.Popen([*java_command(str(build)), "LiveWriter", "--store", str(root), "--messages", "5000",
+                               "--rate", "50", "--ha-port", "0", "--commitlog-size", str(1 << 20), "--cq-size",
+                               "6000", "--hash-slots", "97", "--index-num", "400"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert writer.stdout.readline().startswith("STARTED"), "LiveWriter did not start"
+        res = run("rebuild", "--config", str(config), "--store", str(root))
+        left = {"reputd.lock", "reputd.checkpoint"} & set(os.listdir(root))
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(30)
+    assert res.returncode == 2, res.stderr
+    assert f"output directory {root} is the store root of a running broker (PID {writer.pid} holds" in res.stderr
+    assert not left
+
