@@ -654,6 +654,15 @@ def cmd_query_queue(args, config: Config) -> int:
     check_queue(config, args.topic, args.queue_id)
     result = query_queue(config, args.topic, args.queue_id, args.offset, args.count)
     where = f"{args.topic}/{args.queue_id} holds queue offsets [{result.min_offset}, {result.max_offset})"
+    if _format(args) == "json":  # the messages, then the GetMessageResult a script pages on
+        import json
+
+        _print_records(args, result.messages)
+        print(json.dumps({"status": result.status, "nextBeginOffset": result.next_begin_offset,
+                          "minOffset": result.min_offset, "maxOffset": result.max_offset,
+                          "messageCount": len(result.messages), "topic": args.topic, "queueId": args.queue_id,
+                          "offset": args.offset}, ensure_ascii=False))
+        return EXIT_OK
     if result.status != "FOUND":
         print(f"{result.status}: {where}", file=sys.stderr)
     else:
@@ -668,14 +677,19 @@ def cmd_query_queue(args, config: Config) -> int:
 
 def cmd_query_msgid(args, config: Config) -> int:
     from daemon.query import query_msgid
+    from indexcore.msgid import msg_id_shape_error
 
+    why = msg_id_shape_error(args.msgid.strip())
+    if why is not None:
+        raise UsageError(why)
     result = query_msgid(config, args.msgid.strip(), args.topic)
-    for note in result.notes:
-        if note.startswith("warning:") or not result.messages:
-            print(f"reputd: {note}" if not note.startswith("warning:") else note, file=sys.stderr)
-    if not result.messages:
-        print(f"reputd: no message with msgId {args.msgid.strip()}", file=sys.stderr)
+    if not result.messages:  # one line saying what was tried
+        tried = "; ".join(note.removeprefix("warning: ") for note in result.notes)
+        print(f"reputd: error: no message with msgId {args.msgid.strip()}: {tried}", file=sys.stderr)
         return EXIT_FAILURE
+    for note in result.notes:
+        if note.startswith("warning:"):
+            print(f"reputd: {note}", file=sys.stderr)
     if result.found_by == "uniqKey":
         n = len(result.messages)
         _note(args, f"msgId {args.msgid.strip()} is a UNIQ_KEY (a client msgId): {n} message{'s' * (n > 1)}")

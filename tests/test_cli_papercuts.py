@@ -3,6 +3,7 @@ subprocess, checking the exit code and the line printed."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from daemon.outlock import LOCK_FILE
+from indexcore.commitlog import Host
+from indexcore.msgid import create_offset_msg_id
+from indexcore.writer import CommitLogWriter, Message
 from tests.test_cli import SEGMENT, make_store, run, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,3 +189,101 @@ def test_a_store_root_of_the_real_broker_running_is_refused(tmp_path):
     assert f"output directory {root} is the store root of a running broker (PID {writer.pid} holds" in res.stderr
     assert not left
 
+
+# --- 33.1: piped `query queue` carries what a script pages on ----------------------------------------
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def built(tmp_path):
+    """A store of 300 messages (UNIQ_KEY f"{i:032X}"), rebuilt into tmp/out."""
+    results = make_store(tmp_path)
+    config = write_config(tmp_path)
+    res = run("rebuild", "--config", str(config))
+    assert res.returncode == 0, res.stderr
+    return tmp_path, config, results
+
+
+def test_a_script_pages_through_a_queue_on_the_piped_result_line(built):
+    """Messages, then one object with status, nextBeginOffset, minOffset and maxOffset, as the broker's
+    GetMessageResult; a script asking from nextBeginOffset while status is FOUND gets every message once,
+    and the overflow status is on stdout, not prose on stderr."""
+    _tmp, config, results = built
+    in_queue = [r.phy_offset for r in results if r.topic == "TopicA" and r.queue_id == 1]
+    seen, offset, pages = [], 0, []
+    while True:
+        res = run("query", "queue", "TopicA", "1", str(offset), "--count", "7", "--config", str(config))
+        assert res.returncode == 0
+        assert res.stderr == ""
+        *messages, result = json_lines(res.stdout)
+        assert "commitLogOffset" not in result
+        assert all("status" not in m for m in messages)
+        pages.append(result)
+        if result["status"] != "FOUND":
+            break
+        assert result["messageCount"] == len(messages)
+        assert messages
+        assert [m["queueOffset"] for m in messages] == list(range(offset, result["nextBeginOffset"]))
+        seen += [m["commitLogOffset"] for m in messages]
+        offset = result["nextBeginOffset"]
+    assert seen == in_queue
+    assert pages[0] == {"status": "FOUND", "nextBeginOffset": 7, "minOffset": 0, "maxOffset": len(in_queue),
+                        "messageCount": 7, "topic": "TopicA", "queueId": 1, "offset": 0}
+    assert pages[-1] == {"status": "OFFSET_OVERFLOW_ONE", "nextBeginOffset": len(in_queue), "minOffset": 0,
+                         "maxOffset": len(in_queue), "messageCount": 0, "topic": "TopicA", "queueId": 1,
+                         "offset": len(in_queue)}
+    res = run("query", "queue", "TopicA", "1", "100000", "--config", str(config), "--json")
+    assert res.returncode == 0
+    assert res.stderr == ""
+    assert json_lines(res.stdout) == [{"status": "OFFSET_OVERFLOW_BADLY", "nextBeginOffset": 0, "minOffset": 0,
+                                       "maxOffset": len(in_queue), "messageCount": 0, "topic": "TopicA",
+                                       "queueId": 1, "offset": 100000}]
+    # the terminal format is the human one: the status on stderr, no result object
+    res = run("query", "queue", "TopicA", "1", "100000", "--config", str(config), "--format", "text")
+    assert (res.returncode, res.stdout) == (0, "")
+    assert res.stderr == f"OFFSET_OVERFLOW_BADLY: TopicA/1 holds queue offsets [0, {len(in_queue)})\n"
+
+
+# --- 33.3: `query msgid` errors --------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "what"), [("hello", "not hexadecimal"), ("ABCDEF0123", "10 hex digits"),
+                                            ("0" * 33, "33 hex digits")])
+def test_text_that_cannot_be_a_msgid_is_a_usage_error(built, text, what):
+    _tmp, config, _ = built
+    res = run("query", "msgid", text, "--config", str(config))
+    assert res.returncode == 2
+    assert res.stderr == (f"reputd: error: {text!r} is not a msgId ({what}): an offset msgId is 32 hex digits "
+                          "(IPv4 store host + port + CommitLog offset) or 56 (IPv6); a client msgId, the "
+                          "UNIQ_KEY, 32 (56 from an IPv6 producer, 34 from a 5.x client)\n")
+
+
+def test_a_msgid_that_names_no_message_is_one_line_with_no_impossible_address(built):
+    """A UNIQ_KEY-like id whose port field is above 65535, and an offset msgId past the CommitLog: one line
+    each, exit 1, and never shown as an address and offset."""
+    _tmp, config, _ = built
+    uniq = "13968CAF0DDBA0E07E8B15D5EE0F5AF4"  # as an offset msgId: 19.150.140.175, port 232497376
+    res = run("query", "msgid", uniq, "--config", str(config))
+    assert res.returncode == 1
+    assert res.stderr == (f"reputd: error: no message with msgId {uniq}: not an offset msgId (its port would be "
+                          "232497376, above 65535); as a UNIQ_KEY: not in the index under any of 2 topics\n")
+    far = create_offset_msg_id(Host(bytes([192, 0, 2, 1]), 10911), 1 << 40)
+    res = run("query", "msgid", far, "--config", str(config))
+    assert res.returncode == 1
+    assert res.stderr.startswith(f"reputd: error: no message with msgId {far}: not an offset msgId of this "
+                                 f"CommitLog (its offset would be {1 << 40}, outside the CommitLog's [0, ")
+    assert len(res.stderr.splitlines()) == 1
+
+
+def test_a_uniq_key_with_an_impossible_port_is_found_by_its_key(tmp_path):
+    """A producer's UNIQ_KEY that reads as 19.150.140.175:232497376: answered as the UNIQ_KEY it is."""
+    uniq = "13968CAF0DDBA0E07E8B15D5EE0F5AF4"
+    with CommitLogWriter(str(tmp_path / "store" / "commitlog"), SEGMENT) as w:
+        w.append(Message("TopicA", 0, b"x", {"UNIQ_KEY": "0" * 32}))
+        found = w.append(Message("TopicA", 1, b"hello", {"UNIQ_KEY": uniq}))
+    config = write_config(tmp_path)
+    assert run("rebuild", "--config", str(config)).returncode == 0
+    res = run("query", "msgid", uniq, "--config", str(config))
+    assert (res.returncode, res.stderr) == (0, "")
+    assert [m["commitLogOffset"] for m in json_lines(res.stdout)] == [found.phy_offset]
