@@ -490,8 +490,9 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
     if getattr(summary, "new_messages", summary.messages) == 0 and not summary.interrupted:  # rebuild: re-read ones
         print(f"{verb} 0 new messages: nothing to dispatch from CommitLog offset {summary.start_offset}{where}; "
               f"{files}; output {config.output.dir}")
-    else:
-        print(f"{verb} {summary.messages:,} messages, {summary.bytes:,} bytes [{summary.start_offset}, "
+    else:  # a stopped rebuild says so on this line too: read alone (a log, `| tail -1`) it is not a success
+        print(f"{'interrupted: ' * summary.interrupted}{verb} {summary.messages:,} messages, {summary.bytes:,} "
+              f"bytes [{summary.start_offset}, "
               f"{summary.end_offset}){where} in {summary.seconds:.2f} s ({summary.msgs_per_second:,.0f} msgs/s); "
               f"{files}; output {config.output.dir}")
     for lo, hi, error in summary.skipped:

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from daemon.outlock import LOCK_FILE
 from indexcore.commitlog import Host
 from indexcore.msgid import create_offset_msg_id
 from indexcore.writer import CommitLogWriter, Message
-from tests.test_cli import SEGMENT, make_store, run, write_config
+from tests.test_cli import REPUTD, SEGMENT, make_store, run, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -287,3 +288,35 @@ def test_a_uniq_key_with_an_impossible_port_is_found_by_its_key(tmp_path):
     res = run("query", "msgid", uniq, "--config", str(config))
     assert (res.returncode, res.stderr) == (0, "")
     assert [m["commitLogOffset"] for m in json_lines(res.stdout)] == [found.phy_offset]
+
+
+# --- 33.6: an interrupted rebuild's summary line says so ------------------------------------------------
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_interrupted_rebuilds_summary_says_interrupted(tmp_path, as_json):
+    """SIGINT mid-rebuild: exit 130, and the stdout summary read alone cannot pass for success: the line
+    starts with `interrupted:`, the --json summary has `interrupted: true`."""
+    from tests.test_one_writer import WAIT_S, _env, _slow_config
+
+    results = make_store(tmp_path, n=2000)  # a dozen 64 KiB segments, one batch each
+    started = tmp_path / "started"
+    config = _slow_config(tmp_path, "out", started)
+    proc = subprocess.Popen([*REPUTD, "rebuild", "--config", str(config), *(["--json"] if as_json else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    deadline = time.monotonic() + WAIT_S
+    while not (started.exists() and len(started.read_text().split()) >= 2):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the rebuild did not reach its second batch"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 130, err
+    assert "reputd: interrupted by SIGINT: stopped at CommitLog offset" in err
+    (line,) = out.splitlines()
+    if as_json:
+        summary = json.loads(line)
+        assert summary["interrupted"] is True
+        assert summary["startOffset"] == 0
+        assert 0 < summary["endOffset"] < results[-1].phy_offset
+    else:
+        assert line.startswith("interrupted: rebuilt "), line
