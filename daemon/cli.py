@@ -235,9 +235,12 @@ def _add_query(sub, kind: str | None) -> None:
             p.add_argument("--topic", help="look the UNIQ_KEY up under this topic only (default: every topic the "
                                            "output's ConsumeQueues know)")
             p.set_defaults(handler=cmd_query_msgid)
-        p.add_argument("--body", action="store_true", help="print each message's body too")
+        p.add_argument("--body", action="store_true",
+                       help="print each message's body too (a compressed one decompressed, as mqadmin shows it)")
         p.add_argument("--save-body", metavar="DIR",
-                       help="write each message's body to DIR/<offset msgId>, as mqadmin does")
+                       help="write each message's body to DIR/<offset msgId>, as mqadmin does (decompressed)")
+        p.add_argument("--raw-body", action="store_true",
+                       help="show (implies --body) and save a compressed body as stored, without decompressing it")
 
 
 def _add_inspect(sub) -> None:
@@ -639,14 +642,15 @@ def _print_records(args, records, found_header: str | None = None) -> None:
     from daemon.render import message_block, message_json_line, save_body
 
     as_json = _format(args) == "json"
+    body, raw = args.body or args.raw_body, args.raw_body
     for i, rec in enumerate(records):
-        path = save_body(rec, args.save_body) if args.save_body else None
+        path = save_body(rec, args.save_body, raw) if args.save_body else None
         if as_json:
-            print(message_json_line(rec, body=args.body, body_path=path))
+            print(message_json_line(rec, body=body, body_path=path, raw_body=raw))
         else:
             if i or found_header:
                 print()
-            print("\n".join(message_block(rec, body=args.body, body_path=path)))
+            print("\n".join(message_block(rec, body=body, body_path=path, raw_body=raw)))
 
 
 def cmd_query_queue(args, config: Config) -> int:

@@ -3,6 +3,8 @@ subprocess, checking the exit code and the line printed."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
@@ -11,14 +13,16 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 
 from daemon.outlock import LOCK_FILE
-from indexcore.commitlog import Host
+from indexcore.commitlog import COMPRESSED_FLAG, Host
 from indexcore.msgid import create_offset_msg_id
 from indexcore.writer import CommitLogWriter, Message
+from tests.conformance import discover
 from tests.test_cli import REPUTD, SEGMENT, make_store, run, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,3 +324,90 @@ def test_an_interrupted_rebuilds_summary_says_interrupted(tmp_path, as_json):
         assert 0 < summary["endOffset"] < results[-1].phy_offset
     else:
         assert line.startswith("interrupted: rebuilt "), line
+
+
+# --- 33.8: compressed bodies --------------------------------------------------------------------------
+
+TEXT = "compressed body, 压缩的消息 " * 20
+
+
+@pytest.fixture
+def compressed(tmp_path):
+    """A zlib body with COMPRESSED_FLAG, a body with the flag that is not zlib, and a plain one."""
+    with CommitLogWriter(str(tmp_path / "store" / "commitlog"), SEGMENT) as w:
+        good = w.append(Message("TopicA", 0, zlib.compress(TEXT.encode()), {"KEYS": "k1"}, sys_flag=COMPRESSED_FLAG))
+        bad = w.append(Message("TopicA", 0, b"not zlib at all", {"KEYS": "k2"}, sys_flag=COMPRESSED_FLAG))
+        plain = w.append(Message("TopicA", 0, b"plain", {"KEYS": "k3"}))
+    config = write_config(tmp_path)
+    assert run("rebuild", "--config", str(config)).returncode == 0
+    return tmp_path, config, good, bad, plain
+
+
+def test_a_compressed_body_is_shown_and_saved_decompressed_and_says_so(compressed):
+    tmp, config, good, _bad, _plain = compressed
+    stored = zlib.compress(TEXT.encode())
+    res = run("query", "msgid", good.msg_id, "--config", str(config), "--format", "text", "--body",
+              "--save-body", str(tmp / "bodies"))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert f"Body Size:           {len(stored)}" in lines
+    assert (f"Body Compression:    zlib; shown decompressed ({len(TEXT.encode()):,} bytes; --raw-body: as stored)"
+            in lines)
+    assert f"Body:                {TEXT}" in lines
+    assert (tmp / "bodies" / good.msg_id).read_bytes() == TEXT.encode()
+    (msg,) = json_lines(run("query", "msgid", good.msg_id, "--config", str(config), "--body").stdout)
+    assert msg["body"] == TEXT
+    assert msg["bodyCompression"] == {"type": "zlib", "decompressed": True, "size": len(TEXT.encode())}
+    assert msg["bodySize"] == len(stored)
+
+
+def test_raw_body_keeps_the_stored_bytes(compressed):
+    tmp, config, good, _bad, _plain = compressed
+    stored = zlib.compress(TEXT.encode())
+    res = run("query", "queue", "TopicA", "0", "0", "--count", "1", "--config", str(config), "--raw-body",
+              "--save-body", str(tmp / "raw"))
+    assert res.returncode == 0, res.stderr
+    msg, _result = json_lines(res.stdout)
+    assert base64.b64decode(msg["bodyBase64"]) == stored
+    assert msg["bodyCompression"] == {"type": "zlib", "decompressed": False}
+    assert (tmp / "raw" / good.msg_id).read_bytes() == stored
+    res = run("query", "msgid", good.msg_id, "--config", str(config), "--format", "text", "--raw-body")
+    assert "Body Compression:    zlib; shown as stored (--raw-body)" in res.stdout.splitlines()
+
+
+def test_a_body_that_does_not_decompress_is_shown_as_stored_saying_why(compressed):
+    tmp, config, _good, bad, plain = compressed
+    res = run("query", "msgid", bad.msg_id, "--config", str(config), "--format", "text", "--body",
+              "--save-body", str(tmp / "bodies"))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert ("Body Compression:    zlib, but it does not decompress (Error -3 while decompressing data: incorrect "
+            "header check); shown as stored") in lines
+    assert "Body:                not zlib at all" in lines
+    assert (tmp / "bodies" / bad.msg_id).read_bytes() == b"not zlib at all"
+    res = run("query", "msgid", plain.msg_id, "--config", str(config), "--format", "text", "--body")
+    assert not [line for line in res.stdout.splitlines() if line.startswith("Body Compression")]
+    assert "Body:                plain" in res.stdout.splitlines()
+
+
+def test_the_brokers_compressed_bodies_decompress(tmp_path):
+    """COMPRESSED_FLAG bodies of the broker-written store (the first six; each is two CLI runs): --raw-body
+    saves the stored bytes (the manifest's sha256), and the default saves what zlib inflates them to."""
+    stores = [s for s in discover() if any(m["sys_flag"] & COMPRESSED_FLAG for m in s.manifest["messages"])]
+    if not stores:
+        pytest.skip("no conformance store with compressed bodies (set REPUTD_CONFORMANCE_DIR)")
+    store = stores[0]
+    config = store.make_workspace(tmp_path)
+    assert run("rebuild", "--config", str(config)).returncode == 0
+    wanted = [m for m in store.manifest["messages"] if m["sys_flag"] & COMPRESSED_FLAG][:6]
+    for raw in (True, False):
+        out = tmp_path / ("raw" if raw else "inflated")
+        for m in wanted:
+            res = run("query", "msgid", m["msg_id"], "--config", str(config), "--save-body", str(out),
+                      *(["--raw-body"] if raw else []))
+            assert res.returncode == 0, res.stderr
+            assert json_lines(res.stdout)[0]["bodyCompression"]["decompressed"] is not raw
+    for m in wanted:
+        stored = (tmp_path / "raw" / m["msg_id"]).read_bytes()
+        assert hashlib.sha256(stored).hexdigest() == m["body_sha256"]
+        assert (tmp_path / "inflated" / m["msg_id"]).read_bytes() == zlib.decompress(stored)
