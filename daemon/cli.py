@@ -502,6 +502,9 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
         print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
     if summary.pending is not None:
         print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
+    if getattr(summary, "class_archive_saved", None):
+        print(f"note: then {summary.class_archive_seconds:.2f} s once, not in the time and rate above, to save the "
+              f"driver JVM's classes in {summary.class_archive_saved}, which later local backfills start from")
 
 
 # The master URLs Spark parses (SparkContext's scheduler choice); any other one fails only once the JVM is up.
