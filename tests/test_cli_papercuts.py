@@ -24,6 +24,7 @@ from indexcore.msgid import create_offset_msg_id
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import discover
 from tests.test_cli import REPUTD, SEGMENT, make_store, run, write_config
+from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,10 +170,8 @@ def test_a_store_root_of_the_real_broker_running_is_refused(tmp_path):
     `reputd rebuild` into it is exit 2 and leaves neither reputd.lock nor reputd.checkpoint there."""
     from tests.test_realbroker_live import REALBROKER, java_command
 
-    missing = [tool for tool in ("java",) if shutil.which(tool) is None]
+    require_tool("java", "default-jdk-headless", "the refusal was not checked against the real broker's lock")
     build = Path(os.environ.get("RMQ493_BUILD", "/var/tmp/rmq493-build"))
-    if missing:
-        pytest.skip("the real-broker check needs java (a JDK 17) on PATH")
     if not (build / "harness" / "LiveWriter.class").is_file():
         pytest.skip(f"the real store is not built at {build} (run {REALBROKER / 'build.sh'})")
     root = tmp_path / "broker"
@@ -411,3 +410,103 @@ def test_the_brokers_compressed_bodies_decompress(tmp_path):
         stored = (tmp_path / "raw" / m["msg_id"]).read_bytes()
         assert hashlib.sha256(stored).hexdigest() == m["body_sha256"]
         assert (tmp_path / "inflated" / m["msg_id"]).read_bytes() == zlib.decompress(stored)
+
+
+# --- 33.11: the tools the suite runs are installed, and missing in CI is a failure -----------------------
+
+SYSTEM_TOOLS = ROOT / ".ci" / "system-tools"
+TOOLS_NEEDED = ("promtool (Debian package prometheus), jq (Debian package jq), systemd-analyze (Debian package "
+                "systemd), java (Debian package default-jdk-headless), javac (Debian package default-jdk-headless)")
+
+
+def bare_path(tmp: Path, *, root: bool) -> Path:
+    """A PATH directory holding bash and an `id` (saying uid 0 when `root`), and none of the tools."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "bash").symlink_to(shutil.which("bash"))
+    (bin_dir / "id").write_text(f"#!/bin/sh\necho {0 if root else 1000}\n")
+    (bin_dir / "id").chmod(0o755)
+    return bin_dir
+
+
+def system_tools(bin_dir: Path, *args: str, ci: bool) -> subprocess.CompletedProcess:
+    env = {"PATH": str(bin_dir), **({"CI": "true"} if ci else {})}
+    return subprocess.run([str(bin_dir / "bash"), str(SYSTEM_TOOLS), *args], capture_output=True, text=True,
+                          env=env, timeout=60, check=False)
+
+
+def test_system_tools_names_what_is_missing_and_fails_only_in_ci(tmp_path):
+    """No root, no apt-get: a developer's `make test` goes on (the tests skip, saying why); CI stops."""
+    bin_dir = bare_path(tmp_path, root=False)
+    res = system_tools(bin_dir, "--install", ci=True)
+    assert res.returncode == 1
+    assert res.stderr == (f"error: the test suite needs {TOOLS_NEEDED}; install them (as root: .ci/system-tools "
+                          "--install)\n")
+    res = system_tools(bin_dir, "--install", ci=False)
+    assert res.returncode == 0
+    assert res.stderr.startswith(f"note: not installed: {TOOLS_NEEDED}; the tests that run them will skip")
+
+
+FAKE_APT_GET = """#!{python}
+import os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "calls"), "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+if sys.argv[1] == "update":
+    open(os.path.join(here, "lists"), "w").close()
+    sys.exit(0)
+if not os.path.exists(os.path.join(here, "lists")):  # a fresh image: no package lists were ever fetched
+    print("E: Unable to locate package prometheus", file=sys.stderr)
+    sys.exit(100)
+for tool in ("promtool", "jq", "systemd-analyze", "java", "javac"):
+    with open(os.path.join(here, tool), "w") as f:
+        f.write("#!/bin/sh\\n")
+    os.chmod(os.path.join(here, tool), 0o755)
+"""
+
+
+def test_system_tools_fetches_the_package_lists_on_a_fresh_machine(tmp_path):
+    """As root on a machine whose apt-get has never run `update`: install fails, the lists are fetched,
+    install runs again, and every tool is there (apt-get here is a stand-in recording its calls)."""
+    bin_dir = bare_path(tmp_path, root=True)
+    (bin_dir / "apt-get").write_text(FAKE_APT_GET.replace("{python}", sys.executable))
+    (bin_dir / "apt-get").chmod(0o755)
+    res = system_tools(bin_dir, "--install", ci=True)
+    assert res.returncode == 0, res.stderr
+    install = "install -y -q --no-install-recommends prometheus jq systemd default-jdk-headless"
+    assert (bin_dir / "calls").read_text().splitlines() == [install, "update -q", install]
+    assert "installing prometheus jq systemd default-jdk-headless for the tests that run them" in res.stderr
+    res = system_tools(bin_dir, "--install", ci=True)  # nothing missing: nothing run
+    assert (res.returncode, res.stderr) == (0, "")
+    assert len((bin_dir / "calls").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("ci", [True, False])
+def test_a_test_needing_a_missing_tool_fails_in_ci_and_skips_elsewhere(tmp_path, ci):
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
+    env.update({"PATH": str(tmp_path), **({"CI": "true"} if ci else {})})
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          "tests/test_ops_kit.py::test_promtool_checks_the_rules"], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=300, check=False)
+    reason = ("promtool is not installed (Debian: apt-get install --no-install-recommends prometheus, or as root "
+              ".ci/system-tools --install); the rules' unit tests in config/prometheus/reputd-rules.test.yml were "
+              "not run")
+    if ci:
+        assert res.returncode == 1, res.stdout
+        assert f"CI=true: {reason}" in res.stdout
+        assert "1 failed" in res.stdout
+    else:
+        assert res.returncode == 0, res.stdout
+        assert "1 skipped" in res.stdout
+        assert reason in " ".join(res.stdout.split())
+
+
+def test_make_test_and_ci_install_the_tools_first():
+    """`make test` runs .ci/system-tools --install before pytest; .ci/run makes a missing tool fatal."""
+    res = subprocess.run(["make", "-n", "test"], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    commands = res.stdout.splitlines()
+    assert ".ci/system-tools --install" in commands
+    assert commands.index(".ci/system-tools --install") < next(
+        i for i, c in enumerate(commands) if "-m pytest" in c)
+    assert 'export CI="${CI:-true}"' in (ROOT / ".ci" / "run").read_text().splitlines()
