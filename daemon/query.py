@@ -253,7 +253,7 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
     except ValueError:
         host, offset = None, -1
     if host is not None and not 0 <= host.port <= PORT_MAX:  # a UNIQ_KEY read as host, port and offset
-        notes.append(f"not an offset msgId (its port would be {host.port}, above {PORT_MAX})")
+        notes.append(f"not an offset msgId (its port would be {host.port}, not in 0-{PORT_MAX})")
     elif host is not None and not 0 <= offset < log.max_offset:
         notes.append(f"not an offset msgId of this CommitLog (its offset would be {offset}, outside the "
                      f"CommitLog's [0, {log.max_offset}))")

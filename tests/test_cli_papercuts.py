@@ -271,7 +271,12 @@ def test_a_msgid_that_names_no_message_is_one_line_with_no_impossible_address(bu
     res = run("query", "msgid", uniq, "--config", str(config))
     assert res.returncode == 1
     assert res.stderr == (f"reputd: error: no message with msgId {uniq}: not an offset msgId (its port would be "
-                          "232497376, above 65535); as a UNIQ_KEY: not in the index under any of 2 topics\n")
+                          "232497376, not in 0-65535); as a UNIQ_KEY: not in the index under any of 2 topics\n")
+    negative = "C0A80001" "8001ABCD" "0000000000000010"  # pid 0x8001 makes the port field negative
+    res = run("query", "msgid", negative, "--config", str(config))
+    assert res.returncode == 1
+    assert res.stderr.startswith(f"reputd: error: no message with msgId {negative}: not an offset msgId (its port "
+                                 f"would be {0x8001ABCD - (1 << 32)}, not in 0-65535); as a UNIQ_KEY")
     far = create_offset_msg_id(Host(bytes([192, 0, 2, 1]), 10911), 1 << 40)
     res = run("query", "msgid", far, "--config", str(config))
     assert res.returncode == 1
