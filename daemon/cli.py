@@ -235,9 +235,12 @@ def _add_query(sub, kind: str | None) -> None:
             p.add_argument("--topic", help="look the UNIQ_KEY up under this topic only (default: every topic the "
                                            "output's ConsumeQueues know)")
             p.set_defaults(handler=cmd_query_msgid)
-        p.add_argument("--body", action="store_true", help="print each message's body too")
+        p.add_argument("--body", action="store_true",
+                       help="print each message's body too (a compressed one decompressed, as mqadmin shows it)")
         p.add_argument("--save-body", metavar="DIR",
-                       help="write each message's body to DIR/<offset msgId>, as mqadmin does")
+                       help="write each message's body to DIR/<offset msgId>, as mqadmin does (decompressed)")
+        p.add_argument("--raw-body", action="store_true",
+                       help="show (implies --body) and save a compressed body as stored, without decompressing it")
 
 
 def _add_inspect(sub) -> None:
@@ -311,12 +314,14 @@ def _output_flag(args) -> str:
 
 
 def _lock_output(args, config: Config) -> None:
-    """Take the output directory's writer lock for the rest of the process (daemon/outlock.py)."""
-    from daemon.outlock import OutputLocked, OutputNotWritable, lock_output
+    """Take the output directory's writer lock for the rest of the process (daemon/outlock.py); a running
+    broker's store root is refused before anything is created. `main` removes what taking it created when
+    the command fails having written nothing."""
+    from daemon.outlock import BrokerRunning, OutputLocked, OutputNotWritable, lock_output
 
     try:
-        args.lock_fd = lock_output(config.output.dir, args.command)
-    except OutputLocked as e:
+        args.output_lock = lock_output(config.output.dir, args.command)
+    except (BrokerRunning, OutputLocked) as e:
         raise UsageError(str(e)) from None
     except OutputNotWritable as e:
         raise UsageError(f"{_output_flag(args)}: {e}") from None
@@ -510,10 +515,10 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
     if getattr(summary, "new_messages", summary.messages) == 0 and not restored and not summary.interrupted:
         print(f"{verb} 0 new messages: nothing to dispatch from CommitLog offset {summary.start_offset}{where}; "
               f"{files}; output {config.output.dir}")
-    else:
+    else:  # a stopped rebuild says so on this line too: read alone (a log, `| tail -1`) it is not a success
         new = getattr(summary, "new_messages", summary.messages)
         read = f"{summary.messages:,} messages" + (f" ({new:,} new to the output)" if new != summary.messages else "")
-        print(f"{verb} {read}, {summary.bytes:,} bytes [{summary.start_offset}, "
+        print(f"{'interrupted: ' * summary.interrupted}{verb} {read}, {summary.bytes:,} bytes [{summary.start_offset}, "
               f"{summary.end_offset}){where} in {summary.seconds:.2f} s ({summary.msgs_per_second:,.0f} msgs/s); "
               f"{files}; output {config.output.dir}")
     if restored:
@@ -523,6 +528,9 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
         print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
     if summary.pending is not None:
         print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
+    if getattr(summary, "class_archive_saved", None):
+        print(f"note: then {summary.class_archive_seconds:.2f} s once, not in the time and rate above, to save the "
+              f"driver JVM's classes in {summary.class_archive_saved}, which later local backfills start from")
 
 
 # The master URLs Spark parses (SparkContext's scheduler choice); any other one fails only once the JVM is up.
@@ -592,14 +600,15 @@ def _note(args, text: str) -> None:
         print(text, file=sys.stderr)
 
 
-def _removed_note(args, removed: int, first_offset: int, what: str) -> None:
+def _removed_note(args, removed: int, first_offset: int, what: str, *, as_object: bool = True) -> None:
     """Say that an answer left out messages retention removed: one line on stderr in every format, and in
-    the machine formats a last object, `{"type": "removed", ...}`, after the messages."""
+    the machine formats a last object, `{"type": "removed", ...}`, after the messages (unless the caller's
+    own last object carries it: `as_object=False`)."""
     if not removed:
         return
     print(f"reputd: note: left out {removed} {what}{'s' * (removed > 1)} below the CommitLog's first offset "
           f"{first_offset}: retention deleted {'their segments' if removed > 1 else 'its segment'}", file=sys.stderr)
-    if _format(args) == "json":
+    if as_object and _format(args) == "json":
         import json
 
         print(json.dumps({"type": "removed", "removed": removed, "unit": what, "commitLogMinOffset": first_offset}))
@@ -677,14 +686,15 @@ def _print_records(args, records, found_header: str | None = None) -> None:
     from daemon.render import message_block, message_json_line, save_body
 
     as_json = _format(args) == "json"
+    body, raw = args.body or args.raw_body, args.raw_body
     for i, rec in enumerate(records):
-        path = save_body(rec, args.save_body) if args.save_body else None
+        path = save_body(rec, args.save_body, raw) if args.save_body else None
         if as_json:
-            print(message_json_line(rec, body=args.body, body_path=path))
+            print(message_json_line(rec, body=body, body_path=path, raw_body=raw))
         else:
             if i or found_header:
                 print()
-            print("\n".join(message_block(rec, body=args.body, body_path=path)))
+            print("\n".join(message_block(rec, body=body, body_path=path, raw_body=raw)))
 
 
 def cmd_query_queue(args, config: Config) -> int:
@@ -693,6 +703,17 @@ def cmd_query_queue(args, config: Config) -> int:
     check_queue(config, args.topic, args.queue_id)
     result = query_queue(config, args.topic, args.queue_id, args.offset, args.count)
     where = f"{args.topic}/{args.queue_id} holds queue offsets [{result.min_offset}, {result.max_offset})"
+    if _format(args) == "json":  # the messages, then the GetMessageResult a script pages on
+        import json
+
+        _print_records(args, result.messages)
+        print(json.dumps({"status": result.status, "nextBeginOffset": result.next_begin_offset,
+                          "minOffset": result.min_offset, "maxOffset": result.max_offset,
+                          "messageCount": len(result.messages), "topic": args.topic, "queueId": args.queue_id,
+                          "offset": args.offset, "removed": result.removed,
+                          "commitLogMinOffset": result.commit_log_min_offset}, ensure_ascii=False))
+        _removed_note(args, result.removed, result.commit_log_min_offset, "unit", as_object=False)
+        return EXIT_OK
     if result.status != "FOUND":
         print(f"{result.status}: {where}", file=sys.stderr)
     else:
@@ -708,15 +729,20 @@ def cmd_query_queue(args, config: Config) -> int:
 
 def cmd_query_msgid(args, config: Config) -> int:
     from daemon.query import query_msgid
+    from indexcore.msgid import msg_id_shape_error
 
+    why = msg_id_shape_error(args.msgid.strip())
+    if why is not None:
+        raise UsageError(why)
     result = query_msgid(config, args.msgid.strip(), args.topic)
-    for note in result.notes:
-        if note.startswith("warning:") or not result.messages:
-            print(f"reputd: {note}" if not note.startswith("warning:") else note, file=sys.stderr)
-    if not result.messages:
+    if not result.messages:  # one line saying what was tried
         _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")
-        print(f"reputd: no message with msgId {args.msgid.strip()}", file=sys.stderr)
+        tried = "; ".join(note.removeprefix("warning: ") for note in result.notes)
+        print(f"reputd: error: no message with msgId {args.msgid.strip()}: {tried}", file=sys.stderr)
         return EXIT_FAILURE
+    for note in result.notes:
+        if note.startswith("warning:"):
+            print(f"reputd: {note}", file=sys.stderr)
     if result.found_by == "uniqKey":
         n = len(result.messages)
         _note(args, f"msgId {args.msgid.strip()} is a UNIQ_KEY (a client msgId): {n} message{'s' * (n > 1)}")
@@ -798,8 +824,19 @@ def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; a writing command that failed before writing leaves no trace of its output
+    directory (daemon/outlock.py)."""
+    args = argparse.Namespace()
+    code = _main(argv, args)
+    lock = getattr(args, "output_lock", None)
+    if code != EXIT_OK and lock is not None:
+        lock.forget()
+    return code
+
+
+def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
     argv = _joined_time_options(list(sys.argv[1:] if argv is None else argv))
-    args = _parser_for(argv).parse_args(argv)
+    _parser_for(argv).parse_args(argv, namespace=args)
     if args.command == "query":  # modules a query imports but never uses (daemon/deferred.py)
         from daemon.deferred import defer
 

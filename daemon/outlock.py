@@ -6,18 +6,35 @@ output directory before it opens any output file, and holds it for the life of t
 holds `lock` in its store root. The lock is an flock(2) on an open descriptor: the kernel releases it when
 the process ends, however it ends (kill -9 included), so a lock file left behind never blocks anyone, and
 the file is never deleted (a writer that deleted it would let the next two writers lock different
-files). The holder writes its PID and command into the file, for the message a second writer gets.
-Readers (`query`, `inspect`, `verify`) never take the lock and never wait for it.
+files: whoever locks it checks that the file it locked is still the one at the path). The holder writes
+its PID and command into the file, for the message a second writer gets. Readers (`query`, `inspect`,
+`verify`) never take the lock and never wait for it.
+
+A command that fails before writing leaves no trace (`OutputLock.forget`): what it created, the directory
+or only the lock file in an existing one, is removed while the lock is still held, and only when nothing
+but the lock file, reputd's own checkpoint and empty directories came of it; anything that was there
+before stays.
+
+A broker's store root is not an output while the broker runs: the broker holds `lock` there (Java's
+`FileChannel.tryLock(0, 1, false)`, a POSIX fcntl record lock on Linux, which flock does not see), writes
+`consumequeue/` and `index/` itself, and a second writer corrupts them. Writers refuse such a directory
+before creating anything (`BrokerRunning`); `verify` uses the same test to know a live broker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import struct
 
 LOCK_FILE = "reputd.lock"
+BROKER_LOCK_FILE = "lock"  # DefaultMessageStore's `lock` in the store root
+CHECKPOINT_FILE = "reputd.checkpoint"  # daemon.checkpoint's; a failed command may have written only it
 _HOLDER_MAX_BYTES = 256
+_FLOCK = struct.Struct("@hhqqi")  # struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid
+_FLOCK_SIZE = 32
 
 
 class OutputLocked(Exception):
@@ -39,30 +56,152 @@ class OutputNotWritable(Exception):
         super().__init__(f"output directory {directory} cannot be created or written: {error.strerror or error}")
 
 
-def lock_output(directory: str, command: str) -> int:
-    """Create `directory` if needed and lock it for this process; returns the descriptor holding the lock
-    (keep it open). OutputLocked at once when another process holds it, OutputNotWritable when the
-    directory cannot be created or the lock file cannot be opened for writing."""
+class BrokerRunning(Exception):
+    """The directory is the store root of a running broker (its `lock` is held); str() names both."""
+
+    def __init__(self, directory: str, pid: int):
+        self.directory = directory
+        self.pid = pid
+        who = f"PID {pid}" if pid > 0 else "another process"
+        super().__init__(f"output directory {directory} is the store root of a running broker ({who} holds "
+                         f"{os.path.join(directory, BROKER_LOCK_FILE)}), which writes consumequeue/ and index/ "
+                         f"there itself: stop the broker first, or write elsewhere with --out DIR; nothing was "
+                         f"written")
+
+
+def lock_holder(path: str) -> int | None:
+    """The PID of a process holding a POSIX record lock on the file at `path` (0 when the kernel does not say:
+    an open file description lock), None when none is held or there is no such file. Asked with F_GETLK,
+    which takes no lock itself; a lock of this very process is not seen (POSIX locks are per process)."""
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT):
-            raise OutputNotWritable(directory, e) from None
-        raise
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
+        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0).ljust(_FLOCK_SIZE, b"\0")
+        l_type, _, _, _, l_pid = _FLOCK.unpack_from(fcntl.fcntl(fd, fcntl.F_GETLK, query))
+    except OSError:
+        return None
+    finally:
         os.close(fd)
-        raise OutputLocked(directory, holder) from None
-    except BaseException:
-        os.close(fd)
-        raise
+    return None if l_type == fcntl.F_UNLCK else max(l_pid, 0)
+
+
+def lock_held(path: str) -> bool:
+    """Whether another process holds a POSIX lock on the file (the broker's `lock`)."""
+    return lock_holder(path) is not None
+
+
+class OutputLock:
+    """The writer lock of one output directory, held by `fd` for the life of the process, and what taking
+    it created: `created`, the outermost directory made for it (None when `directory` existed), and
+    `before`, the names `directory` held before (None when it was created)."""
+
+    def __init__(self, directory: str, fd: int, created: str | None, before: frozenset[str] | None):
+        self.directory = directory
+        self.fd = fd
+        self.created = created
+        self.before = before
+
+    def forget(self) -> bool:
+        """After a failure: remove what this command created when it wrote nothing (only the lock file,
+        reputd's checkpoint and empty directories came of it), the lock file last but while still held.
+        True when it removed it; otherwise, or on any error, everything stays as it is."""
+        path = os.path.join(self.directory, LOCK_FILE)
+        try:
+            names = set(os.listdir(self.directory))
+            new = names if self.before is None else names - self.before
+            if LOCK_FILE not in new or not all(_nothing_written(os.path.join(self.directory, n)) for n in new):
+                return False
+            for name in sorted(new - {LOCK_FILE}):
+                _remove_empty(os.path.join(self.directory, name))
+            os.unlink(path)
+            if self.created is not None:
+                _remove_empty(self.directory)
+                parent = os.path.dirname(os.path.abspath(self.directory))
+                created = os.path.abspath(self.created)
+                while len(parent) >= len(created) and parent.startswith(created):
+                    os.rmdir(parent)
+                    parent = os.path.dirname(parent)
+        except OSError:
+            return False
+        return True
+
+
+def _nothing_written(path: str) -> bool:
+    """The lock file, reputd's checkpoint, or a directory holding nothing else (no data file)."""
+    if os.path.islink(path):
+        return False
+    if os.path.isdir(path):
+        return all(_nothing_written(os.path.join(path, n)) for n in os.listdir(path))
+    return os.path.basename(path) in (LOCK_FILE, CHECKPOINT_FILE) and os.path.isfile(path)
+
+
+def _remove_empty(path: str) -> None:
+    """Remove a tree `_nothing_written` accepted (the lock file excepted, which the caller removes)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        for name in os.listdir(path):
+            _remove_empty(os.path.join(path, name))
+        os.rmdir(path)
+    elif os.path.basename(path) != LOCK_FILE:
+        os.unlink(path)
+
+
+def _outermost_missing(directory: str) -> str | None:
+    """The outermost directory of `directory`'s path that does not exist (what makedirs will create)."""
+    missing = None
+    path = os.path.abspath(directory)
+    while not os.path.lexists(path):
+        missing = path
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def lock_output(directory: str, command: str) -> OutputLock:
+    """Create `directory` if needed and lock it for this process; returns the lock (keep it: its descriptor
+    holds the lock). BrokerRunning, before anything is created, when a broker holds `lock` there;
+    OutputLocked at once when another reputd holds it; OutputNotWritable when the directory cannot be
+    created or the lock file cannot be opened for writing."""
+    holder = lock_holder(os.path.join(directory, BROKER_LOCK_FILE))
+    if holder is not None:
+        raise BrokerRunning(directory, holder)
+    created = _outermost_missing(directory)
+    path = os.path.join(directory, LOCK_FILE)
+    while True:
+        try:
+            before = None if created is not None else frozenset(os.listdir(directory))
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOENT):
+                raise OutputNotWritable(directory, e) from None
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder_text = _holder(fd)
+            os.close(fd)
+            raise OutputLocked(directory, holder_text) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # a failed writer removed the file between our open and our lock: lock the new one
     record = f"{os.getpid()} {command}\n".encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, record, 0)
-    return fd
+    return OutputLock(directory, fd, created, before)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    with contextlib.suppress(OSError):
+        a, b = os.fstat(fd), os.stat(path)
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+    return False
 
 
 def _holder(fd: int) -> str:
@@ -77,4 +216,5 @@ def _holder(fd: int) -> str:
     return f"PID {pid}" + (f", reputd {command}" if command else "")
 
 
-__all__ = ["LOCK_FILE", "OutputLocked", "OutputNotWritable", "lock_output"]
+__all__ = ["BROKER_LOCK_FILE", "LOCK_FILE", "BrokerRunning", "OutputLock", "OutputLocked", "OutputNotWritable",
+           "lock_held", "lock_holder", "lock_output"]

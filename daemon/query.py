@@ -27,7 +27,7 @@ from indexcore.commitlog import (
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, ConsumeQueueStore
 from indexcore.errors import StoreLayoutError
 from indexcore.indexservice import INDEX_DIR, IndexService, QueryOffsetResult
-from indexcore.msgid import create_offset_msg_id, decode_offset_msg_id
+from indexcore.msgid import PORT_MAX, create_offset_msg_id, decode_offset_msg_id
 from indexcore.reader import CommitLog
 from indexcore.retention import expired_queue_files
 
@@ -293,7 +293,12 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
         host, offset = decode_offset_msg_id(msg_id)
     except ValueError:
         host, offset = None, -1
-    if host is not None:
+    if host is not None and not 0 <= host.port <= PORT_MAX:  # a UNIQ_KEY read as host, port and offset
+        notes.append(f"not an offset msgId (its port would be {host.port}, not in 0-{PORT_MAX})")
+    elif host is not None and not 0 <= offset < log.max_offset:
+        notes.append(f"not an offset msgId of this CommitLog (its offset would be {offset}, outside the "
+                     f"CommitLog's [0, {log.max_offset}))")
+    elif host is not None:
         if _record_starts_at(log, offset):
             rec = _read(config, log, offset)
             if rec.store_host != host:

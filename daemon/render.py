@@ -2,6 +2,10 @@
 `queryMsgByKey`, one block of `Label: value` lines per message for `queryMsgById`); elsewhere, and with
 `--json`, one JSON object per line (`daemon.query.message_json`, plus the body when asked for).
 
+A body stored compressed (sysFlag COMPRESSED_FLAG) is shown and saved decompressed, as mqadmin shows it
+(`MessageDecoder.decode(deCompressBody=true)`, zlib as `UtilAll.uncompress`), and the output says so;
+`raw` keeps the stored bytes, and a body that does not decompress is shown as stored, saying why.
+
 Times are local, with milliseconds, as mqadmin prints them (`UtilAll.timeMillisToHumanString2`).
 """
 
@@ -10,10 +14,16 @@ from __future__ import annotations
 import json
 import os
 import time
+import zlib
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from daemon.query import message_json
 from indexcore.commitlog import (
+    COMPRESSED_FLAG,
+    COMPRESSION_TYPE_MASK,
+    COMPRESSION_TYPE_SHIFT,
+    COMPRESSION_TYPES,
     PROPERTY_KEYS,
     PROPERTY_TAGS,
     PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX,
@@ -22,6 +32,7 @@ from indexcore.commitlog import (
 from indexcore.msgid import create_offset_msg_id
 
 LABEL_WIDTH = 20  # mqadmin's "%-20s %s"
+MAX_DECOMPRESSED_BODY = 64 * 1024 * 1024  # a body inflating past this is shown as stored (a zlib bomb)
 _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)}
 
 
@@ -38,9 +49,61 @@ def printable(text: str) -> str:
     return text.translate(_CONTROL)
 
 
-def message_block(rec: MessageRecord, *, body: bool = False, body_path: str | None = None) -> list[str]:
+class Body(NamedTuple):
+    """The body as shown and saved: `data`, and for a compressed one `compression` (the codec), whether
+    `decompressed`, and `error` (why not, when it should have been)."""
+
+    data: bytes
+    compression: str | None = None
+    decompressed: bool = False
+    error: str | None = None
+
+    def describe(self) -> str | None:
+        """For a compressed body, one phrase: what is shown and how to get the other form."""
+        if self.compression is None:
+            return None
+        if self.decompressed:
+            return f"{self.compression}; shown decompressed ({len(self.data):,} bytes; --raw-body: as stored)"
+        if self.error is not None:
+            return f"{self.compression}, but {self.error}; shown as stored"
+        return f"{self.compression}; shown as stored (--raw-body)"
+
+    def as_json(self) -> dict | None:
+        if self.compression is None:
+            return None
+        return {"type": self.compression, "decompressed": self.decompressed,
+                **({"size": len(self.data)} if self.decompressed else {}),
+                **({"error": self.error} if self.error is not None else {})}
+
+
+def shown_body(rec: MessageRecord, raw: bool = False) -> Body:
+    """The body to show or save: decompressed when the record says it is compressed with zlib, unless
+    `raw`; a codec this build cannot read (5.x lz4, zstd) or bytes that do not inflate stay as stored."""
+    if not rec.sys_flag & COMPRESSED_FLAG:
+        return Body(rec.body)
+    kind = (rec.sys_flag & COMPRESSION_TYPE_MASK) >> COMPRESSION_TYPE_SHIFT
+    codec = COMPRESSION_TYPES.get(kind, f"compression type {kind}")
+    if raw:
+        return Body(rec.body, codec)
+    if codec != "zlib":
+        return Body(rec.body, codec, error=f"reputd does not decompress {codec}")
+    inflater = zlib.decompressobj()
+    try:
+        data = inflater.decompress(rec.body, MAX_DECOMPRESSED_BODY)
+    except zlib.error as e:
+        return Body(rec.body, codec, error=f"it does not decompress ({e})")
+    if inflater.unconsumed_tail:
+        return Body(rec.body, codec, error=f"it decompresses to more than {MAX_DECOMPRESSED_BODY:,} bytes")
+    if not inflater.eof:
+        return Body(rec.body, codec, error="it does not decompress (the zlib stream is cut short)")
+    return Body(data, codec, decompressed=True)
+
+
+def message_block(rec: MessageRecord, *, body: bool = False, body_path: str | None = None,
+                  raw_body: bool = False) -> list[str]:
     """The lines mqadmin's `printMsg` shows for one message, plus the UNIQ_KEY and the body size."""
     props = rec.property_map()
+    shown = shown_body(rec, raw_body)
 
     def bracket(name: str) -> str:
         value = props.get(name)
@@ -64,11 +127,13 @@ def message_block(rec: MessageRecord, *, body: bool = False, body_path: str | No
         ("Properties", "{" + ", ".join(f"{printable(k)}={printable(v)}" for k, v in props.items()) + "}"),
         ("Body Size", len(rec.body)),
     ]
+    if shown.compression is not None:
+        fields.append(("Body Compression", shown.describe()))
     if body_path is not None:
         fields.append(("Message Body Path", body_path))
     lines = [f"{label + ':':<{LABEL_WIDTH}} {value}" for label, value in fields]
     if body:
-        lines.append(f"{'Body:':<{LABEL_WIDTH}} {printable(rec.body.decode('utf-8', 'backslashreplace'))}")
+        lines.append(f"{'Body:':<{LABEL_WIDTH}} {printable(shown.data.decode('utf-8', 'backslashreplace'))}")
     return lines
 
 
@@ -95,27 +160,35 @@ def key_table(messages: Iterable[MessageRecord]) -> list[str]:
     return [line(header), *(line(r) for r in rows)]
 
 
-def message_json_line(rec: MessageRecord, *, body: bool = False, body_path: str | None = None) -> str:
+def message_json_line(rec: MessageRecord, *, body: bool = False, body_path: str | None = None,
+                      raw_body: bool = False) -> str:
+    """`bodySize` and `bodyCRC` are the stored body's; `bodyCompression` (a compressed body only) says
+    whether `body` and the saved file are decompressed."""
     m = message_json(rec)
+    shown = shown_body(rec, raw_body)
+    if shown.compression is not None:
+        m["bodyCompression"] = shown.as_json()
     if body_path is not None:
         m["bodyPath"] = body_path
     if body:
         try:
-            m["body"] = rec.body.decode("utf-8")
+            m["body"] = shown.data.decode("utf-8")
         except UnicodeDecodeError:
             import base64  # noqa: PLC0415 - only for bodies that are not text
 
-            m["bodyBase64"] = base64.b64encode(rec.body).decode("ascii")
+            m["bodyBase64"] = base64.b64encode(shown.data).decode("ascii")
     return json.dumps(m, ensure_ascii=False)
 
 
-def save_body(rec: MessageRecord, directory: str) -> str:
-    """Write the body to DIRECTORY/<offset msgId> (mqadmin writes /tmp/rocketmq/msgbodys/<msgId>)."""
+def save_body(rec: MessageRecord, directory: str, raw_body: bool = False) -> str:
+    """Write the body (decompressed, unless `raw_body`, as `shown_body` gives it) to DIRECTORY/<offset
+    msgId> (mqadmin writes /tmp/rocketmq/msgbodys/<msgId>)."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, create_offset_msg_id(rec.store_host, rec.physical_offset))
     with open(path, "wb") as f:
-        f.write(rec.body)
+        f.write(shown_body(rec, raw_body).data)
     return path
 
 
-__all__ = ["human_time", "key_table", "message_block", "message_json_line", "printable", "save_body"]
+__all__ = ["Body", "human_time", "key_table", "message_block", "message_json_line", "printable", "save_body",
+           "shown_body"]

@@ -20,9 +20,7 @@ What has to be dispatched already depends on who writes the directory:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ import numpy as np
 
 from daemon.checkpoint import CheckpointError, read_checkpoint
 from daemon.config import Config
+from daemon.outlock import lock_held
 from daemon.readahead import ReadAhead
 from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader, widen_thin_batches
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
@@ -64,8 +63,6 @@ from indexcore.verify import (
 
 ABORT_FILE = "abort"
 LOCK_FILE = "lock"
-_FLOCK = struct.Struct("@hhqqi")  # struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid
-_FLOCK_SIZE = 32
 _CQ_KINDS = {CQ_UNIT_MISSING, CQ_UNIT_WRONG, CQ_UNIT_DANGLING, CQ_UNIT_EXTRA, CQ_FILE_MISSING, CQ_FILE_EXTRA,
              CQ_FILE_SIZE, CQ_QUEUE_MISSING}
 
@@ -145,23 +142,6 @@ class VerifyReport:
             "queues": self.queues, "queueFiles": self.queue_files, "units": self.units,
             "indexFiles": self.index_files, "indexEntries": self.entries, "notes": self.notes, "repair": self.repair,
         }
-
-
-def lock_held(path: str) -> bool:
-    """Whether another process holds a POSIX lock on the file (the broker's `lock`), asked with F_GETLK,
-    which takes no lock itself."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0).ljust(_FLOCK_SIZE, b"\0")
-        l_type = _FLOCK.unpack_from(fcntl.fcntl(fd, fcntl.F_GETLK, query))[0]
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return l_type != fcntl.F_UNLCK
 
 
 def _same_dir(a: str, b: str) -> bool:

@@ -79,6 +79,9 @@ _SIZE_CONSTANT = 74  # TOTALSIZE minus the two hosts, the topic-length field, bo
 
 # SYSFLAG bits (MessageSysFlag)
 COMPRESSED_FLAG = 0x1
+COMPRESSION_TYPE_MASK = 0x7 << 8  # 5.x: the codec of a COMPRESSED_FLAG body; 0 (4.x) and 3 are zlib
+COMPRESSION_TYPE_SHIFT = 8
+COMPRESSION_TYPES = {0: "zlib", 1: "lz4", 2: "zstd", 3: "zlib"}
 MULTI_TAGS_FLAG = 0x2
 TRANSACTION_TYPE_MASK = 0xC
 TRANSACTION_NOT_TYPE = 0x0

@@ -837,7 +837,7 @@ def test_query_queue_and_inspect_show_lmq_messages(tmp_path: Path) -> None:
     assert cli(config, "rebuild").returncode == 0
     res = cli(config, "query", "queue", "%LMQ%room", "0", "1", "--json")
     assert res.returncode == 0, res.stderr
-    got = [json.loads(line) for line in res.stdout.splitlines()]
+    *got, _result = [json.loads(line) for line in res.stdout.splitlines()]
     assert [m["commitLogOffset"] for m in got] == [m.phy_offset for m in msgs[1:]]
     assert [m["queueOffset"] for m in got] == [0, 1, 1, 2]  # the record's own queue offset (fact 2)
     assert got[0]["properties"][MQO] == "1,1"

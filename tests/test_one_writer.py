@@ -134,7 +134,7 @@ def test_sigterm_stops_a_rebuild_at_a_batch_boundary_and_says_how_to_continue(tm
     stopped = int(m[1])
     assert 0 < stopped < results[-1].phy_offset
     assert stopped in {r.phy_offset for r in results}  # a record boundary
-    assert re.match(rf"rebuilt [\d,]+ messages, {stopped:,} bytes \[0, {stopped}\)", out)
+    assert re.match(rf"interrupted: rebuilt [\d,]+ messages, {stopped:,} bytes \[0, {stopped}\)", out)
     command = shlex.split(m[2])
     assert command[0] == "reputd"
     assert command[-2:] == ["--from", str(stopped)]

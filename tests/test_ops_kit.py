@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.metrics import HEALTH_STATES, ErrorKind, SkipReason
 from tests.test_daemon import REPUTD, SEGMENT, Store, clean_env, corrupt_body_byte, stop, wait_for
+from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "config" / "prometheus" / "reputd-rules.yml"
@@ -215,11 +215,8 @@ def test_every_alert_has_a_unit_test_where_it_fires():
 
 
 def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool is not installed (Debian: apt-get install --no-install-recommends prometheus); "
-                    "the rules' unit tests in config/prometheus/reputd-rules.test.yml were not run")
-    return path
+    return require_tool("promtool", "prometheus",
+                        "the rules' unit tests in config/prometheus/reputd-rules.test.yml were not run")
 
 
 def test_promtool_checks_the_rules():
@@ -412,9 +409,7 @@ def test_the_readme_recipe_reads_the_journal_of_a_daemons_life(life):
     """The recipes over what the journal holds for reputd — its JSON lines, its stderr, and systemd's own
     plain-text lines, which `-o cat` prints the same way — run without error, and the error filter returns
     exactly the daemon's error events."""
-    jq = shutil.which("jq")
-    if jq is None:
-        pytest.skip("jq is not installed; the recipes' jq programs were not run")
+    jq = require_tool("jq", "jq", "the recipes' jq programs were not run")
     journal = "\n".join([*SYSTEMD_LINES[:1], *life.stdout.splitlines(), *life.stderr.splitlines(),
                          *SYSTEMD_LINES[1:]]) + "\n"
     errors = [e for e in json_lines(life.stdout) if e["level"] == "error"]

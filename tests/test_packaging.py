@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from daemon import healthcheck as image_healthcheck
 from daemon.cli import EXIT_USAGE, build_parser
 from daemon.config import load_config
 from daemon.metrics import DOWN, HEALTH_PATH
+from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "reputd.service"
@@ -332,8 +332,7 @@ def _systemd_analyze(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_systemd_analyze_verify(tmp_path):
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed; the unit's directives are still checked by the tests above")
+    require_tool("systemd-analyze", "systemd", "the unit's directives are still checked by the tests above")
     copy = _unit_with_existing_binary(tmp_path)
     result = _systemd_analyze("--man=no", "verify", str(copy))
     assert result.returncode == 0, result.stderr
@@ -358,8 +357,7 @@ def test_systemd_analyze_verify(tmp_path):
 
 
 def test_systemd_analyze_security_exposure(tmp_path):
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed")
+    require_tool("systemd-analyze", "systemd", "the unit's exposure was not rated")
     result = _systemd_analyze("security", "--offline=yes", "--no-pager", str(_unit_with_existing_binary(tmp_path)))
     if result.returncode != 0 and "offline" in result.stderr:
         pytest.skip(f"this systemd-analyze has no offline security check: {result.stderr.strip()}")
