@@ -347,6 +347,10 @@ def verify(config: Config, *, from_offset: int | None = None,
         mode = MODE_STOPPED
     live = mode != MODE_STOPPED
     commit_log = CommitLog(store.commit_log_dirs, store.mapped_file_size_commit_log, follow=live)
+    if commit_log.short_newest is not None:
+        path, size = commit_log.short_newest
+        notes.append(f"{path} is {size} bytes, not mappedFileSizeCommitLog {store.mapped_file_size_commit_log}: not "
+                     "read (a writer creating it, or cut short: `rebuild` and `run` refuse it once it stays short)")
     start = commit_log.min_offset if from_offset is None else from_offset
     if from_offset is not None and from_offset < commit_log.min_offset:
         notes.append(f"--from {from_offset} is below the oldest CommitLog segment: verified from "

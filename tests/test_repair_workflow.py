@@ -315,6 +315,9 @@ def test_run_until_caught_up_refuses_a_newest_segment_cut_short_as_rebuild_does(
     assert line in rebuild.stderr.splitlines()
     assert "dispatched 0 messages" in run.stderr
     assert not list((tmp_path / "run").glob("consumequeue/*"))
+    verify = reputd("verify", "--config", str(config), "--out", str(tmp_path / "run"))
+    assert verify.returncode == 1
+    assert f"note: {newest} is 30000 bytes, not mappedFileSizeCommitLog 65536: not read" in verify.stdout
 
 
 # --- 33.4 and 33.5: wording, and one exit code for one mistake ---------------------------------------------------
