@@ -97,6 +97,7 @@ CONFIG_HELP = ("YAML config file (default: $REPUTD_CONFIG, else ./config/reputd.
                "else built-in defaults)")
 
 
+COMMIT_LOG_DIR = "commitlog"  # under the store root, where storePathCommitLog points by default
 COMMANDS = ("run", "rebuild", "verify", "backfill", "query", "inspect", "produce")
 QUERY_KINDS = ("key", "queue", "msgid")
 OUT_HELP = "output directory for consumequeue/ and index/, overrides output.dir (default: the store root)"
@@ -313,6 +314,48 @@ def _output_flag(args) -> str:
     return "--out" if getattr(args, "out", None) else "--store" if getattr(args, "store", None) else "output.dir"
 
 
+def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool = False,
+                  data: bool = True) -> None:
+    """The directories a command reads, looked at before anything is read or written. One rule for every
+    command: a path named by an option or a config key that does not exist is a usage error (exit 2, naming
+    the option or key); a store root that exists without its `commitlog/` is data missing (StoreLayoutError,
+    exit 1), as a missing segment is (with `data` False left to the command, which reports it its way)."""
+    from indexcore.errors import StoreLayoutError
+
+    store = config.store
+    root = store.store_path_root_dir
+    if commit_log:
+        for d in store.commit_log_dirs:
+            if os.path.isdir(d):
+                continue
+            if os.path.normpath(d) != os.path.normpath(os.path.join(root, COMMIT_LOG_DIR)):
+                raise UsageError(f"{d}: no such CommitLog directory (store.storePathCommitLog)")
+            if not os.path.isdir(root):
+                option = "--store" if getattr(args, "store", None) else "store.storePathRootDir"
+                raise UsageError(f"{root}: no such store root directory ({option})")
+            if data:
+                raise StoreLayoutError(d, f"the store root {root} has no {COMMIT_LOG_DIR}/ directory: no CommitLog to "
+                                          "read")
+    if output and not os.path.isdir(config.output.dir):
+        raise UsageError(f"{config.output.dir}: no such output directory ({_output_flag(args)})")
+
+
+def command_line(args, config: Config, *words: str, out: str | None = None) -> str:
+    """`reputd WORDS...` with the options that chose this command's config, store and output (`out`
+    instead of the output when given), as absolute paths quoted for a shell: printed for the operator to
+    run, it reads and writes what it says."""
+    import shlex
+
+    chosen = []
+    if config.source:  # also when $REPUTD_CONFIG or ./config/reputd.yaml chose it: another directory may not
+        chosen += ["--config", config.source]
+    if getattr(args, "store", None):
+        chosen += ["--store", config.store.store_path_root_dir]
+    if out is not None or getattr(args, "out", None):
+        chosen += ["--out", out if out is not None else config.output.dir]
+    return shlex.join(["reputd", *words, *chosen])
+
+
 def _lock_output(args, config: Config) -> None:
     """Take the output directory's writer lock for the rest of the process (daemon/outlock.py); a running
     broker's store root is refused before anything is created. `main` removes what taking it created when
@@ -341,6 +384,8 @@ def cmd_run(args, config: Config) -> int:
         raise UsageError("--metrics goes with --until-caught-up (`run` serves metrics as metrics.enabled says)")
     if args.until_caught_up and not args.metrics:
         config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, enabled=False))
+    if args.until_caught_up:  # the daemon waits for a CommitLog that is not there yet (a mount, a new broker)
+        _check_inputs(args, config, data=False)  # a missing commitlog/ it logs (recovery_failed) and exits 1
     _lock_output(args, config)
     raise_open_files_limit()
 
@@ -352,6 +397,8 @@ def cmd_run(args, config: Config) -> int:
         print(f"{state}: dispatched {s['messages']:,} messages, {s['bytes']:,} bytes [{s['startOffset']}, "
               f"{s['endOffset']}) in {s['seconds']:.2f} s ({s['messages'] / seconds:,.0f} msgs/s); checkpoint "
               f"at {s['checkpointOffset']}; output {config.output.dir}", file=sys.stderr)
+        if s.get("error"):
+            print(f"reputd: error: {s['error']}", file=sys.stderr)
 
     return run_daemon(config, until_caught_up=args.until_caught_up, on_exit=summary)
 
@@ -396,6 +443,7 @@ def cmd_rebuild(args, config: Config) -> int:
     from daemon.logs import configure_logging
     from daemon.rebuild import FromOffsetError, IndexSequenceGap, ProgressBar, RebuildFailed, rebuild
 
+    _check_inputs(args, config)
     _lock_output(args, config)
     raise_open_files_limit()
     bar = ProgressBar() if sys.stderr.isatty() else None
@@ -452,12 +500,14 @@ def cmd_verify(args, config: Config) -> int:
     from daemon.rebuild import ProgressBar
     from daemon.verify import VerifyUsageError, format_text, verify
 
+    _check_inputs(args, config, output=True)
     bar = ProgressBar() if sys.stderr.isatty() and not args.json else None
     configure_logging(config.logging.level, config.logging.format, stream=bar)
     raise_open_files_limit()
     _freeze_start_up()
     try:
-        report = verify(config, from_offset=args.from_offset, progress=bar)
+        report = verify(config, from_offset=args.from_offset, progress=bar,
+                        rebuild_command=lambda out: command_line(args, config, "rebuild", out=out))
     except VerifyUsageError as e:
         print(f"reputd: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -553,6 +603,24 @@ def _backfill_checks(args, config: Config) -> None:
         parent = os.path.dirname(os.path.abspath(args.catalog))
         if os.path.isdir(parent) and not os.access(parent, os.W_OK):
             raise UsageError(f"--catalog {args.catalog}: its directory {parent} is not writable")
+    if args.segments is None:  # the configured CommitLog, on this machine: its paths and offsets can be checked now
+        _check_inputs(args, config)
+        _check_record_boundaries(config, {"--from": args.from_offset, "--to": args.to_offset})
+
+
+def _check_record_boundaries(config: Config, offsets: dict[str, int | None]) -> None:
+    """Each given offset must be a record boundary of the CommitLog (UsageError naming the nearest ones),
+    found before anything starts rather than by the job that would stop there."""
+    from indexcore.reader import CommitLog
+
+    log = CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
+    for option, offset in offsets.items():
+        if offset is None:
+            continue
+        lo, hi = log.record_around(offset)
+        if lo != offset:
+            raise UsageError(f"{option} {offset} is not a record boundary: it falls inside the record at "
+                             f"[{lo}, {hi}) of {log.find_segment(offset)}; the nearest boundaries are {lo} and {hi}")
 
 
 def backfill_import_error(error: ImportError) -> str:
@@ -642,8 +710,9 @@ def parse_time(option: str, text: str, now_ms: int | None = None) -> int:
 
 
 def cmd_query_key(args, config: Config) -> int:
-    from daemon.query import query_key_result, query_offsets
+    from daemon.query import check_topic, query_key_result, query_offsets
 
+    _check_inputs(args, config, commit_log=False, output=True)  # the index first: the CommitLog when it is read
     begin = parse_time("--begin", args.begin)
     end = LONG_MAX if args.end is None else parse_time("--end", args.end)
     if begin > end:
@@ -652,6 +721,8 @@ def cmd_query_key(args, config: Config) -> int:
         import json
 
         result = query_offsets(config, args.topic, args.key, args.max_num, begin, end)
+        if not result.phy_offsets:
+            check_topic(config, args.topic)
         if args.format == "json":
             print(json.dumps({"phyOffsets": result.phy_offsets,
                               "indexLastUpdateTimestamp": result.index_last_update_timestamp,
@@ -661,6 +732,8 @@ def cmd_query_key(args, config: Config) -> int:
                 print(offset)
         return EXIT_OK
     result = query_key_result(config, args.topic, args.key, args.max_num, begin, end)
+    if not result.messages:
+        check_topic(config, args.topic)
     if _format(args) == "json":
         from daemon.render import message_json_line
 
@@ -700,6 +773,7 @@ def _print_records(args, records, found_header: str | None = None) -> None:
 def cmd_query_queue(args, config: Config) -> int:
     from daemon.query import check_queue, query_queue
 
+    _check_inputs(args, config, commit_log=False, output=True)
     check_queue(config, args.topic, args.queue_id)
     result = query_queue(config, args.topic, args.queue_id, args.offset, args.count)
     where = f"{args.topic}/{args.queue_id} holds queue offsets [{result.min_offset}, {result.max_offset})"
@@ -721,8 +795,10 @@ def cmd_query_queue(args, config: Config) -> int:
                     f"{result.next_begin_offset}); {where}")
     _print_records(args, result.messages)
     if result.status in ("FOUND", "MESSAGE_WAS_REMOVING") and result.next_begin_offset < result.max_offset:
-        _note(args, f"\nnote: more from queue offset {result.next_begin_offset}: reputd query queue "
-                    f"{args.topic} {args.queue_id} {result.next_begin_offset}")
+        more = [str(args.queue_id), str(result.next_begin_offset)] + (["--count", str(args.count)] if args.count != 32
+                                                                       else []) + (["--body"] if args.body else [])
+        _note(args, f"\nnote: more from queue offset {result.next_begin_offset}: "
+                    f"{command_line(args, config, 'query', 'queue', args.topic, *more)}")
     _removed_note(args, result.removed, result.commit_log_min_offset, "unit")
     return EXIT_OK
 
@@ -734,6 +810,7 @@ def cmd_query_msgid(args, config: Config) -> int:
     why = msg_id_shape_error(args.msgid.strip())
     if why is not None:
         raise UsageError(why)
+    _check_inputs(args, config, commit_log=False, output=True)
     result = query_msgid(config, args.msgid.strip(), args.topic)
     if not result.messages:  # one line saying what was tried
         _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")
@@ -758,9 +835,12 @@ def cmd_inspect(args, config: Config) -> int:
 
     from daemon.inspect_file import inspect_path, text_line, text_value
 
+    if os.path.isdir(args.path):
+        raise UsageError(f"{args.path}: is a directory; inspect decodes one file: a CommitLog segment "
+                         "(commitlog/<20 digits>), a ConsumeQueue file (consumequeue/TOPIC/QUEUE/<20 digits>), an "
+                         "IndexFile (index/<17 digits>), the broker's checkpoint or reputd.checkpoint")
     if not os.path.isfile(args.path):
-        print(f"reputd: error: {args.path}: no such file", file=sys.stderr)
-        return EXIT_FAILURE
+        raise UsageError(f"{args.path}: no such file")
     info = inspect_path(args.path, config, limit=args.limit, hash_slot_num=args.hash_slot_num,
                         index_num=args.index_num)
     if args.json:
@@ -848,6 +928,9 @@ def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
     from indexcore.errors import SizeMismatchError, StoreError
 
     args.config_file, args.config_origin = None, ""
+    if sys.stdout is None:  # started with stdout closed (`>&-`): what it would print goes nowhere
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stdout for the rest of the process
+    guard = sys.stdout = _StdoutGuard(sys.stdout)
     try:
         config = _config(args)
         return args.handler(args, config)
@@ -864,9 +947,10 @@ def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
     except StoreError as e:
         print(f"reputd: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
-    except BrokenPipeError:
+    except BrokenPipeError as e:  # not stdout's (the guard takes those): a pipe the command itself wrote to
         _quiet_stdout()
-        return EXIT_OK
+        print(f"reputd: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
     except OSError as e:
         print(f"reputd: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
@@ -882,6 +966,35 @@ def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
         print(f"reputd: internal error: {type(e).__name__}: {e} (REPUTD_DEBUG=1 shows the traceback)",
               file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        guard.flush()
+        sys.stdout = guard.stream
+
+
+class _StdoutGuard:
+    """sys.stdout while a command runs. When the reader closes the pipe (`| head -1`, `| true`), the write
+    or flush that meets it sends the rest of stdout to /dev/null instead of raising, so the command goes
+    on to its own result: the exit code says what happened, whatever happened to stdout."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            _quiet_stdout()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            _quiet_stdout()
+            self.stream.flush()  # what was buffered goes to /dev/null
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def _quiet_stdout() -> None:

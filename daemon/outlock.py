@@ -204,6 +204,30 @@ def _same_file(fd: int, path: str) -> bool:
     return False
 
 
+def writer_holding(directory: str) -> str | None:
+    """Who holds the output directory's lock (`PID 1234, reputd run`), None when no process does. Asked of
+    the kernel's lock table (/proc/locks), which takes no lock: a reader never gets in a writer's way. None
+    too where that table cannot be read."""
+    path = os.path.join(directory, LOCK_FILE)
+    try:
+        st = os.stat(path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            table = f.read()
+    except OSError:
+        return None
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    if not any(line.split()[1:2] == ["FLOCK"] and ident in line.split() for line in table.splitlines()):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return "PID unknown"
+    try:
+        return _holder(fd)
+    finally:
+        os.close(fd)
+
+
 def _holder(fd: int) -> str:
     """What the lock file says about its holder: `PID 1234 (reputd run)`."""
     try:
@@ -217,4 +241,4 @@ def _holder(fd: int) -> str:
 
 
 __all__ = ["BROKER_LOCK_FILE", "LOCK_FILE", "BrokerRunning", "OutputLock", "OutputLocked", "OutputNotWritable",
-           "lock_held", "lock_holder", "lock_output"]
+           "lock_held", "lock_holder", "lock_output", "writer_holding"]

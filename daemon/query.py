@@ -200,6 +200,17 @@ def check_queue(config: Config, topic: str, queue_id: int) -> None:
                                f"{_listing([str(q) for q in queues]) or 'none'})")
 
 
+def check_topic(config: Config, topic: str) -> None:
+    """After an empty answer by key: a topic the output has no ConsumeQueue for is a mistake more likely
+    than a key that is not there, so StoreLayoutError names the topics it has (as `check_queue`). Asked
+    only when nothing was found: a topic whose records are all PREPARED has keys but no ConsumeQueue. An
+    output without consumequeue/ (the index alone) cannot tell."""
+    root = os.path.join(config.output.dir, CONSUME_QUEUE_DIR)
+    if os.path.isdir(root) and not os.path.isdir(os.path.join(root, topic)):
+        raise StoreLayoutError(os.path.join(root, topic), f"no ConsumeQueue of topic {topic!r} here, so no key of it "
+                                                          f"(topics: {_listing(topics(config)) or 'none'})")
+
+
 def _batch_full(taken: int, taken_bytes: int, size: int, count: int, store: StoreConfig) -> bool:
     """`isTheBatchFull` for messages in memory: the broker's page-cache limits on one pull."""
     if taken == 0:
@@ -341,6 +352,6 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
                        len(removed), log.min_offset)
 
 
-__all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "check_queue", "is_removed", "matches_key",
-           "message_json", "open_commit_log", "query_key", "query_key_result", "query_msgid", "query_offsets",
-           "query_queue", "split_removed", "topics"]
+__all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "check_queue", "check_topic", "is_removed",
+           "matches_key", "message_json", "open_commit_log", "query_key", "query_key_result", "query_msgid",
+           "query_offsets", "query_queue", "split_removed", "topics"]

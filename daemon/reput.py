@@ -150,6 +150,7 @@ class ReputService:
         self._last_status = 0.0
         self._reported: tuple[int, str] | None = None
         self._suspect: tuple[int, float] | None = None  # (offset, first seen) of a bad record at the head
+        self._short_since: tuple[str, float] | None = None  # (path, first seen) of a newest segment cut short
         self._stalls = 0  # consecutive re-reads of an incomplete record
         self._failed_at = -1  # dispatched offset when the last session failed: back off while stuck there
         self._failure_reason = ""  # why the last session failed, kept in /healthz while waiting to retry
@@ -160,6 +161,7 @@ class ReputService:
         self.dispatched_messages = 0
         self.started_at = time.monotonic()
         self.caught_up_at: float | None = None
+        self.exit_error: str | None = None  # why `run --until-caught-up` stopped before the end, for its summary
 
     # --- control -------------------------------------------------------------------------------
 
@@ -305,6 +307,7 @@ class ReputService:
                     self.notifier.status(f"failed: {mismatch}")
                     return EXIT_FAILURE
                 if self.until_caught_up:
+                    self.exit_error = str(e)
                     return EXIT_FAILURE
                 self._notify_ready(f"down: {reason}; retrying in {backoff:g} s")
                 self._sleep(backoff)
@@ -448,6 +451,11 @@ class ReputService:
         offset = s.dispatched_offset
         if self.first_offset is None:
             self.first_offset = offset
+        cut_short = self._cut_short(s, None) if self.until_caught_up else None
+        if cut_short is not None:  # refused as a whole before anything is dispatched, as `rebuild` refuses it
+            self._commit_log_unavailable(cut_short)
+            self.exit_error = str(cut_short)
+            return Outcome.UNAVAILABLE
         poll = self.config.reput.poll_interval_ms / MS_PER_SECOND
         verified = 0.0
         while not self._stop.is_set():
@@ -463,6 +471,7 @@ class ReputService:
             except StoreLayoutError as e:  # the CommitLog directory vanished or holds a stray file
                 self._commit_log_unavailable(e)
                 if self.until_caught_up:
+                    self.exit_error = str(e)
                     return Outcome.UNAVAILABLE
                 continue
             result = hold_torn_tail(s, offset, result, written)
@@ -491,6 +500,13 @@ class ReputService:
                 widen_after_dispatch(s.reader, s.dispatchers, RUN_MAX_BATCH_BYTES)  # behind the writer
                 continue
             if result.status is ReadStatus.END:
+                cut_short = self._cut_short(s, offset)
+                if cut_short is not None:  # what `rebuild` refuses at once: the same rule, after a grace
+                    self._commit_log_unavailable(cut_short)
+                    if self.until_caught_up:
+                        self.exit_error = str(cut_short)
+                        return Outcome.UNAVAILABLE
+                    continue
                 s.reader.batch_bytes = self.config.reput.batch_bytes  # caught up: back to the configured size
                 self._recovered_from_stall(offset)
                 self._report_caught_up(offset)
@@ -512,6 +528,29 @@ class ReputService:
             offset = s.dispatched_offset
         return Outcome.STOPPED
 
+    def _cut_short(self, s: Session, offset: int | None) -> StoreLayoutError | None:
+        """The newest segment (where reading stopped, or with `offset` None anywhere) when it is shorter than
+        mappedFileSizeCommitLog and stays so for IN_FLIGHT_GRACE_S: a broker maps a new segment at its full
+        size at once, so one that stays short was cut short (a copy, a disk that ran out), and the broker
+        would refuse to load the directory, as `rebuild` does. `run --until-caught-up` waits the grace
+        here; the live loop sees it again at each read."""
+        log = s.commit_log
+        deadline = time.monotonic() + IN_FLIGHT_GRACE_S
+        while True:
+            short = log.short_newest
+            if short is None or (offset is not None and log.segment_start(offset) != int(os.path.basename(short[0]))):
+                self._short_since = None
+                return None
+            now = time.monotonic()
+            if self._short_since is None or self._short_since[0] != short[0]:
+                self._short_since = (short[0], now)
+            if now - self._short_since[1] >= IN_FLIGHT_GRACE_S:
+                return StoreLayoutError(short[0], f"segment is {short[1]} bytes, mappedFileSizeCommitLog is "
+                                                  f"{log.segment_size}")
+            if not self.until_caught_up or now >= deadline or self._stop.wait(PROBE_MIN_S * 16):
+                return None
+            log.refresh()
+
     def _report_caught_up(self, offset: int) -> None:
         """Log `caught_up` the first time the loop reaches the end of the written data."""
         if self.caught_up_at is None:
@@ -527,7 +566,7 @@ class ReputService:
         return {"startOffset": first, "endOffset": end, "messages": self.dispatched_messages,
                 "bytes": end - first, "seconds": round(time.monotonic() - self.started_at, 3),
                 "checkpointOffset": self.session.checkpoint_offset if self.session is not None else None,
-                "caughtUp": self.caught_up_at is not None}
+                "caughtUp": self.caught_up_at is not None, "error": self.exit_error}
 
     def _retrying(self) -> bool:
         return self.health.state == DEGRADED and RESTARTING in self.health.reason
@@ -632,6 +671,7 @@ class ReputService:
             return None
         self._set_health(DEGRADED, f"{CORRUPT_REASON} CommitLog at offset {offset}: {error}")
         if self.until_caught_up:
+            self.exit_error = str(error)
             return Outcome.CORRUPT
         deadline = time.monotonic() + self.config.reput.poll_interval_ms / MS_PER_SECOND
         while not self._stop.is_set() and time.monotonic() < deadline:

@@ -13,14 +13,22 @@ What has to be dispatched already depends on who writes the directory:
   the newest unit over all ConsumeQueues (where a restarted broker resumes its reput), the record at the
   newest IndexFile's endPhyOffset, the store times the broker's `checkpoint` says were flushed
   (logicsMsgTimestamp, indexMsgTimestamp) and reputd's `reputFromOffset`. Past it, a missing unit or
-  entry is work in progress, not a difference; the last record before it is left out of the index
-  comparison, since a broker writes its units before its keys.
+  entry is work in progress, not a difference. Where a writer may still be at work (the broker's `lock`
+  or reputd's `reputd.lock` held, an `abort` left, a reputd output whose checkpoint stops short of its
+  files), the last record before it is left out of the index comparison, since a writer puts a record's
+  units before its keys, and a note says so; a finished output is judged to its last record.
+
+Before any of that, the settings: ConsumeQueue files or IndexFiles all of one size that is not the
+configured one mean a config that is not the broker's (SizeMismatchError, exit 2, as query and rebuild
+say it), not a store whose every file is damaged. An output with neither `consumequeue/` nor `index/`
+beside a CommitLog that holds data is one finding, `outputMissing`, not "consistent".
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,17 +37,17 @@ import numpy as np
 
 from daemon.checkpoint import CheckpointError, read_checkpoint
 from daemon.config import Config
-from daemon.outlock import lock_held
+from daemon.outlock import lock_held, writer_holding
 from daemon.readahead import ReadAhead
-from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader, widen_thin_batches
+from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader, widen_thin_batches, written_end_of
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.dispatch import index_keys_of
-from indexcore.errors import StoreError
+from indexcore.errors import SizeMismatchError, StoreError
 from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE, index_file_size
 from indexcore.indexservice import INDEX_DIR
-from indexcore.mappedfile import offset_to_file_name
+from indexcore.mappedfile import FILE_NAME_DIGITS, offset_to_file_name
 from indexcore.reader import CommitLog, ReadStatus
 from indexcore.verify import (
     COMMIT_LOG_CORRUPT,
@@ -53,6 +61,7 @@ from indexcore.verify import (
     CQ_UNIT_MISSING,
     CQ_UNIT_WRONG,
     INDEX_FILE_SIZE,
+    OUTPUT_MISSING,
     STRAY_FILE,
     ConsumeQueueCheck,
     Finding,
@@ -112,7 +121,8 @@ class VerifyReport:
     queue_files: int = 0
     units: int = 0
     index_files: int = 0
-    entries: int = 0
+    entries: int = 0  # what the CommitLog implies up to where it was checked, judged or not
+    entries_not_judged: int = 0  # the newest record's, where a writer may be between its units and its keys
     repair: dict | None = None
 
     @property
@@ -140,7 +150,8 @@ class VerifyReport:
             "frontierEvidence": None if self.frontier is None else self.frontier.evidence,
             "messages": self.messages, "seconds": round(self.seconds, 3), "msgsPerSecond": round(self.msgs_per_second),
             "queues": self.queues, "queueFiles": self.queue_files, "units": self.units,
-            "indexFiles": self.index_files, "indexEntries": self.entries, "notes": self.notes, "repair": self.repair,
+            "indexFiles": self.index_files, "indexEntries": self.entries,
+            "indexEntriesNotJudged": self.entries_not_judged, "notes": self.notes, "repair": self.repair,
         }
 
 
@@ -220,16 +231,82 @@ def _read_broker_checkpoint(root: str) -> StoreCheckpoint | None:
         return None
 
 
+def _check_file_sizes(out: str, store, *, queues: bool, index: bool) -> None:
+    """SizeMismatchError when every ConsumeQueue file, or every IndexFile, has one size other than the
+    configured one: the setting is not the broker's. A file of another size among right ones is damage,
+    a finding. Stops at the first file of the right size, so a right config costs one stat."""
+    def uniform(paths, expected: int) -> tuple[str, int] | None:
+        seen = None
+        for path in paths:
+            size = os.path.getsize(path)
+            if size == expected or (seen is not None and size != seen[1]):
+                return None
+            seen = seen or (path, size)
+        return seen
+
+    def queue_files():
+        root = os.path.join(out, CONSUME_QUEUE_DIR)
+        for topic in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+            tdir = os.path.join(root, topic)
+            for qid in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
+                qdir = os.path.join(tdir, qid)
+                for name in sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []:
+                    if len(name) == FILE_NAME_DIGITS and name.isdigit():
+                        yield os.path.join(qdir, name)
+
+    def index_files():
+        root = os.path.join(out, INDEX_DIR)
+        for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+            path = os.path.join(root, name)
+            if name.isdigit() and os.path.isfile(path) and os.path.getsize(path):  # 0 bytes: being created
+                yield path
+
+    try:
+        if queues and (u := uniform(queue_files(), store.mapped_file_size_consume_queue)):
+            raise SizeMismatchError(u[0], f"every ConsumeQueue file here is {u[1]} bytes, mappedFileSizeConsumeQueue "
+                                          f"is {store.mapped_file_size_consume_queue}")
+        expected = index_file_size(store.max_hash_slot_num, store.max_index_num)
+        if index and (u := uniform(index_files(), expected)):
+            raise SizeMismatchError(u[0], f"every IndexFile here is {u[1]} bytes; maxHashSlotNum "
+                                          f"{store.max_hash_slot_num} and maxIndexNum {store.max_index_num} give "
+                                          f"{expected}")
+    except FileNotFoundError:  # a broker deleting files meanwhile: the pass will say what it finds
+        return
+
+
+def _newest_record_left_out(out: str, mode: str, checkpoint, frontier: Frontier | None) -> str | None:
+    """Why the index comparison leaves out the last record before the frontier (a writer may be between
+    its units and its keys), or None when the output is finished and it is judged like every other."""
+    if mode == MODE_RUNNING:
+        return "the broker is running (its lock is held)"
+    if mode == MODE_CRASHED:
+        return "the broker did not stop cleanly (abort file): it may have stopped between a record's units and its keys"
+    if mode != MODE_REPUTD:
+        return None
+    holder = writer_holding(out)
+    if holder is not None:
+        return f"a reputd writer is running on this output ({holder})"
+    if checkpoint is None:
+        return "no reputd.checkpoint says the output was finished"
+    if frontier is not None and checkpoint.reput_from_offset < frontier.offset:
+        return (f"reputd.checkpoint ({checkpoint.reput_from_offset}) stops before the files' end: a writer stopped "
+                "without its final checkpoint")
+    return None
+
+
 def verify(config: Config, *, from_offset: int | None = None,
-           progress: Callable[[int, int, int], None] | None = None) -> VerifyReport:
-    """Compare the output directory's consumequeue/ and index/ with what the CommitLog implies."""
+           progress: Callable[[int, int, int], None] | None = None,
+           rebuild_command: Callable[[str], str] | None = None) -> VerifyReport:
+    """Compare the output directory's consumequeue/ and index/ with what the CommitLog implies.
+    `rebuild_command(out)`: the command line of a rebuild into `out`, for the repair plan (the CLI's
+    options that chose the config and store)."""
     store = config.store
     out = config.output.dir
     if not os.path.isdir(out):
-        raise VerifyUsageError(f"{out}: no such directory to verify (output.dir / --out)")
-    for d in store.commit_log_dirs:
-        if not os.path.isdir(d):
-            raise VerifyUsageError(f"{d}: no CommitLog directory (store.storePathCommitLog / --store)")
+        raise VerifyUsageError(f"{out}: no such output directory (output.dir)")
+    names = {d.name for d in config.dispatchers}
+    _check_file_sizes(out, store, queues="consumequeue" in names,
+                      index="index" in names and store.message_index_enable)
     started = time.perf_counter()
     notes: list[str] = []
     broker_store = _same_dir(out, store.store_path_root_dir)
@@ -249,6 +326,10 @@ def verify(config: Config, *, from_offset: int | None = None,
         mode = MODE_STOPPED
     live = mode != MODE_STOPPED
     commit_log = CommitLog(store.commit_log_dirs, store.mapped_file_size_commit_log, follow=live)
+    if commit_log.short_newest is not None:
+        path, size = commit_log.short_newest
+        notes.append(f"{path} is {size} bytes, not mappedFileSizeCommitLog {store.mapped_file_size_commit_log}: not "
+                     "read (a writer creating it, or cut short: `rebuild` and `run` refuse it once it stays short)")
     start = commit_log.min_offset if from_offset is None else from_offset
     if from_offset is not None and from_offset < commit_log.min_offset:
         notes.append(f"--from {from_offset} is below the oldest CommitLog segment: verified from "
@@ -260,6 +341,22 @@ def verify(config: Config, *, from_offset: int | None = None,
         frontier = dispatch_frontier(out, commit_log, None if reputd_output else _read_broker_checkpoint(out),
                                      checkpoint.reput_from_offset if checkpoint is not None else None)
         report.frontier = frontier
+    used = [sub for sub, on in ((CONSUME_QUEUE_DIR, "consumequeue" in names),
+                                (INDEX_DIR, "index" in names and store.message_index_enable)) if on]
+    if used and not any(os.path.isdir(os.path.join(out, sub)) for sub in used):
+        written = written_end_of(commit_log)
+        if written > start:  # nothing dispatched where a CommitLog has data: not consistent, whoever writes it
+            findings = Findings()
+            findings.add(OUTPUT_MISSING, ".", None, missing=[f"{sub}/" for sub in used], commitLogData=[start, written])
+            report.findings = list(findings)
+            report.end_offset = start
+            held = " and no ".join(f"{sub}/" for sub in used)
+            report.notes = [*notes, f"{out} holds no {held}, and the CommitLog holds data [{start}, {written}): is "
+                                    f"{out} the directory to verify?"]
+            report.seconds = time.perf_counter() - started
+            report.repair = repair_plan(config, report, rebuild_command)
+            return report
+    left_out = _newest_record_left_out(out, mode, checkpoint, frontier) if live else None
 
     def read_size(phy: int) -> int | None:
         try:
@@ -281,7 +378,6 @@ def verify(config: Config, *, from_offset: int | None = None,
         props = rec.property_map()
         return index_keys_of(rec.topic, props.get(PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX), props.get(PROPERTY_KEYS))
 
-    names = {d.name for d in config.dispatchers}
     findings = Findings()
     locate = RecordLocator(read_size)
     frontier_offset = None if frontier is None else frontier.offset
@@ -291,7 +387,7 @@ def verify(config: Config, *, from_offset: int | None = None,
     if not store.message_index_enable:
         notes.append("messageIndexEnable is false: IndexFiles not checked")
     if "index" in names and store.message_index_enable:
-        index = IndexCheck(out, store.max_hash_slot_num, store.max_index_num, findings, live=live,
+        index = IndexCheck(out, store.max_hash_slot_num, store.max_index_num, findings, live=left_out is not None,
                            frontier=frontier_offset, keys_at=keys_at)
         if start > 0:
             index.start_at(start, store_timestamp_at)
@@ -305,7 +401,7 @@ def verify(config: Config, *, from_offset: int | None = None,
             stop = False
             if frontier is not None and len(batch):
                 n_cq = frontier.cut(batch, index=False)
-                n_index = frontier.cut(batch, index=True)
+                n_index = frontier.cut(batch, index=left_out is not None)
                 if n_cq < len(batch):
                     notes.append(f"the CommitLog goes on past the dispatch frontier at {int(batch.phy_offset[n_cq])}: "
                                  "not dispatched yet, not judged")
@@ -318,6 +414,10 @@ def verify(config: Config, *, from_offset: int | None = None,
                 widen_thin_batches(reader, cq.spread)
             if index is not None and n_index:
                 index.check(batch if n_index == len(batch) else batch.head(n_index, int(batch.phy_offset[n_index])))
+            if index is not None and n_index < n_cq:  # counted as the index holds them, though not judged
+                left = np.zeros(len(batch), dtype=bool)
+                left[n_index:n_cq] = batch.index_mask()[n_index:n_cq]
+                report.entries_not_judged += int(np.count_nonzero(left[batch.key_owner]))
             report.messages += n_cq
             offset = result.next_offset if n_cq == len(batch) else int(batch.phy_offset[n_cq])
             if progress is not None:
@@ -346,11 +446,14 @@ def verify(config: Config, *, from_offset: int | None = None,
             report.queues, report.queue_files, report.units = len(cq.queues), cq.files_checked, cq.units
         if index is not None:
             index.finish()
-            report.index_files, report.entries = index.files_checked(), index.entries
+            report.index_files, report.entries = index.files_checked(), index.entries + report.entries_not_judged
     finally:
         ahead.close()
         reader.close()
     report.findings = list(findings)
+    if left_out is not None and index is not None and frontier is not None and report.end_offset >= frontier.offset:
+        notes.append(f"the newest record's {_n(report.entries_not_judged, 'index entry', 'index entries')} (the "
+                     f"record ending at {frontier.offset}) were not judged: {left_out}")
     for sub, used in ((CONSUME_QUEUE_DIR, cq is not None), (INDEX_DIR, index is not None)):
         if used and not os.path.isdir(os.path.join(out, sub)):
             notes.insert(0, f"{os.path.join(out, sub)} does not exist: is {out} the directory to verify?")
@@ -371,7 +474,7 @@ def verify(config: Config, *, from_offset: int | None = None,
                         "must be the broker's")
     report.notes = notes
     report.seconds = time.perf_counter() - started
-    report.repair = repair_plan(config, report)
+    report.repair = repair_plan(config, report, rebuild_command)
     return report
 
 
@@ -382,11 +485,21 @@ def _corrupt(findings: Findings, commit_log: CommitLog, offset: int, error: Exce
     findings.add(COMMIT_LOG_CORRUPT, f"commitlog/{rel}", offset - segment, offset=offset, error=str(error))
 
 
-def repair_plan(config: Config, report: VerifyReport) -> dict | None:
-    """What to run and what to copy where to make the files what the CommitLog implies."""
+def repair_plan(config: Config, report: VerifyReport,
+                rebuild_command: Callable[[str], str] | None = None) -> dict | None:
+    """What to run and what to copy where to make the files what the CommitLog implies. The command is
+    `rebuild_command(dir)` (the CLI's: with the options that chose the config and store), by default the
+    config file's rebuild; every path in it is quoted for a shell."""
     if report.consistent:
         return None
+    if rebuild_command is None:
+        def rebuild_command(into: str) -> str:
+            return shlex.join(["reputd", "rebuild", *(["--config", config.source] if config.source else []),
+                               "--out", into])
     out = report.directory
+    if any(f.kind == OUTPUT_MISSING for f in report.findings):
+        return {"command": rebuild_command(out), "rebuiltDir": out, "stop": None, "replace": [], "remove": [],
+                "note": "or, if the files are elsewhere, verify with --out naming that directory"}
     new = os.path.join(os.path.dirname(os.path.abspath(out)) or ".", "reputd-rebuilt")
     queues = sorted({f"{CONSUME_QUEUE_DIR}/{f.details['topic']}/{f.details['queueId']}" for f in report.findings
                      if f.kind in _CQ_KINDS})
@@ -394,15 +507,14 @@ def repair_plan(config: Config, report: VerifyReport) -> dict | None:
     stray = sorted(f.file for f in report.findings if f.kind == STRAY_FILE)
     index = any(f.kind.startswith("index") for f in report.findings)
     corrupt = [f for f in report.findings if f.kind == COMMIT_LOG_CORRUPT]
-    config_arg = f" --config {config.source}" if config.source else ""
-    plan: dict = {"command": f"reputd rebuild{config_arg} --out {new}", "rebuiltDir": new,
+    plan: dict = {"command": rebuild_command(new), "rebuiltDir": new,
                   "stop": "the broker" if report.mode != MODE_REPUTD else "reputd run",
                   "replace": [], "remove": [os.path.join(out, p) for p in orphaned + stray]}
     plan["replace"] = [{"from": os.path.join(new, q), "to": os.path.join(out, q)} for q in queues]
     if index:
         plan["replace"].append({"from": os.path.join(new, INDEX_DIR), "to": os.path.join(out, INDEX_DIR),
                                 "note": "the whole directory: rebuilt IndexFiles are named by store time"})
-    if report.mode == MODE_REPUTD:
+    if report.mode == MODE_REPUTD and os.path.exists(os.path.join(out, "reputd.checkpoint")):
         plan["remove"].append(os.path.join(out, "reputd.checkpoint"))
     if corrupt:
         plan["note"] = ("the CommitLog is damaged: a rebuild stops at the same record, so what follows it cannot "
@@ -416,7 +528,8 @@ def format_text(report: VerifyReport, examples: int = 3) -> list[str]:
              f"  {report.messages:,} messages [{report.from_offset}, {report.end_offset}) in {report.seconds:.2f} s "
              f"({report.msgs_per_second:,.0f} msgs/s); {_n(report.queues, 'queue')} in "
              f"{_n(report.queue_files, 'file')}, {_n(report.units, 'unit')}; {_n(report.index_files, 'IndexFile')}, "
-             f"{_n(report.entries, 'entry', 'entries')}"]
+             f"{_n(report.entries, 'entry', 'entries')}"
+             + (f" ({report.entries_not_judged:,} not judged: see the note)" if report.entries_not_judged else "")]
     if report.frontier is not None:
         ev = ", ".join(f"{k} {v}" for k, v in report.frontier.evidence.items()) or "none"
         lines.append(f"  dispatch frontier {report.frontier.offset} ({ev})")
@@ -452,6 +565,9 @@ def _n(count: int, one: str, many: str | None = None) -> str:
 def _describe(f: Finding) -> str:
     where = f.file if f.position is None else f"{f.file} @ {f.position}"
     d = f.as_dict()
+    if f.kind == OUTPUT_MISSING:
+        lo, hi = d["commitLogData"]
+        return f"{' and '.join(d['missing'])} absent; the CommitLog holds data [{lo}, {hi})"
     extra = []
     if f.range_name in d:
         one, many, what = _NOUNS.get(f.range_name, ("item", "items", f.range_name))
@@ -473,11 +589,14 @@ def _describe(f: Finding) -> str:
 def _repair_lines(plan: dict | None) -> list[str]:
     if plan is None:
         return []
-    lines = [f"repair: {plan['command']}", f"  then, with {plan['stop']} stopped:"]
+    lines = [f"repair: {plan['command']}"]
+    if plan["replace"] or plan["remove"]:
+        lines.append(f"  then, with {plan['stop']} stopped:")
     for r in plan["replace"]:
-        lines.append(f"  replace {r['to']} by {r['from']}" + (f" ({r['note']})" if "note" in r else ""))
+        lines.append(f"  replace {shlex.quote(r['to'])} by {shlex.quote(r['from'])}"
+                     + (f" ({r['note']})" if "note" in r else ""))
     for path in plan["remove"]:
-        lines.append(f"  remove {path}")
+        lines.append(f"  remove {shlex.quote(path)}")
     if "note" in plan:
         lines.append(f"  note: {plan['note']}")
     return lines

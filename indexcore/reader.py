@@ -56,15 +56,20 @@ from indexcore.batchdecode import (
     decode_window,
 )
 from indexcore.commitlog import (
+    BLANK_MAGIC_CODE,
     DEFAULT_MAX_MESSAGE_SIZE,
     END_FILE_MIN_BLANK_LENGTH,
     MAX_TOPIC_LENGTH_V1,
+    MESSAGE_MAGIC_CODE,
+    MESSAGE_MAGIC_CODE_V2,
     MIN_RECORD_SIZE,
     RECORD_ERRORS,
     RECORD_PREFIX,
+    RECORD_START_SIZE,
     SCHEDULE_TOPIC,
     MessageRecord,
     check_topic,
+    is_record_start,
     record_error,
 )
 from indexcore.dispatch import DelayLevelTable, DispatchBatch, StringColumn, delay_tags_code, parse_java_int
@@ -214,7 +219,9 @@ class CommitLog:
     """The segments of a CommitLog, possibly spread over several directories (RocketMQ multi-path).
 
     `follow=True` is for a CommitLog that a broker is still writing: a newest segment shorter than
-    the configured size is taken to be still being created and is not read yet.
+    the configured size is taken to be still being created and is not read yet; `short_newest` names it
+    (path, size), so that a follower can tell one that stays short (cut short: the broker would refuse to
+    load it, as a reader without `follow` does at once) from one a broker is creating.
     """
 
     def __init__(self, dirs: str | Sequence[str], segment_size: int, *, follow: bool = False):
@@ -223,6 +230,7 @@ class CommitLog:
         self.follow = follow
         self._segments: list[tuple[int, str]] = []
         self._by_start: dict[int, str] = {}
+        self.short_newest: tuple[str, int] | None = None
         self.refresh()
 
     def refresh(self) -> list[tuple[int, str]]:
@@ -232,6 +240,7 @@ class CommitLog:
                 raise StoreLayoutError(d, "CommitLog directory does not exist or is not a directory")
         found = sorted(f for d in self.dirs for f in list_queue_files(d))
         segments = []
+        self.short_newest = None
         for i, (start, path) in enumerate(found):
             if start % self.segment_size:
                 raise self._refused(found, path, f"start offset is not a multiple of the segment size "
@@ -240,6 +249,7 @@ class CommitLog:
             size = self.segment_size if self._by_start.get(start) == path else os.path.getsize(path)
             if size != self.segment_size:
                 if self.follow and i == len(found) - 1 and size < self.segment_size:
+                    self.short_newest = (path, size)
                     break
                 raise self._refused(found, path, f"segment is {size} bytes, mappedFileSizeCommitLog is "
                                                  f"{self.segment_size}")
@@ -291,6 +301,34 @@ class CommitLog:
             if len(head) == RECORD_PREFIX.size and RECORD_PREFIX.unpack(head)[0] != 0:
                 return True
         return False
+
+    def record_around(self, offset: int) -> tuple[int, int]:
+        """Where the record holding `offset` starts and ends: (offset, offset) when a record starts there (or
+        a BLANK, or the written data ends there, or no segment holds it), else [start, end) of the record or
+        BLANK it falls inside, found by following TOTALSIZE from the segment's start: the nearest record
+        boundaries, for an offset that must be one. Damage on the way is left to the reader: (offset, offset)."""
+        path = self.find_segment(offset)
+        if path is None:
+            return offset, offset
+        seg, target = self.segment_start(offset), offset - self.segment_start(offset)
+        with open(path, "rb") as f:
+            if is_record_start(os.pread(f.fileno(), RECORD_START_SIZE, target), offset):
+                return offset, offset
+            size = os.fstat(f.fileno()).st_size
+            if size < RECORD_PREFIX.size:
+                return offset, offset
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                pos = 0
+                while pos < target and pos + RECORD_PREFIX.size <= size:
+                    total, magic = RECORD_PREFIX.unpack_from(mm, pos)
+                    if magic == BLANK_MAGIC_CODE:
+                        return seg + pos, seg + self.segment_size
+                    if magic not in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2) or total < MIN_RECORD_SIZE:
+                        return offset, offset  # the end of the written data, or damage
+                    if pos + total > target:
+                        return seg + pos, seg + pos + total
+                    pos += total
+        return offset, offset
 
     def read_record(self, offset: int, *, check_crc: bool = True,
                     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> MessageRecord:

@@ -25,6 +25,7 @@ Differences of one kind are gathered per queue (ConsumeQueue) or per file (Index
     cqFileSize       a file of the wrong size               indexFileExtra     a file it does not imply
     cqQueueMissing   a queue directory that is absent       indexFileSize      a file of the wrong size
     cqQueueOrphaned  a queue the CommitLog gives no unit    strayFile          a name no broker writes
+    outputMissing    neither consumequeue/ nor index/ beside a CommitLog that holds data
 """
 
 from __future__ import annotations
@@ -87,11 +88,12 @@ INDEX_FILE_EXTRA = "indexFileExtra"
 INDEX_FILE_SIZE = "indexFileSize"
 STRAY_FILE = "strayFile"
 COMMIT_LOG_CORRUPT = "commitLogCorrupt"
+OUTPUT_MISSING = "outputMissing"
 
-KINDS = (COMMIT_LOG_CORRUPT, CQ_QUEUE_MISSING, CQ_QUEUE_ORPHANED, CQ_FILE_MISSING, CQ_FILE_EXTRA, CQ_FILE_SIZE,
-         CQ_UNIT_MISSING, CQ_UNIT_WRONG, CQ_UNIT_DANGLING, CQ_UNIT_EXTRA, INDEX_FILE_MISSING, INDEX_FILE_EXTRA,
-         INDEX_FILE_SIZE, INDEX_HEADER_WRONG, INDEX_ENTRY_MISSING, INDEX_ENTRY_WRONG, INDEX_ENTRY_EXTRA,
-         INDEX_CHAIN_BROKEN, STRAY_FILE)
+KINDS = (OUTPUT_MISSING, COMMIT_LOG_CORRUPT, CQ_QUEUE_MISSING, CQ_QUEUE_ORPHANED, CQ_FILE_MISSING, CQ_FILE_EXTRA,
+         CQ_FILE_SIZE, CQ_UNIT_MISSING, CQ_UNIT_WRONG, CQ_UNIT_DANGLING, CQ_UNIT_EXTRA, INDEX_FILE_MISSING,
+         INDEX_FILE_EXTRA, INDEX_FILE_SIZE, INDEX_HEADER_WRONG, INDEX_ENTRY_MISSING, INDEX_ENTRY_WRONG,
+         INDEX_ENTRY_EXTRA, INDEX_CHAIN_BROKEN, STRAY_FILE)
 
 MAX_RANGES = 16  # ranges of queue offsets / entry numbers kept per finding; the count covers them all
 MAX_EXAMPLES = 5

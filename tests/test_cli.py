@@ -163,10 +163,15 @@ def test_config_error_names_the_key(tmp_path):
 
 
 def test_missing_commitlog_directory_is_a_clear_error(tmp_path):
-    """A store without a CommitLog directory: exit 1 naming the directory, no traceback."""
+    """A store root that does not exist: exit 2 naming the key that names it; a store root without a
+    CommitLog directory: data missing, exit 1 naming the directory; no traceback."""
+    res = run("rebuild", "--config", str(write_config(tmp_path)))
+    assert res.returncode == 2
+    assert f"reputd: error: {tmp_path / 'store'}: no such store root directory (store.storePathRootDir)" in res.stderr
+    (tmp_path / "store").mkdir()
     res = run("rebuild", "--config", str(write_config(tmp_path)))
     assert res.returncode == 1
-    assert "commitlog" in res.stderr
+    assert f"{tmp_path / 'store' / 'commitlog'}: the store root {tmp_path / 'store'} has no commitlog/" in res.stderr
     assert "Traceback" not in res.stderr
 
 

@@ -114,6 +114,7 @@ def test_queries_against_a_wrong_output_directory_say_so(built):
     """No index/ or consumequeue/ where the output should be, or a topic or queue it does not have: exit 1
     naming what is missing, never an empty answer."""
     tmp, config, _ = built
+    (tmp / "typo").mkdir()
     res = run("query", "key", "TopicA", "order-0", "--config", str(config), "--out", str(tmp / "typo"))
     assert res.returncode == 1
     assert f"{tmp / 'typo' / 'index'}: no index directory" in res.stderr
@@ -121,6 +122,9 @@ def test_queries_against_a_wrong_output_directory_say_so(built):
     res = run("query", "queue", "TopicA", "0", "0", "--config", str(config), "--out", str(tmp / "typo"))
     assert res.returncode == 1
     assert f"{tmp / 'typo' / 'consumequeue'}: no consumequeue directory" in res.stderr
+    res = run("query", "key", "TopicA", "order-0", "--config", str(config), "--out", str(tmp / "typo2"))
+    assert res.returncode == 2  # a directory that does not exist: the option is wrong, as in every command
+    assert f"reputd: error: {tmp / 'typo2'}: no such output directory (--out)" in res.stderr
     assert "NO_MESSAGE_IN_QUEUE" not in res.stderr
     res = run("query", "queue", "TopicC", "0", "0", "--config", str(config))
     assert res.returncode == 1
@@ -132,13 +136,17 @@ def test_queries_against_a_wrong_output_directory_say_so(built):
 
 
 def test_an_unknown_key_in_a_good_output_is_an_empty_answer(built):
-    """A key or topic the index does not know: exit 0, nothing on stdout, `no message` for a person."""
+    """A key the index does not know: exit 0, nothing on stdout, `no message` for a person. A topic the
+    output has no ConsumeQueue for is exit 1 naming the topics it has, as `query queue` says it."""
     _tmp, config, _ = built
     res = run("query", "key", "TopicA", "no-such-key", "--config", str(config))
     assert (res.returncode, res.stdout) == (0, "")
-    res = run("query", "key", "NoSuchTopic", "order-0", "--config", str(config), "--format", "text")
+    res = run("query", "key", "TopicA", "no-such-key", "--config", str(config), "--format", "text")
     assert (res.returncode, res.stdout) == (0, "")
-    assert "no message with key 'order-0' in topic 'NoSuchTopic'" in res.stderr
+    assert "no message with key 'no-such-key' in topic 'TopicA'" in res.stderr
+    res = run("query", "key", "NoSuchTopic", "order-0", "--config", str(config), "--format", "text")
+    assert (res.returncode, res.stdout) == (1, "")
+    assert "no ConsumeQueue of topic 'NoSuchTopic' here, so no key of it (topics: TopicA, TopicB)" in res.stderr
     no_traceback(res)
 
 
@@ -690,7 +698,7 @@ def test_a_remembered_config_spares_the_yaml_parser_and_follows_every_edit(built
     doc["text"] = config.read_text()
     memo.write_text(json.dumps(doc))  # a memo of this text with other values: a query believes it...
     res = run(*query, env=env)
-    assert f"{tmp / 'elsewhere' / 'index'}: no index directory" in res.stderr
+    assert f"{tmp / 'elsewhere'}: no such output directory (output.dir)" in res.stderr
     res = run("rebuild", "--config", str(config), "--json", env=env)  # ...a writing command never reads it
     assert res.returncode == 2
     assert "maxIndexNum 60" in res.stderr

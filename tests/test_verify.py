@@ -24,6 +24,7 @@ from daemon.rebuild import rebuild
 from daemon.verify import MODE_CRASHED, MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
 from indexcore.commitlog import BODY_CRC_OFFSET
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CQ_UNIT, CQ_UNIT_SIZE
+from indexcore.errors import SizeMismatchError
 from indexcore.indexfile import (
     HASH_SLOT,
     HASH_SLOT_SIZE,
@@ -602,12 +603,13 @@ def test_damage_after_from_is_reported_exactly(broker_store, damage):
 
 
 def test_settings_other_than_the_brokers_are_named(broker_store):
-    """A config whose IndexFile sizes are not the broker's: every file differs, and a note says why."""
-    _, _, config = broker_store
+    """A config whose IndexFile sizes are not the broker's: a configuration error naming a file and the
+    sizes, as query and rebuild raise it, not a finding for every file."""
+    _, root, config = broker_store
     cfg = load_config(config, env={"REPUTD_STORE_MAX_HASH_SLOT_NUM": "101"})
-    report = verify(cfg)
-    assert INDEX_FILE_SIZE in {f.kind for f in report.findings}
-    assert "the config's sizes must be the broker's" in report.notes[0]
+    with pytest.raises(SizeMismatchError, match=r"every IndexFile here is \d+ bytes; maxHashSlotNum 101") as e:
+        verify(cfg)
+    assert Path(e.value.path).parent == root / "index"
 
 
 def test_damage_before_from_is_history(broker_store):
@@ -712,8 +714,8 @@ def test_cli_following_the_repair_plan_makes_the_store_consistent(broker_store):
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--out", "/nonexistent/reputd-verify"], "no such directory to verify"),
-    (["--store", "/nonexistent/reputd-store"], "no such directory to verify"),
+    (["--out", "/nonexistent/reputd-verify"], "/nonexistent/reputd-verify: no such output directory (--out)"),
+    (["--store", "/nonexistent/reputd-store"], "/nonexistent/reputd-store: no such store root directory (--store)"),
     (["--from", "-5"], "is negative"),
 ])
 def test_cli_wrong_paths_and_values_exit_2(broker_store, args, needle):
@@ -724,12 +726,14 @@ def test_cli_wrong_paths_and_values_exit_2(broker_store, args, needle):
     assert "Traceback" not in res.stderr
 
 
-def test_cli_missing_commitlog_directory_exits_2(broker_store):
+def test_cli_missing_commitlog_directory_is_data_missing(broker_store):
+    """A store root without its commitlog/: data missing (exit 1), as rebuild says it; a store root that
+    does not exist is the usage error."""
     _, root, config = broker_store
     shutil.rmtree(root / "commitlog")
     res = cli("--config", str(config))
-    assert res.returncode == 2
-    assert "no CommitLog directory" in res.stderr
+    assert res.returncode == 1
+    assert f"{root / 'commitlog'}: the store root {root} has no commitlog/ directory" in res.stderr
 
 
 def test_cli_from_inside_a_record_exits_2(broker_store):
