@@ -234,16 +234,17 @@ def test_a_script_pages_through_a_queue_on_the_piped_result_line(built):
         offset = result["nextBeginOffset"]
     assert seen == in_queue
     assert pages[0] == {"status": "FOUND", "nextBeginOffset": 7, "minOffset": 0, "maxOffset": len(in_queue),
-                        "messageCount": 7, "topic": "TopicA", "queueId": 1, "offset": 0}
+                        "messageCount": 7, "topic": "TopicA", "queueId": 1, "offset": 0, "removed": 0,
+                        "commitLogMinOffset": 0}
     assert pages[-1] == {"status": "OFFSET_OVERFLOW_ONE", "nextBeginOffset": len(in_queue), "minOffset": 0,
                          "maxOffset": len(in_queue), "messageCount": 0, "topic": "TopicA", "queueId": 1,
-                         "offset": len(in_queue)}
+                         "offset": len(in_queue), "removed": 0, "commitLogMinOffset": 0}
     res = run("query", "queue", "TopicA", "1", "100000", "--config", str(config), "--json")
     assert res.returncode == 0
     assert res.stderr == ""
     assert json_lines(res.stdout) == [{"status": "OFFSET_OVERFLOW_BADLY", "nextBeginOffset": 0, "minOffset": 0,
                                        "maxOffset": len(in_queue), "messageCount": 0, "topic": "TopicA",
-                                       "queueId": 1, "offset": 100000}]
+                                       "queueId": 1, "offset": 100000, "removed": 0, "commitLogMinOffset": 0}]
     # the terminal format is the human one: the status on stderr, no result object
     res = run("query", "queue", "TopicA", "1", "100000", "--config", str(config), "--format", "text")
     assert (res.returncode, res.stdout) == (0, "")
