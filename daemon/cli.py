@@ -602,7 +602,13 @@ def cmd_query_key(args, config: Config) -> int:
     if args.raw:
         import json
 
-        result = query_offsets(config, args.topic, args.key, args.max_num, begin, end)
+        from indexcore.indexservice import IndexQueryDamaged
+
+        damage = None
+        try:
+            result = query_offsets(config, args.topic, args.key, args.max_num, begin, end)
+        except IndexQueryDamaged as e:  # the candidates before the damage are still the index's answer
+            result, damage = e.partial, e
         if args.format == "json":
             print(json.dumps({"phyOffsets": result.phy_offsets,
                               "indexLastUpdateTimestamp": result.index_last_update_timestamp,
@@ -610,7 +616,7 @@ def cmd_query_key(args, config: Config) -> int:
         else:
             for offset in result.phy_offsets:
                 print(offset)
-        return EXIT_OK
+        return _damaged(damage)
     result = query_key_result(config, args.topic, args.key, args.max_num, begin, end)
     if _format(args) == "json":
         from daemon.render import message_json_line
@@ -629,7 +635,16 @@ def cmd_query_key(args, config: Config) -> int:
                else f"maxMsgsNumBatch {config.store.max_msgs_num_batch}, the most one index query returns")
         _note(args, f"note: the index gave {result.candidates} candidates, the limit ({why}); older messages "
                     "with this key may exist: narrow the time range with --begin/--end")
-    return EXIT_OK
+    return _damaged(result.damage)
+
+
+def _damaged(damage: Exception | None) -> int:
+    """After the answer found before it, the damage a query met: one line on stderr, exit 1."""
+    if damage is None:
+        return EXIT_OK
+    sys.stdout.flush()
+    print(f"reputd: error: {damage}", file=sys.stderr)
+    return EXIT_FAILURE
 
 
 def _print_records(args, records, found_header: str | None = None) -> None:
@@ -658,10 +673,10 @@ def cmd_query_queue(args, config: Config) -> int:
         _note(args, f"FOUND {len(result.messages)} messages at queue offsets [{args.offset}, "
                     f"{result.next_begin_offset}); {where}")
     _print_records(args, result.messages)
-    if result.status == "FOUND" and result.next_begin_offset < result.max_offset:
+    if result.damage is None and result.status == "FOUND" and result.next_begin_offset < result.max_offset:
         _note(args, f"\nnote: more from queue offset {result.next_begin_offset}: reputd query queue "
                     f"{args.topic} {args.queue_id} {result.next_begin_offset}")
-    return EXIT_OK
+    return _damaged(result.damage)
 
 
 def cmd_query_msgid(args, config: Config) -> int:
@@ -673,12 +688,13 @@ def cmd_query_msgid(args, config: Config) -> int:
             print(f"reputd: {note}" if not note.startswith("warning:") else note, file=sys.stderr)
     if not result.messages:
         print(f"reputd: no message with msgId {args.msgid.strip()}", file=sys.stderr)
+        _damaged(result.damage)
         return EXIT_FAILURE
     if result.found_by == "uniqKey":
         n = len(result.messages)
         _note(args, f"msgId {args.msgid.strip()} is a UNIQ_KEY (a client msgId): {n} message{'s' * (n > 1)}")
     _print_records(args, result.messages)
-    return EXIT_OK
+    return _damaged(result.damage)
 
 
 # --- inspect, produce ---------------------------------------------------------------------------------

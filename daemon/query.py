@@ -24,9 +24,10 @@ from indexcore.commitlog import (
     MessageRecord,
     is_record_start,
 )
-from indexcore.consumequeue import CONSUME_QUEUE_DIR, ConsumeQueueStore
-from indexcore.errors import StoreLayoutError
-from indexcore.indexservice import INDEX_DIR, IndexService, QueryOffsetResult
+from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_SIZE, ConsumeQueueStore
+from indexcore.errors import CorruptEntryError, StoreError, StoreLayoutError
+from indexcore.indexservice import INDEX_DIR, IndexQueryDamaged, IndexService, QueryOffsetResult
+from indexcore.mappedfile import offset_to_file_name
 from indexcore.msgid import create_offset_msg_id, decode_offset_msg_id
 from indexcore.reader import CommitLog
 
@@ -83,7 +84,8 @@ def _index_service(config: Config) -> IndexService:
 
 def query_offsets(config: Config, topic: str, key: str, max_num: int, begin: int = 0,
                   end: int = LONG_MAX) -> QueryOffsetResult:
-    """`IndexService.queryOffset`: hash candidates, as the broker returns them."""
+    """`IndexService.queryOffset`: hash candidates, as the broker returns them; a damaged IndexFile is an
+    IndexQueryDamaged carrying the candidates found before the damage."""
     service = _index_service(config)
     try:
         return service.query_offset(topic, key, max_num, begin, end)
@@ -103,25 +105,55 @@ def matches_key(rec: MessageRecord, topic: str, key: str) -> bool:
 
 class KeyQueryResult(NamedTuple):
     """The matching messages, newest first, and how many candidates the index gave out of at most `limit`
-    (`maxMsgsNumBatch`, or less with --max): when it gave `limit`, older matches may exist."""
+    (`maxMsgsNumBatch`, or less with --max): when it gave `limit`, older matches may exist. `damage`: the
+    first damaged IndexFile entry met; the messages are then those found before it."""
 
     messages: list[MessageRecord]
     candidates: int
     limit: int
+    damage: StoreError | None = None
 
     @property
     def cut(self) -> bool:
         return self.candidates >= self.limit
 
 
+def _candidate_damage(log: CommitLog, source: tuple[str, int] | None, offset: int, error: StoreError) -> StoreError:
+    """Why a candidate cannot be read: an IndexFile entry whose phy_offset is no record start is damage of
+    that entry; a record that starts there but fails its checks is the CommitLog's own damage."""
+    if source is None or _record_starts_at(log, offset):
+        return error
+    path, n = source
+    return CorruptEntryError(path, f"entry {n}", "phy_offset", f"CommitLog offset {offset} is not the start of a "
+                                                               f"record ({error})")
+
+
+def _read_candidates(config: Config, log: CommitLog, found: QueryOffsetResult,
+                     damage: StoreError | None) -> tuple[list[MessageRecord], StoreError | None]:
+    """The records of the candidates, newest first, each once; those that cannot be read are left out and
+    the first reason kept (after `damage`, the index's own)."""
+    where = dict(zip(found.phy_offsets, found.sources, strict=False))
+    records = []
+    for offset in sorted(set(found.phy_offsets), reverse=True):
+        try:
+            records.append(_read(config, log, offset))
+        except StoreError as e:
+            damage = damage or _candidate_damage(log, where.get(offset), offset, e)
+    return records, damage
+
+
 def query_key_result(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
                      end: int = LONG_MAX) -> KeyQueryResult:
     """Messages whose topic and key match exactly, newest first, each listed once."""
-    candidates = query_offsets(config, topic, key, max_num, begin, end).phy_offsets
+    damage = None
+    try:
+        found = query_offsets(config, topic, key, max_num, begin, end)
+    except IndexQueryDamaged as e:
+        found, damage = e.partial, e
     log = open_commit_log(config)
-    records = (_read(config, log, offset) for offset in sorted(set(candidates), reverse=True))
-    return KeyQueryResult([rec for rec in records if matches_key(rec, topic, key)], len(candidates),
-                          min(max_num, config.store.max_msgs_num_batch))
+    records, damage = _read_candidates(config, log, found, damage)
+    return KeyQueryResult([rec for rec in records if matches_key(rec, topic, key)], len(found.phy_offsets),
+                          min(max_num, config.store.max_msgs_num_batch), damage)
 
 
 def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
@@ -131,13 +163,15 @@ def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: in
 
 
 class QueueQueryResult(NamedTuple):
-    """`GetMessageResult` in brief: status as the broker names it, the queue's bounds, the messages."""
+    """`GetMessageResult` in brief: status as the broker names it, the queue's bounds, the messages;
+    `damage`: a unit that points at no record, met after the messages before it."""
 
     status: str
     min_offset: int
     max_offset: int
     next_begin_offset: int
     messages: list[MessageRecord]
+    damage: StoreError | None = None
 
 
 def topics(config: Config) -> list[str]:
@@ -206,25 +240,76 @@ def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: i
         if offset > hi:
             return QueueQueryResult("OFFSET_OVERFLOW_BADLY", lo, hi, lo if lo == 0 else hi, [])
         units = cq.read_units(offset, max(count, MAX_FILTER_MESSAGE_UNITS))
-        taken = taken_bytes = 0
+        taken = taken_bytes = consumed = 0
+        msgs: list[MessageRecord] = []
+        damage = None
         for u in units:
-            if _batch_full(taken, taken_bytes, u.msg_size, count, config.store):
+            if (u.commit_log_offset == 0 and u.msg_size == BLANK_UNIT_MSG_SIZE) or (
+                    0 <= u.commit_log_offset < log.min_offset):
+                consumed += 1  # a pre-blank unit, or a message retention removed: the broker passes over both
+                continue
+            damage = _unit_fault(config, log, cq, offset + consumed, u)
+            if damage is not None or _batch_full(taken, taken_bytes, u.msg_size, count, config.store):
                 break
+            rec, damage = _unit_record(config, log, cq, offset + consumed, u)
+            if damage is not None:
+                break
+            consumed += 1
             taken += 1
             taken_bytes += u.msg_size
-        msgs = [_read(config, log, u.commit_log_offset) for u in units[:taken] if u.is_valid]
-        return QueueQueryResult("FOUND", lo, hi, offset + taken, msgs)
+            msgs.append(rec)
+        return QueueQueryResult("FOUND", lo, hi, offset + consumed, msgs, damage)
     finally:
         store.close()
 
 
+def _unit_damage(cq, queue_offset: int, field: str, detail: str) -> CorruptEntryError:
+    logical = queue_offset * CQ_UNIT_SIZE
+    path = os.path.join(cq.directory, offset_to_file_name(logical - logical % cq.file_size))
+    return CorruptEntryError(path, f"unit at queue offset {queue_offset}", field, detail)
+
+
+def _unit_fault(config: Config, log: CommitLog, cq, queue_offset: int, u) -> CorruptEntryError | None:
+    """A ConsumeQueue unit whose offset or size no record can have: damage of the unit (file, queue offset,
+    field), found before the transfer limits look at its size."""
+    phy, size = u.commit_log_offset, u.msg_size
+    if phy < 0:
+        return _unit_damage(cq, queue_offset, "commit_log_offset", f"{phy} is negative")
+    if size <= 0 or size > config.store.max_message_size:
+        return _unit_damage(cq, queue_offset, "msg_size", f"{size} is not a record size (1 to maxMessageSize "
+                                                          f"{config.store.max_message_size})")
+    if phy + size > log.max_offset:
+        return _unit_damage(cq, queue_offset, "commit_log_offset", f"record [{phy}, {phy + size}) runs past the "
+                                                                   f"CommitLog's end {log.max_offset}")
+    return None
+
+
+def _unit_record(config: Config, log: CommitLog, cq, queue_offset: int,
+                 u) -> tuple[MessageRecord | None, StoreError | None]:
+    """The record a ConsumeQueue unit points at, or why it cannot be read: no record starting there, or one of
+    another size, is damage of the unit; a record that is there but fails its own checks is the CommitLog's."""
+    phy, size = u.commit_log_offset, u.msg_size
+    if not _record_starts_at(log, phy):
+        return None, _unit_damage(cq, queue_offset, "commit_log_offset", f"no record starts at CommitLog offset {phy}")
+    try:
+        rec = _read(config, log, phy)
+    except StoreError as e:
+        return None, e
+    if rec.total_size != size:
+        return None, _unit_damage(cq, queue_offset, "msg_size", f"{size}, the record at CommitLog offset {phy} is "
+                                                                f"{rec.total_size} bytes")
+    return rec, None
+
+
 class MsgIdResult(NamedTuple):
     """What `query msgid` found: by `offset` (an offset msgId naming a record start) or by `uniqKey`
-    (the UNIQ_KEY looked up in the index), newest first; `notes` say what else the lookup saw."""
+    (the UNIQ_KEY looked up in the index), newest first; `notes` say what else the lookup saw; `damage`:
+    the first damaged IndexFile entry met (the messages are then those found without it)."""
 
     messages: list[MessageRecord]
     found_by: str | None
     notes: list[str]
+    damage: StoreError | None = None
 
 
 def _record_starts_at(log: CommitLog, offset: int) -> bool:
@@ -272,20 +357,27 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
         return MsgIdResult([], None, notes)
     service = _index_service(config)
     found: dict[int, MessageRecord] = {}
+    damage = None
     try:
         for name in names:
-            result = service.query_offset(name, msg_id, config.store.max_msgs_num_batch, 0, LONG_MAX)
-            for candidate in result.phy_offsets:
-                if candidate not in found:
-                    rec = _read(config, log, candidate)
-                    if rec.topic == name and rec.property_map().get(PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX) == msg_id:
-                        found[candidate] = rec
+            try:
+                result = service.query_offset(name, msg_id, config.store.max_msgs_num_batch, 0, LONG_MAX)
+            except IndexQueryDamaged as e:  # the damage is in this topic's chain: the others are still looked at
+                result, damage = e.partial, damage or e
+            fresh = QueryOffsetResult([o for o in result.phy_offsets if o not in found], 0, 0,
+                                      [s for o, s in zip(result.phy_offsets, result.sources, strict=False)
+                                       if o not in found])
+            records, damage = _read_candidates(config, log, fresh, damage)
+            for rec in records:
+                if rec.topic == name and rec.property_map().get(PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX) == msg_id:
+                    found[rec.physical_offset] = rec
     finally:
         service.close()
     if not found:
         where = f"topic {topic!r}" if topic is not None else f"any of {len(names)} topics"
-        notes.append(f"as a UNIQ_KEY: not in the index under {where}")
-    return MsgIdResult([found[o] for o in sorted(found, reverse=True)], "uniqKey" if found else None, notes)
+        notes.append(f"as a UNIQ_KEY: not in the index under {where}" + (" (as far as it could be read)"
+                                                                            if damage is not None else ""))
+    return MsgIdResult([found[o] for o in sorted(found, reverse=True)], "uniqKey" if found else None, notes, damage)
 
 
 __all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "check_queue", "matches_key", "message_json",
