@@ -642,7 +642,10 @@ def _damaged(damage: Exception | None) -> int:
     """After the answer found before it, the damage a query met: one line on stderr, exit 1."""
     if damage is None:
         return EXIT_OK
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()  # the answer first, then the line saying where it stops
+    except BrokenPipeError:
+        _quiet_stdout()
     print(f"reputd: error: {damage}", file=sys.stderr)
     return EXIT_FAILURE
 
