@@ -295,6 +295,27 @@ class IndexFile:
         why = f"{value} is negative" if value < 0 else f"points at entry {value}, past indexCount {self.index_count}"
         return self._damage(f"slot {slot}", "slot", why)
 
+    def structure_fault(self) -> CorruptEntryError | None:
+        """The first slot or recorded entry no sequence of puts leaves (`slot_fault`, `entry_fault`), or None.
+        Reads the slots and the recorded entries once, TAIL_SCAN_ENTRIES * 64 at a time: what a writer checks
+        of the file it will append to, so that it does not build on damage."""
+        bad = self.slot_fault()
+        if bad is not None:
+            return bad
+        step = TAIL_SCAN_ENTRIES * 64
+        for lo in range(FIRST_INDEX, min(self.index_count, self.index_num), step):
+            hi = min(lo + step, self.index_count, self.index_num)
+            start = self._entries_at + INDEX_ENTRY_SIZE * lo
+            chunk = np.frombuffer(self._file.buffer[start : start + INDEX_ENTRY_SIZE * (hi - lo)],
+                                  dtype=INDEX_ENTRY_DTYPE)
+            n = np.arange(lo, hi)
+            wrong = np.flatnonzero((chunk["time_diff"] < 0) | (chunk["prev_index"] < INVALID_INDEX)
+                                   | (chunk["prev_index"] >= n))
+            if len(wrong):
+                at = lo + int(wrong[0])
+                return self.entry_fault(at, self.entry(at))
+        return None
+
     def header_bytes(self) -> bytes:
         """The header as it is in the file (indexCount not normalised)."""
         return bytes(self._file.buffer[:INDEX_HEADER_SIZE])

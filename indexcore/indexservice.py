@@ -211,7 +211,9 @@ class IndexService:
         Writable, it first removes what a kill during a creation left: temporary files, and, from an
         older reputd or a broker, a newest file of 0 bytes or one allocated but never given its header.
         Each holds nothing. A put cut short in the newest file (entries past its header's count) is
-        undone, as `truncate_to` does it, so the files read as the puts the header records.
+        undone, as `truncate_to` does it, so the files read as the puts the header records. The newest
+        file's slots and recorded entries must then be what puts leave (`IndexFile.structure_fault`), or
+        it is a CorruptEntryError: puts would go on into a damaged chain.
         """
         self.close()
         self.removed = [] if readonly else remove_temporaries(self.directory)
@@ -233,6 +235,9 @@ class IndexService:
             if not readonly:
                 try:
                     self._last.undo_cut_short_put()
+                    bad = self._last.structure_fault()  # the file puts go on into: not built on damage
+                    if bad is not None:
+                        raise bad
                 except BaseException:
                     self._release()
                     raise

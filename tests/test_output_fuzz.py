@@ -58,7 +58,7 @@ STORE = next((s for s in discover() if s.name == "visible"), None)
 TOPIC = "TopicTest"
 QUEUE = 0
 FUZZ_SEED = int(os.environ.get("REPUTD_FUZZ_SEED", "20261126"))
-RANDOM_CASES = scale(12, 300)
+RANDOM_CASES = scale(12, 200)
 # Limits that only a hang reaches: the store is 2.7 MB and every command here takes well under a second.
 QUICK_LIMIT_S = 60
 SLOW_LIMIT_S = 180
@@ -428,6 +428,28 @@ def test_every_kind_at_once_through_the_slow_commands(pristine, tmp_path):
         run.check_bounded(f"all kinds / {command}")
         runs.append(run)
     assert runs[0].returncode == 1, runs[0].stdout[-2000:]
+
+
+def test_run_and_rebuild_do_not_build_on_a_damaged_newest_index_file(pristine, tmp_path):
+    """A cycle in the newest IndexFile, the one puts go on into: `run` quarantines it and indexes again
+    (exit 0, the event naming file, entry and field); `rebuild`, an operator's command, stops at it (exit 1)."""
+    case = Case.of(pristine, tmp_path / "case")
+    newest = case.layout.index[-1]
+    target = case.layout.targets[newest]
+    _cycle(3)(case, target)
+    path = case.index_path(newest)
+    said = f"{path}: entry {target.head - 2}: field prev_index: "
+    run = case.copy(tmp_path / "run").cli("run", "--until-caught-up", limit=SLOW_LIMIT_S)
+    run.check_bounded("run")
+    assert run.returncode == 0, run.stderr[-2000:]
+    moved = [json.loads(ln) for ln in run.stdout.splitlines() if "output_file_quarantined" in ln]
+    assert [e["error"] for e in moved] == [str(tmp_path / "run" / "store" / "index" / newest) + said[len(str(path)):]
+                                           + f"{target.head} links forward; the links from it come back to entry "
+                                           f"{target.head - 2} (a cycle of 3)"]
+    rebuild = case.cli("rebuild", limit=SLOW_LIMIT_S)
+    rebuild.check_bounded("rebuild")
+    assert rebuild.returncode == 1
+    assert rebuild.error.startswith(f"reputd: error: {said}"), rebuild.stderr[-2000:]
 
 
 # --- (b) random byte changes -------------------------------------------------------------------------------
