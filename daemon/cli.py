@@ -720,8 +720,14 @@ def cmd_query_key(args, config: Config) -> int:
     if args.raw:
         import json
 
-        result = query_offsets(config, args.topic, args.key, args.max_num, begin, end)
-        if not result.phy_offsets:
+        from indexcore.indexservice import IndexQueryDamaged
+
+        damage = None
+        try:
+            result = query_offsets(config, args.topic, args.key, args.max_num, begin, end)
+        except IndexQueryDamaged as e:  # the candidates before the damage are still the index's answer
+            result, damage = e.partial, e
+        if not result.phy_offsets and damage is None:
             check_topic(config, args.topic)
         if args.format == "json":
             print(json.dumps({"phyOffsets": result.phy_offsets,
@@ -730,9 +736,9 @@ def cmd_query_key(args, config: Config) -> int:
         else:
             for offset in result.phy_offsets:
                 print(offset)
-        return EXIT_OK
+        return _damaged(damage)
     result = query_key_result(config, args.topic, args.key, args.max_num, begin, end)
-    if not result.messages:
+    if not result.messages and result.damage is None:
         check_topic(config, args.topic)
     if _format(args) == "json":
         from daemon.render import message_json_line
@@ -752,7 +758,19 @@ def cmd_query_key(args, config: Config) -> int:
         _note(args, f"note: the index gave {result.candidates} candidates, the limit ({why}); older messages "
                     "with this key may exist: narrow the time range with --begin/--end")
     _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")
-    return EXIT_OK
+    return _damaged(result.damage)
+
+
+def _damaged(damage: Exception | None) -> int:
+    """After the answer found before it, the damage a query met: one line on stderr, exit 1."""
+    if damage is None:
+        return EXIT_OK
+    try:
+        sys.stdout.flush()  # the answer first, then the line saying where it stops
+    except BrokenPipeError:
+        _quiet_stdout()
+    print(f"reputd: error: {damage}", file=sys.stderr)
+    return EXIT_FAILURE
 
 
 def _print_records(args, records, found_header: str | None = None) -> None:
@@ -785,22 +803,24 @@ def cmd_query_queue(args, config: Config) -> int:
                           "minOffset": result.min_offset, "maxOffset": result.max_offset,
                           "messageCount": len(result.messages), "topic": args.topic, "queueId": args.queue_id,
                           "offset": args.offset, "removed": result.removed,
-                          "commitLogMinOffset": result.commit_log_min_offset}, ensure_ascii=False))
+                          "commitLogMinOffset": result.commit_log_min_offset}
+                         | ({"damage": str(result.damage)} if result.damage is not None else {}), ensure_ascii=False))
         _removed_note(args, result.removed, result.commit_log_min_offset, "unit", as_object=False)
-        return EXIT_OK
+        return _damaged(result.damage)  # exit 1: a script paging on nextBeginOffset stops at the damaged unit
     if result.status != "FOUND":
         print(f"{result.status}: {where}", file=sys.stderr)
     else:
         _note(args, f"FOUND {len(result.messages)} messages at queue offsets [{args.offset}, "
                     f"{result.next_begin_offset}); {where}")
     _print_records(args, result.messages)
-    if result.status in ("FOUND", "MESSAGE_WAS_REMOVING") and result.next_begin_offset < result.max_offset:
+    if result.damage is None and result.status in ("FOUND", "MESSAGE_WAS_REMOVING") \
+            and result.next_begin_offset < result.max_offset:
         more = [str(args.queue_id), str(result.next_begin_offset)] + (["--count", str(args.count)] if args.count != 32
                                                                        else []) + (["--body"] if args.body else [])
         _note(args, f"\nnote: more from queue offset {result.next_begin_offset}: "
                     f"{command_line(args, config, 'query', 'queue', args.topic, *more)}")
     _removed_note(args, result.removed, result.commit_log_min_offset, "unit")
-    return EXIT_OK
+    return _damaged(result.damage)
 
 
 def cmd_query_msgid(args, config: Config) -> int:
@@ -812,10 +832,11 @@ def cmd_query_msgid(args, config: Config) -> int:
         raise UsageError(why)
     _check_inputs(args, config, commit_log=False, output=True)
     result = query_msgid(config, args.msgid.strip(), args.topic)
-    if not result.messages:  # one line saying what was tried
+    if not result.messages:  # one line saying what was tried (and the damage that stopped a look)
         _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")
         tried = "; ".join(note.removeprefix("warning: ") for note in result.notes)
-        print(f"reputd: error: no message with msgId {args.msgid.strip()}: {tried}", file=sys.stderr)
+        damage = f"; {result.damage}" if result.damage is not None else ""
+        print(f"reputd: error: no message with msgId {args.msgid.strip()}: {tried}{damage}", file=sys.stderr)
         return EXIT_FAILURE
     for note in result.notes:
         if note.startswith("warning:"):
@@ -825,7 +846,7 @@ def cmd_query_msgid(args, config: Config) -> int:
         _note(args, f"msgId {args.msgid.strip()} is a UNIQ_KEY (a client msgId): {n} message{'s' * (n > 1)}")
     _print_records(args, result.messages)
     _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")
-    return EXIT_OK
+    return _damaged(result.damage)
 
 
 # --- inspect, produce ---------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
 from indexcore.commitlog import RECORD_PREFIX, MessageRecord
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, CQ_UNIT_SIZE, ConsumeQueueUnit
 from indexcore.dispatch import DelayLevelTable
-from indexcore.errors import StoreLayoutError
-from indexcore.indexfile import FIRST_INDEX, IndexFile, index_file_size
+from indexcore.errors import CorruptEntryError, StoreLayoutError
+from indexcore.indexfile import FIRST_INDEX, IndexFile, IndexHeader, header_fault, index_file_size
 from indexcore.reader import DEFAULT_BATCH_BYTES, Stop, at_written_end, decode_segment
 
 _QUEUE_FILE_NAME = re.compile(r"\d{20}")
@@ -169,21 +169,41 @@ def inspect_consumequeue(path: str, limit: int | None) -> Inspection:
     start = int(os.path.basename(path))
     parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
     size = os.path.getsize(path)
+    header = {"kind": "consumequeue", "path": path, "topic": parts[-3], "queueId": int(parts[-2]),
+              "fileFromOffset": start, "fileSize": size}
+    out = Inspection(header, iter(()))
 
     def rows() -> Iterator[dict]:
+        if size == 0:
+            return
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             for i in range(size // CQ_UNIT_SIZE):
                 u = ConsumeQueueUnit.decode(mm, i * CQ_UNIT_SIZE)
                 if not u.is_valid:
+                    # the write position; written bytes after it are damage (`ConsumeQueue` refuses the file)
+                    if any(mm[(i + 1) * CQ_UNIT_SIZE:]):
+                        field = "commit_log_offset" if u.commit_log_offset < 0 else "msg_size"
+                        out.trailer["error"] = str(CorruptEntryError(
+                            path, f"unit at queue offset {start // CQ_UNIT_SIZE + i}", field,
+                            f"{getattr(u, field)} makes it no valid unit, and written units follow it"))
                     return
                 yield {"queueOffset": start // CQ_UNIT_SIZE + i, **camel_keys(u._asdict())}
 
-    header = {"kind": "consumequeue", "path": path, "topic": parts[-3], "queueId": int(parts[-2]),
-              "fileFromOffset": start, "fileSize": size}
-    return Inspection(header, _limited(rows(), limit))
+    out.rows = _limited(rows(), limit)
+    return out
+
+
+def _newest_in_directory(path: str) -> bool:
+    """Whether no IndexFile in the same directory has a later name (the one a writer may be putting into)."""
+    name = os.path.basename(path)
+    names = os.listdir(os.path.dirname(os.path.abspath(path)))
+    return not any(_INDEX_FILE_NAME.fullmatch(n) and n > name for n in names)
 
 
 def inspect_indexfile(path: str, hash_slot_num: int, index_num: int, limit: int | None) -> Inspection:
+    """The header and the recorded entries; damage (a header no writer leaves, a slot or prev_index that
+    does not point back into the recorded entries, a negative time diff) goes to the trailer, so a damaged
+    file is shown as far as it can be and exits 1. The rows stop at maxIndexNum whatever indexCount says."""
     size = os.path.getsize(path)
     expected = index_file_size(hash_slot_num, index_num)
     if size != expected:
@@ -195,15 +215,32 @@ def inspect_indexfile(path: str, hash_slot_num: int, index_num: int, limit: int 
     f = IndexFile(path, hash_slot_num, index_num, readonly=True)
     header = {"kind": "indexfile", "path": path, "hashSlotNum": hash_slot_num, "indexNum": index_num,
               **camel_keys(f.header._asdict())}
+    out = Inspection(header, iter(()))
+    on_disk = IndexHeader.decode(f.header_bytes())
+    fault = header_fault(on_disk, hash_slot_num, index_num)
+    count = min(f.index_count, index_num)
+    if fault is not None:
+        header["indexCount"] = on_disk.index_count
+        out.trailer["error"] = str(CorruptEntryError(path, "header", *fault))
+    else:
+        bad = f.slot_fault(newest=_newest_in_directory(path))
+        if bad is not None:
+            out.trailer["error"] = str(bad)
 
     def rows() -> Iterator[dict]:
         try:
-            for n in range(FIRST_INDEX, f.index_count):
-                yield {"index": n, **camel_keys(f.entry(n)._asdict())}
+            for n in range(FIRST_INDEX, count):
+                e = f.entry(n)
+                if "error" not in out.trailer:
+                    bad = f.entry_fault(n, e)
+                    if bad is not None:
+                        out.trailer["error"] = str(bad)
+                yield {"index": n, **camel_keys(e._asdict())}
         finally:
             f.close()
 
-    return Inspection(header, _limited(rows(), limit))
+    out.rows = _limited(rows(), limit)
+    return out
 
 
 def inspect_checkpoint(path: str) -> Inspection:

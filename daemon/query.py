@@ -24,9 +24,10 @@ from indexcore.commitlog import (
     MessageRecord,
     is_record_start,
 )
-from indexcore.consumequeue import CONSUME_QUEUE_DIR, ConsumeQueueStore
-from indexcore.errors import StoreLayoutError
-from indexcore.indexservice import INDEX_DIR, IndexService, QueryOffsetResult
+from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_SIZE, ConsumeQueueStore
+from indexcore.errors import CorruptEntryError, StoreError, StoreLayoutError
+from indexcore.indexservice import INDEX_DIR, IndexQueryDamaged, IndexService, QueryOffsetResult
+from indexcore.mappedfile import offset_to_file_name
 from indexcore.msgid import PORT_MAX, create_offset_msg_id, decode_offset_msg_id
 from indexcore.reader import CommitLog
 from indexcore.retention import expired_queue_files
@@ -98,7 +99,8 @@ def _index_service(config: Config) -> IndexService:
 
 def query_offsets(config: Config, topic: str, key: str, max_num: int, begin: int = 0,
                   end: int = LONG_MAX) -> QueryOffsetResult:
-    """`IndexService.queryOffset`: hash candidates, as the broker returns them."""
+    """`IndexService.queryOffset`: hash candidates, as the broker returns them; a damaged IndexFile is an
+    IndexQueryDamaged carrying the candidates found before the damage."""
     service = _index_service(config)
     try:
         return service.query_offset(topic, key, max_num, begin, end)
@@ -120,28 +122,59 @@ class KeyQueryResult(NamedTuple):
     """The matching messages, newest first, and how many candidates the index gave out of at most `limit`
     (`maxMsgsNumBatch`, or less with --max): when it gave `limit`, older matches may exist. `removed`:
     candidates below the CommitLog's first offset, `commit_log_min_offset`, left out (retention deleted
-    their segments; whether they matched cannot be known)."""
+    their segments; whether they matched cannot be known). `damage`: the first damaged IndexFile entry
+    met; the messages are then those found before it."""
 
     messages: list[MessageRecord]
     candidates: int
     limit: int
     removed: int = 0
     commit_log_min_offset: int = 0
+    damage: StoreError | None = None
 
     @property
     def cut(self) -> bool:
         return self.candidates >= self.limit
 
 
+def _candidate_damage(log: CommitLog, source: tuple[str, int] | None, offset: int, error: StoreError) -> StoreError:
+    """Why a candidate cannot be read: an IndexFile entry whose phy_offset is no record start is damage of
+    that entry; a record that starts there but fails its checks is the CommitLog's own damage."""
+    if source is None or _record_starts_at(log, offset):
+        return error
+    path, n = source
+    return CorruptEntryError(path, f"entry {n}", "phy_offset", f"CommitLog offset {offset} is not the start of a "
+                                                               f"record ({error})")
+
+
+def _read_candidates(config: Config, log: CommitLog, found: QueryOffsetResult,
+                     damage: StoreError | None) -> tuple[list[MessageRecord], StoreError | None, list[int]]:
+    """The records of the candidates, newest first, each once; those that cannot be read are left out and
+    the first reason kept (after `damage`, the index's own); those retention removed are left out and
+    returned apart, as the broker's `queryMessage` skips them."""
+    where = dict(zip(found.phy_offsets, found.sources, strict=False))
+    records = []
+    retained, removed = split_removed(log, sorted(set(found.phy_offsets), reverse=True))
+    for offset in retained:
+        try:
+            records.append(_read(config, log, offset))
+        except StoreError as e:
+            damage = damage or _candidate_damage(log, where.get(offset), offset, e)
+    return records, damage, removed
+
+
 def query_key_result(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
                      end: int = LONG_MAX) -> KeyQueryResult:
     """Messages whose topic and key match exactly, newest first, each listed once."""
-    candidates = query_offsets(config, topic, key, max_num, begin, end).phy_offsets
+    damage = None
+    try:
+        found = query_offsets(config, topic, key, max_num, begin, end)
+    except IndexQueryDamaged as e:
+        found, damage = e.partial, e
     log = open_commit_log(config)
-    retained, removed = split_removed(log, sorted(set(candidates), reverse=True))
-    records = (_read(config, log, offset) for offset in retained)
-    return KeyQueryResult([rec for rec in records if matches_key(rec, topic, key)], len(candidates),
-                          min(max_num, config.store.max_msgs_num_batch), len(removed), log.min_offset)
+    records, damage, removed = _read_candidates(config, log, found, damage)
+    return KeyQueryResult([rec for rec in records if matches_key(rec, topic, key)], len(found.phy_offsets),
+                          min(max_num, config.store.max_msgs_num_batch), len(removed), log.min_offset, damage)
 
 
 def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
@@ -151,8 +184,9 @@ def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: in
 
 
 class QueueQueryResult(NamedTuple):
-    """`GetMessageResult` in brief: status as the broker names it, the queue's bounds, the messages, and
-    how many units pointed into segments retention deleted (skipped, as the broker skips them)."""
+    """`GetMessageResult` in brief: status as the broker names it, the queue's bounds, the messages, how
+    many units pointed into segments retention deleted (skipped, as the broker skips them); `damage`: a
+    unit that points at no record, met after the messages before it."""
 
     status: str
     min_offset: int
@@ -161,6 +195,7 @@ class QueueQueryResult(NamedTuple):
     messages: list[MessageRecord]
     removed: int = 0
     commit_log_min_offset: int = 0
+    damage: StoreError | None = None
 
 
 def topics(config: Config) -> list[str]:
@@ -244,39 +279,89 @@ def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: i
         units = cq.read_units(offset, max(count, MAX_FILTER_MESSAGE_UNITS))
         taken = taken_bytes = seen = removed = 0
         next_segment = None  # `nextPhyFileStartOffset`: after a removed unit, units below it are passed over
-        msgs = []
+        msgs: list[MessageRecord] = []
+        damage = None
         for u in units:
             if next_segment is not None and u.commit_log_offset < next_segment:
                 seen += 1
                 continue
-            if _batch_full(taken, taken_bytes, u.msg_size, count, config.store):
-                break
-            seen += 1
-            if u.is_valid and is_removed(log, u.commit_log_offset):
+            if u.commit_log_offset == 0 and u.msg_size == BLANK_UNIT_MSG_SIZE:
+                seen += 1  # a pre-blank unit, or a blank one filling a gap: no message, passed over
+                continue
+            if is_removed(log, u.commit_log_offset):
+                if _batch_full(taken, taken_bytes, u.msg_size, count, config.store):
+                    break
+                seen += 1
                 removed += 1
                 next_segment = log.segment_start(u.commit_log_offset) + log.segment_size
                 continue
             next_segment = None
+            damage = _unit_fault(config, log, cq, offset + seen, u)
+            if damage is not None or _batch_full(taken, taken_bytes, u.msg_size, count, config.store):
+                break
+            rec, damage = _unit_record(config, log, cq, offset + seen, u)
+            if damage is not None:
+                break
+            seen += 1
             taken += 1
             taken_bytes += u.msg_size
-            if u.is_valid:
-                msgs.append(_read(config, log, u.commit_log_offset))
+            msgs.append(rec)
         status = "FOUND" if taken or not removed else "MESSAGE_WAS_REMOVING"
-        return QueueQueryResult(status, lo, hi, offset + seen, msgs, removed, first)
+        return QueueQueryResult(status, lo, hi, offset + seen, msgs, removed, first, damage)
     finally:
         store.close()
+
+
+def _unit_damage(cq, queue_offset: int, field: str, detail: str) -> CorruptEntryError:
+    logical = queue_offset * CQ_UNIT_SIZE
+    path = os.path.join(cq.directory, offset_to_file_name(logical - logical % cq.file_size))
+    return CorruptEntryError(path, f"unit at queue offset {queue_offset}", field, detail)
+
+
+def _unit_fault(config: Config, log: CommitLog, cq, queue_offset: int, u) -> CorruptEntryError | None:
+    """A ConsumeQueue unit whose offset or size no record can have: damage of the unit (file, queue offset,
+    field), found before the transfer limits look at its size."""
+    phy, size = u.commit_log_offset, u.msg_size
+    if phy < 0:
+        return _unit_damage(cq, queue_offset, "commit_log_offset", f"{phy} is negative")
+    if size <= 0 or size > config.store.max_message_size:
+        return _unit_damage(cq, queue_offset, "msg_size", f"{size} is not a record size (1 to maxMessageSize "
+                                                          f"{config.store.max_message_size})")
+    if phy + size > log.max_offset:
+        return _unit_damage(cq, queue_offset, "commit_log_offset", f"record [{phy}, {phy + size}) runs past the "
+                                                                   f"CommitLog's end {log.max_offset}")
+    return None
+
+
+def _unit_record(config: Config, log: CommitLog, cq, queue_offset: int,
+                 u) -> tuple[MessageRecord | None, StoreError | None]:
+    """The record a ConsumeQueue unit points at, or why it cannot be read: no record starting there, or one of
+    another size, is damage of the unit; a record that is there but fails its own checks is the CommitLog's."""
+    phy, size = u.commit_log_offset, u.msg_size
+    if not _record_starts_at(log, phy):
+        return None, _unit_damage(cq, queue_offset, "commit_log_offset", f"no record starts at CommitLog offset {phy}")
+    try:
+        rec = _read(config, log, phy)
+    except StoreError as e:
+        return None, e
+    if rec.total_size != size:
+        return None, _unit_damage(cq, queue_offset, "msg_size", f"{size}, the record at CommitLog offset {phy} is "
+                                                                f"{rec.total_size} bytes")
+    return rec, None
 
 
 class MsgIdResult(NamedTuple):
     """What `query msgid` found: by `offset` (an offset msgId naming a record start) or by `uniqKey`
     (the UNIQ_KEY looked up in the index), newest first; `notes` say what else the lookup saw; `removed`:
-    index candidates below the CommitLog's first offset, left out (retention deleted their segments)."""
+    index candidates below the CommitLog's first offset, left out (retention deleted their segments);
+    `damage`: the first damaged IndexFile entry met (the messages are then those found without it)."""
 
     messages: list[MessageRecord]
     found_by: str | None
     notes: list[str]
     removed: int = 0
     commit_log_min_offset: int = 0
+    damage: StoreError | None = None
 
 
 def _record_starts_at(log: CommitLog, offset: int) -> bool:
@@ -333,23 +418,29 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
     service = _index_service(config)
     found: dict[int, MessageRecord] = {}
     removed: set[int] = set()
+    damage = None
     try:
         for name in names:
-            result = service.query_offset(name, msg_id, config.store.max_msgs_num_batch, 0, LONG_MAX)
-            for candidate in result.phy_offsets:
-                if is_removed(log, candidate):
-                    removed.add(candidate)
-                elif candidate not in found:
-                    rec = _read(config, log, candidate)
-                    if rec.topic == name and rec.property_map().get(PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX) == msg_id:
-                        found[candidate] = rec
+            try:
+                result = service.query_offset(name, msg_id, config.store.max_msgs_num_batch, 0, LONG_MAX)
+            except IndexQueryDamaged as e:  # the damage is in this topic's chain: the others are still looked at
+                result, damage = e.partial, damage or e
+            fresh = QueryOffsetResult([o for o in result.phy_offsets if o not in found], 0, 0,
+                                      [s for o, s in zip(result.phy_offsets, result.sources, strict=False)
+                                       if o not in found])
+            records, damage, gone = _read_candidates(config, log, fresh, damage)
+            removed.update(gone)
+            for rec in records:
+                if rec.topic == name and rec.property_map().get(PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX) == msg_id:
+                    found[rec.physical_offset] = rec
     finally:
         service.close()
     if not found:
         where = f"topic {topic!r}" if topic is not None else f"any of {len(names)} topics"
-        notes.append(f"as a UNIQ_KEY: not in the index under {where}")
+        notes.append(f"as a UNIQ_KEY: not in the index under {where}" + (" (as far as it could be read)"
+                                                                            if damage is not None else ""))
     return MsgIdResult([found[o] for o in sorted(found, reverse=True)], "uniqKey" if found else None, notes,
-                       len(removed), log.min_offset)
+                       len(removed), log.min_offset, damage)
 
 
 __all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "check_queue", "check_topic", "is_removed",

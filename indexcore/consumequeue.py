@@ -46,7 +46,7 @@ import numpy as np
 
 from indexcore import _kernels
 from indexcore.dispatch import DispatchBatch
-from indexcore.errors import StoreLayoutError
+from indexcore.errors import CorruptEntryError, StoreLayoutError
 from indexcore.mappedfile import OpenFiles, check_sizes, list_queue_files, offset_to_file_name, remove_temporaries
 
 CQ_UNIT = struct.Struct(">qiq")
@@ -509,8 +509,11 @@ class ConsumeQueue:
                     # units are appended in order and truncation zeroes what it removes: written bytes after
                     # the first invalid unit are damage, and taking the queue as ending there would lose them
                     # (only the newest file is written to, so only it can hold a write a kill stopped)
-                    raise StoreLayoutError(path, f"unit {start // CQ_UNIT_SIZE + n} is not a valid unit, and "
-                                                 "written units follow it")
+                    bad = units[n]
+                    field, value = (("commit_log_offset", int(bad["commit_log_offset"]))
+                                    if bad["commit_log_offset"] < 0 else ("msg_size", int(bad["msg_size"])))
+                    raise CorruptEntryError(path, f"unit at queue offset {start // CQ_UNIT_SIZE + n}", field,
+                                            f"{value} makes it no valid unit, and written units follow it")
                 if not self.readonly:  # the first bytes of a unit whose write a kill stopped: not a unit
                     self._open.write(path, bytes(CQ_UNIT_SIZE), n * CQ_UNIT_SIZE)
                     self.torn.append(path)

@@ -58,6 +58,23 @@ class StoreLayoutError(StoreError):
         return (StoreLayoutError, (self.path, self.detail))
 
 
+class CorruptEntryError(StoreLayoutError):
+    """An entry of an output file (an IndexFile's header, slot or entry, a ConsumeQueue unit) that no
+    writer can have left: a prev_index cycle, a link past indexCount, a unit pointing at no record. It
+    names the file, the entry (`entry`: "entry 7", "slot 12", "header", "unit at queue offset 40") and the
+    field, so a reader reports damage instead of looping or answering wrong. A StoreLayoutError, so every
+    caller that reports one already reports this."""
+
+    def __init__(self, path: str, entry: str, field: str, detail: str):
+        self.entry = entry
+        self.field = field
+        super().__init__(path, f"{entry}: field {field}: {detail}")
+        self.detail = detail
+
+    def __reduce__(self):
+        return (CorruptEntryError, (self.path, self.entry, self.field, self.detail))
+
+
 class SizeMismatchError(StoreLayoutError):
     """A file whose size is not the one the configured store settings give it: most often settings that
     differ from the broker's (`mappedFileSizeCommitLog`, `mappedFileSizeConsumeQueue`, `maxHashSlotNum`

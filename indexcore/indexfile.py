@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from indexcore import _kernels
-from indexcore.errors import StoreLayoutError
+from indexcore.errors import CorruptEntryError, StoreLayoutError
 from indexcore.mappedfile import MappedFile
 
 INDEX_HEADER = struct.Struct(">qqqqii")
@@ -94,18 +94,25 @@ def header_problem(header: IndexHeader, hash_slot_num: int, index_num: int) -> s
     may have written hashSlotCount but not yet indexCount, so the chains started can reach the
     (normalised) count itself, one more than the entries it records; never more than the slots.
     """
+    fault = header_fault(header, hash_slot_num, index_num)
+    return None if fault is None else fault[1]
+
+
+def header_fault(header: IndexHeader, hash_slot_num: int, index_num: int) -> tuple[str, str] | None:
+    """`header_problem` with the field at fault: (field, why), or None."""
     count = header.index_count
     if not 0 <= count <= index_num:
-        return f"header indexCount {count} is outside [0, maxIndexNum {index_num}]"
+        return "index_count", f"header indexCount {count} is outside [0, maxIndexNum {index_num}]"
     most = min(hash_slot_num, max(count, FIRST_INDEX))
     if not 0 <= header.hash_slot_count <= most:
-        return (f"header hashSlotCount {header.hash_slot_count} is outside [0, {most}] (maxHashSlotNum "
-                f"{hash_slot_num}, indexCount {count})")
+        return "hash_slot_count", (f"header hashSlotCount {header.hash_slot_count} is outside [0, {most}] "
+                                   f"(maxHashSlotNum {hash_slot_num}, indexCount {count})")
     for field in ("begin_timestamp", "end_timestamp", "begin_phy_offset", "end_phy_offset"):
         if getattr(header, field) < 0:
-            return f"header {field} {getattr(header, field)} is negative"
+            return field, f"header {field} {getattr(header, field)} is negative"
     if header.begin_phy_offset > header.end_phy_offset:
-        return f"header begin_phy_offset {header.begin_phy_offset} > end_phy_offset {header.end_phy_offset}"
+        return "begin_phy_offset", (f"header begin_phy_offset {header.begin_phy_offset} > end_phy_offset "
+                                    f"{header.end_phy_offset}")
     return None
 
 
@@ -218,24 +225,118 @@ class IndexFile:
         """`IndexFile.putKey` for one key; False when the file is full."""
         return self.put_keys(np.array([key_hash]), np.array([phy_offset]), np.array([store_timestamp])) == 1
 
-    def select_phy_offsets(self, out: list[int], key_hash: int, max_num: int, begin: int, end: int) -> None:
+    def select_phy_offsets(self, out: list[int], key_hash: int, max_num: int, begin: int, end: int, *,
+                           entries: list[int] | None = None, newest: bool = False) -> None:
         """`selectPhyOffset`: walk the slot's chain newest first, appending offsets whose hash matches
-        and whose reconstructed time lies in [begin, end]. Only the 32-bit hash is compared."""
+        and whose reconstructed time lies in [begin, end] (and, to `entries`, their entry numbers). Only
+        the 32-bit hash is compared.
+
+        Bounded on any bytes: a put links its entry to an older one, so every link must go back, and a
+        walk visits at most indexCount entries. A slot or link that is negative, does not go back (a
+        cycle, a self-loop) or points past the entries the file holds, and a negative time diff, are a
+        CorruptEntryError naming the entry and field, raised after `out` got what the chain gave before
+        it. The broker's walk stops silently at some of these and loops for ever on a longer cycle. In
+        the `newest` file, a slot past indexCount is a put in progress (a live writer puts entries and
+        slots before the header): its uncounted entries are passed over, as the broker does not count
+        them, and the walk goes on from the first counted one.
+        """
         buf = self._file.buffer
-        slot_value = HASH_SLOT.unpack_from(buf, INDEX_HEADER_SIZE + HASH_SLOT_SIZE * (key_hash % self.hash_slot_num))[0]
-        if slot_value <= INVALID_INDEX or slot_value > self.index_count or self.index_count <= FIRST_INDEX:
+        slot = key_hash % self.hash_slot_num
+        n = HASH_SLOT.unpack_from(buf, INDEX_HEADER_SIZE + HASH_SLOT_SIZE * slot)[0]
+        if n == INVALID_INDEX:
             return
-        n = slot_value
+        if n < INVALID_INDEX:
+            raise self._damage(f"slot {slot}", "slot", f"{n} is negative")
+        count = min(self.index_count, self.index_num)
+        if n >= count and not (newest and n < self.index_num):
+            raise self._damage(f"slot {slot}", "slot", f"points at entry {n}, past indexCount {count}")
         while len(out) < max_num:
             kh, phy, time_diff, prev = INDEX_ENTRY.unpack_from(buf, self._entries_at + INDEX_ENTRY_SIZE * n)
-            if time_diff < 0:
+            if n < count:
+                if time_diff < 0:
+                    raise self._damage(f"entry {n}", "time_diff", f"{time_diff} is negative")
+                t = self.begin_timestamp + time_diff * MS_PER_SECOND
+                if kh == key_hash and begin <= t <= end:
+                    out.append(phy)
+                    if entries is not None:
+                        entries.append(n)
+                if t < begin:
+                    break
+            if prev == INVALID_INDEX:
                 break
-            t = self.begin_timestamp + time_diff * MS_PER_SECOND
-            if kh == key_hash and begin <= t <= end:
-                out.append(phy)
-            if prev <= INVALID_INDEX or prev > self.index_count or prev == n or t < begin:
-                break
+            if prev < INVALID_INDEX:
+                raise self._damage(f"entry {n}", "prev_index", f"{prev} is negative")
+            if prev >= n:
+                raise self._damage(f"entry {n}", "prev_index", self._bad_link(n, prev, count))
             n = prev
+
+    def entry_fault(self, n: int, e: IndexEntry) -> CorruptEntryError | None:
+        """Why recorded entry `n` cannot have been put (the rules `select_phy_offsets` walks by), or None."""
+        if e.time_diff < 0:
+            return self._damage(f"entry {n}", "time_diff", f"{e.time_diff} is negative")
+        if e.prev_index < INVALID_INDEX:
+            return self._damage(f"entry {n}", "prev_index", f"{e.prev_index} is negative")
+        if e.prev_index >= n:
+            return self._damage(f"entry {n}", "prev_index", self._bad_link(n, e.prev_index, self.index_count))
+        return None
+
+    def slot_fault(self, *, newest: bool = False) -> CorruptEntryError | None:
+        """The first slot that is negative or points past the recorded entries (in the `newest` file, past
+        the entries the file can hold: a put in progress writes slots before the header), or None."""
+        slots = self._slots()
+        try:
+            limit = self.index_num if newest else self.index_count
+            bad = np.flatnonzero((slots < INVALID_INDEX) | (slots >= limit))
+            if len(bad) == 0:
+                return None
+            slot, value = int(bad[0]), int(slots[bad[0]])
+        finally:
+            del slots
+        why = f"{value} is negative" if value < 0 else f"points at entry {value}, past indexCount {self.index_count}"
+        return self._damage(f"slot {slot}", "slot", why)
+
+    def structure_fault(self) -> CorruptEntryError | None:
+        """The first slot or recorded entry no sequence of puts leaves (`slot_fault`, `entry_fault`), or None.
+        Reads the slots and the recorded entries once, TAIL_SCAN_ENTRIES * 64 at a time: what a writer checks
+        of the file it will append to, so that it does not build on damage."""
+        bad = self.slot_fault()
+        if bad is not None:
+            return bad
+        step = TAIL_SCAN_ENTRIES * 64
+        for lo in range(FIRST_INDEX, min(self.index_count, self.index_num), step):
+            hi = min(lo + step, self.index_count, self.index_num)
+            start = self._entries_at + INDEX_ENTRY_SIZE * lo
+            chunk = np.frombuffer(self._file.buffer[start : start + INDEX_ENTRY_SIZE * (hi - lo)],
+                                  dtype=INDEX_ENTRY_DTYPE)
+            n = np.arange(lo, hi)
+            wrong = np.flatnonzero((chunk["time_diff"] < 0) | (chunk["prev_index"] < INVALID_INDEX)
+                                   | (chunk["prev_index"] >= n))
+            if len(wrong):
+                at = lo + int(wrong[0])
+                return self.entry_fault(at, self.entry(at))
+        return None
+
+    def header_bytes(self) -> bytes:
+        """The header as it is in the file (indexCount not normalised)."""
+        return bytes(self._file.buffer[:INDEX_HEADER_SIZE])
+
+    def _damage(self, entry: str, field: str, detail: str) -> CorruptEntryError:
+        return CorruptEntryError(self.path, entry, field, detail)
+
+    def _bad_link(self, n: int, prev: int, count: int) -> str:
+        """What a prev_index that does not go back is: past the entries, a self-loop, or a cycle (found by
+        following the links from `prev` for at most indexCount steps)."""
+        if prev >= count:
+            return f"{prev} is past indexCount {count}"
+        if prev == n:
+            return f"{prev} links the entry to itself (a cycle of 1)"
+        at, steps = prev, 1
+        while steps <= count and FIRST_INDEX <= at < min(count, self.index_num):
+            at = INDEX_ENTRY.unpack_from(self._file.buffer, self._entries_at + INDEX_ENTRY_SIZE * at)[3]
+            steps += 1
+            if at == n:
+                return f"{prev} links forward; the links from it come back to entry {n} (a cycle of {steps})"
+        return f"{prev} links forward (a put links only to an older entry)"
 
     def count_last_entries(self, phy_offset: int) -> int:
         """How many of the newest recorded entries, counting back from the last, point at `phy_offset`:

@@ -27,12 +27,13 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
+from dataclasses import field as data_field
 
 import numpy as np
 
 from indexcore import _failpoints
 from indexcore.dispatch import INDEX_KEY_SEPARATOR, DispatchBatch
-from indexcore.errors import SizeMismatchError, StoreLayoutError
+from indexcore.errors import CorruptEntryError, SizeMismatchError, StoreLayoutError
 from indexcore.indexfile import (
     DEFAULT_MAX_HASH_SLOT_NUM,
     DEFAULT_MAX_INDEX_NUM,
@@ -42,7 +43,7 @@ from indexcore.indexfile import (
     INT64_MAX,
     IndexFile,
     IndexHeader,
-    header_problem,
+    header_fault,
     index_file_size,
 )
 from indexcore.javahash import index_key_hash
@@ -80,11 +81,25 @@ def next_index_file_name(previous_name: str | None, store_timestamp: int,
 
 @dataclass(frozen=True, slots=True)
 class QueryOffsetResult:
-    """`QueryOffsetResult`: candidate offsets (hash matches only), newest first, file by file."""
+    """`QueryOffsetResult`: candidate offsets (hash matches only), newest first, file by file; `sources`
+    gives the IndexFile path and entry number each came from."""
 
     phy_offsets: list[int]
     index_last_update_timestamp: int
     index_last_update_phy_offset: int
+    sources: list[tuple[str, int]] = data_field(default_factory=list)
+
+
+class IndexQueryDamaged(CorruptEntryError):
+    """A query that met a damaged IndexFile (`IndexFile.select_phy_offsets`): the damage, and in `partial`
+    the candidates found before it, which are still right."""
+
+    def __init__(self, damage: CorruptEntryError, partial: QueryOffsetResult):
+        super().__init__(damage.path, damage.entry, damage.field, damage.detail)
+        self.partial = partial
+
+    def __reduce__(self):
+        return (IndexQueryDamaged, (CorruptEntryError(self.path, self.entry, self.field, self.detail), self.partial))
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +200,9 @@ class IndexService:
         # would index the record at the end again, and knows nothing of a record cut at a roll
         self.resume: IndexResume | None = None
         self.removed: list[str] = []  # what `load` removed: leftovers of creations cut short
+        # read-only: files whose header no writer can have left, by name; a query reports one when it gets
+        # there, after what the newer files gave
+        self.damaged: dict[str, CorruptEntryError] = {}
 
     def load(self, *, readonly: bool = False) -> None:
         """Open the existing files in name order; a foreign name, a wrong size or a header no writer can
@@ -193,14 +211,22 @@ class IndexService:
         Writable, it first removes what a kill during a creation left: temporary files, and, from an
         older reputd or a broker, a newest file of 0 bytes or one allocated but never given its header.
         Each holds nothing. A put cut short in the newest file (entries past its header's count) is
-        undone, as `truncate_to` does it, so the files read as the puts the header records.
+        undone, as `truncate_to` does it, so the files read as the puts the header records. The newest
+        file's slots and recorded entries must then be what puts leave (`IndexFile.structure_fault`), or
+        it is a CorruptEntryError: puts would go on into a damaged chain.
         """
         self.close()
         self.removed = [] if readonly else remove_temporaries(self.directory)
         self.names = self._scan(drop_empty_newest=not readonly)
+        self.damaged = {}
         for name in self.names:
-            self._check_header(name)
-        if self.names:
+            try:
+                self._check_header(name)
+            except CorruptEntryError as e:
+                if not readonly:
+                    raise
+                self.damaged[name] = e
+        if self.names and self.names[-1] not in self.damaged:
             self._last = IndexFile(self._path(self.names[-1]), self.hash_slot_num, self.index_num, readonly=readonly)
             if not readonly and len(self.names) > 1 and self._last.is_unwritten():
                 self._last.close()
@@ -209,6 +235,9 @@ class IndexService:
             if not readonly:
                 try:
                     self._last.undo_cut_short_put()
+                    bad = self._last.structure_fault()  # the file puts go on into: not built on damage
+                    if bad is not None:
+                        raise bad
                 except BaseException:
                     self._release()
                     raise
@@ -247,9 +276,9 @@ class IndexService:
         path = self._path(name)
         with open(path, "rb") as f:
             header = IndexHeader.decode(f.read(INDEX_HEADER_SIZE))
-        problem = header_problem(header, self.hash_slot_num, self.index_num)
-        if problem is not None:
-            raise StoreLayoutError(path, problem)
+        fault = header_fault(header, self.hash_slot_num, self.index_num)
+        if fault is not None:
+            raise CorruptEntryError(path, "header", *fault)
 
     def state(self) -> IndexState | None:
         """The newest file's name and in-memory header, or None when there is no file."""
@@ -455,24 +484,34 @@ class IndexService:
         return fresh, -1, 0
 
     def query_offset(self, topic: str, key: str, max_num: int, begin: int, end: int) -> QueryOffsetResult:
-        """`IndexService.queryOffset`: hash candidates for `topic#key`, newest file first."""
+        """`IndexService.queryOffset`: hash candidates for `topic#key`, newest file first. A damaged file
+        is an IndexQueryDamaged carrying the candidates found before the damage."""
         max_num = min(max_num, self.max_msgs_num_batch)
         key_hash = index_key_hash(topic + INDEX_KEY_SEPARATOR + key)
         out: list[int] = []
+        sources: list[tuple[str, int]] = []
         last_ts = last_phy = 0
         for i, name in enumerate(reversed(self.names)):
+            if name in self.damaged:
+                raise IndexQueryDamaged(self.damaged[name], QueryOffsetResult(out, last_ts, last_phy, sources))
             f = self._open_for_read(name)
             try:
                 if i == 0:
                     last_ts, last_phy = f.end_timestamp, f.end_phy_offset
                 if f.is_time_matched(begin, end):
-                    f.select_phy_offsets(out, key_hash, max_num, begin, end)
+                    entries: list[int] = []
+                    try:
+                        f.select_phy_offsets(out, key_hash, max_num, begin, end, entries=entries, newest=i == 0)
+                    except CorruptEntryError as e:
+                        sources.extend((f.path, n) for n in entries)
+                        raise IndexQueryDamaged(e, QueryOffsetResult(out, last_ts, last_phy, sources)) from None
+                    sources.extend((f.path, n) for n in entries)
                 if f.begin_timestamp < begin or len(out) >= max_num:
                     break
             finally:
                 if f is not self._last:
                     f.close()
-        return QueryOffsetResult(out, last_ts, last_phy)
+        return QueryOffsetResult(out, last_ts, last_phy, sources)
 
     def _open_for_read(self, name: str) -> IndexFile:
         if self._last is not None and self._last.path == self._path(name):
@@ -498,6 +537,6 @@ class IndexService:
             self._last = None
 
 
-__all__ = ["INDEX_DIR", "IndexResume", "IndexService", "IndexState", "QueryOffsetResult", "TruncateReport",
-           "index_file_name", "index_file_time", "next_index_file_name"]
+__all__ = ["INDEX_DIR", "IndexQueryDamaged", "IndexResume", "IndexService", "IndexState", "QueryOffsetResult",
+           "TruncateReport", "index_file_name", "index_file_time", "next_index_file_name"]
 

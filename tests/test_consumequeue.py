@@ -534,7 +534,7 @@ def test_only_a_last_unit_across_a_page_boundary_is_taken_for_torn(tmp_path: Pat
     data = bytearray(path.read_bytes())
     data[204 * UNIT_SIZE + 8 : 204 * UNIT_SIZE + 12] = bytes(4)  # unit 204's size zeroed, units after it kept
     path.write_bytes(bytes(data))
-    with pytest.raises(StoreLayoutError, match="unit 204 is not a valid unit"):
+    with pytest.raises(StoreLayoutError, match="unit at queue offset 204: field msg_size: 0 makes it no valid unit"):
         ConsumeQueue(str(damaged), "T", 0, fs)
 
     older = tmp_path / "older"  # the pattern of a stopped write in a file before the newest: damage
@@ -542,7 +542,7 @@ def test_only_a_last_unit_across_a_page_boundary_is_taken_for_torn(tmp_path: Pat
     put(cq, units_for(1100, base=1 << 40))
     cq.close()
     tear(older / offset_to_file_name(0), 204 * UNIT_SIZE + 4)
-    with pytest.raises(StoreLayoutError, match="unit 204 is not a valid unit"):
+    with pytest.raises(StoreLayoutError, match="unit at queue offset 204: field msg_size"):
         ConsumeQueue(str(older), "T", 0, fs)
     assert (older / offset_to_file_name(fs)).exists()
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from indexcore.errors import StoreLayoutError
 from indexcore.indexfile import INDEX_HEADER_SIZE, IndexFile
-from indexcore.indexservice import IndexResume, IndexService, IndexState, index_file_name
+from indexcore.indexservice import IndexQueryDamaged, IndexResume, IndexService, IndexState, index_file_name
 from tests.conformance import discover
 from tests.conftest import DispatchRec, make_dispatch_batch, model_index_key_hash
 
@@ -506,15 +506,23 @@ def patch_header(path: Path, fields: dict[int, int]) -> None:
 @pytest.mark.parametrize("which", [0, -1], ids=["older-file", "newest-file"])
 @pytest.mark.parametrize("garbage", GARBAGE)
 def test_garbage_header_is_refused_at_load(tmp_path: Path, garbage: str, which: int) -> None:
-    """load() (also read-only) checks every file's header; opening a file for writing does too."""
+    """load() checks every file's header; opening a file for writing does too. A read-only load keeps the
+    damage for the query that gets to the file: it raises there, with the newer files' candidates."""
     run(tmp_path, [keyed(0, 6)], SLOTS, ENTRIES).close()
     path = tmp_path / "index" / sorted(disk_files(tmp_path))[which]
     patch_header(path, GARBAGE[garbage])
-    for readonly in (False, True):
-        with pytest.raises(StoreLayoutError) as e:
-            IndexService(str(tmp_path), SLOTS, ENTRIES).load(readonly=readonly)
-        assert e.value.path == str(path)
-        assert str(path) in str(e.value)
+    with pytest.raises(StoreLayoutError) as e:
+        IndexService(str(tmp_path), SLOTS, ENTRIES).load()
+    assert e.value.path == str(path)
+    assert str(path) in str(e.value)
+    reader = IndexService(str(tmp_path), SLOTS, ENTRIES)
+    reader.load(readonly=True)
+    with pytest.raises(IndexQueryDamaged) as e:
+        reader.query_offset("T", "k0", 64, 0, 2**63 - 1)
+    reader.close()
+    assert e.value.path == str(path)
+    assert e.value.entry == "header"
+    assert str(path) in str(e.value)
     with pytest.raises(StoreLayoutError):
         IndexFile(str(path), SLOTS, ENTRIES)
 

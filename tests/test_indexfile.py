@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from indexcore.errors import CorruptEntryError
 from indexcore.indexfile import INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE, IndexEntry, IndexFile, IndexHeader
 from indexcore.javahash import index_key_hash
 from tests.conftest import ModelIndexFile, model_index_key_hash
@@ -322,3 +323,82 @@ def test_entry_offsets_are_layout_arithmetic(tmp_path: Path) -> None:
         assert IndexEntry.decode(data, at) == f.entry(n)
     assert f.entry(2) == IndexEntry(2112, 22, 2, 1)
     f.close()
+
+
+# --- damaged chains (issue 32): a walk is bounded by indexCount and reports what it met ---------------------
+
+PREV_AT = 16  # prev_index inside an entry
+TIME_DIFF_AT = 12
+
+
+def chained(tmp_path: Path, n: int = 8) -> tuple[IndexFile, int]:
+    """One slot's chain of `n` entries of KEY1 (1 <- 2 <- ... <- n) in a file of 4 slots and 32 entries."""
+    f = new_file(tmp_path, "damaged", 4, 32)
+    for i in range(n):
+        assert put(f, KEY1, 1000 * (i + 1), T0 + 1000 * i)
+    return f, index_key_hash(KEY1) % 4
+
+
+def patch_entry(f: IndexFile, n: int, at: int, value: int) -> None:
+    f._file.write(INDEX_HEADER_SIZE + 4 * f.hash_slot_num + INDEX_ENTRY_SIZE * n + at, value.to_bytes(4, "big",
+                                                                                                       signed=True))
+
+
+def select_damaged(f: IndexFile, newest: bool = False) -> tuple[list[int], CorruptEntryError | None]:
+    out: list[int] = []
+    try:
+        f.select_phy_offsets(out, index_key_hash(KEY1), 32, 0, FOREVER, newest=newest)
+    except CorruptEntryError as e:
+        return out, e
+    return out, None
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_prev_index_cycle_is_reported_after_the_entries_before_it(tmp_path: Path, k: int) -> None:
+    """Entry 8-k+1 links back up to 8: entries 8 .. 8-k+1 are returned, then the cycle is named."""
+    f, _ = chained(tmp_path)
+    patch_entry(f, 8 - k + 1, PREV_AT, 8)
+    out, error = select_damaged(f)
+    f.close()
+    assert out == [1000 * n for n in range(8, 8 - k, -1)]
+    assert (error.path, error.entry, error.field) == (str(tmp_path / "damaged"), f"entry {8 - k + 1}", "prev_index")
+    assert f"a cycle of {k}" in str(error)
+
+
+@pytest.mark.parametrize(("at", "value", "entry", "field"), [
+    (PREV_AT, 5, "entry 5", "prev_index"),  # a self-loop, which the broker's walk stops at silently
+    (PREV_AT, 30, "entry 5", "prev_index"),  # past indexCount 9
+    (PREV_AT, 2**31 - 1, "entry 5", "prev_index"),  # past the file
+    (PREV_AT, -3, "entry 5", "prev_index"),
+    (TIME_DIFF_AT, -1, "entry 5", "time_diff"),
+], ids=["self-loop", "past-count", "past-file", "negative-link", "negative-time-diff"])
+def test_bad_link_or_time_diff_names_entry_and_field(tmp_path: Path, at: int, value: int, entry: str,
+                                                     field: str) -> None:
+    f, _ = chained(tmp_path)
+    patch_entry(f, 5, at, value)
+    out, error = select_damaged(f)
+    f.close()
+    assert (error.entry, error.field) == (entry, field)
+    assert out == ([8000, 7000, 6000, 5000] if field == "prev_index" else [8000, 7000, 6000])
+
+
+@pytest.mark.parametrize("value", [-1, 12, 2**31 - 1], ids=["negative", "past-count", "past-file"])
+def test_bad_slot_is_reported(tmp_path: Path, value: int) -> None:
+    f, slot = chained(tmp_path)
+    f._file.write(INDEX_HEADER_SIZE + 4 * slot, value.to_bytes(4, "big", signed=True))
+    out, error = select_damaged(f)
+    f.close()
+    assert (out, error.entry, error.field) == ([], f"slot {slot}", "slot")
+
+
+def test_newest_file_passes_over_a_put_in_progress(tmp_path: Path) -> None:
+    """A live writer puts entries and slots before the header: in the newest file a slot past indexCount
+    leads through uncounted entries to the counted chain, which is answered whole."""
+    f, slot = chained(tmp_path)
+    patch_entry(f, 12, 0, index_key_hash(KEY1))
+    patch_entry(f, 12, PREV_AT, 8)
+    f._file.write(INDEX_HEADER_SIZE + 4 * slot, (12).to_bytes(4, "big"))
+    out, error = select_damaged(f, newest=True)
+    f.close()
+    assert error is None
+    assert out == [1000 * n for n in range(8, 0, -1)]
