@@ -68,8 +68,8 @@ STARTUP_BEAT_S = 10.0
 STARTUP_EXTEND_S = 30.0
 STARTUP_PROGRESS_CPU_S = 0.05
 # A record being copied in does not fill front to back (memcpy stores the tail of a small copy first),
-# so a bad record at the head of the newest segment may be one still in flight: it is only declared
-# corrupt once it has stayed bad this long.
+# so a bad record near the head (in the newest segment with data, or the one before it, which a roll has
+# just left) may be one still in flight: it is only declared corrupt once it has stayed bad this long.
 IN_FLIGHT_GRACE_S = 1.0
 # How far batches spread thin over many queues grow while the loop is behind (`rebuild.widen_thin_batches`):
 # less than a rebuild's, since a stop waits for the batch in hand (catching up on 100,000 LMQ queues took
@@ -585,8 +585,16 @@ class ReputService:
             delay = min(delay * 2, longest)
 
     def _maybe_in_flight(self, s: Session, offset: int) -> bool:
-        """True while a bad record in the newest segment may still be being written: wait and re-read."""
-        if s.commit_log.has_written_segment_after(offset):
+        """True while a bad record may still be being written: wait and re-read.
+
+        Only data the writer has certainly left behind is judged. A broker fills segment after segment, so
+        once a segment *two* on from the bad record's holds data, the writer has written the whole of the
+        one between since, and the bad record is settled. Nearer the head (the record's segment is the
+        newest with data, or the one before it) it is not: the record, the BLANK that ends its segment and
+        the next segment's first records are written back to back, and what the reader saw of each came at
+        different instants (issue 28 §3). There, the record must stay bad for IN_FLIGHT_GRACE_S."""
+        log = s.commit_log
+        if log.has_written_segment_after(log.segment_start(offset) + log.segment_size):
             return False
         now = time.monotonic()
         if self._suspect is None or self._suspect[0] != offset:
