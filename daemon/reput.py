@@ -28,7 +28,7 @@ from watchdog.observers import Observer
 from daemon import failpoint
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
 from daemon.flusher import Flusher
-from daemon.head import hold_torn_tail, written_below, written_end
+from daemon.head import hold_torn_tail, oldest_undispatched_timestamp, segments_now, written_below, written_end
 from daemon.logs import get_logger
 from daemon.metrics import (
     DEGRADED,
@@ -224,22 +224,29 @@ class ReputService:
                 self._log.info("health_changed", state=state)
 
     def _lag(self) -> Lag | None:
+        """At scrape time, from the directories as they are now (`segments_now`, not the loop's last scan) and
+        from the oldest record not dispatched yet: true while far behind, right after a start, after idle."""
         s = self.session
         if s is None:
             return None
         offset = s.dispatched_offset
+        segments = segments_now(s.commit_log, offset)
+        end = written_end(s.commit_log, offset, segments)
         behind_s = 0.0
-        if s.dispatched_store_timestamp:
-            behind_s = max(0.0, time.time() - s.dispatched_store_timestamp / MS_PER_SECOND)
-        return Lag(offset, written_end(s.commit_log, offset), s.flushed_offset, max(s.checkpoint_offset, 0),
+        if end > offset:
+            stored = oldest_undispatched_timestamp(s.commit_log, offset, segments)
+            if stored is not None:
+                behind_s = max(0.0, time.time() - stored / MS_PER_SECOND)
+        return Lag(offset, end, s.flushed_offset, max(s.checkpoint_offset, 0),
                    s.checkpoint_written_at, behind_s, s.files("consumequeue"), s.files("index"))
 
     def progress(self) -> dict:
         s = self.session
         if s is None:
             return {}
-        return {"reputFromOffset": s.dispatched_offset, "checkpointOffset": s.checkpoint_offset,
-                "commitLogMaxOffset": written_end(s.commit_log, s.dispatched_offset)}
+        offset = s.dispatched_offset
+        return {"reputFromOffset": offset, "checkpointOffset": s.checkpoint_offset,
+                "commitLogMaxOffset": written_end(s.commit_log, offset, segments_now(s.commit_log, offset))}
 
     def _tick(self) -> None:
         """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds."""
@@ -562,7 +569,6 @@ class ReputService:
                         self._set_health(DEGRADED, self._failure_reason)
                         return False
                     counter.inc(n)
-                s.dispatched_store_timestamp = int(batch.store_timestamp[-1])
                 self.metrics.batch_messages.observe(n)
             s.dispatched_offset = result.next_offset
         return True
