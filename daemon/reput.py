@@ -29,7 +29,7 @@ from daemon import failpoint
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
 from daemon.flusher import Flusher
 from daemon.head import hold_torn_tail, oldest_undispatched_timestamp, segments_now, written_below, written_end
-from daemon.logs import get_logger
+from daemon.logs import RepeatedFailures, get_logger
 from daemon.metrics import (
     DEGRADED,
     DOWN,
@@ -140,6 +140,7 @@ class ReputService:
         self._stop_reported = False
         self._wake = threading.Event()
         self._log = get_logger(component="reput")
+        self._repeats = RepeatedFailures()  # an identical failure is logged once a minute, with a count
         self._ready_sent = False
         self._stopping_sent = False
         self._notify_lock = threading.Lock()
@@ -222,6 +223,12 @@ class ReputService:
                 self._log.warning("health_changed", state=state, reason=reason)
             else:
                 self._log.info("health_changed", state=state)
+                self._repeats_ended()
+
+    def _repeats_ended(self, match=lambda key: True) -> None:
+        """One line per failure that stopped after repeats were held back: how many, over how long."""
+        for key, repeated, seconds in self._repeats.ended(match):
+            self._log.info("failure_repeats_ended", failure=key[0], repeated=repeated, repeated_over_s=seconds)
 
     def _lag(self) -> Lag | None:
         """At scrape time, from the directories as they are now (`segments_now`, not the loop's last scan) and
@@ -301,7 +308,9 @@ class ReputService:
                 self.metrics.errors.labels(kind=ErrorKind.RECOVERY).inc()
                 mismatch = self._size_setting_mismatch(e)
                 retry = None if self.until_caught_up or mismatch else backoff
-                self._log.error("recovery_failed", error=str(e), errno=_errno_name(e), retry_in_s=retry)
+                extra = self._repeats.admit(("recovery_failed", str(e)))
+                if extra is not None:
+                    self._log.error("recovery_failed", error=str(e), errno=_errno_name(e), retry_in_s=retry, **extra)
                 reason = self._report_no_space(OutputStage.RECOVERY, e) or str(e)
                 self._set_health(DOWN, reason)
                 if mismatch:
@@ -398,10 +407,14 @@ class ReputService:
     def _flush_succeeded(self) -> None:
         if self.health.state == DEGRADED and self.health.reason.startswith(FLUSH_FAILED):
             self._set_health(HEALTHY)
+        self._repeats_ended(lambda key: key[0] == "flush_failed" or key[1:2] == (OutputStage.FLUSH,))
 
     def _flush_failed(self, error: Exception) -> None:
         self.metrics.errors.labels(kind=ErrorKind.FLUSH).inc()
-        self._log.error("flush_failed", error=f"{type(error).__name__}: {error}", errno=_errno_name(error))
+        text = f"{type(error).__name__}: {error}"
+        extra = self._repeats.admit(("flush_failed", text))
+        if extra is not None:
+            self._log.error("flush_failed", error=text, errno=_errno_name(error), **extra)
         self._report_no_space(OutputStage.FLUSH, error)
         self._set_health(DEGRADED, f"{FLUSH_FAILED}: {error}")
 
@@ -416,10 +429,12 @@ class ReputService:
         with contextlib.suppress(OSError):
             st = os.statvfs(self.config.output.dir)
             free = st.f_bavail * st.f_frsize
-        self._log.error("output_space_exhausted", stage=stage, file=path, errno=_errno_name(cause),
-                        error=cause.strerror or str(cause), output_dir=self.config.output.dir, free_bytes=free,
-                        **fields, action="nothing past the checkpoint is trusted; retrying after a back-off"
-                        if stage != "flush" else "the checkpoint waits until a flush succeeds")
+        extra = self._repeats.admit(("output_space_exhausted", stage, path, _errno_name(cause)))
+        if extra is not None:
+            self._log.error("output_space_exhausted", stage=stage, file=path, errno=_errno_name(cause),
+                            error=cause.strerror or str(cause), output_dir=self.config.output.dir, free_bytes=free,
+                            **fields, **extra, action="nothing past the checkpoint is trusted; retrying after a "
+                            "back-off" if stage != "flush" else "the checkpoint waits until a flush succeeds")
         return f"{NO_SPACE} ({_errno_name(cause)}) writing {path}"
 
     def _watch(self, dirs):
@@ -560,9 +575,12 @@ class ReputService:
                     except Exception as e:
                         s.poisoned = True
                         self.metrics.errors.labels(kind=ErrorKind.DISPATCH).inc()
-                        self._log.error("dispatch_failed", dispatcher=d.name, error=f"{type(e).__name__}: {e}",
-                                        errno=_errno_name(e), batch_start=batch.start_offset,
-                                        batch_end=batch.end_offset, checkpoint_offset=s.checkpoint_offset)
+                        text = f"{type(e).__name__}: {e}"
+                        extra = self._repeats.admit(("dispatch_failed", d.name, text))
+                        if extra is not None:
+                            self._log.error("dispatch_failed", dispatcher=d.name, error=text, errno=_errno_name(e),
+                                            batch_start=batch.start_offset, batch_end=batch.end_offset,
+                                            checkpoint_offset=s.checkpoint_offset, **extra)
                         no_space = self._report_no_space(OutputStage.DISPATCH, e, dispatcher=d.name,
                                                          checkpoint_offset=s.checkpoint_offset)
                         self._failure_reason = no_space or f"dispatcher {d.name} failed: {e}"
