@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests import stress
@@ -136,3 +137,59 @@ def test_a_record_left_unwritten_before_a_roll_is_still_reported(tmp_path):
     rebuilt = store.rebuild()
     assert rebuilt.returncode == 1
     assert str(hole) in rebuilt.stderr
+
+
+@pytest.mark.stress_only
+def test_the_real_broker_rolling_64_kib_segments_raises_no_false_corruption(tmp_path):
+    """The real 4.9.3 store (LiveWriter: DefaultMessageStore with AllocateMappedFileService pre-creating the
+    next segments) at 64 KiB segments, thousands of rolls, followed by `reputd run` under skip-segment: no
+    corrupt record, no skipped byte, and ConsumeQueue files identical to the broker's own."""
+    from tests.test_realbroker_live import java_build, java_command, same_files
+
+    build = java_build()
+    store, out, port = tmp_path / "store", tmp_path / "out", free_port()
+    sizes = {"mappedFileSizeCommitLog": 65536, "mappedFileSizeConsumeQueue": 6000, "maxHashSlotNum": 97,
+             "maxIndexNum": 400}
+    config = tmp_path / "reputd.yaml"
+    config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(store), **sizes}, "output": {"dir": str(out)},
+                                      "reput": {"pollIntervalMs": 50, "onCorruption": "skip-segment"},
+                                      "metrics": {"port": port}, "logging": {"level": "info", "format": "json"}}))
+    messages = 40000  # about 2,500 rolls
+    with open(tmp_path / "writer.log", "w") as writer_log:
+        writer = subprocess.Popen([*java_command(build), "LiveWriter", "--store", str(store), "--messages",
+                                   str(messages), "--rate", "3000", "--seed", "7", "--ha-port", "0",
+                                   "--commitlog-size", "65536", "--cq-size", "6000", "--hash-slots", "97",
+                                   "--index-num", "400"], stdout=subprocess.PIPE, stderr=writer_log, text=True)
+        try:
+            assert writer.stdout.readline().startswith("STARTED"), "LiveWriter did not start"
+            with open(tmp_path / "run.out", "w") as run_out:
+                proc = subprocess.Popen([*REPUTD, "run", "--config", str(config)], env=clean_env(), stdout=run_out,
+                                        stderr=subprocess.STDOUT, text=True)
+            try:
+                summary = json.loads(writer.communicate(timeout=600)[0].strip().splitlines()[-1])
+                assert writer.returncode == 0
+                end = summary["max_phy_offset"]
+
+                def caught_up() -> bool:
+                    import urllib.request
+
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                        return json.loads(r.read())["reputFromOffset"] == end
+
+                wait_for(caught_up, timeout=120, what="caught up with the broker")
+            finally:
+                code = stop(proc)[0]
+        finally:
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait()
+    logged = events((tmp_path / "run.out").read_text())
+    false = [e for e in logged if e["event"] in ("corrupt_commitlog", "segment_skipped")]
+    rolls = sum(e["event"] == "segment_rolled" for e in logged)
+    cq_same, cq_total, _, _, differ = same_files(store, out)
+    stress.report("segment_rolls_real_broker", messages=messages, rolls=rolls, false_corruptions=len(false),
+                  consumequeue_identical=f"{cq_same}/{cq_total}")
+    assert code == 0
+    assert false == []
+    assert rolls >= summary["commitlog_files"] - 2
+    assert (cq_same, differ[:1]) == (cq_total, [])
