@@ -3,7 +3,7 @@
 A broker writes through a memory mapping, front to back or not, and pre-creates its next segments, so
 the newest bytes of a CommitLog may be a record half copied in or files of zeros. The reput loop uses
 `written_below` and `hold_torn_tail` to dispatch only records that were complete when read; the lag
-gauges use `written_end`.
+gauges use `written_end`, `segments_now` and `oldest_undispatched_timestamp`.
 """
 
 from __future__ import annotations
@@ -11,14 +11,31 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import struct
 
 import numpy as np
 
 from daemon.session import Session
-from indexcore.commitlog import RECORD_PREFIX, MessageRecord
+from indexcore.commitlog import (
+    BLANK_MAGIC_CODE,
+    BORNHOST_V6_FLAG,
+    MESSAGE_MAGIC_CODE,
+    MESSAGE_MAGIC_CODE_V2,
+    RECORD_PREFIX,
+    STOREHOSTADDRESS_V6_FLAG,
+    SYS_FLAG_OFFSET,
+    MessageRecord,
+    fixed_part_struct,
+)
 from indexcore.dispatch import DispatchBatch
 from indexcore.errors import CorruptRecordError, StoreError
+from indexcore.mappedfile import FILE_NAME_DIGITS
 from indexcore.reader import CommitLog, ReadResult, ReadStatus
+
+MESSAGE_MAGIC_CODES = (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2)
+SYS_FLAG = struct.Struct(">i")
+PHYSICAL_OFFSET_FIELD, STORE_TIMESTAMP_FIELD = 6, 11  # in fixed_part_struct's fields
+FIXED_PART_MAX = fixed_part_struct(BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG).size  # up to BODYLENGTH, IPv6 hosts
 
 
 def _data_frontier(path: str, start: int, size: int, offset: int, horizon: int | None = None) -> int:
@@ -143,16 +160,67 @@ _DISPATCH_COLUMNS = ("phy_offset", "msg_size", "queue_id", "queue_offset", "sys_
                      "tags_code", "prepared_transaction_offset")
 
 
-def written_end(commit_log: CommitLog, offset: int) -> int:
+def written_end(commit_log: CommitLog, offset: int, segments: list[tuple[int, str]] | None = None) -> int:
     """The CommitLog's max offset as a broker's operators read it: the end of the written data, wherever the
     files end. A broker creates its next segment (and the one after) before it needs them, so the newest
     files may hold nothing yet: the end is in the newest segment with data, and never below `offset`.
-    Exact unless a message ends in zero bytes; it costs a few page reads per scrape."""
+    Exact unless a message ends in zero bytes; it costs a few page reads per scrape. `segments` (default:
+    the CommitLog's last scan) as `segments_now` lists them."""
     size = commit_log.segment_size
-    for start, path in reversed(commit_log.segments):
+    for start, path in reversed(commit_log.segments if segments is None else segments):
         if start + size <= offset:
             break
         end = _data_frontier(path, start, size, max(offset, start))
         if end > start or start <= offset:
             return max(offset, end)
     return offset
+
+
+def segments_now(commit_log: CommitLog, offset: int) -> list[tuple[int, str]]:
+    """The segment files from the one holding `offset` on, as the directories hold them now. The loop scans
+    the directories only when reading reaches the head, so while it is segments behind its scan misses
+    every segment the writer added since: a scrape lists them itself (one listdir, no stat; a file that
+    is not a segment is the loop's to report, not the scrape's)."""
+    first = commit_log.segment_start(offset)
+    found = []
+    for d in commit_log.dirs:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        found += [(int(n), os.path.join(d, n)) for n in names
+                  if len(n) == FILE_NAME_DIGITS and n.isdigit() and int(n) >= first]
+    return sorted(found)
+
+
+def oldest_undispatched_timestamp(commit_log: CommitLog, offset: int, segments: list[tuple[int, str]]) -> int | None:
+    """STORETIMESTAMP (ms) of the oldest record not dispatched yet: the one at `offset`, past a BLANK or a
+    segment deleted meanwhile (the first record of the next segment listed in `segments`). None when no
+    complete record head is there (caught up, or a record being written this instant)."""
+    size = commit_log.segment_size
+    at = offset
+    for start, path in segments:
+        if start + size <= at:
+            continue
+        at = max(at, start)
+        try:
+            with open(path, "rb") as f:
+                head = os.pread(f.fileno(), FIXED_PART_MAX, at - start)
+        except OSError:
+            continue  # deleted by retention since the listing: the next one
+        if len(head) < RECORD_PREFIX.size:
+            return None
+        total, magic = RECORD_PREFIX.unpack_from(head)
+        if magic == BLANK_MAGIC_CODE:
+            at = start + size
+            continue
+        if total <= 0 or magic not in MESSAGE_MAGIC_CODES:
+            return None
+        fixed = fixed_part_struct(SYS_FLAG.unpack_from(head, SYS_FLAG_OFFSET)[0])
+        if len(head) < fixed.size:
+            return None
+        fields = fixed.unpack_from(head)
+        if fields[PHYSICAL_OFFSET_FIELD] != at:
+            return None  # not a record head (yet): a copy in flight
+        return fields[STORE_TIMESTAMP_FIELD]
+    return None

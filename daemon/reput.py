@@ -29,8 +29,8 @@ from daemon import failpoint
 from daemon.cleaner import Cleaner
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
 from daemon.flusher import Flusher
-from daemon.head import hold_torn_tail, written_below, written_end
-from daemon.logs import get_logger
+from daemon.head import hold_torn_tail, oldest_undispatched_timestamp, segments_now, written_below, written_end
+from daemon.logs import RepeatedFailures, get_logger
 from daemon.metrics import (
     DEGRADED,
     DOWN,
@@ -69,8 +69,8 @@ STARTUP_BEAT_S = 10.0
 STARTUP_EXTEND_S = 30.0
 STARTUP_PROGRESS_CPU_S = 0.05
 # A record being copied in does not fill front to back (memcpy stores the tail of a small copy first),
-# so a bad record at the head of the newest segment may be one still in flight: it is only declared
-# corrupt once it has stayed bad this long.
+# so a bad record near the head (in the newest segment with data, or the one before it, which a roll has
+# just left) may be one still in flight: it is only declared corrupt once it has stayed bad this long.
 IN_FLIGHT_GRACE_S = 1.0
 # How far batches spread thin over many queues grow while the loop is behind (`rebuild.widen_thin_batches`):
 # less than a rebuild's, since a stop waits for the batch in hand (catching up on 100,000 LMQ queues took
@@ -141,6 +141,7 @@ class ReputService:
         self._stop_reported = False
         self._wake = threading.Event()
         self._log = get_logger(component="reput")
+        self._repeats = RepeatedFailures()  # an identical failure is logged once a minute, with a count
         self._ready_sent = False
         self._stopping_sent = False
         self._notify_lock = threading.Lock()
@@ -225,24 +226,37 @@ class ReputService:
                 self._log.warning("health_changed", state=state, reason=reason)
             else:
                 self._log.info("health_changed", state=state)
+                self._repeats_ended()
+
+    def _repeats_ended(self, match=lambda key: True) -> None:
+        """One line per failure that stopped after repeats were held back: how many, over how long."""
+        for key, repeated, seconds in self._repeats.ended(match):
+            self._log.info("failure_repeats_ended", failure=key[0], repeated=repeated, repeated_over_s=seconds)
 
     def _lag(self) -> Lag | None:
+        """At scrape time, from the directories as they are now (`segments_now`, not the loop's last scan) and
+        from the oldest record not dispatched yet: true while far behind, right after a start, after idle."""
         s = self.session
         if s is None:
             return None
         offset = s.dispatched_offset
+        segments = segments_now(s.commit_log, offset)
+        end = written_end(s.commit_log, offset, segments)
         behind_s = 0.0
-        if s.dispatched_store_timestamp:
-            behind_s = max(0.0, time.time() - s.dispatched_store_timestamp / MS_PER_SECOND)
-        return Lag(offset, written_end(s.commit_log, offset), s.flushed_offset, max(s.checkpoint_offset, 0),
+        if end > offset:
+            stored = oldest_undispatched_timestamp(s.commit_log, offset, segments)
+            if stored is not None:
+                behind_s = max(0.0, time.time() - stored / MS_PER_SECOND)
+        return Lag(offset, end, s.flushed_offset, max(s.checkpoint_offset, 0),
                    s.checkpoint_written_at, behind_s, s.files("consumequeue"), s.files("index"))
 
     def progress(self) -> dict:
         s = self.session
         if s is None:
             return {}
-        return {"reputFromOffset": s.dispatched_offset, "checkpointOffset": s.checkpoint_offset,
-                "commitLogMaxOffset": written_end(s.commit_log, s.dispatched_offset)}
+        offset = s.dispatched_offset
+        return {"reputFromOffset": offset, "checkpointOffset": s.checkpoint_offset,
+                "commitLogMaxOffset": written_end(s.commit_log, offset, segments_now(s.commit_log, offset))}
 
     def _tick(self) -> None:
         """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds."""
@@ -297,7 +311,9 @@ class ReputService:
                 self.metrics.errors.labels(kind=ErrorKind.RECOVERY).inc()
                 mismatch = self._size_setting_mismatch(e)
                 retry = None if self.until_caught_up or mismatch else backoff
-                self._log.error("recovery_failed", error=str(e), errno=_errno_name(e), retry_in_s=retry)
+                extra = self._repeats.admit(("recovery_failed", str(e)))
+                if extra is not None:
+                    self._log.error("recovery_failed", error=str(e), errno=_errno_name(e), retry_in_s=retry, **extra)
                 reason = self._report_no_space(OutputStage.RECOVERY, e) or str(e)
                 self._set_health(DOWN, reason)
                 if mismatch:
@@ -400,10 +416,14 @@ class ReputService:
     def _flush_succeeded(self) -> None:
         if self.health.state == DEGRADED and self.health.reason.startswith(FLUSH_FAILED):
             self._set_health(HEALTHY)
+        self._repeats_ended(lambda key: key[0] == "flush_failed" or key[1:2] == (OutputStage.FLUSH,))
 
     def _flush_failed(self, error: Exception) -> None:
         self.metrics.errors.labels(kind=ErrorKind.FLUSH).inc()
-        self._log.error("flush_failed", error=f"{type(error).__name__}: {error}", errno=_errno_name(error))
+        text = f"{type(error).__name__}: {error}"
+        extra = self._repeats.admit(("flush_failed", text))
+        if extra is not None:
+            self._log.error("flush_failed", error=text, errno=_errno_name(error), **extra)
         self._report_no_space(OutputStage.FLUSH, error)
         self._set_health(DEGRADED, f"{FLUSH_FAILED}: {error}")
 
@@ -418,10 +438,12 @@ class ReputService:
         with contextlib.suppress(OSError):
             st = os.statvfs(self.config.output.dir)
             free = st.f_bavail * st.f_frsize
-        self._log.error("output_space_exhausted", stage=stage, file=path, errno=_errno_name(cause),
-                        error=cause.strerror or str(cause), output_dir=self.config.output.dir, free_bytes=free,
-                        **fields, action="nothing past the checkpoint is trusted; retrying after a back-off"
-                        if stage != "flush" else "the checkpoint waits until a flush succeeds")
+        extra = self._repeats.admit(("output_space_exhausted", stage, path, _errno_name(cause)))
+        if extra is not None:
+            self._log.error("output_space_exhausted", stage=stage, file=path, errno=_errno_name(cause),
+                            error=cause.strerror or str(cause), output_dir=self.config.output.dir, free_bytes=free,
+                            **fields, **extra, action="nothing past the checkpoint is trusted; retrying after a "
+                            "back-off" if stage != "flush" else "the checkpoint waits until a flush succeeds")
         return f"{NO_SPACE} ({_errno_name(cause)}) writing {path}"
 
     def _watch(self, dirs):
@@ -598,16 +620,18 @@ class ReputService:
                     except Exception as e:
                         s.poisoned = True
                         self.metrics.errors.labels(kind=ErrorKind.DISPATCH).inc()
-                        self._log.error("dispatch_failed", dispatcher=d.name, error=f"{type(e).__name__}: {e}",
-                                        errno=_errno_name(e), batch_start=batch.start_offset,
-                                        batch_end=batch.end_offset, checkpoint_offset=s.checkpoint_offset)
+                        text = f"{type(e).__name__}: {e}"
+                        extra = self._repeats.admit(("dispatch_failed", d.name, text))
+                        if extra is not None:
+                            self._log.error("dispatch_failed", dispatcher=d.name, error=text, errno=_errno_name(e),
+                                            batch_start=batch.start_offset, batch_end=batch.end_offset,
+                                            checkpoint_offset=s.checkpoint_offset, **extra)
                         no_space = self._report_no_space(OutputStage.DISPATCH, e, dispatcher=d.name,
                                                          checkpoint_offset=s.checkpoint_offset)
                         self._failure_reason = no_space or f"dispatcher {d.name} failed: {e}"
                         self._set_health(DEGRADED, self._failure_reason)
                         return False
                     counter.inc(n)
-                s.dispatched_store_timestamp = int(batch.store_timestamp[-1])
                 self.metrics.batch_messages.observe(n)
             s.dispatched_offset = result.next_offset
         return True
@@ -630,8 +654,16 @@ class ReputService:
             delay = min(delay * 2, longest)
 
     def _maybe_in_flight(self, s: Session, offset: int) -> bool:
-        """True while a bad record in the newest segment may still be being written: wait and re-read."""
-        if s.commit_log.has_written_segment_after(offset):
+        """True while a bad record may still be being written: wait and re-read.
+
+        Only data the writer has certainly left behind is judged. A broker fills segment after segment, so
+        once a segment *two* on from the bad record's holds data, the writer has written the whole of the
+        one between since, and the bad record is settled. Nearer the head (the record's segment is the
+        newest with data, or the one before it) it is not: the record, the BLANK that ends its segment and
+        the next segment's first records are written back to back, and what the reader saw of each came at
+        different instants (issue 28 §3). There, the record must stay bad for IN_FLIGHT_GRACE_S."""
+        log = s.commit_log
+        if log.has_written_segment_after(log.segment_start(offset) + log.segment_size):
             return False
         now = time.monotonic()
         if self._suspect is None or self._suspect[0] != offset:

@@ -31,7 +31,6 @@ class Session:
     dispatchers: list[Dispatcher]
     metrics: ReputMetrics
     dispatched_offset: int
-    dispatched_store_timestamp: int = 0
     flushed_offset: int = 0
     checkpoint_offset: int = -1
     checkpoint_states: dict[str, Any] = field(default_factory=dict)

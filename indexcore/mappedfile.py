@@ -88,7 +88,7 @@ def check_sizes(files: list[tuple[int, str]], file_size: int) -> None:
 
 
 def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file", allocate: bool = True,
-                keep_open: bool = False) -> int | None:
+                keep_open: bool = False, temp_dir: str | None = None) -> int | None:
     """Create `path`, `size` bytes with `header` at its start, so that it is complete or absent whatever
     instant a kill or a power loss strikes.
 
@@ -108,10 +108,28 @@ def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file
     `allocate` reserves the blocks now, which a file written through a mapping needs (no room later
     would be SIGBUS); a file written with `pwrite` gets ENOSPC from the write and may stay sparse, as
     the broker's ConsumeQueue files are. With `keep_open` the read-write descriptor is returned.
+
+    `temp_dir` builds the file in another directory of the same file system (`.{dir}.{name}.tmp` there) and
+    renames it in: for a directory someone else reads and takes every name in it for a store file (a
+    CommitLog that a broker would refuse, and `reputd run` reports, with a `.tmp` in it). Across file
+    systems (EXDEV) it falls back to the temporary name beside `path`.
     """
     if os.path.lexists(path):
         raise FileExistsError(errno.EEXIST, "store file already exists", path)
-    tmp = path + TEMP_SUFFIX
+    if temp_dir is not None:
+        parent, name = os.path.split(path)
+        tmp = os.path.join(temp_dir, f".{os.path.basename(parent)}.{name}{TEMP_SUFFIX}")
+        try:
+            return _create_via(tmp, path, size, header, label, allocate, keep_open)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+    return _create_via(path + TEMP_SUFFIX, path, size, header, label, allocate, keep_open)
+
+
+def _create_via(tmp: str, path: str, size: int, header: bytes, label: str, allocate: bool,
+                keep_open: bool) -> int | None:
+    """`create_file`'s steps, building the file as `tmp`."""
     _failpoints.reached(f"{label}.before_create")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -290,11 +308,12 @@ class MappedFile:
         create_file(path, file_size, header, label=label)
         return cls(path, file_size)
 
-    def __init__(self, path: str, file_size: int, *, create: bool = False, readonly: bool = False):
+    def __init__(self, path: str, file_size: int, *, create: bool = False, readonly: bool = False,
+                 temp_dir: str | None = None):
         self.path = path
         self.file_size = file_size
         self.readonly = readonly
-        fd = create_file(path, file_size, keep_open=True) if create else \
+        fd = create_file(path, file_size, keep_open=True, temp_dir=temp_dir) if create else \
             os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
         try:
             if not create:

@@ -296,8 +296,11 @@ class CommitLog:
         for s, path in reversed(self._segments):
             if s <= start:
                 return False
-            with open(path, "rb") as f:
-                head = f.read(RECORD_PREFIX.size)
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(RECORD_PREFIX.size)
+            except FileNotFoundError:  # a pre-created file the broker deleted (its shutdown does) since the scan
+                continue
             if len(head) == RECORD_PREFIX.size and RECORD_PREFIX.unpack(head)[0] != 0:
                 return True
         return False
@@ -444,8 +447,15 @@ class CommitLogReader:
                                 max_message_size=self.max_message_size, delay_table=self.delay_table,
                                 scratch=self._scratch, multi_flags=self.multi_flags, names=self._names)
         _release(mm, offset - seg_start, result.position)
+
+        def decode_again() -> SegmentDecode:
+            return decode_segment(mm, result.position, segment_offset=seg_start, segment_size=size, max_bytes=1,
+                                  check_crc=self.check_crc, max_message_size=self.max_message_size,
+                                  delay_table=self.delay_table, scratch=self._scratch,
+                                  multi_flags=self.multi_flags, names=self._names)
+
         return read_result(result, mm, seg_start, size, path, self.max_message_size,
-                           (lambda: self._written_successor(offset)) if verify_end else None)
+                           (lambda: self._written_successor(offset)) if verify_end else None, decode_again)
 
     def _written_successor(self, offset: int) -> bool:
         """Whether data exists past this segment, looking again at the directory first: a successor
@@ -455,11 +465,22 @@ class CommitLogReader:
 
 
 def read_result(result: SegmentDecode, image, seg_start: int, size: int, path: str, max_message_size: int,
-                written_successor: Callable[[], bool] | None) -> ReadResult:
+                written_successor: Callable[[], bool] | None,
+                decode_again: Callable[[], SegmentDecode] | None = None) -> ReadResult:
     """What a segment decode means for the reader: go on, roll to the next segment, the end of the written
     data (with a torn tail as `pending`), or corruption. `image` holds the segment's bytes at least one
     maximal message past the stop twice over; `written_successor` says whether a later segment holds data
-    (None: do not verify, report END). The one rule for `reputd rebuild`, `run` and the backfill's tasks."""
+    (None: do not verify, report END). The one rule for `reputd rebuild`, `run` and the backfill's tasks.
+
+    A file being written changes between the decode and the look at what follows it: the record at the
+    stop may be written in that time, and with it the BLANK and the next segment's first record. The
+    evidence against the stop (data after it, a successor with data) is therefore gathered first and the
+    stop decoded again last with `decode_again` (a live image): corruption is only what still fails after
+    the evidence was seen; a stop that decodes now is read again (OK, at the stop). A writer that writes
+    record after record cannot show later data before the record at the stop is in, so for it the verdict
+    is sound; a record whose own bytes arrive out of order is the caller's to wait for (`reputd run`
+    holds a verdict near the head for a grace period). A fixed image (rebuild, backfill) keeps the strict
+    rule: nothing changes between the two decodes."""
     batch, at = result.batch, seg_start + result.position
     if result.stop is Stop.LIMIT:
         return ReadResult(batch, at, ReadStatus.OK)
@@ -475,10 +496,14 @@ def read_result(result: SegmentDecode, image, seg_start: int, size: int, path: s
             return ReadResult(batch, at, ReadStatus.END)
         where = "before the end of a segment that has a successor" if not last else "with data after it"
         err = CorruptRecordError("total_size", f"zero TOTALSIZE {where}", path=path, offset=at)
-        return ReadResult(batch, at, ReadStatus.CORRUPT, err)
-    err = result.error.located(path, at)
-    if last and _unwritten_after(image, result.position, size, max_message_size):
-        return ReadResult(batch, at, ReadStatus.END, pending=err)
+    else:
+        err = result.error.located(path, at)
+        if last and _unwritten_after(image, result.position, size, max_message_size):
+            return ReadResult(batch, at, ReadStatus.END, pending=err)
+    if decode_again is not None:
+        again = decode_again()
+        if len(again.batch) or again.stop is not result.stop:  # written since the decode: read it again
+            return ReadResult(batch, at, ReadStatus.OK)
     return ReadResult(batch, at, ReadStatus.CORRUPT, err)
 
 

@@ -43,7 +43,7 @@ from indexcore.commitlog import (
     transaction_type,
 )
 from indexcore.dispatch import DelayLevelTable, parse_java_int
-from indexcore.mappedfile import MappedFile, offset_to_file_name
+from indexcore.mappedfile import MappedFile, is_temporary, offset_to_file_name
 from indexcore.msgid import create_offset_msg_id
 from indexcore.multidispatch import (
     LMQ_PREFIX,
@@ -117,6 +117,7 @@ class CommitLogWriter:
         self._file_start = 0
         self._pos = 0
         os.makedirs(directory, exist_ok=True)
+        self._remove_stale_temporaries()
         self._recover()
 
     @property
@@ -153,13 +154,23 @@ class CommitLogWriter:
         torn_end = min(self.segment_size, self._pos + self.max_message_size + END_FILE_MIN_BLANK_LENGTH)
         self._file.write(self._pos, bytes(torn_end - self._pos))
 
+    def _remove_stale_temporaries(self) -> None:
+        """A segment a kill left half created beside the directory (`_open`) held nothing yet."""
+        parent, prefix = os.path.split(os.path.abspath(self.directory))
+        for name in os.listdir(parent):
+            if name.startswith(f".{prefix}.") and is_temporary(name):
+                os.unlink(os.path.join(parent, name))
+
     def _open(self, start: int) -> None:
-        """Map the segment starting at `start`, creating it unless it exists (a broker pre-allocates)."""
+        """Map the segment starting at `start`, creating it unless it exists (a broker pre-allocates). A new
+        segment is built beside the CommitLog directory and renamed in complete: a daemon following the
+        directory never sees a name the broker would not write."""
         if self._file is not None:
             self._file.flush()
             self._file.close()
         path = os.path.join(self.directory, offset_to_file_name(start))
-        self._file = MappedFile(path, self.segment_size, create=not os.path.exists(path))
+        self._file = MappedFile(path, self.segment_size, create=not os.path.exists(path),
+                                temp_dir=os.path.dirname(os.path.abspath(self.directory)))
         self._file_start = start
         self._pos = 0
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from daemon.head import written_end
+from indexcore.errors import StoreError
 from indexcore.reader import CommitLog
 from indexcore.writer import CommitLogWriter, Message
-from tests.test_daemon import SEGMENT, Store, stop, wait_for
+from tests.test_daemon import SEGMENT, START_MS, Store, stop, wait_for
 
 
 def precreate(directory: Path, end: int, ahead: int = 2) -> list[Path]:
@@ -69,3 +70,114 @@ def test_lag_reads_zero_after_catching_up_on_a_preallocating_writer(tmp_path):
         code, _, err = stop(proc)
         store.writer.close()
     assert code == 0, err
+
+
+# --- the gauges at scrape time, far behind, after a start, after idle (issue 28 §5) -----------------------
+
+class Clock:
+    """time.time() for the daemon's lag, set by the test: ages are then exact."""
+
+    def __init__(self, now_ms: int):
+        self.now_ms = now_ms
+
+    def __call__(self) -> float:
+        return self.now_ms / 1000
+
+
+def sample(service, name: str) -> float:
+    return service.metrics.registry.get_sample_value(name)
+
+
+def lag_of(service) -> tuple[float, float]:
+    """The two gauges, the seconds to the millisecond (store timestamps are milliseconds)."""
+    return (sample(service, "rocketmq_storage_dispatch_behind_bytes"),
+            round(sample(service, "reputd_dispatch_behind_seconds"), 3))
+
+
+def oldest_age_s(log_dir: Path, offset: int, now_ms: int) -> float:
+    """The truth, decoded independently: the age of the record at `offset` (past a BLANK: the next segment's
+    first)."""
+    log = CommitLog(str(log_dir), SEGMENT)
+    record_at = offset
+    try:
+        stored = log.read_record(record_at).store_timestamp
+    except StoreError:
+        stored = log.read_record(log.segment_start(offset) + SEGMENT).store_timestamp
+    return round((now_ms - stored) / 1000, 3)
+
+
+@pytest.fixture
+def service(tmp_path, monkeypatch):
+    """A ReputService whose session is open on a backlog but whose loop is driven by the test, one read at a
+    time, with the real reader and dispatchers: the reader's scan of the directory goes stale as it would
+    in a loop that is segments behind."""
+    from daemon.config import load_config
+    from daemon.reput import ReputService
+    from daemon.session import open_session
+
+    store = Store(tmp_path)
+    clock = Clock(START_MS)
+    monkeypatch.setattr("daemon.reput.time.time", clock)
+    svc = ReputService(load_config(str(store.config), env={}))
+    svc.store, svc.clock = store, clock
+    store.append(2000)  # about 2 segments of backlog before the start
+    svc.session = open_session(svc.config, svc.metrics)
+    yield svc
+    for d in svc.session.dispatchers:
+        d.close()
+    svc.session.reader.close()
+    store.writer.close()
+
+
+def step(service) -> int:
+    """One read of the loop, dispatched; returns the offset reached."""
+    s = service.session
+    assert service._dispatch(s, s.reader.read(s.dispatched_offset))
+    return s.dispatched_offset
+
+
+def test_lag_is_true_right_after_a_start_with_a_backlog(service):
+    """Before: 0.0 seconds after every session start, whatever waited; now the age of the first record."""
+    store, clock = service.store, service.clock
+    clock.now_ms = START_MS + 3_600_000
+    assert service.session.dispatched_offset == 0
+    assert lag_of(service) == (store.end, oldest_age_s(store.tmp / "store" / "commitlog", 0, clock.now_ms))
+    assert lag_of(service)[1] == 3600.0
+
+
+def test_lag_is_true_while_far_behind_and_the_writer_adds_segments(service):
+    """The loop reads one segment, the writer adds eight more that the loop's scan has not seen: the bytes
+    gauge counts them all (before: only up to the last segment scanned), the seconds gauge the oldest
+    record not dispatched."""
+    store, clock = service.store, service.clock
+    offset = step(service)
+    assert offset == SEGMENT
+    scanned = service.session.commit_log.max_offset
+    while store.end < scanned + 8 * SEGMENT:
+        store.append(500)
+    assert service.session.commit_log.max_offset == scanned, "the loop's own scan is stale, as when behind"
+    clock.now_ms = START_MS + 3_600_000  # past every record's store timestamp
+    behind, seconds = lag_of(service)
+    assert behind == store.end - offset
+    assert seconds == oldest_age_s(store.tmp / "store" / "commitlog", offset, clock.now_ms)
+    assert sample(service, "reputd_commitlog_max_offset_bytes") == store.end
+    assert service.progress()["commitLogMaxOffset"] == store.end
+    while offset < store.end:
+        offset = step(service)
+        age = oldest_age_s(store.tmp / "store" / "commitlog", offset, clock.now_ms) if offset < store.end else 0.0
+        assert lag_of(service) == (store.end - offset, age)
+
+
+def test_lag_seconds_after_idle_is_the_age_of_the_new_data(service):
+    """Caught up, then idle for 70 s, then data stored 5 s ago: 5 s behind (before: 75 s, the age of the last
+    record dispatched before the idle spell)."""
+    store, clock = service.store, service.clock
+    while service.session.dispatched_offset < store.end:
+        step(service)
+    clock.now_ms = START_MS + 10_000_000
+    assert lag_of(service) == (0, 0.0)
+    clock.now_ms += 70_000
+    store._clock = iter(range(clock.now_ms - 5_000, clock.now_ms, 1))
+    before = store.end
+    store.append(40)
+    assert lag_of(service) == (store.end - before, 5.0)

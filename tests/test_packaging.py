@@ -299,6 +299,27 @@ def test_unit_sandbox(unit):
     assert int(one(unit, "Service", "LimitNOFILE")) >= 65536
 
 
+def test_unit_gives_way_to_the_broker(unit):
+    """A sidecar's manners (issue 28 §6): below-default CPU and I/O weight and priority, picked first by the
+    OOM killer, throttled above a memory mark rather than killed at one, no IPC left behind, and network on
+    loopback only, where the metrics endpoint binds by default; each setting sized in systemd/README.md."""
+    assert 1 < int(one(unit, "Service", "CPUWeight")) < 100
+    assert 1 < int(one(unit, "Service", "IOWeight")) < 100
+    assert int(one(unit, "Service", "Nice")) > 0
+    assert one(unit, "Service", "IOSchedulingClass") == "best-effort"
+    assert int(one(unit, "Service", "IOSchedulingPriority")) == 7
+    assert 0 < int(one(unit, "Service", "OOMScoreAdjust")) <= 1000
+    assert re.fullmatch(r"\d+[KMG]", one(unit, "Service", "MemoryHigh"))
+    assert "MemoryMax" not in unit["Service"]
+    assert one(unit, "Service", "RemoveIPC") == "yes"
+    assert one(unit, "Service", "IPAddressDeny") == "any"
+    assert one(unit, "Service", "IPAddressAllow") == "localhost"
+    assert load_config(CONFIG, env={}).metrics.host == "127.0.0.1"
+    readme = SYSTEMD_README.read_text()
+    for key in ("CPUWeight", "IOWeight", "Nice", "OOMScoreAdjust", "MemoryHigh", "RemoveIPC", "IPAddressAllow"):
+        assert f"`{key}=" in readme, key
+
+
 def test_unit_paths_match_the_config_they_are_documented_with(unit):
     # The unit's own commented examples give the store root and output dir; resolve them the way the daemon
     # does and check the sandbox opens exactly those: CommitLog read-only, output read-write.

@@ -576,3 +576,94 @@ def test_segments_deleted_after_the_last_scan_are_skipped_not_corrupt(log) -> No
         assert not reader.probe(10 * SEGMENT), "no segment there: nothing to probe"
     finally:
         reader.close()
+
+
+# --- written while it was judged (issue 28 §3) ------------------------------------------------------------
+# A live CommitLog changes between the decode that stops at a record and the look at what follows it. The
+# writer below completes the stop's bytes exactly while the reader looks for a successor with data: the
+# reader must read the record again, not call it corrupt. Left as they are, the same bytes are corrupt.
+
+def write_back_while_judged(monkeypatch, path: Path, pieces: dict[int, bytes]) -> list[int]:
+    """Make the reader's look for a written successor first write `pieces` (offset -> bytes) into the log, as
+    a writer that moved on meanwhile would; returns the list of calls (each writes once)."""
+    calls: list[int] = []
+    look = CommitLogReader._written_successor
+
+    def writer_moves_on(self, offset: int) -> bool:
+        if not calls:
+            for at, data in pieces.items():
+                patch(path, at, data)
+        calls.append(offset)
+        return look(self, offset)
+
+    monkeypatch.setattr(CommitLogReader, "_written_successor", writer_moves_on)
+    return calls
+
+
+def test_last_record_and_blank_written_while_judged_are_read_again(log, monkeypatch) -> None:
+    """Zeros where segment 1's last record and BLANK go, segment 2 with data: the stop is judged, the writer
+    writes both meanwhile, the read returns OK at the record, and the next reads go on through the roll."""
+    path, results = log
+    v = in_segment(results, 1)[-1]
+    tail = read_bytes(path, v.phy_offset, SEGMENT - v.phy_offset % SEGMENT)
+    patch(path, v.phy_offset, bytes(len(tail)))
+    calls = write_back_while_judged(monkeypatch, path, {v.phy_offset: tail})
+    phys, res = read_until_stop(path)
+    assert calls, "the stop was judged"
+    assert res.status is ReadStatus.END
+    assert phys == [r.phy_offset for r in results]
+
+
+def test_record_written_with_data_after_it_while_judged_is_read_again(log, monkeypatch) -> None:
+    """In the newest segment: zeros from a record on when decoded, the record and the next ones written while
+    the reader looks past it (the 'zero TOTALSIZE with data after it' of a writer mid-burst)."""
+    path, results = log
+    v = in_segment(results, newest_segment(results))[1]
+    end = results[-1].phy_offset + results[-1].msg_size
+    written = read_bytes(path, v.phy_offset, end - v.phy_offset)
+    patch(path, v.phy_offset, bytes(len(written)))
+    calls = write_back_while_judged(monkeypatch, path, {v.phy_offset: written})
+    phys, res = read_until_stop(path)
+    assert calls
+    assert res.status is ReadStatus.END
+    assert res.pending is None
+    assert phys == [r.phy_offset for r in results]
+
+
+def test_torn_record_completed_while_judged_is_read_again(log, monkeypatch) -> None:
+    """A record half copied in when decoded (body_crc fails), its successor segment with data, completed
+    while judged: read again, not corrupt."""
+    path, results = log
+    v = in_segment(results, 1)[-1]
+    original = read_bytes(path, v.phy_offset, v.msg_size)
+    tear(path, v)
+    calls = write_back_while_judged(monkeypatch, path, {v.phy_offset: original})
+    phys, res = read_until_stop(path)
+    assert calls
+    assert res.status is ReadStatus.END
+    assert phys == [r.phy_offset for r in results]
+
+
+def test_a_stop_that_stays_bad_while_judged_is_corrupt(log, monkeypatch) -> None:
+    """The same stop, with the 'writer' writing something else (bytes after the gap): still corrupt."""
+    path, results = log
+    v = in_segment(results, 1)[-1]
+    patch(path, v.phy_offset, bytes(v.msg_size))
+    after = v.phy_offset + v.msg_size
+    calls = write_back_while_judged(monkeypatch, path, {after: read_bytes(path, after, 8)})
+    assert_corrupt_at(path, results, v.phy_offset, "total_size")
+    assert calls
+
+
+def test_a_precreated_segment_deleted_after_the_scan_is_no_successor(log) -> None:
+    """A broker's clean shutdown deletes the segments it created ahead of time: one listed by the last scan
+    and gone when its first bytes are looked at holds no data (before: FileNotFoundError ended the loop)."""
+    path, results = log
+    newest = newest_segment(results)
+    ahead = path / offset_to_file_name((newest + 1) * SEGMENT)
+    ahead.write_bytes(bytes(SEGMENT))
+    commit_log = CommitLog(str(path), SEGMENT, follow=True)
+    assert commit_log.segments[-1][1] == str(ahead)
+    ahead.unlink()
+    assert not commit_log.has_written_segment_after(results[-1].phy_offset)
+    assert commit_log.has_written_segment_after(0)

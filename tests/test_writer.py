@@ -490,3 +490,39 @@ def test_5x_writer_log_reads_back_across_segments(tmp_path: Path) -> None:
     assert last.status is ReadStatus.END
     assert np.all(np.diff([r["phy"] for r in rows]) > 0)
     assert sorted(os.listdir(tmp_path)) == [offset_to_file_name(s) for s in range(0, last.next_offset, SEGMENT)]
+
+
+# --- new segments appear complete, under their own name only (issue 28 §6) -------------------------------
+
+def test_a_new_segment_is_built_outside_the_commitlog_directory(tmp_path: Path, monkeypatch) -> None:
+    """At every step of creating a segment (the fail points of `create_file`), the CommitLog directory holds
+    only 20-digit names: a daemon following it never meets the writer's temporary file (before: `….tmp`
+    inside `commitlog/`, which `reputd run` took for a stray file and reported down). The temporary file is
+    beside the directory, and gone once renamed in."""
+    from indexcore import _failpoints
+
+    log_dir = tmp_path / "store" / "commitlog"
+    seen: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(_failpoints, "hook", lambda point: seen.append((point, sorted(os.listdir(log_dir)))))
+    with CommitLogWriter(str(log_dir), 4096) as w:
+        while w.max_offset < 3 * 4096 + 100:
+            w.append(Message("T", 0, b"x" * 300))
+    steps = [point for point, _ in seen]
+    assert steps.count("file.after_rename") == 4
+    assert "file.after_allocate" in steps
+    assert all(len(name) == 20 and name.isdigit() for _, names in seen for name in names), seen
+    assert sorted(os.listdir(tmp_path / "store")) == ["commitlog"]
+
+
+def test_a_segment_creation_a_kill_cut_short_is_cleaned_up_on_reopen(tmp_path: Path) -> None:
+    log_dir = tmp_path / "store" / "commitlog"
+    with CommitLogWriter(str(log_dir), 4096) as w:
+        w.append(Message("T", 0, b"x"))
+    stale = tmp_path / "store" / f".commitlog.{offset_to_file_name(4096)}.tmp"
+    stale.write_bytes(bytes(4096))
+    other = tmp_path / "store" / ".other.tmp"  # not the writer's: left alone
+    other.write_bytes(b"")
+    with CommitLogWriter(str(log_dir), 4096) as w:
+        assert w.max_offset > 0
+    assert not stale.exists()
+    assert other.exists()
