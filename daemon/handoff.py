@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from daemon.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.checkpoint import CheckpointError, read_checkpoint
 from daemon.config import Config
@@ -201,6 +203,30 @@ def checkpoint_times(config: Config, end_offset: int) -> CheckpointTimes:
         if header.index_count >= store.max_index_num:
             index = header.end_timestamp
     return CheckpointTimes(physic, logics, index, end_offset)
+
+
+def first_dispatched_record(config: Config, commit_log, start: int, end: int) -> int | None:
+    """The offset of the first record in [start, end) that gets a ConsumeQueue unit or an index key, None
+    when none does: what a dry run reads to tell an output that is complete (only PREPARED or ROLLBACK
+    records without keys past the files' frontier) from one that is not."""
+    reader = make_reader(config, commit_log)
+    try:
+        offset = start
+        while offset < end:
+            result = reader.read(offset)
+            batch = result.batch
+            if len(batch):
+                keyed = np.zeros(len(batch), dtype=bool)
+                keyed[batch.key_owner] = True
+                needed = batch.consume_queue_mask() | (keyed & batch.index_mask())
+                if needed.any():
+                    return int(batch.phy_offset[int(needed.argmax())])
+            if result.status is not ReadStatus.OK or result.next_offset <= offset:
+                break
+            offset = result.next_offset
+    finally:
+        reader.close()
+    return None
 
 
 def index_name_findings(config: Config, now_ms: int | None = None) -> list[str]:
@@ -376,7 +402,7 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
             frontier = dispatch_frontier(out, commit_log, None, reputd_checkpoint.reput_from_offset
                                          if reputd_checkpoint is not None else None)
         output_end = frontier.offset if frontier is not None else commit_log.min_offset
-        complete = output_end >= end
+        complete = output_end >= end or first_dispatched_record(config, commit_log, output_end, end) is None
         if not complete:
             say(f"would complete the output {out}: dispatch CommitLog [{output_end}, {end}) ({end - output_end:,} "
                 "bytes), flush and sync it")
@@ -386,7 +412,6 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
             summary = rebuild(config)
         except RebuildFailed as e:
             raise HandoffRefused(f"completing the output stopped: {e}") from None
-        end = max(end, summary.end_offset)
         result.completed_messages = summary.new_messages
         if summary.new_messages:
             say(f"completed the output {out}: dispatched {summary.new_messages:,} messages up to CommitLog offset "
@@ -409,6 +434,8 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
             raise HandoffRefused(f"{out} differs from what the CommitLog implies ({len(report.findings)} "
                                  f"finding{'s' * (len(report.findings) != 1)}, listed above): nothing of the "
                                  "broker's was changed")
+        for note in report.notes:
+            say(f"note: {note}")
         say(f"checked: {report.messages:,} messages [{report.from_offset}, {report.end_offset}), "
             f"{report.units:,} units in {report.queue_files:,} ConsumeQueue files, {report.entries:,} index "
             f"entries in {report.index_files:,} IndexFiles: consistent")

@@ -316,3 +316,18 @@ def test_a_store_without_a_commitlog_is_exit_2_and_nothing_is_created(tmp_path):
     assert res.stderr == (f"reputd: error: {tmp_path / 'typo' / 'commitlog'}: no CommitLog directory "
                           "(store.storePathCommitLog / --store); nothing was changed\n")
     assert not (tmp_path / "typo").exists()
+
+
+def test_dry_run_takes_trailing_records_without_units_or_keys_for_complete(tmp_path):
+    """A complete output's files end before a last ROLLBACK record (no unit, no key): the dry run sees
+    that nothing is left to dispatch and prints the checkpoint it would write."""
+    store, config, results = broker_store(tmp_path)
+    clock = iter(range(results[-1].store_timestamp + 1000, 2**62, 1000))
+    with CommitLogWriter(str(store / "commitlog"), SEGMENT, clock=lambda: next(clock)) as w:
+        w.append(Message("TopicA", 0, b"p", {"KEYS": "prep"}, sys_flag=TRANSACTION_PREPARED_TYPE))
+        rollback = w.append(Message("TopicA", 0, b"r", {}, sys_flag=TRANSACTION_ROLLBACK_TYPE))
+    assert run("rebuild", "--config", str(config), "--store", str(store)).returncode == 0
+    res = run("handoff", "--config", str(config), "--store", str(store), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "would complete" not in res.stdout
+    assert f"physicMsgTimestamp {rollback.store_timestamp} (" in res.stdout
