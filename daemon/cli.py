@@ -478,7 +478,8 @@ def _warn_abort(args, config: Config) -> None:
 
 
 def cmd_handoff(args, config: Config) -> int:
-    from daemon.handoff import BrokerRunning, HandoffRefused, broker_lock_held, handoff, hold_broker_lock
+    from daemon.brokerfiles import BrokerRunning, broker_lock_held, hold_broker_lock
+    from daemon.handoff import HandoffRefused, handoff
     from daemon.logs import configure_logging
 
     root = config.store.store_path_root_dir

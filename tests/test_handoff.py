@@ -331,3 +331,30 @@ def test_dry_run_takes_trailing_records_without_units_or_keys_for_complete(tmp_p
     assert res.returncode == 0, res.stderr
     assert "would complete" not in res.stdout
     assert f"physicMsgTimestamp {rollback.store_timestamp} (" in res.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
+def test_files_the_brokers_user_could_not_write_are_refused_with_the_chown_to_run(tmp_path):
+    """reputd run as root, the broker as its own user: a file under consumequeue/ the broker's user (the
+    CommitLog's owner) does not own is a finding, with the command that fixes it; the checkpoint keeps its
+    owner."""
+    store, config, _ = broker_store(tmp_path)
+    broker_uid, broker_gid = 4321, 4321
+    for path in [store, *store.rglob("*")]:
+        if not path.is_relative_to(store / "consumequeue") and not path.is_relative_to(store / "index"):
+            os.chown(path, broker_uid, broker_gid)
+    (store / "checkpoint").write_bytes(StoreCheckpoint(1, 2, 3).encode())
+    os.chown(store / "checkpoint", broker_uid, broker_gid)
+    res = run("handoff", "--config", str(config), "--store", str(store))
+    assert res.returncode == 1, res.stdout + res.stderr
+    line = next(x for x in res.stdout.splitlines() if x.startswith("fileOwner: "))
+    assert "which could not write them" in line
+    command = line.rpartition("give them to it: ")[2]
+    assert command == f"chown -R {broker_uid}:{broker_gid} {store / 'consumequeue'} {store / 'index'}"
+    assert (store / "abort").exists()
+    assert subprocess.run(["bash", "-c", command], check=False).returncode == 0
+    res = run("handoff", "--config", str(config), "--store", str(store))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not (store / "abort").exists()
+    assert (store / "checkpoint").stat().st_uid == broker_uid
+    assert StoreCheckpoint.decode((store / "checkpoint").read_bytes()).physic_msg_timestamp > 1
