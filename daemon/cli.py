@@ -478,6 +478,8 @@ def _warn_abort(args, config: Config) -> None:
 
 
 def cmd_handoff(args, config: Config) -> int:
+    import contextlib
+
     from daemon.brokerfiles import BrokerRunning, broker_lock_held, hold_broker_lock
     from daemon.handoff import HandoffRefused, handoff
     from daemon.logs import configure_logging
@@ -498,9 +500,22 @@ def cmd_handoff(args, config: Config) -> int:
         except BrokerRunning as e:
             raise UsageError(f"{e}; nothing was changed") from None
         _lock_output(args, config)
-    configure_logging(config.logging.level, config.logging.format)
+    terminal = sys.stderr.isatty()
+    configure_logging(config.logging.level if not terminal or config.logging.level in ("warning", "error")
+                      else "warning", config.logging.format)
     raise_open_files_limit()
     _freeze_start_up()
+
+    @contextlib.contextmanager
+    def progress():
+        """A progress line on stderr for each pass over the CommitLog (completing, then checking)."""
+        from daemon.rebuild import ProgressBar
+
+        bar = ProgressBar()
+        try:
+            yield bar
+        finally:
+            bar.finish()
 
     def say(line: str) -> None:
         """Print a line; a reader that went away (`| head`) stops the printing, not the handoff, whose
@@ -515,7 +530,7 @@ def cmd_handoff(args, config: Config) -> int:
 
     try:
         handoff(config, dry_run=args.dry_run, broker_files=args.broker_files,
-                handoff_command=_handoff_command(args, config), say=say)
+                handoff_command=_handoff_command(args, config), say=say, progress=progress if terminal else None)
     except HandoffRefused as e:
         print(f"reputd: error: handoff refused: {e}", file=sys.stderr)
         return EXIT_FAILURE

@@ -148,10 +148,14 @@ def move_commands(config: Config, handoff_command: str | None) -> list[str]:
 
 
 def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False,
-            handoff_command: str | None = None, say: Callable[[str], None] = print) -> HandoffResult:
+            handoff_command: str | None = None, say: Callable[[str], None] = print,
+            progress: Callable[[], contextlib.AbstractContextManager] | None = None) -> HandoffResult:
     """Complete, check and hand over (module docstring). Raises HandoffRefused, leaving the broker's files
     as they were. `handoff_command` is the command to print for finishing in the store root after the
-    moves (an output elsewhere, without `broker_files`)."""
+    moves (an output elsewhere, without `broker_files`). `progress()`, when given, makes a context manager
+    yielding the `progress(done, total, messages)` callback of each pass over the CommitLog (a terminal's
+    progress bar)."""
+    passes = progress or (lambda: contextlib.nullcontext(None))
     log = get_logger(command="handoff")
     root, out = config.store.store_path_root_dir, config.output.dir
     in_root = _same_dir(out, root) if os.path.isdir(out) else os.path.realpath(out) == os.path.realpath(root)
@@ -176,7 +180,8 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
             say("would then check it as `reputd verify` does")
     else:
         try:
-            summary = rebuild(config)
+            with passes() as bar:
+                summary = rebuild(config, progress=bar)
         except RebuildFailed as e:
             raise HandoffRefused(f"completing the output stopped: {e}") from None
         result.completed_messages = summary.new_messages
@@ -192,7 +197,8 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
         complete = True
     result.end_offset = end
     if complete:
-        report = verify(config, complete=True)
+        with passes() as bar:
+            report = verify(config, complete=True, progress=bar)
         result.report = report
         if not report.consistent:
             for line in format_text(report):
