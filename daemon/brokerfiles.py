@@ -36,7 +36,8 @@ class BrokerRunning(Exception):
 
 @dataclass(slots=True)
 class CheckpointTimes:
-    """What the files hold, as the broker's own clean shutdown writes it into `checkpoint`."""
+    """The StoreCheckpoint times the files hold: the latest the broker's own flushes would record for them
+    (its clean shutdown leaves these, or an earlier physicMsgTimestamp: its last CommitLog flush)."""
 
     physic_msg_timestamp: int
     logics_msg_timestamp: int

@@ -14,8 +14,8 @@ the ConsumeQueues end. So, with the broker stopped:
    `reputd run` output is finished first), flushed and synced;
 2. check it as `verify` does, holding the whole CommitLog to it, and refuse on any finding; and check that
    the IndexFile names sort after nothing the broker will name later (they are local times);
-3. set the broker's `checkpoint` to the times the files hold, as the broker's own clean shutdown leaves
-   them: physicMsgTimestamp the store time of the CommitLog's last record, logicsMsgTimestamp that of the
+3. set the broker's `checkpoint` to the times the files hold, the latest the broker's own flushes would
+   record for them: physicMsgTimestamp the store time of the CommitLog's last record, logicsMsgTimestamp that of the
    last record with a ConsumeQueue unit, indexMsgTimestamp the endTimestamp of the newest full IndexFile
    (no later than what the files hold, so a crash of the broker later recovers from them); remove
    `reputd.checkpoint` from the store root (the files are the broker's now: a later reputd resumes where
