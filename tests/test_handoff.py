@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,17 +26,26 @@ def snapshot(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def broker_store(tmp_path: Path, n: int = 300) -> tuple[Path, Path, list]:
+@pytest.fixture(scope="module")
+def rebuilt_store(tmp_path_factory) -> tuple[Path, list]:
+    """One store and reputd's rebuild of it in its root, made once: each test works on a copy."""
+    base = tmp_path_factory.mktemp("handoff-store")
+    results = make_store(base)
+    res = run("rebuild", "--config", str(write_config(base)), "--store", str(base / "store"))
+    assert res.returncode == 0, res.stderr
+    return base / "store", results
+
+
+@pytest.fixture
+def broker_store(rebuilt_store, tmp_path) -> tuple[Path, Path, list]:
     """A store root holding reputd's rebuild of its CommitLog, left as a killed broker leaves its root:
     `abort` present, `lock` free."""
-    results = make_store(tmp_path, n=n)
-    config = write_config(tmp_path)
+    template, results = rebuilt_store
     store = tmp_path / "store"
-    res = run("rebuild", "--config", str(config), "--store", str(store))
-    assert res.returncode == 0, res.stderr
+    shutil.copytree(template, store)
     (store / "abort").write_bytes(b"")
     (store / "lock").write_bytes(b"lock")
-    return store, config, results
+    return store, write_config(tmp_path), results
 
 
 def newest_full_index_end(out: Path) -> int:
@@ -58,11 +68,11 @@ def hold_lock(path: Path) -> subprocess.Popen:
     return holder
 
 
-def test_handoff_sets_the_checkpoint_to_what_the_files_hold_and_removes_abort_last(tmp_path):
+def test_handoff_sets_the_checkpoint_to_what_the_files_hold_and_removes_abort_last(broker_store):
     """In the store root: the output is already complete, it checks clean, the broker's checkpoint gets
     the store times of the last record, of the last record with a unit and the end of the newest full
     IndexFile, reputd.checkpoint and abort go, and each change is printed."""
-    store, config, results = broker_store(tmp_path)
+    store, config, results = broker_store
     res = run("handoff", "--config", str(config), "--store", str(store))
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
@@ -87,10 +97,10 @@ def test_handoff_sets_the_checkpoint_to_what_the_files_hold_and_removes_abort_la
     assert f"the broker's files in {store} already agree with the output: nothing to change" in res.stdout
 
 
-def test_a_later_checkpoint_is_set_back_to_what_the_files_hold(tmp_path):
+def test_a_later_checkpoint_is_set_back_to_what_the_files_hold(broker_store):
     """A checkpoint whose times lie past the files (a broker that ran on other files) is set back, field by
     field, old and new value printed; bytes past the three 4.9.3 fields are kept."""
-    store, config, results = broker_store(tmp_path)
+    store, config, results = broker_store
     later = StoreCheckpoint(2**50, 2**50 + 1, 2**50 + 2, 77, 0)
     (store / "checkpoint").write_bytes(later.encode())
     res = run("handoff", "--config", str(config), "--store", str(store))
@@ -105,10 +115,10 @@ def test_a_later_checkpoint_is_set_back_to_what_the_files_hold(tmp_path):
     assert "indexMsgTimestamp" in line
 
 
-def test_the_last_record_without_a_unit_sets_physic_past_logics(tmp_path):
+def test_the_last_record_without_a_unit_sets_physic_past_logics(broker_store):
     """PREPARED and ROLLBACK records get no ConsumeQueue unit: logicsMsgTimestamp is the last record with
     one, physicMsgTimestamp the CommitLog's last record."""
-    store, config, results = broker_store(tmp_path)
+    store, config, results = broker_store
     clock = iter(range(results[-1].store_timestamp + 1000, 2**62, 1000))
     with CommitLogWriter(str(store / "commitlog"), SEGMENT, clock=lambda: next(clock)) as w:
         tail = [w.append(Message("TopicA", 0, b"p", {"KEYS": "prep"}, sys_flag=TRANSACTION_PREPARED_TYPE)),
@@ -122,10 +132,10 @@ def test_the_last_record_without_a_unit_sets_physic_past_logics(tmp_path):
     assert cp.physic_msg_timestamp == tail[-1].store_timestamp
 
 
-def test_a_partial_output_is_completed_to_a_rebuilds_bytes(tmp_path):
+def test_a_partial_output_is_completed_to_a_rebuilds_bytes(tmp_path, broker_store):
     """More written after the output stopped (a `reputd run` stopped early): handoff dispatches the rest,
     and the files are those of one rebuild of the whole CommitLog."""
-    store, config, results = broker_store(tmp_path)
+    store, config, results = broker_store
     clock = iter(range(results[-1].store_timestamp + 250, 2**62, 250))
     with CommitLogWriter(str(store / "commitlog"), SEGMENT, clock=lambda: next(clock)) as w:
         for i in range(400):
@@ -140,8 +150,8 @@ def test_a_partial_output_is_completed_to_a_rebuilds_bytes(tmp_path):
     assert mine == whole
 
 
-def test_dry_run_prints_the_changes_and_makes_none(tmp_path):
-    store, config, _ = broker_store(tmp_path)
+def test_dry_run_prints_the_changes_and_makes_none(broker_store):
+    store, config, _ = broker_store
     before = snapshot(store)
     res = run("handoff", "--config", str(config), "--store", str(store), "--dry-run")
     assert res.returncode == 0, res.stderr
@@ -152,8 +162,8 @@ def test_dry_run_prints_the_changes_and_makes_none(tmp_path):
     assert lines[-1] == "dry run: nothing was changed"
 
 
-def test_dry_run_on_an_incomplete_output_says_what_it_would_dispatch(tmp_path):
-    store, config, results = broker_store(tmp_path)
+def test_dry_run_on_an_incomplete_output_says_what_it_would_dispatch(broker_store):
+    store, config, results = broker_store
     end = results[-1].phy_offset + results[-1].msg_size
     with CommitLogWriter(str(store / "commitlog"), SEGMENT) as w:
         added = w.append(Message("TopicA", 0, b"late", {"KEYS": "late"}))
@@ -166,8 +176,8 @@ def test_dry_run_on_an_incomplete_output_says_what_it_would_dispatch(tmp_path):
     assert f"remove {store / 'abort'}" in res.stdout
 
 
-def test_a_running_broker_is_exit_2_and_nothing_is_touched(tmp_path):
-    store, config, _ = broker_store(tmp_path)
+def test_a_running_broker_is_exit_2_and_nothing_is_touched(broker_store):
+    store, config, _ = broker_store
     before = snapshot(store)
     holder = hold_lock(store / "lock")
     try:
@@ -183,8 +193,8 @@ def test_a_running_broker_is_exit_2_and_nothing_is_touched(tmp_path):
         holder.wait()
 
 
-def test_a_finding_is_exit_1_naming_it_and_the_brokers_files_stay(tmp_path):
-    store, config, _ = broker_store(tmp_path)
+def test_a_finding_is_exit_1_naming_it_and_the_brokers_files_stay(broker_store):
+    store, config, _ = broker_store
     (store / "checkpoint").write_bytes(StoreCheckpoint(1, 2, 3).encode())
     queue = store / "consumequeue" / "TopicA" / "0"
     unit = queue / sorted(os.listdir(queue))[0]
@@ -200,10 +210,10 @@ def test_a_finding_is_exit_1_naming_it_and_the_brokers_files_stay(tmp_path):
     assert StoreCheckpoint.decode((store / "checkpoint").read_bytes()) == StoreCheckpoint(1, 2, 3)
 
 
-def test_index_files_named_ahead_of_the_clock_are_refused(tmp_path):
+def test_index_files_named_ahead_of_the_clock_are_refused(broker_store):
     """IndexFile names are local times: named later than now (reputd in a zone east of the broker's), the
     broker's next file would sort before them."""
-    store, config, _ = broker_store(tmp_path)
+    store, config, _ = broker_store
     index = store / "index"
     newest = sorted(index.iterdir())[-1]
     newest.rename(index / "29991231235959999")
@@ -294,10 +304,10 @@ def test_handoff_has_help():
     assert "--broker-files" in res.stdout
 
 
-def test_a_reader_that_goes_away_stops_the_printing_not_the_handoff(tmp_path):
+def test_a_reader_that_goes_away_stops_the_printing_not_the_handoff(broker_store):
     """`reputd handoff ... | head -1`: every change is still made, abort last, and the exit code is the
     handoff's."""
-    store, config, _ = broker_store(tmp_path)
+    store, config, _ = broker_store
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
     command = (f"{sys.executable} -m daemon.cli handoff --config {config} --store {store} | head -1; "
                "exit ${PIPESTATUS[0]}")
@@ -318,10 +328,10 @@ def test_a_store_without_a_commitlog_is_exit_2_and_nothing_is_created(tmp_path):
     assert not (tmp_path / "typo").exists()
 
 
-def test_dry_run_takes_trailing_records_without_units_or_keys_for_complete(tmp_path):
+def test_dry_run_takes_trailing_records_without_units_or_keys_for_complete(broker_store):
     """A complete output's files end before a last ROLLBACK record (no unit, no key): the dry run sees
     that nothing is left to dispatch and prints the checkpoint it would write."""
-    store, config, results = broker_store(tmp_path)
+    store, config, results = broker_store
     clock = iter(range(results[-1].store_timestamp + 1000, 2**62, 1000))
     with CommitLogWriter(str(store / "commitlog"), SEGMENT, clock=lambda: next(clock)) as w:
         w.append(Message("TopicA", 0, b"p", {"KEYS": "prep"}, sys_flag=TRANSACTION_PREPARED_TYPE))
@@ -334,11 +344,11 @@ def test_dry_run_takes_trailing_records_without_units_or_keys_for_complete(tmp_p
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
-def test_files_the_brokers_user_could_not_write_are_refused_with_the_chown_to_run(tmp_path):
+def test_files_the_brokers_user_could_not_write_are_refused_with_the_chown_to_run(broker_store):
     """reputd run as root, the broker as its own user: a file under consumequeue/ the broker's user (the
     CommitLog's owner) does not own is a finding, with the command that fixes it; the checkpoint keeps its
     owner."""
-    store, config, _ = broker_store(tmp_path)
+    store, config, _ = broker_store
     broker_uid, broker_gid = 4321, 4321
     for path in [store, *store.rglob("*")]:
         if not path.is_relative_to(store / "consumequeue") and not path.is_relative_to(store / "index"):
