@@ -151,6 +151,7 @@ def test_a_partial_output_is_completed_to_a_rebuilds_bytes(tmp_path, broker_stor
 
 
 def test_dry_run_prints_the_changes_and_makes_none(broker_store):
+    """--dry-run: the three changes as "would ...", then "dry run: nothing was changed"; no byte changes."""
     store, config, _ = broker_store
     before = snapshot(store)
     res = run("handoff", "--config", str(config), "--store", str(store), "--dry-run")
@@ -163,6 +164,7 @@ def test_dry_run_prints_the_changes_and_makes_none(broker_store):
 
 
 def test_dry_run_on_an_incomplete_output_says_what_it_would_dispatch(broker_store):
+    """--dry-run on an output the CommitLog has gone past: the range it would dispatch, nothing written."""
     store, config, results = broker_store
     end = results[-1].phy_offset + results[-1].msg_size
     with CommitLogWriter(str(store / "commitlog"), SEGMENT) as w:
@@ -177,6 +179,7 @@ def test_dry_run_on_an_incomplete_output_says_what_it_would_dispatch(broker_stor
 
 
 def test_a_running_broker_is_exit_2_and_nothing_is_touched(broker_store):
+    """The broker's `lock` held by another process: exit 2, one line naming it, no file touched or added."""
     store, config, _ = broker_store
     before = snapshot(store)
     holder = hold_lock(store / "lock")
@@ -194,6 +197,7 @@ def test_a_running_broker_is_exit_2_and_nothing_is_touched(broker_store):
 
 
 def test_a_finding_is_exit_1_naming_it_and_the_brokers_files_stay(broker_store):
+    """A unit pointing at no record: verify's finding printed, exit 1, `abort` and `checkpoint` as they were."""
     store, config, _ = broker_store
     (store / "checkpoint").write_bytes(StoreCheckpoint(1, 2, 3).encode())
     queue = store / "consumequeue" / "TopicA" / "0"
@@ -254,6 +258,8 @@ def test_an_output_elsewhere_prints_the_moves_and_the_handoff_to_run(tmp_path):
 
 
 def test_broker_files_flag_does_the_broker_part_now(tmp_path):
+    """--out elsewhere with --broker-files: checkpoint and abort handled now, the moves printed; in the
+    store root the flag is a usage error."""
     make_store(tmp_path)
     config = write_config(tmp_path)
     store, out = tmp_path / "store", tmp_path / "out"
@@ -298,6 +304,7 @@ def test_writing_into_a_root_with_abort_warns_once(tmp_path, command):
 
 
 def test_handoff_has_help():
+    """`reputd handoff --help` lists its options."""
     res = run("handoff", "--help")
     assert res.returncode == 0, res.stderr
     assert "--dry-run" in res.stdout
@@ -320,6 +327,7 @@ def test_a_reader_that_goes_away_stops_the_printing_not_the_handoff(broker_store
 
 
 def test_a_store_without_a_commitlog_is_exit_2_and_nothing_is_created(tmp_path):
+    """A mistyped --store: exit 2 naming the CommitLog directory, and no directory or lock file made."""
     config = write_config(tmp_path)
     res = run("handoff", "--config", str(config), "--store", str(tmp_path / "typo"))
     assert res.returncode == 2
