@@ -104,11 +104,18 @@ def index_name_findings(config: Config, now_ms: int | None = None) -> list[str]:
                             f"records (beginPhyOffset {hb.begin_phy_offset} < {ha.begin_phy_offset}): IndexFiles "
                             "named in two time zones")
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    if headers and index_file_time(headers[-1][0]) > now_ms:
-        problems.append(f"{os.path.join(config.output.dir, INDEX_DIR, headers[-1][0])} is named later than now "
-                        f"here ({index_file_name(now_ms)}, TZ={os.environ.get('TZ', 'unset')}): the broker "
-                        "names its next IndexFile by its clock and would load it before this one; make the "
-                        "index with reputd's TZ set to the broker's time zone")
+    if headers:
+        newest = os.path.join(config.output.dir, INDEX_DIR, headers[-1][0])
+        try:
+            ahead = index_file_time(headers[-1][0]) > now_ms
+        except (ValueError, OverflowError):
+            problems.append(f"{newest} is not named by a time (yyyyMMddHHmmssSSS)")
+            ahead = False
+        if ahead:
+            problems.append(f"{newest} is named later than now here ({index_file_name(now_ms)}, time zone "
+                            f"{time.strftime('%Z')}): the broker names its next IndexFile by its clock and would "
+                            "load it before this one; make the index with reputd's TZ set to the broker's time "
+                            "zone")
     return problems
 
 
@@ -133,6 +140,8 @@ def move_commands(config: Config, handoff_command: str | None) -> list[str]:
     root, out = config.store.store_path_root_dir, config.output.dir
     lines = []
     for sub in (CONSUME_QUEUE_DIR, INDEX_DIR):
+        if not os.path.isdir(os.path.join(out, sub)):
+            continue  # nothing of that kind to hand over (an index switched off): the broker's stays
         target = os.path.join(root, sub)
         if os.path.lexists(target):
             aside = target + MOVED_ASIDE_SUFFIX
