@@ -98,7 +98,7 @@ CONFIG_HELP = ("YAML config file (default: $REPUTD_CONFIG, else ./config/reputd.
 
 
 COMMIT_LOG_DIR = "commitlog"  # under the store root, where storePathCommitLog points by default
-COMMANDS = ("run", "rebuild", "verify", "backfill", "query", "inspect", "produce")
+COMMANDS = ("run", "rebuild", "verify", "handoff", "backfill", "query", "inspect", "produce")
 QUERY_KINDS = ("key", "queue", "msgid")
 OUT_HELP = "output directory for consumequeue/ and index/, overrides output.dir (default: the store root)"
 
@@ -113,7 +113,8 @@ def build_parser(command: str | None = None, kind: str | None = None) -> argpars
         epilog="Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 130 interrupted.")
     parser.add_argument("--version", action=_Version, help="print reputd's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
-    adders = {"run": _add_run, "rebuild": _add_rebuild, "verify": _add_verify, "backfill": _add_backfill,
+    adders = {"run": _add_run, "rebuild": _add_rebuild, "verify": _add_verify, "handoff": _add_handoff,
+              "backfill": _add_backfill,
               "query": lambda s: _add_query(s, kind), "inspect": _add_inspect, "produce": _add_produce}
     for name in COMMANDS:
         if command is None or command == name:
@@ -160,6 +161,19 @@ def _add_verify(sub) -> None:
                    help="CommitLog offset of a record to start at (default: the oldest segment)")
     p.add_argument("--json", action="store_true", help="one JSON object per finding, then a summary object")
     p.set_defaults(handler=cmd_verify)
+
+
+def _add_handoff(sub) -> None:
+    p = _store_command(sub, "handoff", "With the broker stopped: complete the output to the CommitLog's end, check it, "
+                                       "and leave the broker's checkpoint and abort files so that its next start "
+                                       "takes consumequeue/ and index/ as its own (exit 0 handed off, 1 refused, "
+                                       "2 the broker is running).")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would be done and changed, change nothing (checks a complete output)")
+    p.add_argument("--broker-files", action="store_true",
+                   help="with --out other than the store root: also set the broker's checkpoint and remove its "
+                        "abort file now (the printed moves must still be done before the broker starts)")
+    p.set_defaults(handler=cmd_handoff)
 
 
 def _add_backfill(sub) -> None:
@@ -387,6 +401,7 @@ def cmd_run(args, config: Config) -> int:
     if args.until_caught_up:  # the daemon waits for a CommitLog that is not there yet (a mount, a new broker)
         _check_inputs(args, config, data=False)  # a missing commitlog/ it logs (recovery_failed) and exits 1
     _lock_output(args, config)
+    _warn_abort(args, config)
     raise_open_files_limit()
 
     def summary(s: dict) -> None:
@@ -452,6 +467,7 @@ def cmd_rebuild(args, config: Config) -> int:
     else:  # log lines go above the bar; info events would only repeat the bar and the summary
         level = config.logging.level if config.logging.level in ("warning", "error") else "warning"
         configure_logging(level, config.logging.format, stream=bar)
+    _warn_abort(args, config)
     stop = threading.Event()
     signals: list[str] = []
 
@@ -489,6 +505,94 @@ def cmd_rebuild(args, config: Config) -> int:
               f"boundary; everything before it is written and flushed); continue with: "
               f"{_continue_command(summary.end_offset)}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def _handoff_command(args, config: Config) -> str:
+    """The `reputd handoff` command for this config's store root, runnable as printed."""
+    import shlex
+
+    words = ["reputd", "handoff"]
+    if args.config_file:
+        words += ["--config", os.path.abspath(args.config_file)]
+    words += ["--store", os.path.abspath(config.store.store_path_root_dir)]
+    return shlex.join(words)
+
+
+def _warn_abort(args, config: Config) -> None:
+    """Writing into a store root whose broker did not exit cleanly: unless `reputd handoff` runs before the
+    broker starts, 4.9.3's recovery discards these IndexFiles and re-dispatches over these ConsumeQueues."""
+    from daemon.logs import get_logger
+    from daemon.verify import ABORT_FILE
+
+    root, out = config.store.store_path_root_dir, config.output.dir
+    abort = os.path.join(root, ABORT_FILE)
+    if not os.path.exists(abort) or os.path.realpath(out) != os.path.realpath(root):
+        return
+    command = _handoff_command(args, config)
+    print(f"reputd: warning: {abort} exists (the broker's last exit was not clean): a 4.9.3 broker started on this "
+          f"store discards these IndexFiles and re-dispatches over these ConsumeQueues unless `{command}` runs "
+          "first", file=sys.stderr)
+    get_logger(command=args.command).warning("broker_abort_present", path=abort, handoff=command)
+
+
+def cmd_handoff(args, config: Config) -> int:
+    import contextlib
+
+    from daemon.brokerfiles import BrokerRunning, broker_lock_held, hold_broker_lock
+    from daemon.handoff import HandoffRefused, handoff
+    from daemon.logs import configure_logging
+
+    root = config.store.store_path_root_dir
+    for d in config.store.commit_log_dirs:
+        if not os.path.isdir(d):
+            raise UsageError(f"{d}: no CommitLog directory (store.storePathCommitLog / --store); nothing was changed")
+    if broker_lock_held(root):
+        raise UsageError(f"{os.path.join(root, 'lock')} is held: the broker is running; stop it first (handoff "
+                         "prepares the files for its next start); nothing was changed")
+    if args.broker_files and os.path.realpath(config.output.dir) == os.path.realpath(root):
+        raise UsageError("--broker-files goes with --out other than the store root (in the store root the "
+                         "broker's files are always handled)")
+    if not args.dry_run:
+        try:
+            args.broker_lock_fd = hold_broker_lock(root)
+        except BrokerRunning as e:
+            raise UsageError(f"{e}; nothing was changed") from None
+        _lock_output(args, config)
+    terminal = sys.stderr.isatty()
+    configure_logging(config.logging.level if not terminal or config.logging.level in ("warning", "error")
+                      else "warning", config.logging.format)
+    raise_open_files_limit()
+    _freeze_start_up()
+
+    @contextlib.contextmanager
+    def progress():
+        """A progress line on stderr for each pass over the CommitLog (completing, then checking)."""
+        from daemon.rebuild import ProgressBar
+
+        bar = ProgressBar()
+        try:
+            yield bar
+        finally:
+            bar.finish()
+
+    def say(line: str) -> None:
+        """Print a line; a reader that went away (`| head`) stops the printing, not the handoff, whose
+        exit code stays its result."""
+        if getattr(args, "stdout_gone", False):
+            return
+        try:
+            print(line, flush=True)
+        except BrokenPipeError:
+            args.stdout_gone = True
+            _quiet_stdout()
+
+    try:
+        handoff(config, dry_run=args.dry_run, broker_files=args.broker_files,
+                handoff_command=_handoff_command(args, config), say=say, progress=progress if terminal else None)
+    except HandoffRefused as e:
+        print(f"reputd: error: handoff refused: {e}", file=sys.stderr)
+        return EXIT_FAILURE
     return EXIT_OK
 
 
@@ -644,6 +748,7 @@ def cmd_backfill(args, config: Config) -> int:
     from daemon.logs import configure_logging
 
     configure_logging(config.logging.level, config.logging.format)
+    _warn_abort(args, config)
 
     def say(text: str) -> None:
         print(f"\r{text}", file=sys.stderr, flush=True)

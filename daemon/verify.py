@@ -79,6 +79,7 @@ MODE_STOPPED = "broker store, stopped cleanly: the whole CommitLog must be dispa
 MODE_RUNNING = "broker store, broker running: checked up to its dispatch frontier"
 MODE_CRASHED = "broker store, last exit not clean (abort file): checked up to its dispatch frontier"
 MODE_REPUTD = "reputd output: checked up to its dispatch frontier"
+MODE_COMPLETE = "completed to the CommitLog's end by handoff: the whole CommitLog must be dispatched"
 
 
 class VerifyUsageError(Exception):
@@ -296,10 +297,12 @@ def _newest_record_left_out(out: str, mode: str, checkpoint, frontier: Frontier 
 
 def verify(config: Config, *, from_offset: int | None = None,
            progress: Callable[[int, int, int], None] | None = None,
-           rebuild_command: Callable[[str], str] | None = None) -> VerifyReport:
+           rebuild_command: Callable[[str], str] | None = None, complete: bool = False) -> VerifyReport:
     """Compare the output directory's consumequeue/ and index/ with what the CommitLog implies.
     `rebuild_command(out)`: the command line of a rebuild into `out`, for the repair plan (the CLI's
-    options that chose the config and store)."""
+    options that chose the config and store). `complete`: the caller has just completed the output to the
+    CommitLog's end with nothing writing (`reputd handoff`), so the whole CommitLog must be dispatched,
+    whoever wrote the files."""
     store = config.store
     out = config.output.dir
     if not os.path.isdir(out):
@@ -316,7 +319,9 @@ def verify(config: Config, *, from_offset: int | None = None,
         checkpoint = None
         notes.append(f"reputd checkpoint not used: {e}")
     reputd_output = checkpoint is not None or not broker_store or os.path.exists(os.path.join(out, "reputd.checkpoint"))
-    if reputd_output:
+    if complete:
+        mode = MODE_COMPLETE
+    elif reputd_output:
         mode = MODE_REPUTD
     elif lock_held(os.path.join(out, LOCK_FILE)):
         mode = MODE_RUNNING
@@ -324,7 +329,7 @@ def verify(config: Config, *, from_offset: int | None = None,
         mode = MODE_CRASHED
     else:
         mode = MODE_STOPPED
-    live = mode != MODE_STOPPED
+    live = mode not in (MODE_STOPPED, MODE_COMPLETE)
     commit_log = CommitLog(store.commit_log_dirs, store.mapped_file_size_commit_log, follow=live)
     if commit_log.short_newest is not None:
         path, size = commit_log.short_newest
