@@ -453,8 +453,15 @@ def test_stdout_is_json_on_the_error_exits(tmp_path):
 
     missing = run_cli("run", "--config", str(store.config), "--until-caught-up", cwd=tmp_path,
                       env={"REPUTD_STORE_STORE_PATH_ROOT_DIR": str(tmp_path / "nowhere")})
-    assert missing.returncode == 1
-    assert any(e["level"] == "error" for e in json_lines(missing.stdout))
+    assert missing.returncode == 2  # a configured path that does not exist: a configuration error
+    assert missing.stdout == ""
+    assert missing.stderr.count("\n") == 1
+    assert "no such store root directory (store.storePathRootDir)" in missing.stderr
+    (tmp_path / "empty-root").mkdir()
+    no_data = run_cli("run", "--config", str(store.config), "--until-caught-up", cwd=tmp_path,
+                      env={"REPUTD_STORE_STORE_PATH_ROOT_DIR": str(tmp_path / "empty-root")})
+    assert no_data.returncode == 1  # a store root without its commitlog/: data missing, logged as JSON
+    assert any(e["level"] == "error" for e in json_lines(no_data.stdout))
 
 
 SYSTEMD_LINES = (

@@ -404,7 +404,10 @@ def test_structured_damage_is_reported_and_bounded(pristine, tmp_path, name):
             found = [json.loads(ln)["uniqKey"] for ln in run.stdout.splitlines()]
             assert found == ([target.key] if kind.found else []), (name, found)
         if command == "query queue" and kind.part == "queue":
-            assert len(run.stdout.splitlines()) == UNIT, (name, run.stdout[-500:])  # the units before it
+            *messages, result = [json.loads(ln) for ln in run.stdout.splitlines()]
+            assert len(messages) == UNIT, (name, run.stdout[-500:])  # the units before it, then the result
+            assert (result["nextBeginOffset"], result["damage"]) == (_first_offset(path, case) + UNIT,
+                                                                     run.stderr.strip().removeprefix("reputd: error: "))
     if STRESS:
         report(f"fuzz_output_kind {name}", **{c: {"exit": r[0], "seconds": round(r[2], 2), "said": r[1]}
                                               for c, r in TABLE[name].items()})
