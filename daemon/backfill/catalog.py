@@ -1,12 +1,16 @@
 """The Parquet catalog `reputd backfill --catalog PATH` writes: one row per dispatched message, typed.
 
-    PATH/topic=<topic>/date=<yyyy-mm-dd>/part-<task>.parquet   (UTC day of the store time)
+    PATH/topic=<topic>/date=<yyyy-mm-dd>/part-<from>-<to>.parquet   (UTC day of the store time; [from, to)
+                                                                     the backfill's CommitLog range)
+    PATH/_reputd-backfills/<from>-<to>                             one empty marker per committed backfill
 
-Columns (camelCase, as `reputd query --json` names them): commitLogOffset, msgSize, topic, queueId,
-queueOffset, storeTime and bornTime (timestamp, ms), tags, tagsCode, sysFlag, keys (array<string>: the
-non-empty KEYS tokens), uniqKey, msgId (the offset msgId), realTopic and realQueueId (a delayed message's
-own topic and queue; null for others), bodySize, body (only with `backfill.catalogBody`), date. `topic`
-and `date` are in the files too, so Spark reads them with their types whatever the partition values.
+Columns (camelCase, as `reputd query --json` names them): commitLogOffset, msgSize, queueId, queueOffset,
+storeTime and bornTime (timestamp, ms), tags, tagsCode, sysFlag, keys (array<string>: the non-empty KEYS
+tokens), uniqKey, msgId (the offset msgId), realTopic and realQueueId (a delayed message's own topic and
+queue; null for others), bodySize, body (only with `backfill.catalogBody`); `topic` and `date` are the
+partition columns, in the directory names only (stored in the files too, they had two types, and pandas
+and pyarrow refused the catalog). A later backfill appends: it leaves out the rows of the ranges the
+markers name, so a rerun adds nothing and a later range extends each day's partition with a file.
 
 The decode task builds the rows of each window straight from the segment image with numpy and Arrow
 compute (fixed-offset fields gathered, properties matched by regular expression), groups them by
@@ -51,11 +55,10 @@ _UTC_MS = pa.timestamp("ms", tz="UTC")
 _PROPERTY = r"(?s)^(?:.*\x02)?{}\x01(?P<v>[^\x02]*)"
 
 SCHEMA = pa.schema([
-    ("commitLogOffset", pa.int64()), ("msgSize", pa.int32()), ("topic", pa.string()), ("queueId", pa.int32()),
+    ("commitLogOffset", pa.int64()), ("msgSize", pa.int32()), ("queueId", pa.int32()),
     ("queueOffset", pa.int64()), ("storeTime", _UTC_MS), ("bornTime", _UTC_MS), ("tags", pa.string()),
     ("tagsCode", pa.int64()), ("sysFlag", pa.int32()), ("keys", pa.list_(pa.string())), ("uniqKey", pa.string()),
     ("msgId", pa.string()), ("realTopic", pa.string()), ("realQueueId", pa.int32()), ("bodySize", pa.int32()),
-    ("date", pa.date32()),
 ])
 BODY_FIELD = pa.field("body", pa.binary())
 
@@ -154,7 +157,6 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool) ->
     store_ms = batch.store_timestamp
     columns = {
         "commitLogOffset": pa.array(batch.phy_offset), "msgSize": pa.array(batch.msg_size),
-        "topic": pa.array(list(batch.topics), pa.string()).take(pa.array(batch.topic_id)),
         "queueId": pa.array(batch.queue_id), "queueOffset": pa.array(batch.queue_offset),
         "storeTime": pa.array(store_ms).cast(_UTC_MS),
         "bornTime": pa.array(_be(img, rel + BORN_TIMESTAMP_OFFSET, 8)).cast(_UTC_MS),
@@ -164,7 +166,6 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool) ->
         "msgId": msg_id, "realTopic": _text(_property(props, "REAL_TOPIC")),
         "realQueueId": real_qid.cast(pa.int32(), safe=False) if n else pa.array([], pa.int32()),
         "bodySize": pa.array(body_len.astype(np.int32)),
-        "date": pa.array((store_ms // MS_PER_DAY).astype(np.int32)).cast(pa.date32()),
     }
     schema = SCHEMA
     if with_body:
@@ -216,7 +217,61 @@ def catalog_filesystem(path: str, s3=None):
     return remote_filesystem(d, s3 or S3Options()), d.path
 
 
-def write_parquet(filesystem, path: str, table: pa.Table) -> None:
-    parent = os.path.dirname(path)
-    filesystem.create_dir(parent, recursive=True)
-    pq.write_table(table, path, filesystem=filesystem, compression="zstd")
+STAGING = "_reputd-staging"  # PATH/_reputd-staging/JOB/...: readers skip names starting with "_"
+MARKERS = "_reputd-backfills"
+STAGED_SUFFIX = ".staged"  # nor does a `**/*.parquet` glob see a staged file
+
+
+def file_name(start: int, end: int) -> str:
+    return f"part-{start:020d}-{end:020d}.parquet"
+
+
+class ParquetOut:
+    """One staged Parquet file, written a table at a time (a partition is never held whole)."""
+
+    def __init__(self, filesystem, final_relative_path: str):
+        self.filesystem = filesystem
+        self.path = final_relative_path + STAGED_SUFFIX
+        self._writer = None
+
+    def write(self, table: pa.Table) -> None:
+        if self._writer is None:
+            self.filesystem.create_dir(os.path.dirname(self.path), recursive=True)
+            self._writer = pq.ParquetWriter(self.path, table.schema, filesystem=self.filesystem, compression="zstd")
+        self._writer.write_table(table)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def discard(self) -> None:
+        if self._writer is not None:
+            self.filesystem.delete_file(self.path)
+
+
+def uncovered(table: pa.Table, covered) -> np.ndarray:
+    """Which rows lie outside every [from, to) of `covered` (the ranges the catalog holds already)."""
+    offsets = table.column("commitLogOffset").to_numpy()
+    keep = np.ones(len(offsets), dtype=bool)
+    for lo, hi in covered:
+        keep &= (offsets < lo) | (offsets >= hi)
+    return keep
+
+
+def covered_ranges(filesystem, base: str) -> list[tuple[int, int]]:
+    """The CommitLog ranges of the backfills a catalog holds (its markers)."""
+    infos = filesystem.get_file_info(fs.FileSelector(f"{base.rstrip('/')}/{MARKERS}", allow_not_found=True))
+    ranges = []
+    for info in infos:
+        lo, _, hi = info.base_name.partition("-")
+        if lo.isdigit() and hi.isdigit():
+            ranges.append((int(lo), int(hi)))
+    return sorted(ranges)
+
+
+def write_marker(filesystem, base: str, start: int, end: int) -> None:
+    """Record, after every file of a backfill is in place, that the catalog holds [start, end)."""
+    directory = f"{base.rstrip('/')}/{MARKERS}"
+    filesystem.create_dir(directory, recursive=True)
+    with filesystem.open_output_stream(f"{directory}/{start:020d}-{end:020d}"):
+        pass

@@ -17,6 +17,7 @@ shared by the driver and the executors (the staged files are linked into place).
 from __future__ import annotations
 
 import contextlib
+import heapq
 import os
 import pathlib
 import pickle
@@ -32,11 +33,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from pyspark import StorageLevel
+from pyarrow import fs
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
-from daemon.backfill.catalog import catalog_filesystem
+from daemon.backfill.catalog import catalog_filesystem, file_name, write_marker
 from daemon.backfill.commit import (
     commit_index_file,
     commit_queue_dir,
@@ -51,16 +51,11 @@ from daemon.backfill.plan import (
     ReadPlan,
     check_existing_index,
     index_file_names,
-    keys_per_file,
     plan_index_files,
     walk_ranges,
 )
 from daemon.backfill.ranges import (
-    CATALOG,
-    DECODED_DDL,
-    KEYS,
-    META,
-    UNITS,
+    OUTCOME_DDL,
     DecodeSettings,
     RangeOutcome,
     RangeTask,
@@ -69,17 +64,17 @@ from daemon.backfill.ranges import (
 from daemon.backfill.source import LOCAL, S3Options, SegmentDir, SegmentListing, parse_segment_dirs
 from daemon.backfill.tasks import (
     CATALOG_FILES,
-    CATALOG_STAGING,
     INDEX_FILES,
     QUEUES,
-    catalog_writer,
+    WriterSettings,
     decode_rows,
-    index_writer,
-    queue_writer,
+    write_rows,
 )
 from daemon.backfill.writers import (
-    PLAN_ROW,
+    CatalogWork,
     Fault,
+    IndexWork,
+    QueueWork,
     WriteStats,
 )
 from daemon.config import Config
@@ -120,6 +115,7 @@ class BackfillSummary(RebuildSummary):
     bytes_read_remote: int = 0
     arrow_bytes_to_jvm: int = 0
     arrow_bytes_from_jvm: int = 0
+    staged_bytes: int = 0
     decode_task_seconds: float = 0.0
     write_task_seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
@@ -129,7 +125,8 @@ class BackfillSummary(RebuildSummary):
             **RebuildSummary.as_dict(self), "master": self.master, "partitions": self.partitions,
             "ranges": self.ranges, "rereadRanges": self.reread_ranges, "sparkJobs": self.spark_jobs,
             "bytesReadRemote": self.bytes_read_remote, "arrowBytesToJvm": self.arrow_bytes_to_jvm,
-            "arrowBytesFromJvm": self.arrow_bytes_from_jvm, "decodeTaskSeconds": round(self.decode_task_seconds, 3),
+            "arrowBytesFromJvm": self.arrow_bytes_from_jvm, "stagedBytes": self.staged_bytes,
+            "decodeTaskSeconds": round(self.decode_task_seconds, 3),
             "writeTaskSeconds": round(self.write_task_seconds, 3),
             "phaseSeconds": {k: round(v, 3) for k, v in self.phases.items()}, "catalog": self.catalog,
         }
@@ -301,6 +298,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     started = time.perf_counter()
     say = progress or (lambda _text: None)
     archive = None
+    catalog_covered = open_catalog(catalog, s3) if catalog is not None else ()
     interrupt = _Interrupt(own=owns_session)
     if spark is None:
         if master.startswith("local"):
@@ -323,12 +321,12 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     settings = DecodeSettings(store.mapped_file_size_commit_log, store.check_crc_on_recover, store.max_message_size,
                               store.message_delay_level, window, config.backfill.read_bytes,
                               build_index, catalog is not None, config.backfill.catalog_body, s3,
-                              multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq))
+                              multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq),
+                              staging_root(out, job_id))
     job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
+    job.catalog_covered = catalog_covered
     interrupt.arm(sc, group)
     try:
-        if catalog is not None:
-            _check_catalog_absent(catalog, s3)
         if tasks:
             plan = job.decode(tasks, listing, start, to_offset, from_offset is not None)
             interrupt.check()
@@ -347,6 +345,8 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
             summary.spark_jobs = len(sc.statusTracker().getJobIdsForGroup(group))
         job.release()
         remove_tree(staging_root(out, job_id))
+        if catalog is not None:
+            remove_catalog_staging(catalog, s3, job_id)
         if owns_session:
             spark.stop()
             interrupt.disarm()
@@ -420,13 +420,81 @@ def first_real_unit(directory: str) -> tuple[str, int] | None:
     return None
 
 
-def _check_catalog_absent(catalog: str, s3: S3Options) -> None:
-    """Refuse an existing catalog before anything is written."""
-    from pyarrow import fs  # noqa: PLC0415
+def open_catalog(catalog: str, s3: S3Options) -> tuple[tuple[int, int], ...]:
+    """The CommitLog ranges a catalog holds already (none for a new one); a path that is not a catalog is
+    refused before anything is written."""
+    from daemon.backfill.catalog import MARKERS, catalog_filesystem, covered_ranges  # noqa: PLC0415
 
     filesystem, path = catalog_filesystem(catalog, s3)
-    if filesystem.get_file_info(path).type != fs.FileType.NotFound:
-        raise BackfillError(f"--catalog {catalog}: already exists; give a new path")
+    info = filesystem.get_file_info(path)
+    if info.type == fs.FileType.NotFound:
+        return ()
+    if info.type != fs.FileType.Directory:
+        raise BackfillError(f"--catalog {catalog}: is a file, not a catalog directory")
+    covered = covered_ranges(filesystem, path)
+    if not covered and filesystem.get_file_info(fs.FileSelector(path)):
+        raise BackfillError(f"--catalog {catalog}: exists and is not a reputd catalog (it has no {MARKERS}/); "
+                            f"give a new path or an earlier backfill's catalog")
+    return tuple(covered)
+
+
+def remove_catalog_staging(catalog: str, s3: S3Options, job_id: str) -> None:
+    """The job's staged catalog files, and the staging directory when no other job stages there."""
+    from daemon.backfill.catalog import STAGING, catalog_filesystem  # noqa: PLC0415
+
+    with contextlib.suppress(Exception):
+        filesystem, path = catalog_filesystem(catalog, s3)
+        staging = f"{path.rstrip('/')}/{STAGING}"
+        filesystem.delete_dir(f"{staging}/{job_id}")
+        if not filesystem.get_file_info(fs.FileSelector(staging)):
+            filesystem.delete_dir(staging)
+
+
+def queue_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int) -> list[QueueWork]:
+    """Whole queues in `parts` groups balanced by units (the largest first, each to the lightest group)."""
+    units: dict[tuple[str, int], int] = {}
+    for o in ranges:
+        for q, n in o.queue_units.items():
+            units[q] = units.get(q, 0) + n
+    if not units:
+        return []
+    groups: list[list] = [[] for _ in range(min(parts, len(units)))]
+    heap = [(0, i) for i in range(len(groups))]
+    for q, n in sorted(units.items(), key=lambda kv: (-kv[1], kv[0])):
+        load, i = heapq.heappop(heap)
+        groups[i].append(q)
+        heapq.heappush(heap, (load + n, i))
+    return [QueueWork(dirs, tuple(sorted(g))) for g in groups if g]
+
+
+def index_work(ranges: Sequence[RangeOutcome], layout: IndexLayout) -> list[IndexWork]:
+    """One task per IndexFile, with the ranges that hold its keys (and the key before them, its seed)."""
+    work = []
+    for plan in layout.files:
+        lo = max(0, plan.key_start - 1)
+        sources = tuple((o.stage_dir, layout.key_base[o.number], o.keys) for o in ranges
+                        if o.keys and layout.key_base[o.number] < plan.key_end
+                        and layout.key_base[o.number] + o.keys > lo)
+        work.append(IndexWork(plan, sources))
+    return work
+
+
+def catalog_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int, name: str,
+                 covered: tuple[tuple[int, int], ...]) -> list[CatalogWork]:
+    """(topic, day) partitions in `parts` groups balanced by rows."""
+    rows: dict[tuple[str, int], int] = {}
+    for o in ranges:
+        for g, n in o.catalog_rows.items():
+            rows[g] = rows.get(g, 0) + n
+    if not rows:
+        return []
+    groups: list[list] = [[] for _ in range(min(parts, len(rows)))]
+    heap = [(0, i) for i in range(len(groups))]
+    for g, n in sorted(rows.items(), key=lambda kv: (-kv[1], kv[0])):
+        load, i = heapq.heappop(heap)
+        groups[i].append(g)
+        heapq.heappush(heap, (load + n, i))
+    return [CatalogWork(dirs, tuple(sorted(g)), name, covered) for g in groups if g]
 
 
 class _Job:
@@ -444,9 +512,8 @@ class _Job:
         self.log = log
         self.fault = fault
         self.s3 = s3
-        self.frames: list = []  # cached decode outputs: the first pass, then each round of re-reads
-        self.broadcasts: list = []  # the work items of each frame
-        self.source: dict[int, int] = {}  # range number -> the frame its accepted rows are in
+        self.broadcasts: list = []  # the work items of each job
+        self.catalog_covered: tuple[tuple[int, int], ...] = ()
         self.outcomes: dict[int, RangeOutcome] = {}
         self.all_outcomes: list[RangeOutcome] = []  # every decode task's, re-reads included
 
@@ -454,27 +521,21 @@ class _Job:
         self.summary.phases[phase] = self.summary.phases.get(phase, 0.0) + time.perf_counter() - t0
 
     def release(self) -> None:
-        for frame in self.frames:
-            with contextlib.suppress(Exception):
-                frame.unpersist()
         for items in self.broadcasts:
             with contextlib.suppress(Exception):
                 items.destroy()
 
     def _decode_frame(self, work: Sequence) -> list[RangeOutcome]:
-        # one partition per item, generated in the JVM: no Python RDD to convert (its own worker per task)
+        # one partition per item, generated in the JVM: no Python RDD to convert (its own worker per task); each
+        # task stages its range's output as files and hands back only the outcome (nothing is cached)
         items = self.spark.sparkContext.broadcast([pickle.dumps(w) for w in work])
         self.broadcasts.append(items)
-        frame = (self.spark.range(0, len(work), 1, len(work))
-                 .mapInArrow(decode_rows(self.settings, items, self.fault), DECODED_DDL)
-                 .persist(StorageLevel.MEMORY_AND_DISK))
-        self.frames.append(frame)
-        metas = frame.filter(F.col("kind") == META).select("data").collect()
-        found = [pickle.loads(m.data) for m in metas]
+        rows = (self.spark.range(0, len(work), 1, len(work))
+                .mapInArrow(decode_rows(self.settings, items, self.fault), OUTCOME_DDL).collect())
+        found = [pickle.loads(r.data) for r in rows]
         self.all_outcomes.extend(found)
         for o in found:
             self.outcomes[o.number] = o
-            self.source[o.number] = len(self.frames) - 1
         return found
 
     def decode(self, tasks: Sequence[RangeTask], listing: SegmentListing, start: int, to_offset: int | None,
@@ -504,6 +565,7 @@ class _Job:
         s.messages = s.new_messages = plan.messages  # every file is written anew from `start`
         s.bytes_read_remote = sum(o.bytes_read for o in self.all_outcomes)
         s.arrow_bytes_to_jvm = sum(o.arrow_bytes for o in self.all_outcomes)
+        s.staged_bytes = sum(o.staged_bytes for o in self.all_outcomes)
         s.decode_task_seconds = sum(o.seconds for o in self.all_outcomes)
         for lo, hi, error in plan.skipped:
             s.skipped.append((lo, hi, str(error)))
@@ -520,82 +582,37 @@ class _Job:
         self._timed("plan", t0)
         return plan
 
-    def _selected(self, plan: ReadPlan, kind: int):
-        """The rows of one kind of the dispatched ranges, each range from the frame that decoded it last."""
-        by_frame: dict[int, list[int]] = {}
-        for n in plan.ranges:
-            by_frame.setdefault(self.source[n], []).append(n)
-        parts = [self.frames[i].filter((F.col("kind") == kind) & F.col("range").isin(numbers))
-                 for i, numbers in sorted(by_frame.items())]
-        frame = parts[0]
-        for p in parts[1:]:
-            frame = frame.unionByName(p)
-        return frame
-
     def write(self, plan: ReadPlan, build_cq: bool, build_index: bool, catalog: str | None) -> None:
-        """Job 2: every writer in one job, then the commit."""
+        """Job 2: every writer in one job, each task reading the staged runs of its share, then the commit."""
         t0 = time.perf_counter()
         s = self.summary
-        parts = s.partitions
-        outputs = []
-        layout = None
-        if plan.ranges and build_cq:
-            outputs.append(self._queue_writer(plan, parts))
-        if plan.ranges and build_index:
-            layout = plan_index_files([self.outcomes[n] for n in plan.ranges], self.config.store.max_index_num)
-            if layout.files:
-                outputs.append(self._index_writer(plan, layout, parts))
-        if plan.ranges and catalog is not None:
-            outputs.append(self._catalog_writer(plan, parts, catalog))
+        ranges = [self.outcomes[n] for n in plan.ranges]
+        dirs = tuple(o.stage_dir for o in ranges)
+        work: list = []
+        if ranges and build_index:
+            layout = plan_index_files(ranges, self.config.store.max_index_num)
+            work.extend(index_work(ranges, layout))  # first: a whole IndexFile is the longest task
+        if ranges and build_cq:
+            work.extend(queue_work(ranges, dirs, s.partitions))
+        if ranges and catalog is not None:
+            work.extend(catalog_work(ranges, dirs, s.partitions, file_name(s.start_offset, s.end_offset),
+                                     self.catalog_covered))
         results: dict[str, list] = {QUEUES: [], INDEX_FILES: [], CATALOG_FILES: []}
-        if outputs:
-            frame = outputs[0]
-            for o in outputs[1:]:
-                frame = frame.union(o)
-            self.say(f"writing {len(outputs)} outputs in one job")
-            for row in frame.collect():
+        if work:
+            store = self.config.store
+            settings = WriterSettings(self.out, self.job_id, store.mapped_file_size_consume_queue,
+                                      store.max_hash_slot_num, store.max_index_num, catalog, self.s3)
+            items = self.spark.sparkContext.broadcast([pickle.dumps(w) for w in work])
+            self.broadcasts.append(items)
+            self.say(f"writing {len(work)} parts in one job")
+            rows = (self.spark.range(0, len(work), 1, len(work))
+                    .mapInArrow(write_rows(settings, items, self.fault), RESULT_DDL).collect())
+            for row in rows:
                 results[row.kind].append(pickle.loads(row.value))
         self._timed("write", t0)
         t0 = time.perf_counter()
         self._commit(results, build_cq, build_index, catalog)
         self._timed("commit", t0)
-
-    def _queue_writer(self, plan: ReadPlan, parts: int):
-        run = queue_writer(self.out, self.job_id, self.config.store.mapped_file_size_consume_queue, self.fault)
-        return (self._selected(plan, UNITS).select("topic", "queue", "pos", "seq", "aux", "count", "data")
-                .repartition(parts, "topic", "queue").sortWithinPartitions("topic", "queue", "pos", "seq")
-                .mapInArrow(run, RESULT_DDL))
-
-    def _index_writer(self, plan: ReadPlan, layout: IndexLayout, parts: int):
-        store = self.config.store
-        capacity = keys_per_file(store.max_index_num)
-        last = len(layout.files) - 1
-        run = index_writer(self.out, self.job_id, store.max_hash_slot_num, store.max_index_num, self.fault)
-
-        # each range's first global key number, as a literal array indexed by range number (no join, no job)
-        bases = [0] * (max(layout.key_base) + 1)
-        for number, base in layout.key_base.items():
-            bases[number] = base
-        base_of = F.element_at(F.array(*[F.lit(b).cast("bigint") for b in bases]), F.col("range") + 1)
-        keys = self._selected(plan, KEYS).select((base_of + F.col("pos")).alias("g0"), "count", "data")
-        first_file = F.expr(f"g0 div {capacity}").cast("int")
-        last_file = F.least(F.expr(f"(g0 + count) div {capacity}"), F.lit(last)).cast("int")
-        keys = keys.select(F.explode(F.sequence(first_file, last_file)).alias("file"), "g0", "count", "data")
-        # the plan rows from literals, in the JVM: a DataFrame made from a Python list is a Python RDD, and
-        # its task started a Python worker of its own (1.3-1.7 s here)
-        plan_of = F.element_at(F.array(*[F.lit(pickle.dumps(p)) for p in layout.files]), F.col("id").cast("int") + 1)
-        number_of = F.element_at(F.array(*[F.lit(p.number) for p in layout.files]), F.col("id").cast("int") + 1)
-        plans = self.spark.range(0, len(layout.files), 1, 1).select(
-            number_of.cast("int").alias("file"), F.lit(PLAN_ROW).cast("bigint").alias("g0"),
-            F.lit(0).cast("int").alias("count"), plan_of.alias("data"))
-        return (keys.unionByName(plans).repartition(min(parts, len(layout.files)), "file")
-                .sortWithinPartitions("file", "g0").mapInArrow(run, RESULT_DDL))
-
-    def _catalog_writer(self, plan: ReadPlan, parts: int, catalog: str):
-        run = catalog_writer(catalog, self.s3, self.job_id)
-        return (self._selected(plan, CATALOG).select("topic", "aux", "range", "seq", "data")
-                .repartition(parts, "topic", "aux").sortWithinPartitions("topic", "aux", "range", "seq")
-                .select("topic", "aux", "data").mapInArrow(run, RESULT_DDL))
 
     def _commit(self, results: dict[str, list], build_cq: bool, build_index: bool, catalog: str | None) -> None:
         """Check the output, then link every staged file into place (the IndexFiles under their names)."""
@@ -635,12 +652,12 @@ class _Job:
                 for staged, relative, n in written:
                     final = f"{base}/{relative}"
                     filesystem.create_dir(final.rsplit("/", 1)[0], recursive=True)
+                    if filesystem.get_file_info(final).type != fs.FileType.NotFound:
+                        filesystem.delete_file(final)  # this range's own file, left by a commit a kill stopped
                     filesystem.move(staged, final)
                     rows += n
-            with contextlib.suppress(Exception):
-                filesystem.delete_dir(f"{base}/{CATALOG_STAGING}")
-            if not results[CATALOG_FILES] or not any(results[CATALOG_FILES]):
-                filesystem.create_dir(base, recursive=True)
+            filesystem.create_dir(base, recursive=True)
+            write_marker(filesystem, base, s.start_offset, s.end_offset)
             s.files["catalog"] = sum(len(w) for w in results[CATALOG_FILES])
             self.log.info("catalog_written", path=catalog, files=s.files["catalog"], rows=rows)
 
