@@ -24,7 +24,7 @@ from daemon.backfill import (
     check_java,
     commit_log_dirs,
 )
-from daemon.backfill.catalog import CATALOG_QUERIES
+from daemon.backfill.catalog import CATALOG_QUERIES, file_name
 from daemon.backfill.commit import STAGING_DIR
 from daemon.backfill.job import spark_error_line
 from daemon.config import load_config
@@ -324,12 +324,12 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_readme_quer
     catalog = tmp_path / "catalog"
     summary = backfill(make_config(tmp_path, "out", tmp / "store", backfill={"rangeBytes": 20_000}), spark=spark,
                        catalog=str(catalog))
-    files = sorted(str(p.relative_to(catalog)) for p in catalog.rglob("*") if p.is_file())
-    assert files == [f"topic={t}/date=2023-11-14/part-{n}.parquet" for t, n in
-                     sorted((t, p.name.split("-")[1].split(".")[0]) for t in
-                            ("Late", "SCHEDULE_TOPIC_XXXX", "TopicA", "TopicB")
-                            for p in (catalog / f"topic={t}" / "date=2023-11-14").iterdir())]
+    files = sorted(str(p.relative_to(catalog)) for p in catalog.rglob("*.parquet"))
+    name = file_name(0, summary.end_offset)
+    assert files == [f"topic={t}/date=2023-11-14/{name}" for t in ("Late", "SCHEDULE_TOPIC_XXXX", "TopicA", "TopicB")]
     assert len(files) == 4 == summary.files["catalog"]
+    assert sorted(p.name for p in (catalog / "_reputd-backfills").iterdir()) == [f"{0:020d}-{summary.end_offset:020d}"]
+    assert not (catalog / "_reputd-staging").exists()
     rows = spark.read.parquet(str(catalog))
     types = dict(rows.dtypes)
     assert types["storeTime"] == types["bornTime"] == "timestamp"
@@ -355,9 +355,91 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_readme_quer
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for query in CATALOG_QUERIES.values():
         assert " ".join(query.split()) in " ".join(readme.split())
-    with pytest.raises(BackfillError, match="already exists"):
-        backfill(make_config(tmp_path, "again", tmp / "store"), spark=spark, catalog=str(catalog))
-    assert not (tmp_path / "again").exists()
+
+
+def catalog_by_reader(spark, catalog: Path) -> dict[str, tuple[list[str], list[tuple[int, str, str]]]]:
+    """What each reader makes of a catalog: its columns, and (commitLogOffset, topic, date) of every row."""
+    import duckdb
+    import pandas
+    import pyarrow.dataset as ds
+
+    def triples(offsets, topics, dates) -> list[tuple[int, str, str]]:
+        return sorted(zip((int(o) for o in offsets), (str(t) for t in topics), (str(d)[:10] for d in dates),
+                          strict=True))
+
+    seen = {}
+    frame = pandas.read_parquet(catalog)
+    seen["pandas"] = (sorted(frame.columns), triples(frame.commitLogOffset, frame.topic, frame.date))
+    table = ds.dataset(catalog, partitioning="hive").to_table()
+    seen["pyarrow"] = (sorted(table.column_names), triples(table["commitLogOffset"].to_pylist(),
+                                                           table["topic"].to_pylist(), table["date"].to_pylist()))
+    with duckdb.connect() as db:
+        result = db.execute(f"SELECT * FROM read_parquet('{catalog}/**/*.parquet', hive_partitioning = true)")
+        names = [d[0] for d in result.description]
+        got = result.fetchall()
+    at = {n: i for i, n in enumerate(names)}
+    seen["duckdb"] = (sorted(names), triples((r[at["commitLogOffset"]] for r in got), (r[at["topic"]] for r in got),
+                                             (r[at["date"]] for r in got)))
+    rows = spark.read.parquet(str(catalog)).collect()
+    seen["spark"] = (sorted(spark.read.parquet(str(catalog)).columns),
+                     triples((r.commitLogOffset for r in rows), (r.topic for r in rows), (r.date for r in rows)))
+    return seen
+
+
+def test_the_catalog_opens_in_pandas_pyarrow_duckdb_and_spark_alike(spark, generated, tmp_path):
+    """The same columns and rows in all four readers: `topic` and `date` only in the directory names (in the
+    files too, they had two types, and pandas and pyarrow's hive partitioning refused the catalog)."""
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(catalog))
+    seen = catalog_by_reader(spark, catalog)
+    expected = sorted((r.phy_offset, r.topic, "2023-11-14") for r in results)
+    for reader, (columns, rows) in seen.items():
+        assert columns == seen["spark"][0], reader
+        assert rows == expected, reader
+    assert {"topic", "date", "commitLogOffset", "keys"} <= set(seen["spark"][0])
+
+
+def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_path):
+    """A second backfill over later segments appends to the catalog's day partitions; one over a range it
+    holds in part adds only the rest; a rerun of the same range adds nothing."""
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    third, two_thirds = results[len(results) // 3].phy_offset, results[2 * len(results) // 3].phy_offset
+    backfill(make_config(tmp_path, "a", tmp / "store"), spark=spark, catalog=str(catalog), to_offset=third)
+    backfill(make_config(tmp_path, "b", tmp / "store"), spark=spark, catalog=str(catalog), from_offset=third,
+             to_offset=two_thirds)
+    before = sorted(p.relative_to(catalog) for p in catalog.rglob("*.parquet"))
+    again = backfill(make_config(tmp_path, "c", tmp / "store"), spark=spark, catalog=str(catalog), to_offset=two_thirds)
+    assert again.files["catalog"] == 0
+    assert sorted(p.relative_to(catalog) for p in catalog.rglob("*.parquet")) == before
+    backfill(make_config(tmp_path, "d", tmp / "store"), spark=spark, catalog=str(catalog))  # overlaps [0, 2/3)
+    rows = spark.read.parquet(str(catalog)).select("commitLogOffset").collect()
+    assert sorted(r.commitLogOffset for r in rows) == [r.phy_offset for r in results]
+    assert not (catalog / "_reputd-staging").exists()
+
+
+def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, generated, tmp_path, monkeypatch):
+    """The catalog writers stage under CATALOG/_reputd-staging/JOB/ with names no `*.parquet` glob takes;
+    a backfill that fails after them removes that directory, and the rerun writes the catalog."""
+    from daemon.backfill import job as job_module
+
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    staged: list[str] = []
+
+    def fail(self, results_, *args):
+        staged.extend(str(p) for p in catalog.rglob("*") if p.is_file())
+        raise BackfillError("injected failure at commit")
+
+    monkeypatch.setattr(job_module._Job, "_commit", fail)
+    with pytest.raises(BackfillError, match="injected"):
+        backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(catalog))
+    assert staged and all("/_reputd-staging/" in p and not p.endswith(".parquet") for p in staged)
+    assert not catalog.exists() or not list(catalog.rglob("*"))
+    monkeypatch.undo()
+    backfill(make_config(tmp_path, "again", tmp / "store"), spark=spark, catalog=str(catalog))
+    assert spark.read.parquet(str(catalog)).count() == len(results)
 
 
 def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
