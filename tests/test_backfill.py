@@ -435,7 +435,8 @@ def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, generated, tmp_p
     monkeypatch.setattr(job_module._Job, "_commit", fail)
     with pytest.raises(BackfillError, match="injected"):
         backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(catalog))
-    assert staged and all("/_reputd-staging/" in p and not p.endswith(".parquet") for p in staged)
+    assert staged
+    assert all("/_reputd-staging/" in p and not p.endswith(".parquet") for p in staged)
     assert not catalog.exists() or not list(catalog.rglob("*"))
     monkeypatch.undo()
     backfill(make_config(tmp_path, "again", tmp / "store"), spark=spark, catalog=str(catalog))
