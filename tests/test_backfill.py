@@ -263,10 +263,28 @@ def test_older_files_in_the_output_are_refused(spark, generated, tmp_path, index
     config = make_config(tmp_path, "out", tmp / "store", store={"messageIndexEnable": index})
     backfill(config, spark=spark, to_offset=handoff)
     before = files_under(tmp_path / "out")
-    with pytest.raises(BackfillError, match="already sorts among" if index else "queue holds a unit"):
+    with pytest.raises(BackfillError, match=r"first offset \d+: the output holds an earlier range"):
         backfill(config, spark=spark, from_offset=handoff)
     assert files_under(tmp_path / "out") == before
     assert ("index" in {p.name for p in (tmp_path / "out").iterdir()}) is index
+
+
+def test_an_output_holding_an_earlier_range_is_refused_before_spark_starts(spark, generated, tmp_path):
+    """`reputd backfill --from X` into an output holding [first, X): exit 1 with one line naming the file,
+    and no Spark started (the refusal used to come at the commit, after both Spark jobs)."""
+    tmp, results, _ = generated
+    handoff = results[len(results) // 2].phy_offset
+    config = config_file(tmp_path, "out", tmp / "store")
+    backfill(load_config(config, env={}), spark=spark, to_offset=handoff)
+    before = outputs(tmp_path / "out")
+    res = run_cli("backfill", "--config", str(config), "--master", "local[1]", "--from", str(handoff),
+                  "--conf", "spark.ui.enabled=false", env={"JAVA_HOME": str(tmp_path / "no-java")})
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("reputd: error: ")
+    assert "the output holds an earlier range" in res.stderr
+    assert "JAVA_HOME" not in res.stderr  # refused before Java was even looked for
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert outputs(tmp_path / "out") == before
 
 
 def corrupt_store(tmp: Path) -> tuple[Path, list, int]:

@@ -81,8 +81,9 @@ from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.logs import get_logger
 from daemon.rebuild import RebuildSummary
-from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE
+from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE, CQ_UNIT_SIZE
 from indexcore.errors import StoreError
+from indexcore.indexfile import FIRST_INDEX, INDEX_HEADER_SIZE, IndexHeader
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import list_queue_files
 from indexcore.multidispatch import multi_dispatch_flags
@@ -298,6 +299,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     started = time.perf_counter()
     say = progress or (lambda _text: None)
     archive = None
+    check_output_below(out, start)
     catalog_covered = open_catalog(catalog, s3) if catalog is not None else ()
     interrupt = _Interrupt(own=owns_session)
     if spark is None:
@@ -408,16 +410,49 @@ class _Interrupt:
             raise KeyboardInterrupt
 
 
+_SCAN_UNITS = 4096  # units read at a time looking for a queue's first real one
+
+
 def first_real_unit(directory: str) -> tuple[str, int] | None:
-    """The file and CommitLog offset of a queue's first unit that is neither pre-blank nor unwritten."""
+    """The file and CommitLog offset of a queue's first unit that is neither pre-blank nor unwritten (read a
+    few units at a time: a daemon's first file may hold a long blank head, or be all real units)."""
     for _, path in list_queue_files(directory):
-        units = np.fromfile(path, dtype=CQ_UNIT_DTYPE)
-        blank = ((units["commit_log_offset"] == 0) & (units["msg_size"] == BLANK_UNIT_MSG_SIZE)
-                 & (units["tags_code"] == 0))
-        real = np.flatnonzero(~blank & (units["msg_size"] > 0))
-        if len(real):
-            return path, int(units["commit_log_offset"][real[0]])
+        with open(path, "rb") as f:
+            while chunk := f.read(_SCAN_UNITS * CQ_UNIT_SIZE):
+                units = np.frombuffer(chunk, dtype=CQ_UNIT_DTYPE, count=len(chunk) // CQ_UNIT_SIZE)
+                blank = ((units["commit_log_offset"] == 0) & (units["msg_size"] == BLANK_UNIT_MSG_SIZE)
+                         & (units["tags_code"] == 0))
+                real = np.flatnonzero(~blank & (units["msg_size"] > 0))
+                if len(real):
+                    return path, int(units["commit_log_offset"][real[0]])
     return None
+
+
+def check_output_below(out: str, start: int) -> None:
+    """Refuse, before Spark starts, an output that holds data below the backfill's first offset: an earlier
+    backfill or run of a lower range (committing over it would be refused only after both Spark jobs)."""
+    root = os.path.join(out, CONSUME_QUEUE_DIR)
+    if os.path.isdir(root):
+        for topic in sorted(os.listdir(root)):
+            tdir = os.path.join(root, topic)
+            if not os.path.isdir(tdir):
+                continue
+            for qid in sorted(os.listdir(tdir)):
+                found = first_real_unit(os.path.join(tdir, qid)) if qid.isdigit() else None
+                if found is not None and found[1] < start:
+                    raise BackfillError(f"{found[0]}: the queue holds a unit for CommitLog offset {found[1]}, below "
+                                        f"the backfill's first offset {start}: the output holds an earlier range; "
+                                        f"backfill into an empty output, or continue this one with reputd rebuild")
+    index_dir = os.path.join(out, INDEX_DIR)
+    if os.path.isdir(index_dir):
+        for name in sorted(os.listdir(index_dir)):
+            path = os.path.join(index_dir, name)
+            with open(path, "rb") as f:
+                header = IndexHeader.decode(f.read(INDEX_HEADER_SIZE).ljust(INDEX_HEADER_SIZE, b"\0"))
+            if header.index_count > FIRST_INDEX and header.begin_phy_offset < start:
+                raise BackfillError(f"{path}: holds entries from CommitLog offset {header.begin_phy_offset}, below "
+                                    f"the backfill's first offset {start}: the output holds an earlier range; "
+                                    f"backfill into an empty output, or continue this one with reputd rebuild")
 
 
 def open_catalog(catalog: str, s3: S3Options) -> tuple[tuple[int, int], ...]:
