@@ -655,3 +655,51 @@ def test_cli_backfill_interrupted_mid_job_exits_130_cleanly(generated, tmp_path,
     assert not (out / STAGING_DIR).exists()
     assert not (out / "consumequeue").exists()
     assert not (out / "index").exists()
+
+
+def _marked_processes(marker: str) -> list[int]:
+    """Processes whose environment holds `marker` (everything a command started inherits it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/environ").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize(("sig", "after"), [(signal.SIGINT, 0.0), (signal.SIGINT, 0.5), (signal.SIGTERM, 0.2),
+                                            (signal.SIGINT, 2.0), (signal.SIGTERM, 4.0)],
+                         ids=["int-0s", "int-0.5s", "term-0.2s", "int-2s", "term-4s"])
+def test_cli_backfill_interrupted_during_start_up_leaves_nothing_running(generated, tmp_path, sig, after):
+    """A signal at any moment of Spark's start-up (`after` seconds once its launcher runs): one line, exit
+    130, and no process left (the gateway JVM outlived reputd for minutes and printed a Java stack trace;
+    SIGTERM exited 143 saying nothing; later, py4j printed its tracebacks)."""
+    tmp, _, _ = generated
+    config = config_file(tmp_path, "out", tmp / "store")
+    marker = f"BACKFILL_SIGNAL_TEST_{os.getpid()}_{sig}_{after}".replace(".", "_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    env[marker] = "1"
+    proc = subprocess.Popen([*REPUTD, "backfill", "--config", str(config), "--master", "local[1]", "--conf",
+                             "spark.ui.enabled=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and len(_marked_processes(marker)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)  # until Spark's launcher has started (a process below reputd)
+    time.sleep(after)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip(f"the backfill finished within {after} s")  # never seen here: start-up alone takes longer
+    assert proc.returncode == 130, err
+    for trace in ("Traceback", "Exception", "\tat ", "py4j", "ERROR"):
+        assert trace not in err, err
+    assert err.rstrip().endswith("reputd: interrupted"), err
+    deadline = time.monotonic() + 30
+    while _marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _marked_processes(marker) == []
+    assert not (tmp_path / "out" / STAGING_DIR).exists()

@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -301,34 +302,41 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     archive = None
     check_output_below(out, start)
     catalog_covered = open_catalog(catalog, s3) if catalog is not None else ()
-    interrupt = _Interrupt(own=owns_session)
-    if spark is None:
-        if master.startswith("local"):
-            archive = choose_archive(config.backfill.jvm_class_archive, check_java(), LOCAL_DRIVER_JAVA_OPTIONS)
-            if archive is not None and archive.saving:
-                say(f"this first local backfill with this Java and Spark records the JVM's classes in "
-                    f"{archive.path} as it ends, so that later ones start faster")
-        spark = create_session(master, spark_conf, archive)
-        summary.phases["startup"] = time.perf_counter() - started
+    interrupt = _Interrupt(own=owns_session)  # from here a signal ends the backfill as an interruption
+    try:
+        if spark is None:
+            if master.startswith("local"):
+                archive = choose_archive(config.backfill.jvm_class_archive, check_java(), LOCAL_DRIVER_JAVA_OPTIONS)
+                if archive is not None and archive.saving:
+                    say(f"this first local backfill with this Java and Spark records the JVM's classes in "
+                        f"{archive.path} as it ends, so that later ones start faster")
+            with interrupt.launching():
+                spark = create_session(master, spark_conf, archive)
+            summary.phases["startup"] = time.perf_counter() - started
+    except BaseException:
+        interrupt.disarm()
+        raise
     sc = spark.sparkContext
-    summary.master = sc.master
-    summary.partitions = partitions or max(1, sc.defaultParallelism)
     job_id = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
     group = f"reputd-backfill-{job_id}"
-    sc.setJobGroup(group, "reputd backfill")
-    log.info("backfill_started", segments=len(listing.segments), ranges=len(tasks), from_offset=start,
-             to_offset=to_offset, output=out, master=summary.master, partitions=summary.partitions, job=job_id)
-    store = config.store
-    window = max(config.reput.batch_bytes, min(DECODE_WINDOW_BYTES, config.backfill.range_bytes))
-    settings = DecodeSettings(store.mapped_file_size_commit_log, store.check_crc_on_recover, store.max_message_size,
-                              store.message_delay_level, window, config.backfill.read_bytes,
-                              build_index, catalog is not None, config.backfill.catalog_body, s3,
-                              multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq),
-                              staging_root(out, job_id))
-    job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
-    job.catalog_covered = catalog_covered
     interrupt.arm(sc, group)
+    job = None
     try:
+        interrupt.check()
+        summary.master = sc.master
+        summary.partitions = partitions or max(1, sc.defaultParallelism)
+        sc.setJobGroup(group, "reputd backfill")
+        log.info("backfill_started", segments=len(listing.segments), ranges=len(tasks), from_offset=start,
+                 to_offset=to_offset, output=out, master=summary.master, partitions=summary.partitions, job=job_id)
+        store = config.store
+        window = max(config.reput.batch_bytes, min(DECODE_WINDOW_BYTES, config.backfill.range_bytes))
+        settings = DecodeSettings(store.mapped_file_size_commit_log, store.check_crc_on_recover,
+                                  store.max_message_size, store.message_delay_level, window, config.backfill.read_bytes,
+                                  build_index, catalog is not None, config.backfill.catalog_body, s3,
+                                  multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq),
+                                  staging_root(out, job_id))
+        job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
+        job.catalog_covered = catalog_covered
         if tasks:
             plan = job.decode(tasks, listing, start, to_offset, from_offset is not None)
             interrupt.check()
@@ -339,25 +347,29 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
             raise KeyboardInterrupt from None  # the jobs failed because the signal cancelled them
         if isinstance(e, StoreError | ValueError | OSError):
             raise
-        if type(e).__module__.startswith(("py4j", "pyspark")):
+        if type(e).__module__.startswith(("py4j", "pyspark")) or isinstance(e, ConnectionError):
             raise BackfillError(f"backfill failed in Spark: {spark_error_line(e)}") from None
         raise
     finally:
+        interrupt.stopping()
         with contextlib.suppress(Exception):  # the context may be gone
             summary.spark_jobs = len(sc.statusTracker().getJobIdsForGroup(group))
-        job.release()
+        if job is not None:
+            job.release()
         remove_tree(staging_root(out, job_id))
         if catalog is not None:
             remove_catalog_staging(catalog, s3, job_id)
         if owns_session:
-            spark.stop()
-            interrupt.disarm()
-            if archive is not None and archive.saving:
+            with contextlib.suppress(Exception):  # a JVM that died (out of memory, killed) cannot be stopped
+                spark.stop()
+            if archive is not None and archive.saving and interrupt.signal is None:
                 t0 = time.perf_counter()
                 if save_archive(archive):
                     summary.phases["saveClassArchive"] = time.perf_counter() - t0
                     log.info("jvm_class_archive_saved", path=archive.path,
                              seconds=round(summary.phases["saveClassArchive"], 3))
+            end_driver_jvm()
+            interrupt.disarm()
         summary.seconds = time.perf_counter() - started
     if summary.pending is not None:
         log.warning("incomplete_record_at_end", error=str(summary.pending))
@@ -366,39 +378,132 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+GATEWAY_EXIT_TIMEOUT_S = 10.0
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (from /proc), children first."""
+    parent: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier]
+        found.extend(frontier)
+    return found
+
+
+def kill_spark_processes() -> None:
+    """Kill the processes this backfill started (the Spark launcher and gateway JVM, and under it the Python
+    workers) at once: a JVM whose driver went away prints a Java stack trace, then lingers for minutes."""
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        from pyspark import SparkContext  # noqa: PLC0415
+
+        proc = getattr(SparkContext._gateway, "proc", None)
+        if proc is not None:
+            proc.wait(GATEWAY_EXIT_TIMEOUT_S)
+
+
+def end_driver_jvm() -> None:
+    """After the session has stopped: end the gateway JVM this process launched (it exits at the end of its
+    standard input), killing it if it does not; the Python process may go on (a test, a caller)."""
+    from pyspark import SparkContext  # noqa: PLC0415
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if proc is None:
+        return
+    with contextlib.suppress(Exception):
+        gateway.shutdown()
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=GATEWAY_EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
 
 
 class _Interrupt:
-    """SIGINT or SIGTERM during a backfill: its Spark jobs are cancelled from another thread, and the job that
-    fails of it ends the backfill as an interruption (the caller's KeyboardInterrupt: staging removed, the
-    session stopped). PySpark's own SIGINT handler calls into the JVM from the thread the signal interrupts,
-    which is inside a call to the JVM: py4j then printed three tracebacks. A second signal interrupts at once.
+    """SIGINT or SIGTERM at any moment of a backfill that owns its session ends it as an interruption (the
+    caller's KeyboardInterrupt: one line, exit 130), with nothing left running:
 
-    Made before the session that the backfill owns (`own`): it keeps the handlers the SparkContext is about
-    to replace, `arm` installs its own once the job group exists, and `disarm` puts the kept ones back. For a
-    caller's session, and off the main thread (where no handler can be set), it does nothing."""
+    * before Spark starts: at once;
+    * while Spark starts (`launching`): the launcher and JVM are killed, so the start fails and is reported
+      as the interruption (PySpark's own SIGINT handler, which SparkContext installs, is kept out: it raised
+      from inside a call to the JVM and left the JVM running);
+    * during the jobs (`arm`): they are cancelled from another thread and the job that fails of it ends the
+      backfill (PySpark's handler called into the JVM from the thread the signal interrupts, which is inside a
+      call to the JVM: py4j then printed three tracebacks); a second signal kills Spark's processes at once;
+    * while the session stops (`stopping`): the stop goes on.
+
+    For a caller's session, and off the main thread (where no handler can be set), it does nothing."""
 
     def __init__(self, own: bool):
         self.signal: int | None = None
         self._sc = self._group = None
+        self._state = "before"
         self._kept = {}
         if own and threading.current_thread() is threading.main_thread():
             self._kept = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+            for sig in self._kept:
+                signal.signal(sig, self._on_signal)
+
+    @contextlib.contextmanager
+    def launching(self):
+        """Around the session's creation: a signal kills what is starting; PySpark's SIGINT handler is kept
+        out; the start that fails of the kill, or succeeds before it, ends as the interruption."""
+        import pyspark.core.context as pyspark_context  # noqa: PLC0415
+
+        real = pyspark_context.signal
+        pyspark_context.signal = _SignalsKept(real, set(self._kept))
+        self._state = "launching"
+        try:
+            yield
+        except Exception:
+            if self.signal is not None:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            pyspark_context.signal = real
+            self._state = "before"
+        if self.signal is not None:
+            kill_spark_processes()
+            raise KeyboardInterrupt
 
     def arm(self, sc, group: str) -> None:
         self._sc, self._group = sc, group
-        for sig in self._kept:
-            signal.signal(sig, self._on_signal)
+        self._state = "running"
+
+    def stopping(self) -> None:
+        self._state = "stopping"
 
     def disarm(self) -> None:
         for sig, handler in self._kept.items():
             signal.signal(sig, handler)
+        self._kept = {}
 
     def _on_signal(self, signum: int, _frame) -> None:
-        if self.signal is not None:
+        first = self.signal is None
+        if first:
+            self.signal = signum
+        if self._state == "before":
             raise KeyboardInterrupt
-        self.signal = signum
-        threading.Thread(target=self._cancel, name="reputd-backfill-cancel", daemon=True).start()
+        if self._state == "launching":
+            kill_spark_processes()
+        elif self._state == "running":
+            if not first:
+                kill_spark_processes()
+                raise KeyboardInterrupt
+            threading.Thread(target=self._cancel, name="reputd-backfill-cancel", daemon=True).start()
 
     def _cancel(self) -> None:
         with contextlib.suppress(Exception):  # the context may be stopping already
@@ -408,6 +513,23 @@ class _Interrupt:
         """Raise the interruption if a signal came while the driver was not waiting for a job."""
         if self.signal is not None:
             raise KeyboardInterrupt
+
+
+class _SignalsKept:
+    """The `signal` module as PySpark's context sees it while it starts: handlers for the signals the backfill
+    handles itself are not replaced."""
+
+    def __init__(self, real, kept: set):
+        self._real = real
+        self._kept = kept
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def signal(self, signum, handler):
+        if signum in self._kept:
+            return self._real.getsignal(signum)
+        return self._real.signal(signum, handler)
 
 
 _SCAN_UNITS = 4096  # units read at a time looking for a queue's first real one
