@@ -608,6 +608,23 @@ def test_hdfs_reaches_the_filesystem_call(tmp_path, monkeypatch):
     assert calls == [("nn", 8020)]
 
 
+def test_a_jvm_out_of_memory_says_which_setting_to_raise():
+    """The JVM's OutOfMemoryError, or the JVM gone (the py4j connection refused), is one line naming the
+    setting to raise, never py4j's or the JVM's traces."""
+    from py4j.protocol import Py4JNetworkError
+
+    oom = Exception("An error occurred while calling o123.collectToPython.\n: java.lang.OutOfMemoryError: Java heap "
+                    "space\n\tat java.base/java.util.Arrays.copyOf(Arrays.java:3541)\n")
+    assert spark_error_line(oom) == ("Spark's JVM ran out of memory (java.lang.OutOfMemoryError: Java heap space): "
+                                     "raise spark.driver.memory (a local master runs the tasks in the driver JVM) "
+                                     "or, on a cluster, spark.executor.memory, e.g. --conf spark.driver.memory=4g")
+    for gone in (ConnectionRefusedError(111, "Connection refused"), Py4JNetworkError("Answer from Java side is empty")):
+        line = spark_error_line(gone)
+        assert line.startswith("Spark's JVM ended during the backfill (")
+        assert line.endswith("e.g. --conf spark.driver.memory=4g")
+        assert "\n" not in line
+
+
 def test_spark_errors_become_the_task_error_line():
     """A Py4JJavaError's text (Java stack, Python traceback inside) reduces to the task's own error line."""
     text = ("An error occurred while calling o12.collectAndServe.\n"

@@ -20,7 +20,7 @@ from daemon.backfill import ranges as ranges_module
 from daemon.backfill.plan import BackfillFailed, Reread, walk_ranges
 from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
 from daemon.backfill.source import LOCAL, SegmentDir, SegmentListing
-from daemon.backfill.stage import StagedRange
+from daemon.backfill.stage import QUEUE_BUCKETS, StagedRange
 from daemon.backfill.tasks import reread as _reread
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, ON_CORRUPTION_STOP
 from indexcore.consumequeue import consume_queue_units
@@ -59,7 +59,7 @@ def staged_rows(outcome) -> tuple[dict, list]:
     """A range's staged units (by queue: (queue offset, unit)) and keys (hash, phy, store time)."""
     staged = StagedRange(outcome.stage_dir)
     queues = {}
-    for q in outcome.queue_units:
+    for q in staged.queues(range(QUEUE_BUCKETS)):
         for _, first_qo, units in staged.unit_runs(q):
             queues.setdefault(q, []).extend(zip(range(first_qo, first_qo + len(units)),
                                                 units.astype(">i8,>i4,>i8").tolist(), strict=True))
@@ -303,7 +303,7 @@ def test_a_decoded_range_keeps_none_of_its_unit_arrays(forged, monkeypatch):
     units = 0
     for task in plan_ranges(listing.segments, SEGMENT, 0, None, 30_000)[:20]:
         for o in outcomes_of(decode_range(task, settings())):
-            units += sum(o.queue_units.values())
+            units += sum(o.bucket_units.values())
     gc.collect()
     assert units > 0
     assert grouped

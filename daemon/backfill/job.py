@@ -220,6 +220,7 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
             driver_options.append(archive.java_options())
     settings["spark.driver.extraJavaOptions"] = " ".join(driver_options)
     settings.update(conf or {})
+    quiet_pyspark_servers()
     for key, value in settings.items():
         builder = builder.config(key, value)
     try:
@@ -233,10 +234,36 @@ def driver_log_option() -> str:
     return f"-Dlog4j2.configurationFile={pathlib.Path(DRIVER_LOG_CONFIG).as_uri()}"
 
 
+MEMORY_HINT = ("raise spark.driver.memory (a local master runs the tasks in the driver JVM) or, on a cluster, "
+               "spark.executor.memory, e.g. --conf spark.driver.memory=4g")
+_OUT_OF_MEMORY = re.compile(r"java\.lang\.OutOfMemoryError(?::\s*([^\n]+))?")
+
+
+def quiet_pyspark_servers() -> None:
+    """When the JVM dies (out of memory, killed), PySpark's accumulator server printed a traceback ("Exception
+    occurred during processing of request from") and py4j logged its own: the backfill's one line says it."""
+    import logging  # noqa: PLC0415
+    import socketserver  # noqa: PLC0415
+
+    from pyspark import accumulators  # noqa: PLC0415
+
+    logging.getLogger("py4j").setLevel(logging.CRITICAL)
+    for value in vars(accumulators).values():
+        if isinstance(value, type) and issubclass(value, socketserver.BaseServer):
+            value.handle_error = lambda *_args: None
+
+
 def spark_error_line(error: BaseException) -> str:
     """The Python exception a task died of (the last `Name: message` line of the worker's traceback),
-    or the first line of what Spark said; never a stack trace."""
+    or the first line of what Spark said; never a stack trace. A JVM out of memory, or gone, says which
+    setting to raise."""
     text = str(error)
+    memory = _OUT_OF_MEMORY.search(text)
+    if memory:
+        return f"Spark's JVM ran out of memory (java.lang.OutOfMemoryError: {memory[1] or 'no detail'}): {MEMORY_HINT}"
+    if isinstance(error, ConnectionError) or type(error).__name__ == "Py4JNetworkError":
+        return (f"Spark's JVM ended during the backfill ({type(error).__name__}: {text.splitlines()[0] if text else ''}"
+                f"); if it ran out of memory, {MEMORY_HINT}")
     found = None
     for line in text.splitlines():
         match = _PY_ERROR.match(line.strip())
@@ -607,21 +634,24 @@ def remove_catalog_staging(catalog: str, s3: S3Options, job_id: str) -> None:
             filesystem.delete_dir(staging)
 
 
-def queue_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int) -> list[QueueWork]:
-    """Whole queues in `parts` groups balanced by units (the largest first, each to the lightest group)."""
-    units: dict[tuple[str, int], int] = {}
-    for o in ranges:
-        for q, n in o.queue_units.items():
-            units[q] = units.get(q, 0) + n
-    if not units:
-        return []
-    groups: list[list] = [[] for _ in range(min(parts, len(units)))]
+def balanced(weights: Mapping, parts: int) -> list[list]:
+    """Keys in at most `parts` groups of about equal weight (the heaviest first, each to the lightest group)."""
+    groups: list[list] = [[] for _ in range(min(parts, len(weights)))]
     heap = [(0, i) for i in range(len(groups))]
-    for q, n in sorted(units.items(), key=lambda kv: (-kv[1], kv[0])):
+    for key, n in sorted(weights.items(), key=lambda kv: (-kv[1], kv[0])):
         load, i = heapq.heappop(heap)
-        groups[i].append(q)
+        groups[i].append(key)
         heapq.heappush(heap, (load + n, i))
-    return [QueueWork(dirs, tuple(sorted(g))) for g in groups if g]
+    return [g for g in groups if g]
+
+
+def queue_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int) -> list[QueueWork]:
+    """Whole queues in `parts` groups of queue buckets balanced by units."""
+    units: dict[int, int] = {}
+    for o in ranges:
+        for b, n in o.bucket_units.items():
+            units[b] = units.get(b, 0) + n
+    return [QueueWork(dirs, frozenset(g)) for g in balanced(units, parts)]
 
 
 def index_work(ranges: Sequence[RangeOutcome], layout: IndexLayout) -> list[IndexWork]:
@@ -643,15 +673,7 @@ def catalog_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: i
     for o in ranges:
         for g, n in o.catalog_rows.items():
             rows[g] = rows.get(g, 0) + n
-    if not rows:
-        return []
-    groups: list[list] = [[] for _ in range(min(parts, len(rows)))]
-    heap = [(0, i) for i in range(len(groups))]
-    for g, n in sorted(rows.items(), key=lambda kv: (-kv[1], kv[0])):
-        load, i = heapq.heappop(heap)
-        groups[i].append(g)
-        heapq.heappush(heap, (load + n, i))
-    return [CatalogWork(dirs, tuple(sorted(g)), name, covered) for g in groups if g]
+    return [CatalogWork(dirs, tuple(sorted(g)), name, covered) for g in balanced(rows, parts)]
 
 
 class _Job:

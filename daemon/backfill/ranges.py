@@ -120,7 +120,7 @@ class RangeOutcome:
     arrow_bytes: int = 0  # the Arrow row this task handed to the JVM (the outcome itself)
     staged_bytes: int = 0  # units, keys and catalog streams staged as files
     stage_dir: str = ""
-    queue_units: dict = field(default_factory=dict)  # (topic, queue id) -> units staged
+    bucket_units: dict = field(default_factory=dict)  # queue bucket (stage.queue_bucket) -> units staged
     catalog_rows: dict = field(default_factory=dict)  # (topic, UTC day) -> catalog rows staged
     seconds: float = 0.0  # the task's decode time
     # records whose multi-dispatch name and offset counts differ (the broker logs each): (offset, topic) of
@@ -289,7 +289,7 @@ class RangeRows:
         self.stage.close()
         o = self.outcome
         o.stage_dir = self.stage.directory
-        o.queue_units = self.stage.queue_units()
+        o.bucket_units = self.stage.bucket_units()
         o.catalog_rows = self.stage.catalog_rows()
         o.staged_bytes = self.stage.unit_bytes + self.stage.key_count * KEY_DTYPE.itemsize + self.stage.catalog_bytes
         yield outcome_batch(o)

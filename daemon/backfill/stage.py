@@ -12,9 +12,11 @@ Each decode attempt of a range writes into a directory of its own under the job'
     catalog.data  Arrow IPC streams of catalog rows
     catalog.meta  (topic, UTC day) -> that group's streams in CommitLog order: (byte offset, length, rows)
 
-The task returns only its `RangeOutcome` (a few hundred bytes, with the per-queue and per-group counts
-the driver balances the writers with). The runs of a range are in CommitLog order already, so a writer
-takes each queue's, file's or group's runs range after range and nothing is sorted anywhere.
+The task returns only its `RangeOutcome` (a few hundred bytes, with the units per queue bucket and the rows
+per catalog group the driver balances the writers with: buckets, not queues, so that a CommitLog with
+hundreds of thousands of LMQ queues does not fill the driver's memory with their names). The runs of a
+range are in CommitLog order already, so a writer takes each queue's, file's or group's runs range after
+range and nothing is sorted anywhere.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
+import zlib
 from collections.abc import Iterator
 from contextlib import suppress
 
@@ -32,6 +35,14 @@ from indexcore.consumequeue import CQ_UNIT_DTYPE, CQ_UNIT_SIZE
 KEY_DTYPE = np.dtype([("hash", "<i4"), ("phy", "<i8"), ("ts", "<i8"), ("creator", "<i8")])
 UNITS_DATA, UNITS_META, KEYS_DATA, CATALOG_DATA, CATALOG_META = (
     "units.data", "units.meta", "keys.data", "catalog.data", "catalog.meta")
+
+
+QUEUE_BUCKETS = 4096
+
+
+def queue_bucket(topic: str, queue_id: int) -> int:
+    """Which of QUEUE_BUCKETS a queue is counted and written in (the same in every process)."""
+    return zlib.crc32(f"{topic}\x00{queue_id}".encode("utf-8", "surrogatepass")) % QUEUE_BUCKETS
 
 
 def range_dir(stage_root: str, number: int, attempt_id: int) -> str:
@@ -79,8 +90,13 @@ class RangeStage:
         with suppress(OSError):
             self.close()
 
-    def queue_units(self) -> dict[tuple[str, int], int]:
-        return {q: sum(r[2] for r in runs) for q, runs in self.unit_runs.items()}
+    def bucket_units(self) -> dict[int, int]:
+        """Units staged per queue bucket."""
+        out: dict[int, int] = {}
+        for q, runs in self.unit_runs.items():
+            b = queue_bucket(*q)
+            out[b] = out.get(b, 0) + sum(r[2] for r in runs)
+        return out
 
     def catalog_rows(self) -> dict[tuple[str, int], int]:
         return {g: sum(r[2] for r in runs) for g, runs in self.catalog_runs.items()}
@@ -113,6 +129,10 @@ class StagedRange:
             with open(os.path.join(self.directory, name), "rb") as f:
                 self._meta[name] = pickle.load(f)
         return self._meta[name]
+
+    def queues(self, buckets) -> list[tuple[str, int]]:
+        """The range's queues that fall in `buckets`."""
+        return [q for q in self.meta(UNITS_META) if queue_bucket(*q) in buckets]
 
     def unit_runs(self, queue: tuple[str, int]) -> Iterator[tuple[int, int, np.ndarray]]:
         """(physical offset, first queue offset, units) of each of a queue's runs."""

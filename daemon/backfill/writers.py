@@ -4,8 +4,8 @@ Every decode task staged its range's output as files (`stage.py`); a writer task
 the work by the driver and reads those files range after range in CommitLog order, so nothing is
 shuffled, sorted or spilled, and the JVM never sees the bytes.
 
-* ConsumeQueue (`QueueWork`): a group of whole queues, balanced by units over the tasks. Each queue's runs
-  are read range after range (in a range they are in put order: a name repeated in one record starts a
+* ConsumeQueue (`QueueWork`): the whole queues of a group of buckets, balanced by units over the tasks.
+  Each queue's runs are read range after range (in a range they are in put order: a name repeated in one record starts a
   second run at the same offset, staged after the first) and handed to `ConsumeQueue.put_packed`, the
   broker's rules (pre-blank, repeats, out-of-order appends, offset-0 appends of multi-dispatch units)
   included. LMQ queues (`%LMQ%name`, queue 0) are queues like any other.
@@ -99,7 +99,7 @@ class WriteStats:
 @dataclass(frozen=True, slots=True)
 class QueueWork:
     ranges: tuple[str, ...]  # the dispatched ranges' staging directories, in CommitLog order
-    queues: tuple[tuple[str, int], ...]  # (topic, queue id), sorted
+    buckets: frozenset[int]  # the queue buckets (stage.queue_bucket) whose queues this task writes
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +133,8 @@ def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: At
     started = time.perf_counter()
     ranges = [StagedRange(d) for d in work.ranges]
     try:
-        for topic, queue_id in work.queues:
+        queues = sorted({q for r in ranges for q in r.queues(work.buckets)})
+        for topic, queue_id in queues:
             cq = None
             for r in ranges:
                 for phy, first_qo, units in r.unit_runs((topic, queue_id)):
