@@ -101,6 +101,7 @@ MASTER_CONNECT_TIMEOUT_S = 5.0
 # the driver JVM's logging: Spark's errors only, not its start-up chatter (the file says why)
 DRIVER_LOG_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
 _JAVA_VERSION = re.compile(r'version "(\d+)(?:\.(\d+))?')
+_JAVA_ERROR = re.compile(r"^(?:: |Caused by: )?((?:java|org|scala)\.[\w.$]*(?:Exception|Error)): (.+)$", re.M)
 _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Fault|Failed)): (.+)$")
 
 
@@ -271,6 +272,9 @@ def spark_error_line(error: BaseException) -> str:
             found = f"{match[1].rsplit('.', 1)[-1]}: {match[2]}"
     if found:
         return found
+    java = _JAVA_ERROR.search(text)
+    if java:
+        return f"{java[1]}: {java[2].strip()}"[:500]
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
     return first[:500]
 
