@@ -189,3 +189,28 @@ def test_a_server_that_sends_nothing_for_seconds_is_waited_for(slow_server, s3_s
 def test_the_request_timeout_comes_from_the_config(tmp_path):
     config = make_config(tmp_path, "out", tmp_path, backfill={"s3RequestTimeoutSeconds": 7})
     assert S3Options.resolve(config.backfill, {}).request_timeout == 7
+
+
+def test_s3_ranges_request_their_own_bytes_and_count_every_one(s3_server, tmp_path):
+    """2 MiB ranges of an 8 MiB segment read 512 KiB at a time, with a 512 KiB look-ahead (256 KiB messages):
+    the requests add up to at most 1.05x the ranges' bytes (each range read ahead a whole read past its end
+    and threw it away, and the look-ahead was read whole), and `bytes_read` counts every byte requested."""
+    segment, mib = 8 << 20, 1 << 20
+    write_forged_store(tmp_path / "commitlog", segment, 700, big_every=3, big_body=20_000)
+    s3 = fs.S3FileSystem(access_key=KEYS["AWS_ACCESS_KEY_ID"], secret_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+                         region=KEYS["AWS_REGION"], endpoint_override=s3_server.split("://")[1], scheme="http",
+                         allow_bucket_creation=True)
+    s3.create_dir(f"{BUCKET}-tail")
+    for path in sorted((tmp_path / "commitlog").iterdir()):
+        with s3.open_output_stream(f"{BUCKET}-tail/commitlog/{path.name}") as out:
+            out.write(path.read_bytes())
+    settings = DecodeSettings(segment, True, mib // 4, DEFAULT_MESSAGE_DELAY_LEVEL, 256 * 1024, 512 * 1024, True, False,
+                              False, options(s3_server), stage_root=str(tmp_path / "stage"))
+    listing = SegmentListing([SegmentDir(S3, f"{BUCKET}-tail/commitlog")], segment, options(s3_server))
+    tasks = plan_ranges(listing.segments, segment, 0, None, 2 * mib)
+    requested = 0
+    for task in tasks:
+        (outcome,) = [pickle.loads(r["data"]) for rb in decode_range(task, settings) for r in rb.to_pylist()]
+        requested += outcome.bytes_read
+    ranges = sum(t.end - t.begin for t in tasks)
+    assert 0 < requested <= 1.05 * ranges, (requested, ranges)

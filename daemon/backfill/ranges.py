@@ -52,6 +52,7 @@ _END_CHECK_SLACK = 64
 BINARY_MAX_BYTES = 2**31 - 1  # an Arrow binary column's int32 offsets
 MAX_LOGGED_MISMATCHES = 1000  # per range: a hostile CommitLog could have one in every record
 _ZERO_PROBE = 1 << 20
+REMOTE_TAIL_BYTES = 64 * 1024  # read past a remote range's end before the whole look-ahead
 # the search for a range's first record looks this far at a time: a magic absent from the data (the v2 one
 # in a v1 CommitLog, BLANK's before a segment's end) would otherwise be searched for through a whole read
 _FIND_STEP = 64 * 1024
@@ -356,7 +357,7 @@ def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = 
     rows = RangeRows(task, outcome, settings, stage)
     size = settings.segment_size
     try:
-        image = open_image(task.location, size, settings.read_bytes, settings.s3)
+        image = open_image(task.location, size, settings.read_bytes, settings.s3, ahead_limit=task.end)
     except BaseException:
         stage.abandon()
         raise
@@ -377,11 +378,22 @@ def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = 
         stage.abandon()
         raise
     finally:
+        image.close()  # first: a read in flight is counted when it completes
         outcome.bytes_read = getattr(image, "bytes_read", 0)
-        image.close()
     outcome.seconds = time.perf_counter() - started
     yield from rows.finish()
     return outcome
+
+
+def _decided_within(result, seg_start: int, filled: int, lookahead: int) -> bool:
+    """Whether a window's decode read only bytes below `filled` (in-segment): every record it took ends
+    there, and where it stopped for good (the end of the data, corruption) had the whole look-ahead."""
+    batch = result.batch
+    if len(batch) and int((batch.phy_offset + batch.msg_size).max()) - seg_start > filled:
+        return False
+    if result.status is ReadStatus.END or result.status is ReadStatus.CORRUPT:
+        return result.next_offset - seg_start + lookahead <= filled
+    return result.next_offset - seg_start + RECORD_PREFIX.size <= filled
 
 
 def _decode_from(pos: int, task: RangeTask, settings: DecodeSettings, image, rows: RangeRows,
@@ -392,13 +404,22 @@ def _decode_from(pos: int, task: RangeTask, settings: DecodeSettings, image, row
     size = settings.segment_size
     while True:
         window_end = min(pos + settings.batch_bytes, task.end)
-        image.ensure(pos, window_end + settings.lookahead)
-        decoded = decode_segment(image.buffer, pos, segment_offset=task.seg_start, segment_size=size,
-                                 max_bytes=window_end - pos, check_crc=settings.check_crc,
-                                 max_message_size=settings.max_message_size, delay_table=delay_table,
-                                 scratch=scratch, multi_flags=settings.multi_flags, names=names)
-        result = read_result(decoded, image.buffer, task.seg_start, size, task.location, settings.max_message_size,
-                             lambda: task.written_successor)
+        full = min(size, window_end + settings.lookahead)
+        # a remote window is first read only a little past its end: what its last record needs, most of the
+        # time; the whole look-ahead (up to two maximal messages) only when that was not enough (a range's last
+        # window read it past the range's end, and each window before it into the next one's)
+        ensured = min(full, window_end + REMOTE_TAIL_BYTES) if image.remote else full
+        while True:
+            image.ensure(pos, ensured)
+            decoded = decode_segment(image.buffer, pos, segment_offset=task.seg_start, segment_size=size,
+                                     max_bytes=window_end - pos, check_crc=settings.check_crc,
+                                     max_message_size=settings.max_message_size, delay_table=delay_table,
+                                     scratch=scratch, multi_flags=settings.multi_flags, names=names)
+            result = read_result(decoded, image.buffer, task.seg_start, size, task.location,
+                                 settings.max_message_size, lambda: task.written_successor)
+            if ensured >= full or _decided_within(result, task.seg_start, ensured, settings.lookahead):
+                break
+            ensured = full
         if len(result.batch):
             rows.add(result.batch, image)
         image.release(pos, decoded.position)
