@@ -171,8 +171,15 @@ def main() -> int:
     args = ap.parse_args()
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    slots = int(args.master.split("[")[1].split("]")[0].split(",")[0]) if "[" in args.master else 2
-    store, messages = ensure_data_set(work, args.data_set, args.scale)
+    result = measure(work, args.data_set, args.scale, args.master, args.catalog)
+    print("\n".join(result["table"]))
+    return 0 if result["identical"] else 1
+
+
+def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool) -> dict:
+    """The cost table's figures (`table`: its Markdown lines), also written to WORK/backfill-cost.json."""
+    slots = int(master.split("[")[1].split("]", maxsplit=1)[0].split(",", maxsplit=1)[0]) if "[" in master else 2
+    store, messages = ensure_data_set(work, data_set, scale)
     reference = work / "out" / "cost-reference"
     config = write_config(work / "cost.yaml", store, reference)
     shutil.rmtree(reference, ignore_errors=True)
@@ -185,20 +192,20 @@ def main() -> int:
     to = boundary_after(store, FIXED_MESSAGES)
     catalog_args = []
     extra_fixed, extra_full = [], []
-    if args.catalog:
+    if catalog:
         catalog_args = ["--catalog"]
         extra_fixed = [*catalog_args, str(work / "out" / "cost-catalog-fixed")]
         extra_full = [*catalog_args, str(work / "out" / "cost-catalog-full")]
         for p in (extra_fixed[1], extra_full[1]):
             shutil.rmtree(p, ignore_errors=True)
-    fixed = backfill_run(config, work / "out" / "cost-fixed", args.master, ["--to", str(to), *extra_fixed])
+    fixed = backfill_run(config, work / "out" / "cost-fixed", master, ["--to", str(to), *extra_fixed])
     shutil.rmtree(work / "out" / "cost-fixed", ignore_errors=True)
     print(f"fixed ({FIXED_MESSAGES:,} messages): {fixed['cpu']:.2f} CPU-s, {fixed['wall']:.1f} s wall", flush=True)
     events = work / "out" / "cost-events"
     t0 = time.perf_counter()
-    full = backfill_run(config, work / "out" / "cost-full", args.master, extra_full, events)
+    full = backfill_run(config, work / "out" / "cost-full", master, extra_full, events)
     print(f"full ({messages:,} messages): {full['cpu']:.2f} CPU-s, {time.perf_counter() - t0:.1f} s wall", flush=True)
-    identical = same_tree(reference, work / "out" / "cost-full")
+    identical = True
     serial = serial_from_event_log(events, slots)
     extra_msgs = messages - FIXED_MESSAGES
     marginal_us = 1e6 * (full["cpu"] - fixed["cpu"]) / extra_msgs
@@ -210,7 +217,7 @@ def main() -> int:
     jvm_bytes = (s_full["arrowBytesToJvm"] + s_full["arrowBytesFromJvm"]) / messages
     rows = [
         ("`reputd rebuild`", f"{rebuild_us:.3f} us", "one process"),
-        (f"backfill `{args.master}`, all in", f"{1e6 * full['cpu'] / messages:.3f} us "
+        (f"backfill `{master}`, all in", f"{1e6 * full['cpu'] / messages:.3f} us "
          f"({full['cpu'] / messages * 1e6 / rebuild_us:.1f}x)", f"{full['cpu']:.1f} CPU-s, {full['wall']:.1f} s wall"),
         (f"fixed cost (a {FIXED_MESSAGES:,}-message job)", f"{fixed['cpu']:.2f} CPU-s",
          f"target <= {TARGETS['fixed_cpu_s']:.0f}; {fixed['wall']:.1f} s wall"),
@@ -227,18 +234,16 @@ def main() -> int:
         ("Python <-> JVM bytes", f"{jvm_bytes:.2f} B/msg",
          f"staged as files: {s_full.get('stagedBytes', 0) / messages:.1f} B/msg"),
     ]
-    print(f"\n| {messages:,} messages, `{args.master}`{', with catalog' if args.catalog else ''} | CPU per message "
-          f"| note |\n|---|---:|---|")
-    for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]} |")
-    print(f"\nidentical to the rebuild: {identical}")
-    out = work / "backfill-cost.json"
-    out.write_text(json.dumps({"messages": messages, "master": args.master, "rebuild_us": rebuild_us,
-                               "fixed": fixed, "full": full, "serial": serial, "marginal_us": marginal_us,
-                               "marginal_parts_us": parts, "decode_us": decode_us, "write_us": write_us,
-                               "identical": identical, "catalog": args.catalog}, indent=2, default=str))
-    print(f"figures: {out}")
-    return 0 if identical else 1
+    identical = identical and same_tree(reference, work / "out" / "cost-full")
+    table = [f"| {messages:,} messages, `{master}`{', with catalog' if catalog else ''} | CPU per message | note |",
+             "|---|---:|---|", *(f"| {r[0]} | {r[1]} | {r[2]} |" for r in rows), "",
+             f"identical to the rebuild: {identical}"]
+    result = {"scenario": "backfill-cost", "messages": messages, "master": master, "rebuild_us": rebuild_us,
+              "fixed": fixed, "full": full, "serial": serial, "marginal_us": marginal_us,
+              "marginal_parts_us": parts, "decode_us": decode_us, "write_us": write_us, "identical": identical,
+              "catalog": catalog, "table": table}
+    (work / "backfill-cost.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
 
 
 if __name__ == "__main__":
