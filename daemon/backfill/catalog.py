@@ -13,7 +13,7 @@ and pyarrow refused the catalog). A later backfill appends: it leaves out the ro
 markers name, so a rerun adds nothing and a later range extends each day's partition with a file.
 
 The decode task builds the rows of each window straight from the segment image with numpy and Arrow
-compute (fixed-offset fields gathered, properties matched by regular expression), groups them by
+compute (fixed-offset fields gathered, properties found by array operations over the batch), groups them by
 (topic, day) and ships each group as an Arrow IPC stream; the writer task of a (topic, day) partition
 concatenates its groups in CommitLog order into one file.
 """
@@ -52,7 +52,7 @@ PHYSICAL_OFFSET_SIZE = 8
 MS_PER_DAY = 86_400_000
 _HEX = np.frombuffer(b"0123456789ABCDEF", dtype=np.uint8)
 _UTC_MS = pa.timestamp("ms", tz="UTC")
-_PROPERTY = r"(?s)^(?:.*\x02)?{}\x01(?P<v>[^\x02]*)"
+PROPERTY_SEPARATOR = 2
 
 SCHEMA = pa.schema([
     ("commitLogOffset", pa.int64()), ("msgSize", pa.int32()), ("queueId", pa.int32()),
@@ -108,9 +108,45 @@ def _strings(column) -> pa.Array:
     return _text(values)
 
 
-def _property(props: pa.Array, name: str) -> pa.Array:
-    """The last value of a property (null when absent), as the broker's properties map keeps it."""
-    return pc.struct_field(pc.extract_regex(props, _PROPERTY.format(name)), [0])
+def _property(data: np.ndarray, offsets: np.ndarray, name: str) -> pa.Array:
+    """The last value of a property in each record's properties (null when absent), as the broker's
+    properties map keeps it: `name` 0x01 at the start of the properties or right after a 0x02, its value up
+    to the next 0x02 or the end of the record's properties. Found with array operations over the batch's
+    properties at once (a regular expression per record cost 4.5 us a message)."""
+    n = len(offsets) - 1
+    pattern = np.frombuffer(name.encode() + b"\x01", dtype=np.uint8)
+    width = len(pattern)
+    if len(data) < width or n == 0:
+        return pa.nulls(n, pa.string())
+    hit = data[: len(data) - width + 1] == pattern[0]
+    for k in range(1, width):
+        hit &= data[k : len(data) - width + 1 + k] == pattern[k]
+    at = np.flatnonzero(hit)
+    record = np.searchsorted(offsets, at, side="right") - 1
+    starts = offsets[record]
+    at_start = at == starts
+    after_separator = np.zeros(len(at), dtype=bool)
+    inner = at > 0
+    after_separator[inner] = data[at[inner] - 1] == PROPERTY_SEPARATOR
+    keep = (at_start | after_separator) & (at + width <= offsets[record + 1])
+    at, record = at[keep], record[keep]
+    if len(at) == 0:
+        return pa.nulls(n, pa.string())
+    last = np.flatnonzero(np.append(record[1:] != record[:-1], True))  # the last one of each record
+    at, record = at[last], record[last]
+    value_at = at + width
+    separators = np.flatnonzero(data == PROPERTY_SEPARATOR)
+    following = np.searchsorted(separators, value_at)
+    ends = np.where(following < len(separators), separators[np.minimum(following, len(separators) - 1)], len(data))
+    ends = np.minimum(ends, offsets[record + 1])
+    starts_all = np.zeros(n, dtype=np.int64)
+    lengths = np.zeros(n, dtype=np.int64)
+    present = np.zeros(n, dtype=bool)
+    starts_all[record], lengths[record], present[record] = value_at, ends - value_at, True
+    values, value_offsets = _gather(data, starts_all, lengths)
+    validity = pa.py_buffer(np.packbits(present, bitorder="little"))
+    return _text(pa.Array.from_buffers(pa.binary(), n, [validity, pa.py_buffer(value_offsets),
+                                                        pa.py_buffer(values)]))
 
 
 def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool) -> pa.Table:
@@ -129,7 +165,7 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool) ->
     topic_bytes = np.array([len(t.encode("utf-8", "surrogatepass")) for t in batch.topics], dtype=np.int64)
     props_at = (body_at + body_len + np.where(v1, TOPIC_LENGTH_SIZE_V1, TOPIC_LENGTH_SIZE_V2)
                 + topic_bytes[batch.topic_id] + PROPERTIES_LENGTH.size)
-    props = _binary(*_gather(img, props_at, rel + batch.msg_size - props_at))
+    props_data, props_offsets = _gather(img, props_at, rel + batch.msg_size - props_at)
     # msgId: store host address and port, then the CommitLog offset, in upper-case hex
     host, host_offsets = _gather(img, store_host_at, store_host)
     id_len = store_host + PHYSICAL_OFFSET_SIZE
@@ -152,7 +188,7 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool) ->
     key_offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(np.bincount(owner[keep.to_numpy(zero_copy_only=False)], minlength=n), out=key_offsets[1:])
     key_lists = pa.ListArray.from_arrays(pa.array(key_offsets), flat.filter(keep), mask=keys_text.is_null())
-    real_qid = _property(props, "REAL_QID").cast(pa.string())
+    real_qid = _property(props_data, props_offsets, "REAL_QID")
     real_qid = pc.if_else(pc.match_substring_regex(real_qid, r"^[+-]?[0-9]{1,10}$"), real_qid, None)
     store_ms = batch.store_timestamp
     columns = {
@@ -160,10 +196,10 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool) ->
         "queueId": pa.array(batch.queue_id), "queueOffset": pa.array(batch.queue_offset),
         "storeTime": pa.array(store_ms).cast(_UTC_MS),
         "bornTime": pa.array(_be(img, rel + BORN_TIMESTAMP_OFFSET, 8)).cast(_UTC_MS),
-        "tags": _text(_property(props, "TAGS")), "tagsCode": pa.array(batch.tags_code),
+        "tags": _property(props_data, props_offsets, "TAGS"), "tagsCode": pa.array(batch.tags_code),
         "sysFlag": pa.array(batch.sys_flag), "keys": key_lists,
         "uniqKey": _strings(batch.uniq_key),
-        "msgId": msg_id, "realTopic": _text(_property(props, "REAL_TOPIC")),
+        "msgId": msg_id, "realTopic": _property(props_data, props_offsets, "REAL_TOPIC"),
         "realQueueId": real_qid.cast(pa.int32(), safe=False) if n else pa.array([], pa.int32()),
         "bodySize": pa.array(body_len.astype(np.int32)),
     }
