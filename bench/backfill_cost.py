@@ -70,9 +70,10 @@ class KindSampler(TreeSampler):
 
     def _tree(self) -> list[int]:
         tree = super()._tree()
-        for pid in tree:
-            if pid not in self.kinds:
-                self.kinds[pid] = kind_of(pid, self.pid)
+        for pid in tree:  # again at every sample: Spark's launcher script execs the JVM in the same process
+            kind = kind_of(pid, self.pid)
+            if kind != "other" or pid not in self.kinds:
+                self.kinds[pid] = kind
         return tree
 
     def by_kind(self) -> dict[str, float]:
