@@ -125,6 +125,21 @@ def test_backfill_is_byte_identical_to_rebuild(spark, generated):
     assert_same_files(files_under(tmp / "bf"), expected)
 
 
+@pytest.mark.parametrize("chunk_keys", [1, 7, 30])
+def test_indexfiles_put_in_chunks_by_several_tasks_are_the_rebuilds(spark, generated, tmp_path, monkeypatch,
+                                                                     chunk_keys):
+    """An IndexFile larger than a chunk is put by one task per chunk, each with slots of its own, and its slot
+    chains linked by the driver: byte for byte the file of one sequential put (49 keys a file here)."""
+    from daemon.backfill import job as job_module
+
+    tmp, _, expected = generated
+    monkeypatch.setattr(job_module, "INDEX_CHUNK_KEYS", chunk_keys)
+    config = make_config(tmp_path, "bf", tmp / "store", backfill={"rangeBytes": 30_000})
+    backfill(config, spark=spark, partitions=2)
+    assert_same_files(files_under(tmp_path / "bf"), expected)
+    assert_no_staging(tmp_path / "bf")
+
+
 def test_forged_records_in_bodies_are_re_read(spark, tmp_path):
     """Ranges that start inside bodies holding self-validating forged records: the driver's chain check
     has them re-read, and the files are the rebuild's."""

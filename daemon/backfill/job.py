@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import os
 import pathlib
 import pickle
@@ -76,7 +77,10 @@ from daemon.backfill.writers import (
     Fault,
     IndexWork,
     QueueWork,
+    StagedIndexChunk,
     WriteStats,
+    assemble_index_file,
+    create_shared_index_file,
 )
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
@@ -664,15 +668,30 @@ def queue_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int
     return [QueueWork(dirs, frozenset(g)) for g in balanced(units, parts)]
 
 
-def index_work(ranges: Sequence[RangeOutcome], layout: IndexLayout) -> list[IndexWork]:
-    """One task per IndexFile, with the ranges that hold its keys (and the key before them, its seed)."""
+# keys of an IndexFile one task puts: a full file (20,000,000 keys by default) is cut into chunks that run in
+# parallel, so that no write task takes seconds alone while the others are done (`writers.py`)
+INDEX_CHUNK_KEYS = 2_000_000
+
+
+def index_work(ranges: Sequence[RangeOutcome], layout: IndexLayout, shared_dir: str = "",
+               chunk_keys: int | None = None) -> list[IndexWork]:
+    """The tasks of the IndexFiles, with the ranges that hold their keys (and the key before them, their seed):
+    one per file, or one per chunk of `chunk_keys` keys of a larger one, whose chunks share a file in
+    `shared_dir`."""
+    chunk_keys = chunk_keys or INDEX_CHUNK_KEYS
     work = []
     for plan in layout.files:
         lo = max(0, plan.key_start - 1)
         sources = tuple((o.stage_dir, layout.key_base[o.number], o.keys) for o in ranges
                         if o.keys and layout.key_base[o.number] < plan.key_end
                         and layout.key_base[o.number] + o.keys > lo)
-        work.append(IndexWork(plan, sources))
+        keys = plan.key_end - plan.key_start
+        if keys <= chunk_keys or not shared_dir:
+            work.append(IndexWork(plan, sources))
+            continue
+        shared = os.path.join(shared_dir, f"{plan.number:010d}")
+        cuts = [*range(plan.key_start, plan.key_end, chunk_keys), plan.key_end]
+        work.extend(IndexWork(plan, sources, (a, b), shared) for a, b in itertools.pairwise(cuts))
     return work
 
 
@@ -703,6 +722,7 @@ class _Job:
         self.s3 = s3
         self.broadcasts: list = []  # the work items of each job
         self.catalog_covered: tuple[tuple[int, int], ...] = ()
+        self.index_plans: list = []
         self.outcomes: dict[int, RangeOutcome] = {}
         self.all_outcomes: list[RangeOutcome] = []  # every decode task's, re-reads included
 
@@ -780,7 +800,13 @@ class _Job:
         work: list = []
         if ranges and build_index:
             layout = plan_index_files(ranges, self.config.store.max_index_num)
-            work.extend(index_work(ranges, layout))  # first: a whole IndexFile is the longest task
+            self.index_plans = layout.files
+            shared_dir = os.path.join(staging_root(self.out, self.job_id), "index-shared")
+            index_tasks = index_work(ranges, layout, shared_dir)
+            store = self.config.store
+            for path in sorted({w.shared_path for w in index_tasks if w.chunk is not None}):
+                create_shared_index_file(path, store.max_hash_slot_num, store.max_index_num)
+            work.extend(index_tasks)  # first: an IndexFile's tasks are the longest
         if ranges and build_cq:
             work.extend(queue_work(ranges, dirs, s.partitions))
         if ranges and catalog is not None:
@@ -806,7 +832,17 @@ class _Job:
     def _commit(self, results: dict[str, list], build_cq: bool, build_index: bool, catalog: str | None) -> None:
         """Check the output, then link every staged file into place (the IndexFiles under their names)."""
         s = self.summary
-        staged_files = sorted((f for _, files in results[INDEX_FILES] for f in files), key=lambda f: f.number)
+        staged = [f for _, files in results[INDEX_FILES] for f in files]
+        chunks: dict[int, list[StagedIndexChunk]] = {}
+        for f in staged:
+            if isinstance(f, StagedIndexChunk):
+                chunks.setdefault(f.number, []).append(f)
+        plans = {p.number: p for p in self.index_plans}
+        store = self.config.store
+        staged_files = sorted([f for f in staged if not isinstance(f, StagedIndexChunk)]
+                              + [assemble_index_file(c, store.max_hash_slot_num, store.max_index_num,
+                                                     plans[n].key_start) for n, c in chunks.items()],
+                              key=lambda f: f.number)
         names = index_file_names([f.creator_ts for f in staged_files])
         queues = [q for _, staged in results[QUEUES] for q in staged]
         index_dir = os.path.join(self.out, INDEX_DIR)

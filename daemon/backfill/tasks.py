@@ -25,6 +25,7 @@ from daemon.backfill.writers import (
     QueueWork,
     result_rows,
     write_catalog,
+    write_index_chunk,
     write_index_files,
     write_queues,
 )
@@ -117,8 +118,9 @@ def _write(settings: WriterSettings, item, fault: Fault | None):
             result = write_queues(item, stage_dir=stage, file_size=settings.cq_file_size, attempt=attempt, fault=fault)
         else:
             kind = INDEX_FILES
-            result = write_index_files(item, stage_dir=stage, hash_slot_num=settings.hash_slot_num,
-                                       index_num=settings.index_num, attempt=attempt, fault=fault)
+            write = write_index_files if item.chunk is None else write_index_chunk
+            result = write(item, stage_dir=stage, hash_slot_num=settings.hash_slot_num,
+                           index_num=settings.index_num, attempt=attempt, fault=fault)
     except Exception as e:
         remove_tree(stage)
         name = "consumequeue" if phase == "cq" else "index"

@@ -22,6 +22,7 @@ has succeeded and the output has been checked.
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import time
@@ -33,9 +34,18 @@ import numpy as np
 from daemon.backfill.commit import file_counts
 from daemon.backfill.plan import BackfillError, IndexFilePlan
 from daemon.backfill.ranges import NO_CREATOR, arrow_column
-from daemon.backfill.stage import StagedRange
+from daemon.backfill.stage import KEY_DTYPE, StagedRange
 from indexcore.consumequeue import ConsumeQueueStore
-from indexcore.indexfile import RELEASE_AFTER_KEYS, IndexFile
+from indexcore.indexfile import (
+    FIRST_INDEX,
+    HASH_SLOT_SIZE,
+    INDEX_ENTRY_SIZE,
+    INDEX_HEADER_SIZE,
+    RELEASE_AFTER_KEYS,
+    IndexFile,
+    IndexHeader,
+    index_file_size,
+)
 from indexcore.indexservice import INDEX_DIR
 
 
@@ -106,6 +116,8 @@ class QueueWork:
 class IndexWork:
     plan: IndexFilePlan
     sources: tuple[tuple[str, int, int], ...]  # (staging directory, global number of its first key, keys)
+    chunk: tuple[int, int] | None = None  # the plan's keys [lo, hi) this task puts; None: the whole file
+    shared_path: str = ""  # a chunk's file: the one every chunk of the IndexFile writes its entries into
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +245,130 @@ def write_index_files(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
     if fault is not None:
         fault.check("index", "staged", attempt.attempt_number)
     return stats, [StagedIndexFile(plan.number, path, creator, put)]
+
+
+# --- IndexFile chunks ---------------------------------------------------------------------------------
+#
+# A large IndexFile is put by several tasks, each a chunk of its keys: the entries of key i depend only on
+# the keys before it through the slot it hashes to (the previous entry of that slot), so a chunk puts its keys
+# with the broker's loop into slots of its own (empty), writes its entries into the shared file at their
+# place, and records where its chain of each slot starts (entries whose previous entry is in an earlier
+# chunk) and ends. The driver links the chains (`assemble_index_file`): a chunk's first entry of a slot gets
+# the last entry of that slot in the chunks before it, and the slots and header take the final values.
+
+ENTRY_DTYPE = np.dtype([("hash", ">i4"), ("phy", ">i8"), ("time_diff", ">i4"), ("prev", ">i4")])
+
+
+@dataclass(slots=True)
+class StagedIndexChunk:
+    number: int
+    lo: int
+    hi: int
+    path: str  # the shared file
+    meta: str  # the chunk's chain ends (.npz)
+    begin_ts: int
+    begin_phy: int
+    end_ts: int
+    end_phy: int
+    creator_ts: int
+
+
+def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, index_num: int,
+                      attempt: Attempt, fault: Fault | None = None) -> tuple[WriteStats, list[StagedIndexChunk]]:
+    """Put keys [lo, hi) of an IndexFile into its shared file (`work.shared_path`), as entries
+    FIRST_INDEX + lo - key_start on, with slots of the chunk's own."""
+    from indexcore import _kernels  # noqa: PLC0415
+
+    stats = WriteStats()
+    plan = work.plan
+    lo, hi = work.chunk
+    started = time.perf_counter()
+    ranges = {d: StagedRange(d) for d, _, _ in work.sources}
+    try:
+        keys = np.concatenate(list(_keys(work, lo, hi, ranges)) or [np.zeros(0, dtype=KEY_DTYPE)])
+        if len(keys) != hi - lo:
+            raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} got {len(keys)} of its "
+                                f"keys [{lo}, {hi})")
+        creator = plan.creator_ts
+        if lo == plan.key_start:  # the file's first chunk: seeded by the key before it, as the file is
+            begin_ts = begin_phy = 0
+            if plan.key_start > 0:
+                seed = np.concatenate(list(_keys(work, lo - 1, lo, ranges)) or [np.zeros(0, dtype=KEY_DTYPE)])
+                if len(seed) != 1:
+                    raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} found no key "
+                                        f"{lo - 1} to seed it")
+                begin_ts, begin_phy = max(0, int(seed["ts"][0])), max(0, int(seed["phy"][0]))
+                if int(seed["creator"][0]) != NO_CREATOR:
+                    creator = int(seed["creator"][0])
+        else:  # after the first put, the file's begin values are its first key's
+            first = np.concatenate(list(_keys(work, plan.key_start, plan.key_start + 1, ranges)))
+            begin_ts, begin_phy = int(first["ts"][0]), int(first["phy"][0])
+        first_entry = FIRST_INDEX + lo - plan.key_start
+        entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
+        buf = bytearray(entries_at + INDEX_ENTRY_SIZE * len(keys))
+        _, _, begin_ts, begin_phy = _kernels.put_keys(
+            buf, entries_at, hash_slot_num, first_entry, index_num, begin_ts, begin_phy,
+            np.ascontiguousarray(keys["hash"], dtype=np.int64), np.ascontiguousarray(keys["phy"], dtype=np.int64),
+            np.ascontiguousarray(keys["ts"], dtype=np.int64), first_entry)
+        fd = os.open(work.shared_path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, memoryview(buf)[entries_at:], entries_at + INDEX_ENTRY_SIZE * first_entry)
+        finally:
+            os.close(fd)
+        slots = np.frombuffer(buf, dtype=">i4", count=hash_slot_num, offset=INDEX_HEADER_SIZE)
+        last_slot = np.flatnonzero(slots)
+        entries = np.frombuffer(buf, dtype=ENTRY_DTYPE, offset=entries_at)
+        firsts = np.flatnonzero(entries["prev"] == 0)
+        os.makedirs(stage_dir, exist_ok=True)
+        meta = os.path.join(stage_dir, f"index-{plan.number:010d}-{lo}.npz")
+        with open(meta, "wb") as f:
+            np.savez(f, first_entry=(first_entry + firsts).astype(np.int64),
+                     first_slot=(entries["hash"][firsts].astype(np.int64) % hash_slot_num),
+                     last_slot=last_slot.astype(np.int64), last_entry=slots[last_slot].astype(np.int64))
+    finally:
+        for r in ranges.values():
+            r.close()
+    stats.keys = len(keys)
+    stats.seconds = time.perf_counter() - started
+    if fault is not None:
+        fault.check("index", "staged", attempt.attempt_number)
+    return stats, [StagedIndexChunk(plan.number, lo, hi, work.shared_path, meta, begin_ts, begin_phy,
+                                    int(keys["ts"][-1]), int(keys["phy"][-1]), creator)]
+
+
+def create_shared_index_file(path: str, hash_slot_num: int, index_num: int) -> None:
+    """The file the chunks of one IndexFile write their entries into (sparse until they do)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(index_file_size(hash_slot_num, index_num))
+
+
+def assemble_index_file(chunks: list[StagedIndexChunk], hash_slot_num: int, index_num: int,
+                        key_start: int) -> StagedIndexFile:
+    """Link the chunks' slot chains in key order and write the slots and the header: the file one put of all
+    its keys makes."""
+    chunks = sorted(chunks, key=lambda c: c.lo)
+    path = chunks[0].path
+    entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
+    last = np.zeros(hash_slot_num, dtype=np.int64)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        entries = np.ndarray((index_num,), dtype=ENTRY_DTYPE, buffer=mm, offset=entries_at)
+        for c in chunks:
+            with np.load(c.meta) as d:
+                if c.lo != key_start:
+                    prev = last[d["first_slot"]]
+                    linked = prev != 0
+                    entries["prev"][d["first_entry"][linked]] = prev[linked]
+                last[d["last_slot"]] = d["last_entry"]
+        slots = np.ndarray((hash_slot_num,), dtype=">i4", buffer=mm, offset=INDEX_HEADER_SIZE)
+        slots[:] = last
+        keys = chunks[-1].hi - key_start
+        header = IndexHeader(chunks[0].begin_ts, chunks[-1].end_ts, chunks[0].begin_phy, chunks[-1].end_phy,
+                             int(np.count_nonzero(last)), FIRST_INDEX + keys)
+        mm[:INDEX_HEADER_SIZE] = header.encode()
+        del entries, slots
+        mm.flush()
+    return StagedIndexFile(chunks[0].number, path, chunks[0].creator_ts, keys)
 
 
 # --- catalog ------------------------------------------------------------------------------------------
