@@ -502,7 +502,10 @@ class _Interrupt:
     def launching(self):
         """Around the session's creation: a signal kills what is starting; PySpark's SIGINT handler is kept
         out; the start that fails of the kill, or succeeds before it, ends as the interruption."""
-        import pyspark.core.context as pyspark_context  # noqa: PLC0415
+        try:
+            import pyspark.core.context as pyspark_context  # noqa: PLC0415 - Spark 4
+        except ImportError:
+            import pyspark.context as pyspark_context  # noqa: PLC0415 - Spark 3.5
 
         real = pyspark_context.signal
         pyspark_context.signal = _SignalsKept(real, set(self._kept))
