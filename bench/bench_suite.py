@@ -20,6 +20,9 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
                      p99 120 ms)
     backfill         `reputd backfill` on the rebuild data set: local[1], local[2], a standalone cluster of two
                      one-core workers, and local[2] reading the segments from an S3 server (moto)
+    backfill-cost    what a backfill message costs (bench/backfill_cost.py): CPU-seconds of the process tree for
+                     the rebuild, a 10,000-message job and the whole data set on local[2], the marginal cost and
+                     its parts, the serial fraction from Spark's event log and the projected speedup at 16/64
 
 Rebuilds are timed from process start to exit (`reputd rebuild` as an operator runs it, body CRCs
 checked); peak RSS is the child's own (wait4). Each is compared with a plain sequential read of the same
@@ -683,7 +686,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench" / "results" / "suite")
     ap.add_argument("--only", default="rebuild,rebuild-3keys,rebuild-4k,rebuild-noindex,verify,rebuild-lmq3,"
-                                      "rebuild-lmq100k,live,query,backfill")
+                                      "rebuild-lmq100k,live,query,backfill,backfill-cost")
     ap.add_argument("--quick", action="store_true", help="a tenth of every data set and short runs (a smoke test)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per rebuild scenario; the fastest is reported")
     ap.add_argument("--live-seconds", type=float, default=20.0)
@@ -716,8 +719,16 @@ def main() -> int:
               f"p99 {results[-1]['cli_ms_p99']} ms", flush=True)
     if "backfill" in wanted:
         results.extend(bench_backfill(work, scale, args.masters.split(",")))
+    cost = None
+    if "backfill-cost" in wanted:
+        from bench.backfill_cost import measure  # noqa: PLC0415
+
+        cost = measure(work, "256b-1key", scale, "local[2]", catalog=False)
     lmq_ratio(results)
     print_table(results)
+    if cost is not None:
+        print("\nbackfill cost (bench/backfill_cost.py):\n" + "\n".join(cost.pop("table")))
+        results.append(cost)
     out = work / "results.json"
     out.write_text(json.dumps({"machine": info, "results": results}, indent=2))
     print(f"\nfigures: {out}")

@@ -700,9 +700,12 @@ def _backfill_checks(args, config: Config) -> None:
                          "spark://HOST:PORT, yarn or k8s://...")
     if args.from_offset is not None and args.to_offset is not None and args.from_offset >= args.to_offset:
         raise UsageError(f"--from {args.from_offset} is not before --to {args.to_offset}")
-    if args.catalog and "://" not in args.catalog and os.path.lexists(args.catalog):
-        raise UsageError(f"--catalog {args.catalog} already exists: the catalog is written once, into a path "
-                         "that does not exist yet")
+    local_catalog = args.catalog and "://" not in args.catalog
+    if local_catalog and os.path.lexists(args.catalog) and (
+            not os.path.isdir(args.catalog)
+            or (os.listdir(args.catalog) and not os.path.isdir(os.path.join(args.catalog, "_reputd-backfills")))):
+        raise UsageError(f"--catalog {args.catalog} exists and is not a reputd catalog: give a new path or an earlier "
+                         "backfill's catalog (a later backfill appends to it)")
     if args.catalog and "://" not in args.catalog:
         parent = os.path.dirname(os.path.abspath(args.catalog))
         if os.path.isdir(parent) and not os.access(parent, os.W_OK):
@@ -738,6 +741,10 @@ def backfill_import_error(error: ImportError) -> str:
 
 
 def cmd_backfill(args, config: Config) -> int:
+    import signal
+
+    # SIGTERM as SIGINT from here, until backfill() handles both: importing PySpark takes a second
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     _backfill_checks(args, config)
     _lock_output(args, config)
     try:

@@ -25,7 +25,7 @@ from daemon.backfill import (
     check_java,
     commit_log_dirs,
 )
-from daemon.backfill.catalog import CATALOG_QUERIES
+from daemon.backfill.catalog import CATALOG_QUERIES, file_name
 from daemon.backfill.commit import STAGING_DIR
 from daemon.backfill.job import spark_error_line
 from daemon.config import load_config
@@ -124,6 +124,21 @@ def test_backfill_is_byte_identical_to_rebuild(spark, generated):
     assert_no_staging(tmp / "bf")
     backfill(config, spark=spark, partitions=2)
     assert_same_files(files_under(tmp / "bf"), expected)
+
+
+@pytest.mark.parametrize("chunk_keys", [1, 7, 30])
+def test_indexfiles_put_in_chunks_by_several_tasks_are_the_rebuilds(spark, generated, tmp_path, monkeypatch,
+                                                                     chunk_keys):
+    """An IndexFile larger than a chunk is put by one task per chunk, each with slots of its own, and its slot
+    chains linked by the driver: byte for byte the file of one sequential put (49 keys a file here)."""
+    from daemon.backfill import job as job_module
+
+    tmp, _, expected = generated
+    monkeypatch.setattr(job_module, "INDEX_CHUNK_KEYS", chunk_keys)
+    config = make_config(tmp_path, "bf", tmp / "store", backfill={"rangeBytes": 30_000})
+    backfill(config, spark=spark, partitions=2)
+    assert_same_files(files_under(tmp_path / "bf"), expected)
+    assert_no_staging(tmp_path / "bf")
 
 
 def test_forged_records_in_bodies_are_re_read(spark, tmp_path):
@@ -264,10 +279,28 @@ def test_older_files_in_the_output_are_refused(spark, generated, tmp_path, index
     config = make_config(tmp_path, "out", tmp / "store", store={"messageIndexEnable": index})
     backfill(config, spark=spark, to_offset=handoff)
     before = files_under(tmp_path / "out")
-    with pytest.raises(BackfillError, match="already sorts among" if index else "queue holds a unit"):
+    with pytest.raises(BackfillError, match=r"first offset \d+: the output holds an earlier range"):
         backfill(config, spark=spark, from_offset=handoff)
     assert files_under(tmp_path / "out") == before
     assert ("index" in {p.name for p in (tmp_path / "out").iterdir()}) is index
+
+
+def test_an_output_holding_an_earlier_range_is_refused_before_spark_starts(spark, generated, tmp_path):
+    """`reputd backfill --from X` into an output holding [first, X): exit 1 with one line naming the file,
+    and no Spark started (the refusal used to come at the commit, after both Spark jobs)."""
+    tmp, results, _ = generated
+    handoff = results[len(results) // 2].phy_offset
+    config = config_file(tmp_path, "out", tmp / "store")
+    backfill(load_config(config, env={}), spark=spark, to_offset=handoff)
+    before = outputs(tmp_path / "out")
+    res = run_cli("backfill", "--config", str(config), "--master", "local[1]", "--from", str(handoff),
+                  "--conf", "spark.ui.enabled=false", env={"JAVA_HOME": str(tmp_path / "no-java")})
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("reputd: error: ")
+    assert "the output holds an earlier range" in res.stderr
+    assert "JAVA_HOME" not in res.stderr  # refused before Java was even looked for
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert outputs(tmp_path / "out") == before
 
 
 def corrupt_store(tmp: Path) -> tuple[Path, list, int]:
@@ -325,12 +358,12 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_readme_quer
     catalog = tmp_path / "catalog"
     summary = backfill(make_config(tmp_path, "out", tmp / "store", backfill={"rangeBytes": 20_000}), spark=spark,
                        catalog=str(catalog))
-    files = sorted(str(p.relative_to(catalog)) for p in catalog.rglob("*") if p.is_file())
-    assert files == [f"topic={t}/date=2023-11-14/part-{n}.parquet" for t, n in
-                     sorted((t, p.name.split("-")[1].split(".")[0]) for t in
-                            ("Late", "SCHEDULE_TOPIC_XXXX", "TopicA", "TopicB")
-                            for p in (catalog / f"topic={t}" / "date=2023-11-14").iterdir())]
+    files = sorted(str(p.relative_to(catalog)) for p in catalog.rglob("*.parquet"))
+    name = file_name(0, summary.end_offset)
+    assert files == [f"topic={t}/date=2023-11-14/{name}" for t in ("Late", "SCHEDULE_TOPIC_XXXX", "TopicA", "TopicB")]
     assert len(files) == 4 == summary.files["catalog"]
+    assert sorted(p.name for p in (catalog / "_reputd-backfills").iterdir()) == [f"{0:020d}-{summary.end_offset:020d}"]
+    assert not (catalog / "_reputd-staging").exists()
     rows = spark.read.parquet(str(catalog))
     types = dict(rows.dtypes)
     assert types["storeTime"] == types["bornTime"] == "timestamp"
@@ -356,9 +389,92 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_readme_quer
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     for query in CATALOG_QUERIES.values():
         assert " ".join(query.split()) in " ".join(readme.split())
-    with pytest.raises(BackfillError, match="already exists"):
-        backfill(make_config(tmp_path, "again", tmp / "store"), spark=spark, catalog=str(catalog))
-    assert not (tmp_path / "again").exists()
+
+
+def catalog_by_reader(spark, catalog: Path) -> dict[str, tuple[list[str], list[tuple[int, str, str]]]]:
+    """What each reader makes of a catalog: its columns, and (commitLogOffset, topic, date) of every row."""
+    import duckdb
+    import pandas
+    import pyarrow.dataset as ds
+
+    def triples(offsets, topics, dates) -> list[tuple[int, str, str]]:
+        return sorted(zip((int(o) for o in offsets), (str(t) for t in topics), (str(d)[:10] for d in dates),
+                          strict=True))
+
+    seen = {}
+    frame = pandas.read_parquet(catalog)
+    seen["pandas"] = (sorted(frame.columns), triples(frame.commitLogOffset, frame.topic, frame.date))
+    table = ds.dataset(catalog, partitioning="hive").to_table()
+    seen["pyarrow"] = (sorted(table.column_names), triples(table["commitLogOffset"].to_pylist(),
+                                                           table["topic"].to_pylist(), table["date"].to_pylist()))
+    with duckdb.connect() as db:
+        result = db.execute(f"SELECT * FROM read_parquet('{catalog}/**/*.parquet', hive_partitioning = true)")
+        names = [d[0] for d in result.description]
+        got = result.fetchall()
+    at = {n: i for i, n in enumerate(names)}
+    seen["duckdb"] = (sorted(names), triples((r[at["commitLogOffset"]] for r in got), (r[at["topic"]] for r in got),
+                                             (r[at["date"]] for r in got)))
+    rows = spark.read.parquet(str(catalog)).collect()
+    seen["spark"] = (sorted(spark.read.parquet(str(catalog)).columns),
+                     triples((r.commitLogOffset for r in rows), (r.topic for r in rows), (r.date for r in rows)))
+    return seen
+
+
+def test_the_catalog_opens_in_pandas_pyarrow_duckdb_and_spark_alike(spark, generated, tmp_path):
+    """The same columns and rows in all four readers: `topic` and `date` only in the directory names (in the
+    files too, they had two types, and pandas and pyarrow's hive partitioning refused the catalog)."""
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(catalog))
+    seen = catalog_by_reader(spark, catalog)
+    expected = sorted((r.phy_offset, r.topic, "2023-11-14") for r in results)
+    for reader, (columns, rows) in seen.items():
+        assert columns == seen["spark"][0], reader
+        assert rows == expected, reader
+    assert {"topic", "date", "commitLogOffset", "keys"} <= set(seen["spark"][0])
+
+
+def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_path):
+    """A second backfill over later segments appends to the catalog's day partitions; one over a range it
+    holds in part adds only the rest; a rerun of the same range adds nothing."""
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    third, two_thirds = results[len(results) // 3].phy_offset, results[2 * len(results) // 3].phy_offset
+    backfill(make_config(tmp_path, "a", tmp / "store"), spark=spark, catalog=str(catalog), to_offset=third)
+    backfill(make_config(tmp_path, "b", tmp / "store"), spark=spark, catalog=str(catalog), from_offset=third,
+             to_offset=two_thirds)
+    before = sorted(p.relative_to(catalog) for p in catalog.rglob("*.parquet"))
+    again = backfill(make_config(tmp_path, "c", tmp / "store"), spark=spark, catalog=str(catalog), to_offset=two_thirds)
+    assert again.files["catalog"] == 0
+    assert sorted(p.relative_to(catalog) for p in catalog.rglob("*.parquet")) == before
+    backfill(make_config(tmp_path, "d", tmp / "store"), spark=spark, catalog=str(catalog))  # overlaps [0, 2/3)
+    rows = spark.read.parquet(str(catalog)).select("commitLogOffset").collect()
+    assert sorted(r.commitLogOffset for r in rows) == [r.phy_offset for r in results]
+    assert not (catalog / "_reputd-staging").exists()
+
+
+def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, generated, tmp_path, monkeypatch):
+    """The catalog writers stage under CATALOG/_reputd-staging/JOB/ with names no `*.parquet` glob takes;
+    a backfill that fails after them removes that directory, and the rerun writes the catalog."""
+    from daemon.backfill import job as job_module
+
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    staged: list[str] = []
+
+    def fail(self, results_, *args):
+        staged.extend(str(p) for p in catalog.rglob("*") if p.is_file())
+        raise BackfillError("injected failure at commit")
+
+    monkeypatch.setattr(job_module._Job, "_commit", fail)
+    with pytest.raises(BackfillError, match="injected"):
+        backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(catalog))
+    assert staged
+    assert all("/_reputd-staging/" in p and not p.endswith(".parquet") for p in staged)
+    assert not catalog.exists() or not list(catalog.rglob("*"))
+    monkeypatch.undo()
+    backfill(make_config(tmp_path, "again", tmp / "store"), spark=spark, catalog=str(catalog))
+    assert spark.read.parquet(str(catalog)).count() == len(results)
 
 
 def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
@@ -528,6 +644,23 @@ def test_hdfs_reaches_the_filesystem_call(tmp_path, monkeypatch):
     assert calls == [("nn", 8020)]
 
 
+def test_a_jvm_out_of_memory_says_which_setting_to_raise():
+    """The JVM's OutOfMemoryError, or the JVM gone (the py4j connection refused), is one line naming the
+    setting to raise, never py4j's or the JVM's traces."""
+    from py4j.protocol import Py4JNetworkError
+
+    oom = Exception("An error occurred while calling o123.collectToPython.\n: java.lang.OutOfMemoryError: Java heap "
+                    "space\n\tat java.base/java.util.Arrays.copyOf(Arrays.java:3541)\n")
+    assert spark_error_line(oom) == ("Spark's JVM ran out of memory (java.lang.OutOfMemoryError: Java heap space): "
+                                     "raise spark.driver.memory (a local master runs the tasks in the driver JVM) "
+                                     "or, on a cluster, spark.executor.memory, e.g. --conf spark.driver.memory=4g")
+    for gone in (ConnectionRefusedError(111, "Connection refused"), Py4JNetworkError("Answer from Java side is empty")):
+        line = spark_error_line(gone)
+        assert line.startswith("Spark's JVM ended during the backfill (")
+        assert line.endswith("e.g. --conf spark.driver.memory=4g")
+        assert "\n" not in line
+
+
 def test_spark_errors_become_the_task_error_line():
     """A Py4JJavaError's text (Java stack, Python traceback inside) reduces to the task's own error line."""
     text = ("An error occurred while calling o12.collectAndServe.\n"
@@ -575,3 +708,51 @@ def test_cli_backfill_interrupted_mid_job_exits_130_cleanly(generated, tmp_path,
     assert not (out / STAGING_DIR).exists()
     assert not (out / "consumequeue").exists()
     assert not (out / "index").exists()
+
+
+def _marked_processes(marker: str) -> list[int]:
+    """Processes whose environment holds `marker` (everything a command started inherits it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/environ").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize(("sig", "after"), [(signal.SIGINT, 0.0), (signal.SIGINT, 0.5), (signal.SIGTERM, 0.2),
+                                            (signal.SIGINT, 2.0), (signal.SIGTERM, 4.0)],
+                         ids=["int-0s", "int-0.5s", "term-0.2s", "int-2s", "term-4s"])
+def test_cli_backfill_interrupted_during_start_up_leaves_nothing_running(generated, tmp_path, sig, after):
+    """A signal at any moment of Spark's start-up (`after` seconds once its launcher runs): one line, exit
+    130, and no process left (the gateway JVM outlived reputd for minutes and printed a Java stack trace;
+    SIGTERM exited 143 saying nothing; later, py4j printed its tracebacks)."""
+    tmp, _, _ = generated
+    config = config_file(tmp_path, "out", tmp / "store")
+    marker = f"BACKFILL_SIGNAL_TEST_{os.getpid()}_{sig}_{after}".replace(".", "_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    env[marker] = "1"
+    proc = subprocess.Popen([*REPUTD, "backfill", "--config", str(config), "--master", "local[1]", "--conf",
+                             "spark.ui.enabled=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and len(_marked_processes(marker)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)  # until Spark's launcher has started (a process below reputd)
+    time.sleep(after)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip(f"the backfill finished within {after} s")  # never seen here: start-up alone takes longer
+    assert proc.returncode == 130, err
+    for trace in ("Traceback", "Exception", "\tat ", "py4j", "ERROR"):
+        assert trace not in err, err
+    assert err.rstrip().endswith("reputd: interrupted"), err
+    deadline = time.monotonic() + 30
+    while _marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _marked_processes(marker) == []
+    assert not (tmp_path / "out" / STAGING_DIR).exists()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +18,9 @@ from hypothesis import strategies as st
 
 from daemon.backfill import ranges as ranges_module
 from daemon.backfill.plan import BackfillFailed, Reread, walk_ranges
-from daemon.backfill.ranges import CATALOG, KEYS, META, UNITS, DecodeSettings, decode_range, plan_ranges
+from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
 from daemon.backfill.source import LOCAL, SegmentDir, SegmentListing
+from daemon.backfill.stage import QUEUE_BUCKETS, StagedRange
 from daemon.backfill.tasks import reread as _reread
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, ON_CORRUPTION_STOP
 from indexcore.consumequeue import consume_queue_units
@@ -29,8 +32,41 @@ SEGMENT = 256 * 1024
 MIB = 1024 * 1024
 
 
+_STAGE: dict[str, str | None] = {"root": None}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _stage_root(tmp_path_factory):
+    """Where the decode tasks of this module stage their files (under pytest's own temporary directory)."""
+    _STAGE["root"] = str(tmp_path_factory.mktemp("stage"))
+
+
+def stage_root() -> str:
+    return tempfile.mkdtemp(prefix="ranges-", dir=_STAGE["root"])
+
+
 def settings(index: bool = True) -> DecodeSettings:
-    return DecodeSettings(SEGMENT, True, 4 * MIB, DEFAULT_MESSAGE_DELAY_LEVEL, 8192, MIB, index, False, False)
+    return DecodeSettings(SEGMENT, True, 4 * MIB, DEFAULT_MESSAGE_DELAY_LEVEL, 8192, MIB, index, False, False,
+                          stage_root=stage_root())
+
+
+def outcomes_of(gen) -> list:
+    """The outcomes a decode generator yields (one row each)."""
+    return [pickle.loads(row["data"]) for rb in gen for row in rb.to_pylist()]
+
+
+def staged_rows(outcome) -> tuple[dict, list]:
+    """A range's staged units (by queue: (queue offset, unit)) and keys (hash, phy, store time)."""
+    staged = StagedRange(outcome.stage_dir)
+    queues = {}
+    for q in staged.queues(range(QUEUE_BUCKETS)):
+        for _, first_qo, units in staged.unit_runs(q):
+            queues.setdefault(q, []).extend(zip(range(first_qo, first_qo + len(units)),
+                                                units.astype(">i8,>i4,>i8").tolist(), strict=True))
+    k = staged.keys(0, outcome.keys)
+    keys = list(zip(k["hash"].tolist(), k["phy"].tolist(), k["ts"].tolist(), strict=True))
+    staged.close()
+    return queues, keys
 
 
 def ranged(commitlog: Path, range_bytes: int, on_corruption: str = ON_CORRUPTION_STOP, segment: int = SEGMENT,
@@ -40,25 +76,13 @@ def ranged(commitlog: Path, range_bytes: int, on_corruption: str = ON_CORRUPTION
     listing = SegmentListing([SegmentDir(LOCAL, str(commitlog))], segment)
     start = listing.min_offset if start is None else start
     tasks = plan_ranges(listing.segments, segment, start, to, range_bytes)
-    rows: dict[int, list[dict]] = {}
     outcomes = {}
     rereads = 0
 
     def run(work) -> None:
         gen = _reread(work, s) if isinstance(work, Reread) else decode_range(work, s)
-        fresh: dict[int, list[dict]] = {}
-        for rb in gen:
-            for row in rb.to_pylist():
-                if row["kind"] == META:
-                    o = pickle.loads(row["data"])
-                    outcomes[o.number] = o
-                else:
-                    fresh.setdefault(row["range"], []).append(row)
-        for o in outcomes.values():
-            if isinstance(work, Reread) and o.reread and o.number in {t.number for t in work.tasks}:
-                rows[o.number] = fresh.get(o.number, [])
-        if not isinstance(work, Reread):
-            rows.update(fresh)
+        for o in outcomes_of(gen):
+            outcomes[o.number] = o
 
     for t in tasks:
         run(t)
@@ -72,19 +96,11 @@ def ranged(commitlog: Path, range_bytes: int, on_corruption: str = ON_CORRUPTION
     queues: dict[tuple[str, int], list] = {}
     keys = []
     for n in plan.ranges:
-        for row in sorted(rows.get(n, []), key=lambda r: r["seq"]):
-            if row["kind"] == UNITS:
-                units = np.frombuffer(row["data"], dtype=">i8,>i4,>i8")
-                q = queues.setdefault((row["topic"], row["queue"]), [])
-                q.extend(zip(range(row["aux"], row["aux"] + row["count"]), units.tolist(), strict=True))
-            elif row["kind"] == KEYS:
-                c = row["count"]
-                data = row["data"]
-                hashes = np.frombuffer(data, "<i4", c)
-                rest = np.frombuffer(data, "<i8", 3 * c, 4 * c).reshape(3, c)
-                keys.extend(zip(hashes.tolist(), rest[0].tolist(), rest[1].tolist(), strict=True))
-            else:
-                assert row["kind"] == CATALOG
+        range_queues, range_keys = staged_rows(outcomes[n])
+        for q, units in range_queues.items():
+            queues.setdefault(q, []).extend(units)
+        keys.extend(range_keys)
+    shutil.rmtree(s.stage_root, ignore_errors=True)
     return plan, queues, keys, rereads
 
 
@@ -165,11 +181,7 @@ def test_forgeries_are_found_first(forged):
             break
     forged_firsts = 0
     for t in tasks[:200]:
-        o = None
-        for rb in decode_range(t, settings()):
-            for row in rb.to_pylist():
-                if row["kind"] == META:
-                    o = pickle.loads(row["data"])
+        (o,) = outcomes_of(decode_range(t, settings()))
         if o.first is not None and o.first not in starts:
             forged_firsts += 1
     assert forged_firsts > 3
@@ -229,7 +241,8 @@ def test_large_segments_at_the_range_sizes_of_a_deployment(tmp_path_factory, ran
     if not (root / "done").exists():
         write_forged_store(root / "commitlog", segment, 1400, big_every=2, big_body=160_000)
         (root / "done").touch()
-    s = DecodeSettings(segment, True, 4 * MIB, DEFAULT_MESSAGE_DELAY_LEVEL, 4 * MIB, 16 * MIB, True, False, False)
+    s = DecodeSettings(segment, True, 4 * MIB, DEFAULT_MESSAGE_DELAY_LEVEL, 4 * MIB, 16 * MIB, True, False, False,
+                       stage_root=stage_root())
     plan, queues, keys, _ = ranged(root / "commitlog", range_bytes, segment=segment, s=s)
     end, ref_queues, ref_keys, _ = sequential(root / "commitlog", segment=segment)
     assert end > 64 * MIB
@@ -239,11 +252,8 @@ def test_large_segments_at_the_range_sizes_of_a_deployment(tmp_path_factory, ran
 
 
 def _first_of(task, s: DecodeSettings | None = None):
-    for rb in decode_range(task, s or settings()):
-        for row in rb.to_pylist():
-            if row["kind"] == META:
-                return pickle.loads(row["data"]).first
-    raise AssertionError("no outcome row")
+    (o,) = outcomes_of(decode_range(task, s or settings()))
+    return o.first
 
 
 def test_a_record_starting_in_a_ranges_last_bytes_is_its_first(forged):
@@ -292,9 +302,8 @@ def test_a_decoded_range_keeps_none_of_its_unit_arrays(forged, monkeypatch):
     listing = SegmentListing([SegmentDir(LOCAL, str(commitlog))], SEGMENT)
     units = 0
     for task in plan_ranges(listing.segments, SEGMENT, 0, None, 30_000)[:20]:
-        for rb in decode_range(task, settings()):
-            units += sum(c for k, c in zip(rb.column("kind").to_pylist(), rb.column("count").to_pylist(),
-                                           strict=True) if k == UNITS)
+        for o in outcomes_of(decode_range(task, settings())):
+            units += sum(o.bucket_units.values())
     gc.collect()
     assert units > 0
     assert grouped
@@ -363,3 +372,30 @@ def test_the_python_daemon_ends_a_worker_whose_socket_closed_quietly():
     assert res.returncode == 1, res.stderr
     assert res.stdout == ""
     assert res.stderr == ""
+
+
+_NAME_OR_JUNK = st.sampled_from(["TAGS", "REAL_TOPIC", "KEYS", "TAG", "ATAGS", "TAGS\x01", "x"])
+
+
+@settings_(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(_NAME_OR_JUNK, st.text(alphabet="ab\x01\x02 标", max_size=6)), max_size=5)
+                .map(lambda props: "".join(f"{k}\x01{v}\x02" for k, v in props))
+                | st.text(alphabet="TAGS\x01\x02ab", max_size=20), max_size=8))
+def test_catalog_properties_are_found_as_the_regular_expression_found_them(records):
+    """The catalog's property columns come from array operations over a batch's properties: the same values
+    (the last occurrence at the start or after a separator, up to the next one) as the regular expression
+    over each record that they replaced, whatever the names, separators and values."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from daemon.backfill import catalog
+
+    raw = [r.encode() for r in records]
+    offsets = np.zeros(len(raw) + 1, dtype=np.int32)
+    np.cumsum([len(r) for r in raw], out=offsets[1:])
+    data = np.frombuffer(b"".join(raw), dtype=np.uint8)
+    for name in ("TAGS", "REAL_TOPIC"):
+        found = catalog._property(data, offsets, name).to_pylist()
+        regex = rf"(?s)^(?:.*\x02)?{name}\x01(?P<v>[^\x02]*)"
+        expected = pc.struct_field(pc.extract_regex(pa.array(raw, pa.binary()), regex), [0]).to_pylist()
+        assert found == [None if v is None else v.decode() for v in expected]

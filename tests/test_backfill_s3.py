@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import pickle
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -61,9 +62,9 @@ def options(endpoint: str) -> S3Options:
 
 
 @pytest.mark.parametrize("range_bytes", [4099, SEGMENT])
-def test_ranges_read_from_s3_give_the_rows_read_from_disk(s3_server, archived, range_bytes):
-    """Each range task's rows, reading 64 KiB at a time from S3 with read-ahead, equal those from the mapped
-    local file; only the ranges' bytes (and the look-ahead) are fetched."""
+def test_ranges_read_from_s3_give_the_rows_read_from_disk(s3_server, archived, range_bytes, tmp_path):
+    """Each range task's staged files, reading 64 KiB at a time from S3 with read-ahead, equal those from the
+    mapped local file; only the ranges' bytes (and the look-ahead) are fetched."""
     root, _ = archived
     s3 = options(s3_server)
     local = SegmentListing([SegmentDir(LOCAL, str(root / "store" / "commitlog"))], SEGMENT)
@@ -71,15 +72,15 @@ def test_ranges_read_from_s3_give_the_rows_read_from_disk(s3_server, archived, r
     assert [s.start for s in remote.segments] == [s.start for s in local.segments]
     assert [s.written_successor for s in remote.segments] == [s.written_successor for s in local.segments]
     settings = DecodeSettings(SEGMENT, True, 64 * 1024, DEFAULT_MESSAGE_DELAY_LEVEL, 8192, 64 * 1024, True, True,
-                              True, s3)
+                              True, s3, stage_root=str(tmp_path / "local"))
+    remote_settings = dataclasses.replace(settings, stage_root=str(tmp_path / "remote"))
     fetched = 0
     for a, b in zip(plan_ranges(local.segments, SEGMENT, 0, None, range_bytes),
                     plan_ranges(remote.segments, SEGMENT, 0, None, range_bytes), strict=True):
         assert b.location.startswith("s3://")
-        rows_a = [r for rb in decode_range(a, settings) for r in rb.to_pylist()]
-        rows_b = [r for rb in decode_range(b, settings) for r in rb.to_pylist()]
-        meta_a, meta_b = pickle.loads(rows_a.pop()["data"]), pickle.loads(rows_b.pop()["data"])
-        assert rows_a == rows_b
+        (meta_a,) = [pickle.loads(r["data"]) for rb in decode_range(a, settings) for r in rb.to_pylist()]
+        (meta_b,) = [pickle.loads(r["data"]) for rb in decode_range(b, remote_settings) for r in rb.to_pylist()]
+        assert staged_files(meta_a) == staged_files(meta_b)
         assert (meta_a.first, meta_a.next_offset, meta_a.status, meta_a.records, meta_a.keys) == (
             meta_b.first, meta_b.next_offset, meta_b.status, meta_b.records, meta_b.keys)
         fetched += meta_b.bytes_read
@@ -150,15 +151,20 @@ def slow_server(s3_server):
     proxy.close()
 
 
+def staged_files(outcome) -> dict[str, bytes]:
+    """What a decode task staged, by file name."""
+    return {p.name: p.read_bytes() for p in sorted(Path(outcome.stage_dir).iterdir())}
+
+
 def _first_range(root: Path, listed_by: S3Options, read_by: S3Options):
-    """The rows and outcome of the first range task, listed through one server and read through another."""
+    """The staged files and outcome of the first range task, listed through one server and read through
+    another."""
     listing = SegmentListing([SegmentDir(S3, f"{BUCKET}/broker-a/commitlog")], SEGMENT, listed_by)
     task = plan_ranges(listing.segments, SEGMENT, 0, None, SEGMENT)[0]
     settings = DecodeSettings(SEGMENT, True, 64 * 1024, DEFAULT_MESSAGE_DELAY_LEVEL, 8192, 1 << 20, True, True,
-                              True, read_by)
-    rows = [r for rb in decode_range(task, settings) for r in rb.to_pylist()]
-    outcome = pickle.loads(rows.pop()["data"])
-    return rows, (outcome.first, outcome.next_offset, outcome.status, outcome.records, outcome.keys)
+                              True, read_by, stage_root=tempfile.mkdtemp(dir=root))
+    (outcome,) = [pickle.loads(r["data"]) for rb in decode_range(task, settings) for r in rb.to_pylist()]
+    return staged_files(outcome), (outcome.first, outcome.next_offset, outcome.status, outcome.records, outcome.keys)
 
 
 def test_a_server_that_sends_nothing_for_seconds_is_waited_for(slow_server, s3_server, archived):
@@ -183,3 +189,28 @@ def test_a_server_that_sends_nothing_for_seconds_is_waited_for(slow_server, s3_s
 def test_the_request_timeout_comes_from_the_config(tmp_path):
     config = make_config(tmp_path, "out", tmp_path, backfill={"s3RequestTimeoutSeconds": 7})
     assert S3Options.resolve(config.backfill, {}).request_timeout == 7
+
+
+def test_s3_ranges_request_their_own_bytes_and_count_every_one(s3_server, tmp_path):
+    """2 MiB ranges of an 8 MiB segment read 512 KiB at a time, with a 512 KiB look-ahead (256 KiB messages):
+    the requests add up to at most 1.05x the ranges' bytes (each range read ahead a whole read past its end
+    and threw it away, and the look-ahead was read whole), and `bytes_read` counts every byte requested."""
+    segment, mib = 8 << 20, 1 << 20
+    write_forged_store(tmp_path / "commitlog", segment, 700, big_every=3, big_body=20_000)
+    s3 = fs.S3FileSystem(access_key=KEYS["AWS_ACCESS_KEY_ID"], secret_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+                         region=KEYS["AWS_REGION"], endpoint_override=s3_server.split("://")[1], scheme="http",
+                         allow_bucket_creation=True)
+    s3.create_dir(f"{BUCKET}-tail")
+    for path in sorted((tmp_path / "commitlog").iterdir()):
+        with s3.open_output_stream(f"{BUCKET}-tail/commitlog/{path.name}") as out:
+            out.write(path.read_bytes())
+    settings = DecodeSettings(segment, True, mib // 4, DEFAULT_MESSAGE_DELAY_LEVEL, 256 * 1024, 512 * 1024, True, False,
+                              False, options(s3_server), stage_root=str(tmp_path / "stage"))
+    listing = SegmentListing([SegmentDir(S3, f"{BUCKET}-tail/commitlog")], segment, options(s3_server))
+    tasks = plan_ranges(listing.segments, segment, 0, None, 2 * mib)
+    requested = 0
+    for task in tasks:
+        (outcome,) = [pickle.loads(r["data"]) for rb in decode_range(task, settings) for r in rb.to_pylist()]
+        requested += outcome.bytes_read
+    ranges = sum(t.end - t.begin for t in tasks)
+    assert 0 < requested <= 1.05 * ranges, (requested, ranges)

@@ -600,10 +600,11 @@ def test_backfill_refuses_bad_arguments_before_spark_starts(tmp_path):
     make_store(tmp_path, n=40)
     config = write_config(tmp_path)
     (tmp_path / "catalog").mkdir()
+    (tmp_path / "catalog" / "notes.txt").write_text("not a catalog")
     env = _no_java_env(tmp_path)
     res = run("backfill", "--config", str(config), "--catalog", str(tmp_path / "catalog"), env=env)
     assert res.returncode == 2
-    assert f"--catalog {tmp_path / 'catalog'} already exists" in res.stderr
+    assert f"--catalog {tmp_path / 'catalog'} exists and is not a reputd catalog" in res.stderr
     assert "Java" not in res.stderr
     no_traceback(res)
     res = run("backfill", "--config", str(config), "--from", "500", "--to", "100", env=env)

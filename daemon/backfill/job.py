@@ -17,6 +17,8 @@ shared by the driver and the executors (the staged files are linked into place).
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import os
 import pathlib
 import pickle
@@ -24,6 +26,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -32,11 +35,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from pyspark import StorageLevel
+from pyarrow import fs
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
-from daemon.backfill.catalog import catalog_filesystem
+from daemon.backfill.catalog import catalog_filesystem, file_name, write_marker
 from daemon.backfill.commit import (
     commit_index_file,
     commit_queue_dir,
@@ -51,16 +53,11 @@ from daemon.backfill.plan import (
     ReadPlan,
     check_existing_index,
     index_file_names,
-    keys_per_file,
     plan_index_files,
     walk_ranges,
 )
 from daemon.backfill.ranges import (
-    CATALOG,
-    DECODED_DDL,
-    KEYS,
-    META,
-    UNITS,
+    OUTCOME_DDL,
     DecodeSettings,
     RangeOutcome,
     RangeTask,
@@ -69,25 +66,29 @@ from daemon.backfill.ranges import (
 from daemon.backfill.source import LOCAL, S3Options, SegmentDir, SegmentListing, parse_segment_dirs
 from daemon.backfill.tasks import (
     CATALOG_FILES,
-    CATALOG_STAGING,
     INDEX_FILES,
     QUEUES,
-    catalog_writer,
+    WriterSettings,
     decode_rows,
-    index_writer,
-    queue_writer,
+    write_rows,
 )
 from daemon.backfill.writers import (
-    PLAN_ROW,
+    CatalogWork,
     Fault,
+    IndexWork,
+    QueueWork,
+    StagedIndexChunk,
     WriteStats,
+    assemble_index_file,
+    create_shared_index_file,
 )
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.logs import get_logger
 from daemon.rebuild import RebuildSummary
-from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE
+from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE, CQ_UNIT_SIZE
 from indexcore.errors import StoreError
+from indexcore.indexfile import FIRST_INDEX, INDEX_HEADER_SIZE, IndexHeader
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import list_queue_files
 from indexcore.multidispatch import multi_dispatch_flags
@@ -104,6 +105,7 @@ MASTER_CONNECT_TIMEOUT_S = 5.0
 # the driver JVM's logging: Spark's errors only, not its start-up chatter (the file says why)
 DRIVER_LOG_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
 _JAVA_VERSION = re.compile(r'version "(\d+)(?:\.(\d+))?')
+_JAVA_ERROR = re.compile(r"^(?:: |Caused by: )?((?:java|org|scala)\.[\w.$]*(?:Exception|Error)): (.+)$", re.M)
 _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Fault|Failed)): (.+)$")
 
 
@@ -120,6 +122,7 @@ class BackfillSummary(RebuildSummary):
     bytes_read_remote: int = 0
     arrow_bytes_to_jvm: int = 0
     arrow_bytes_from_jvm: int = 0
+    staged_bytes: int = 0
     decode_task_seconds: float = 0.0
     write_task_seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
@@ -136,7 +139,8 @@ class BackfillSummary(RebuildSummary):
             **RebuildSummary.as_dict(self), "master": self.master, "partitions": self.partitions,
             "ranges": self.ranges, "rereadRanges": self.reread_ranges, "sparkJobs": self.spark_jobs,
             "bytesReadRemote": self.bytes_read_remote, "arrowBytesToJvm": self.arrow_bytes_to_jvm,
-            "arrowBytesFromJvm": self.arrow_bytes_from_jvm, "decodeTaskSeconds": round(self.decode_task_seconds, 3),
+            "arrowBytesFromJvm": self.arrow_bytes_from_jvm, "stagedBytes": self.staged_bytes,
+            "decodeTaskSeconds": round(self.decode_task_seconds, 3),
             "writeTaskSeconds": round(self.write_task_seconds, 3),
             "phaseSeconds": {k: round(v, 3) for k, v in self.phases.items()}, "catalog": self.catalog,
             "classArchiveSaved": self.class_archive_saved,
@@ -225,10 +229,11 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
         # the driver JVM runs the tasks too: a short job spends seconds in the optimising JIT (C2) on cores the
         # decode needs; the quick compiler alone cut the work after start-up by about a quarter here
         driver_options.append(LOCAL_DRIVER_JAVA_OPTIONS)
-        if archive is not None:
-            driver_options.append(archive.java_options())
+    if archive is not None:  # a cluster's driver starts the same way (it spent 12.3 of its 19.4 CPU-s without)
+        driver_options.append(archive.java_options())
     settings["spark.driver.extraJavaOptions"] = " ".join(driver_options)
     settings.update(conf or {})
+    quiet_pyspark_servers()
     for key, value in settings.items():
         builder = builder.config(key, value)
     try:
@@ -237,15 +242,47 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
         raise BackfillError(f"Spark did not start with master {master}: {spark_error_line(e)}") from None
 
 
+def archive_key(master: str) -> str:
+    """What a driver's class archive is made for besides Java and Spark: a local driver runs the tasks (and
+    its JVM options), a cluster's driver only schedules them, so each kind records an archive of its own."""
+    return LOCAL_DRIVER_JAVA_OPTIONS if master.startswith("local") else "cluster-driver"
+
+
 def driver_log_option() -> str:
     """The JVM option that makes the driver log with DRIVER_LOG_CONFIG (a URI: the path may hold spaces)."""
     return f"-Dlog4j2.configurationFile={pathlib.Path(DRIVER_LOG_CONFIG).as_uri()}"
 
 
+MEMORY_HINT = ("raise spark.driver.memory (a local master runs the tasks in the driver JVM) or, on a cluster, "
+               "spark.executor.memory, e.g. --conf spark.driver.memory=4g")
+_OUT_OF_MEMORY = re.compile(r"java\.lang\.OutOfMemoryError(?::\s*([^\n]+))?")
+
+
+def quiet_pyspark_servers() -> None:
+    """When the JVM dies (out of memory, killed), PySpark's accumulator server printed a traceback ("Exception
+    occurred during processing of request from") and py4j logged its own: the backfill's one line says it."""
+    import logging  # noqa: PLC0415
+    import socketserver  # noqa: PLC0415
+
+    from pyspark import accumulators  # noqa: PLC0415
+
+    logging.getLogger("py4j").setLevel(logging.CRITICAL)
+    for value in vars(accumulators).values():
+        if isinstance(value, type) and issubclass(value, socketserver.BaseServer):
+            value.handle_error = lambda *_args: None
+
+
 def spark_error_line(error: BaseException) -> str:
     """The Python exception a task died of (the last `Name: message` line of the worker's traceback),
-    or the first line of what Spark said; never a stack trace."""
+    or the first line of what Spark said; never a stack trace. A JVM out of memory, or gone, says which
+    setting to raise."""
     text = str(error)
+    memory = _OUT_OF_MEMORY.search(text)
+    if memory:
+        return f"Spark's JVM ran out of memory (java.lang.OutOfMemoryError: {memory[1] or 'no detail'}): {MEMORY_HINT}"
+    if isinstance(error, ConnectionError) or type(error).__name__ == "Py4JNetworkError":
+        return (f"Spark's JVM ended during the backfill ({type(error).__name__}: {text.splitlines()[0] if text else ''}"
+                f"); if it ran out of memory, {MEMORY_HINT}")
     found = None
     for line in text.splitlines():
         match = _PY_ERROR.match(line.strip())
@@ -253,6 +290,9 @@ def spark_error_line(error: BaseException) -> str:
             found = f"{match[1].rsplit('.', 1)[-1]}: {match[2]}"
     if found:
         return found
+    java = _JAVA_ERROR.search(text)
+    if java:
+        return f"{java[1]}: {java[2].strip()}"[:500]
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
     return first[:500]
 
@@ -309,34 +349,43 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     started = time.perf_counter()
     say = progress or (lambda _text: None)
     archive = None
-    interrupt = _Interrupt(own=owns_session)
-    if spark is None:
-        if master.startswith("local"):
-            archive = choose_archive(config.backfill.jvm_class_archive, check_java(), LOCAL_DRIVER_JAVA_OPTIONS)
+    check_output_below(out, start)
+    catalog_covered = open_catalog(catalog, s3) if catalog is not None else ()
+    interrupt = _Interrupt(own=owns_session)  # from here a signal ends the backfill as an interruption
+    try:
+        if spark is None:
+            archive = choose_archive(config.backfill.jvm_class_archive, check_java(), archive_key(master))
             if archive is not None and archive.saving:
-                say(f"this first local backfill with this Java and Spark records the JVM's classes in "
+                kind = "local" if master.startswith("local") else "cluster-driver"
+                say(f"this first {kind} backfill with this Java and Spark records the JVM's classes in "
                     f"{archive.path} as it ends, so that later ones start faster")
-        spark = create_session(master, spark_conf, archive)
-        summary.phases["startup"] = time.perf_counter() - started
+            with interrupt.launching():
+                spark = create_session(master, spark_conf, archive)
+            summary.phases["startup"] = time.perf_counter() - started
+    except BaseException:
+        interrupt.disarm()
+        raise
     sc = spark.sparkContext
-    summary.master = sc.master
-    summary.partitions = partitions or max(1, sc.defaultParallelism)
     job_id = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
     group = f"reputd-backfill-{job_id}"
-    sc.setJobGroup(group, "reputd backfill")
-    log.info("backfill_started", segments=len(listing.segments), ranges=len(tasks), from_offset=start,
-             to_offset=to_offset, output=out, master=summary.master, partitions=summary.partitions, job=job_id)
-    store = config.store
-    window = max(config.reput.batch_bytes, min(DECODE_WINDOW_BYTES, config.backfill.range_bytes))
-    settings = DecodeSettings(store.mapped_file_size_commit_log, store.check_crc_on_recover, store.max_message_size,
-                              store.message_delay_level, window, config.backfill.read_bytes,
-                              build_index, catalog is not None, config.backfill.catalog_body, s3,
-                              multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq))
-    job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
     interrupt.arm(sc, group)
+    job = None
     try:
-        if catalog is not None:
-            _check_catalog_absent(catalog, s3)
+        interrupt.check()
+        summary.master = sc.master
+        summary.partitions = partitions or max(1, sc.defaultParallelism)
+        sc.setJobGroup(group, "reputd backfill")
+        log.info("backfill_started", segments=len(listing.segments), ranges=len(tasks), from_offset=start,
+                 to_offset=to_offset, output=out, master=summary.master, partitions=summary.partitions, job=job_id)
+        store = config.store
+        window = max(config.reput.batch_bytes, min(DECODE_WINDOW_BYTES, config.backfill.range_bytes))
+        settings = DecodeSettings(store.mapped_file_size_commit_log, store.check_crc_on_recover,
+                                  store.max_message_size, store.message_delay_level, window, config.backfill.read_bytes,
+                                  build_index, catalog is not None, config.backfill.catalog_body, s3,
+                                  multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq),
+                                  staging_root(out, job_id))
+        job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
+        job.catalog_covered = catalog_covered
         if tasks:
             plan = job.decode(tasks, listing, start, to_offset, from_offset is not None)
             interrupt.check()
@@ -347,24 +396,30 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
             raise KeyboardInterrupt from None  # the jobs failed because the signal cancelled them
         if isinstance(e, StoreError | ValueError | OSError):
             raise
-        if type(e).__module__.startswith(("py4j", "pyspark")):
+        if type(e).__module__.startswith(("py4j", "pyspark")) or isinstance(e, ConnectionError):
             raise BackfillError(f"backfill failed in Spark: {spark_error_line(e)}") from None
         raise
     finally:
+        interrupt.stopping()
         with contextlib.suppress(Exception):  # the context may be gone
             summary.spark_jobs = len(sc.statusTracker().getJobIdsForGroup(group))
-        job.release()
+        if job is not None:
+            job.release()
         remove_tree(staging_root(out, job_id))
+        if catalog is not None:
+            remove_catalog_staging(catalog, s3, job_id)
         if owns_session:
-            spark.stop()
-            interrupt.disarm()
-            if archive is not None and archive.saving:
+            with contextlib.suppress(Exception):  # a JVM that died (out of memory, killed) cannot be stopped
+                spark.stop()
+            if archive is not None and archive.saving and interrupt.signal is None:
                 t0 = time.perf_counter()
                 if save_archive(archive):
                     summary.phases["saveClassArchive"] = time.perf_counter() - t0
                     summary.class_archive_saved = archive.path
                     log.info("jvm_class_archive_saved", path=archive.path,
                              seconds=round(summary.phases["saveClassArchive"], 3))
+            end_driver_jvm()
+            interrupt.disarm()
         # the backfill's own time: the one-off archive save is reported apart (11 s of a first 34.6 s run)
         summary.seconds = time.perf_counter() - started - summary.class_archive_seconds
     if summary.pending is not None:
@@ -374,39 +429,135 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+GATEWAY_EXIT_TIMEOUT_S = 10.0
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (from /proc), children first."""
+    parent: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier]
+        found.extend(frontier)
+    return found
+
+
+def kill_spark_processes() -> None:
+    """Kill the processes this backfill started (the Spark launcher and gateway JVM, and under it the Python
+    workers) at once: a JVM whose driver went away prints a Java stack trace, then lingers for minutes."""
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        from pyspark import SparkContext  # noqa: PLC0415
+
+        proc = getattr(SparkContext._gateway, "proc", None)
+        if proc is not None:
+            proc.wait(GATEWAY_EXIT_TIMEOUT_S)
+
+
+def end_driver_jvm() -> None:
+    """After the session has stopped: end the gateway JVM this process launched (it exits at the end of its
+    standard input), killing it if it does not; the Python process may go on (a test, a caller)."""
+    from pyspark import SparkContext  # noqa: PLC0415
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if proc is None:
+        return
+    with contextlib.suppress(Exception):
+        gateway.shutdown()
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=GATEWAY_EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
 
 
 class _Interrupt:
-    """SIGINT or SIGTERM during a backfill: its Spark jobs are cancelled from another thread, and the job that
-    fails of it ends the backfill as an interruption (the caller's KeyboardInterrupt: staging removed, the
-    session stopped). PySpark's own SIGINT handler calls into the JVM from the thread the signal interrupts,
-    which is inside a call to the JVM: py4j then printed three tracebacks. A second signal interrupts at once.
+    """SIGINT or SIGTERM at any moment of a backfill that owns its session ends it as an interruption (the
+    caller's KeyboardInterrupt: one line, exit 130), with nothing left running:
 
-    Made before the session that the backfill owns (`own`): it keeps the handlers the SparkContext is about
-    to replace, `arm` installs its own once the job group exists, and `disarm` puts the kept ones back. For a
-    caller's session, and off the main thread (where no handler can be set), it does nothing."""
+    * before Spark starts: at once;
+    * while Spark starts (`launching`): the launcher and JVM are killed, so the start fails and is reported
+      as the interruption (PySpark's own SIGINT handler, which SparkContext installs, is kept out: it raised
+      from inside a call to the JVM and left the JVM running);
+    * during the jobs (`arm`): they are cancelled from another thread and the job that fails of it ends the
+      backfill (PySpark's handler called into the JVM from the thread the signal interrupts, which is inside a
+      call to the JVM: py4j then printed three tracebacks); a second signal kills Spark's processes at once;
+    * while the session stops (`stopping`): the stop goes on.
+
+    For a caller's session, and off the main thread (where no handler can be set), it does nothing."""
 
     def __init__(self, own: bool):
         self.signal: int | None = None
         self._sc = self._group = None
+        self._state = "before"
         self._kept = {}
         if own and threading.current_thread() is threading.main_thread():
             self._kept = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+            for sig in self._kept:
+                signal.signal(sig, self._on_signal)
+
+    @contextlib.contextmanager
+    def launching(self):
+        """Around the session's creation: a signal kills what is starting; PySpark's SIGINT handler is kept
+        out; the start that fails of the kill, or succeeds before it, ends as the interruption."""
+        try:
+            import pyspark.core.context as pyspark_context  # noqa: PLC0415 - Spark 4
+        except ImportError:
+            import pyspark.context as pyspark_context  # noqa: PLC0415 - Spark 3.5
+
+        real = pyspark_context.signal
+        pyspark_context.signal = _SignalsKept(real, set(self._kept))
+        self._state = "launching"
+        try:
+            yield
+        except Exception:
+            if self.signal is not None:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            pyspark_context.signal = real
+            self._state = "before"
+        if self.signal is not None:
+            kill_spark_processes()
+            raise KeyboardInterrupt
 
     def arm(self, sc, group: str) -> None:
         self._sc, self._group = sc, group
-        for sig in self._kept:
-            signal.signal(sig, self._on_signal)
+        self._state = "running"
+
+    def stopping(self) -> None:
+        self._state = "stopping"
 
     def disarm(self) -> None:
         for sig, handler in self._kept.items():
             signal.signal(sig, handler)
+        self._kept = {}
 
     def _on_signal(self, signum: int, _frame) -> None:
-        if self.signal is not None:
+        first = self.signal is None
+        if first:
+            self.signal = signum
+        if self._state == "before":
             raise KeyboardInterrupt
-        self.signal = signum
-        threading.Thread(target=self._cancel, name="reputd-backfill-cancel", daemon=True).start()
+        if self._state == "launching":
+            kill_spark_processes()
+        elif self._state == "running":
+            if not first:
+                kill_spark_processes()
+                raise KeyboardInterrupt
+            threading.Thread(target=self._cancel, name="reputd-backfill-cancel", daemon=True).start()
 
     def _cancel(self) -> None:
         with contextlib.suppress(Exception):  # the context may be stopping already
@@ -418,25 +569,153 @@ class _Interrupt:
             raise KeyboardInterrupt
 
 
+class _SignalsKept:
+    """The `signal` module as PySpark's context sees it while it starts: handlers for the signals the backfill
+    handles itself are not replaced."""
+
+    def __init__(self, real, kept: set):
+        self._real = real
+        self._kept = kept
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def signal(self, signum, handler):
+        if signum in self._kept:
+            return self._real.getsignal(signum)
+        return self._real.signal(signum, handler)
+
+
+_SCAN_UNITS = 4096  # units read at a time looking for a queue's first real one
+
+
 def first_real_unit(directory: str) -> tuple[str, int] | None:
-    """The file and CommitLog offset of a queue's first unit that is neither pre-blank nor unwritten."""
+    """The file and CommitLog offset of a queue's first unit that is neither pre-blank nor unwritten (read a
+    few units at a time: a daemon's first file may hold a long blank head, or be all real units)."""
     for _, path in list_queue_files(directory):
-        units = np.fromfile(path, dtype=CQ_UNIT_DTYPE)
-        blank = ((units["commit_log_offset"] == 0) & (units["msg_size"] == BLANK_UNIT_MSG_SIZE)
-                 & (units["tags_code"] == 0))
-        real = np.flatnonzero(~blank & (units["msg_size"] > 0))
-        if len(real):
-            return path, int(units["commit_log_offset"][real[0]])
+        with open(path, "rb") as f:
+            while chunk := f.read(_SCAN_UNITS * CQ_UNIT_SIZE):
+                units = np.frombuffer(chunk, dtype=CQ_UNIT_DTYPE, count=len(chunk) // CQ_UNIT_SIZE)
+                blank = ((units["commit_log_offset"] == 0) & (units["msg_size"] == BLANK_UNIT_MSG_SIZE)
+                         & (units["tags_code"] == 0))
+                real = np.flatnonzero(~blank & (units["msg_size"] > 0))
+                if len(real):
+                    return path, int(units["commit_log_offset"][real[0]])
     return None
 
 
-def _check_catalog_absent(catalog: str, s3: S3Options) -> None:
-    """Refuse an existing catalog before anything is written."""
-    from pyarrow import fs  # noqa: PLC0415
+def check_output_below(out: str, start: int) -> None:
+    """Refuse, before Spark starts, an output that holds data below the backfill's first offset: an earlier
+    backfill or run of a lower range (committing over it would be refused only after both Spark jobs)."""
+    root = os.path.join(out, CONSUME_QUEUE_DIR)
+    if os.path.isdir(root):
+        for topic in sorted(os.listdir(root)):
+            tdir = os.path.join(root, topic)
+            if not os.path.isdir(tdir):
+                continue
+            for qid in sorted(os.listdir(tdir)):
+                found = first_real_unit(os.path.join(tdir, qid)) if qid.isdigit() else None
+                if found is not None and found[1] < start:
+                    raise BackfillError(f"{found[0]}: the queue holds a unit for CommitLog offset {found[1]}, below "
+                                        f"the backfill's first offset {start}: the output holds an earlier range; "
+                                        f"backfill into an empty output, or continue this one with reputd rebuild")
+    index_dir = os.path.join(out, INDEX_DIR)
+    if os.path.isdir(index_dir):
+        for name in sorted(os.listdir(index_dir)):
+            path = os.path.join(index_dir, name)
+            with open(path, "rb") as f:
+                header = IndexHeader.decode(f.read(INDEX_HEADER_SIZE).ljust(INDEX_HEADER_SIZE, b"\0"))
+            if header.index_count > FIRST_INDEX and header.begin_phy_offset < start:
+                raise BackfillError(f"{path}: holds entries from CommitLog offset {header.begin_phy_offset}, below "
+                                    f"the backfill's first offset {start}: the output holds an earlier range; "
+                                    f"backfill into an empty output, or continue this one with reputd rebuild")
+
+
+def open_catalog(catalog: str, s3: S3Options) -> tuple[tuple[int, int], ...]:
+    """The CommitLog ranges a catalog holds already (none for a new one); a path that is not a catalog is
+    refused before anything is written."""
+    from daemon.backfill.catalog import MARKERS, catalog_filesystem, covered_ranges  # noqa: PLC0415
 
     filesystem, path = catalog_filesystem(catalog, s3)
-    if filesystem.get_file_info(path).type != fs.FileType.NotFound:
-        raise BackfillError(f"--catalog {catalog}: already exists; give a new path")
+    info = filesystem.get_file_info(path)
+    if info.type == fs.FileType.NotFound:
+        return ()
+    if info.type != fs.FileType.Directory:
+        raise BackfillError(f"--catalog {catalog}: is a file, not a catalog directory")
+    covered = covered_ranges(filesystem, path)
+    if not covered and filesystem.get_file_info(fs.FileSelector(path)):
+        raise BackfillError(f"--catalog {catalog}: exists and is not a reputd catalog (it has no {MARKERS}/); "
+                            f"give a new path or an earlier backfill's catalog")
+    return tuple(covered)
+
+
+def remove_catalog_staging(catalog: str, s3: S3Options, job_id: str) -> None:
+    """The job's staged catalog files, and the staging directory when no other job stages there."""
+    from daemon.backfill.catalog import STAGING, catalog_filesystem  # noqa: PLC0415
+
+    with contextlib.suppress(Exception):
+        filesystem, path = catalog_filesystem(catalog, s3)
+        staging = f"{path.rstrip('/')}/{STAGING}"
+        filesystem.delete_dir(f"{staging}/{job_id}")
+        if not filesystem.get_file_info(fs.FileSelector(staging)):
+            filesystem.delete_dir(staging)
+
+
+def balanced(weights: Mapping, parts: int) -> list[list]:
+    """Keys in at most `parts` groups of about equal weight (the heaviest first, each to the lightest group)."""
+    groups: list[list] = [[] for _ in range(min(parts, len(weights)))]
+    heap = [(0, i) for i in range(len(groups))]
+    for key, n in sorted(weights.items(), key=lambda kv: (-kv[1], kv[0])):
+        load, i = heapq.heappop(heap)
+        groups[i].append(key)
+        heapq.heappush(heap, (load + n, i))
+    return [g for g in groups if g]
+
+
+def queue_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int) -> list[QueueWork]:
+    """Whole queues in `parts` groups of queue buckets balanced by units."""
+    units: dict[int, int] = {}
+    for o in ranges:
+        for b, n in o.bucket_units.items():
+            units[b] = units.get(b, 0) + n
+    return [QueueWork(dirs, frozenset(g)) for g in balanced(units, parts)]
+
+
+# keys of an IndexFile one task puts: a full file (20,000,000 keys by default) is cut into chunks that run in
+# parallel, so that no write task takes seconds alone while the others are done (`writers.py`)
+INDEX_CHUNK_KEYS = 2_000_000
+
+
+def index_work(ranges: Sequence[RangeOutcome], layout: IndexLayout, shared_dir: str = "",
+               chunk_keys: int | None = None) -> list[IndexWork]:
+    """The tasks of the IndexFiles, with the ranges that hold their keys (and the key before them, their seed):
+    one per file, or one per chunk of `chunk_keys` keys of a larger one, whose chunks share a file in
+    `shared_dir`."""
+    chunk_keys = chunk_keys or INDEX_CHUNK_KEYS
+    work = []
+    for plan in layout.files:
+        lo = max(0, plan.key_start - 1)
+        sources = tuple((o.stage_dir, layout.key_base[o.number], o.keys) for o in ranges
+                        if o.keys and layout.key_base[o.number] < plan.key_end
+                        and layout.key_base[o.number] + o.keys > lo)
+        keys = plan.key_end - plan.key_start
+        if keys <= chunk_keys or not shared_dir:
+            work.append(IndexWork(plan, sources))
+            continue
+        shared = os.path.join(shared_dir, f"{plan.number:010d}")
+        cuts = [*range(plan.key_start, plan.key_end, chunk_keys), plan.key_end]
+        work.extend(IndexWork(plan, sources, (a, b), shared) for a, b in itertools.pairwise(cuts))
+    return work
+
+
+def catalog_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int, name: str,
+                 covered: tuple[tuple[int, int], ...]) -> list[CatalogWork]:
+    """(topic, day) partitions in `parts` groups balanced by rows."""
+    rows: dict[tuple[str, int], int] = {}
+    for o in ranges:
+        for g, n in o.catalog_rows.items():
+            rows[g] = rows.get(g, 0) + n
+    return [CatalogWork(dirs, tuple(sorted(g)), name, covered) for g in balanced(rows, parts)]
 
 
 class _Job:
@@ -454,9 +733,9 @@ class _Job:
         self.log = log
         self.fault = fault
         self.s3 = s3
-        self.frames: list = []  # cached decode outputs: the first pass, then each round of re-reads
-        self.broadcasts: list = []  # the work items of each frame
-        self.source: dict[int, int] = {}  # range number -> the frame its accepted rows are in
+        self.broadcasts: list = []  # the work items of each job
+        self.catalog_covered: tuple[tuple[int, int], ...] = ()
+        self.index_plans: list = []
         self.outcomes: dict[int, RangeOutcome] = {}
         self.all_outcomes: list[RangeOutcome] = []  # every decode task's, re-reads included
 
@@ -464,27 +743,21 @@ class _Job:
         self.summary.phases[phase] = self.summary.phases.get(phase, 0.0) + time.perf_counter() - t0
 
     def release(self) -> None:
-        for frame in self.frames:
-            with contextlib.suppress(Exception):
-                frame.unpersist()
         for items in self.broadcasts:
             with contextlib.suppress(Exception):
                 items.destroy()
 
     def _decode_frame(self, work: Sequence) -> list[RangeOutcome]:
-        # one partition per item, generated in the JVM: no Python RDD to convert (its own worker per task)
+        # one partition per item, generated in the JVM: no Python RDD to convert (its own worker per task); each
+        # task stages its range's output as files and hands back only the outcome (nothing is cached)
         items = self.spark.sparkContext.broadcast([pickle.dumps(w) for w in work])
         self.broadcasts.append(items)
-        frame = (self.spark.range(0, len(work), 1, len(work))
-                 .mapInArrow(decode_rows(self.settings, items, self.fault), DECODED_DDL)
-                 .persist(StorageLevel.MEMORY_AND_DISK))
-        self.frames.append(frame)
-        metas = frame.filter(F.col("kind") == META).select("data").collect()
-        found = [pickle.loads(m.data) for m in metas]
+        rows = (self.spark.range(0, len(work), 1, len(work))
+                .mapInArrow(decode_rows(self.settings, items, self.fault), OUTCOME_DDL).collect())
+        found = [pickle.loads(r.data) for r in rows]
         self.all_outcomes.extend(found)
         for o in found:
             self.outcomes[o.number] = o
-            self.source[o.number] = len(self.frames) - 1
         return found
 
     def decode(self, tasks: Sequence[RangeTask], listing: SegmentListing, start: int, to_offset: int | None,
@@ -514,6 +787,7 @@ class _Job:
         s.messages = s.new_messages = plan.messages  # every file is written anew from `start`
         s.bytes_read_remote = sum(o.bytes_read for o in self.all_outcomes)
         s.arrow_bytes_to_jvm = sum(o.arrow_bytes for o in self.all_outcomes)
+        s.staged_bytes = sum(o.staged_bytes for o in self.all_outcomes)
         s.decode_task_seconds = sum(o.seconds for o in self.all_outcomes)
         for lo, hi, error in plan.skipped:
             s.skipped.append((lo, hi, str(error)))
@@ -530,87 +804,58 @@ class _Job:
         self._timed("plan", t0)
         return plan
 
-    def _selected(self, plan: ReadPlan, kind: int):
-        """The rows of one kind of the dispatched ranges, each range from the frame that decoded it last."""
-        by_frame: dict[int, list[int]] = {}
-        for n in plan.ranges:
-            by_frame.setdefault(self.source[n], []).append(n)
-        parts = [self.frames[i].filter((F.col("kind") == kind) & F.col("range").isin(numbers))
-                 for i, numbers in sorted(by_frame.items())]
-        frame = parts[0]
-        for p in parts[1:]:
-            frame = frame.unionByName(p)
-        return frame
-
     def write(self, plan: ReadPlan, build_cq: bool, build_index: bool, catalog: str | None) -> None:
-        """Job 2: every writer in one job, then the commit."""
+        """Job 2: every writer in one job, each task reading the staged runs of its share, then the commit."""
         t0 = time.perf_counter()
         s = self.summary
-        parts = s.partitions
-        outputs = []
-        layout = None
-        if plan.ranges and build_cq:
-            outputs.append(self._queue_writer(plan, parts))
-        if plan.ranges and build_index:
-            layout = plan_index_files([self.outcomes[n] for n in plan.ranges], self.config.store.max_index_num)
-            if layout.files:
-                outputs.append(self._index_writer(plan, layout, parts))
-        if plan.ranges and catalog is not None:
-            outputs.append(self._catalog_writer(plan, parts, catalog))
+        ranges = [self.outcomes[n] for n in plan.ranges]
+        dirs = tuple(o.stage_dir for o in ranges)
+        work: list = []
+        if ranges and build_index:
+            layout = plan_index_files(ranges, self.config.store.max_index_num)
+            self.index_plans = layout.files
+            shared_dir = os.path.join(staging_root(self.out, self.job_id), "index-shared")
+            index_tasks = index_work(ranges, layout, shared_dir)
+            store = self.config.store
+            for path in sorted({w.shared_path for w in index_tasks if w.chunk is not None}):
+                create_shared_index_file(path, store.max_hash_slot_num, store.max_index_num)
+            work.extend(index_tasks)  # first: an IndexFile's tasks are the longest
+        if ranges and build_cq:
+            work.extend(queue_work(ranges, dirs, s.partitions))
+        if ranges and catalog is not None:
+            work.extend(catalog_work(ranges, dirs, s.partitions, file_name(s.start_offset, s.end_offset),
+                                     self.catalog_covered))
         results: dict[str, list] = {QUEUES: [], INDEX_FILES: [], CATALOG_FILES: []}
-        if outputs:
-            frame = outputs[0]
-            for o in outputs[1:]:
-                frame = frame.union(o)
-            self.say(f"writing {len(outputs)} outputs in one job")
-            for row in frame.collect():
+        if work:
+            store = self.config.store
+            settings = WriterSettings(self.out, self.job_id, store.mapped_file_size_consume_queue,
+                                      store.max_hash_slot_num, store.max_index_num, catalog, self.s3)
+            items = self.spark.sparkContext.broadcast([pickle.dumps(w) for w in work])
+            self.broadcasts.append(items)
+            self.say(f"writing {len(work)} parts in one job")
+            rows = (self.spark.range(0, len(work), 1, len(work))
+                    .mapInArrow(write_rows(settings, items, self.fault), RESULT_DDL).collect())
+            for row in rows:
                 results[row.kind].append(pickle.loads(row.value))
         self._timed("write", t0)
         t0 = time.perf_counter()
         self._commit(results, build_cq, build_index, catalog)
         self._timed("commit", t0)
 
-    def _queue_writer(self, plan: ReadPlan, parts: int):
-        run = queue_writer(self.out, self.job_id, self.config.store.mapped_file_size_consume_queue, self.fault)
-        return (self._selected(plan, UNITS).select("topic", "queue", "pos", "seq", "aux", "count", "data")
-                .repartition(parts, "topic", "queue").sortWithinPartitions("topic", "queue", "pos", "seq")
-                .mapInArrow(run, RESULT_DDL))
-
-    def _index_writer(self, plan: ReadPlan, layout: IndexLayout, parts: int):
-        store = self.config.store
-        capacity = keys_per_file(store.max_index_num)
-        last = len(layout.files) - 1
-        run = index_writer(self.out, self.job_id, store.max_hash_slot_num, store.max_index_num, self.fault)
-
-        # each range's first global key number, as a literal array indexed by range number (no join, no job)
-        bases = [0] * (max(layout.key_base) + 1)
-        for number, base in layout.key_base.items():
-            bases[number] = base
-        base_of = F.element_at(F.array(*[F.lit(b).cast("bigint") for b in bases]), F.col("range") + 1)
-        keys = self._selected(plan, KEYS).select((base_of + F.col("pos")).alias("g0"), "count", "data")
-        first_file = F.expr(f"g0 div {capacity}").cast("int")
-        last_file = F.least(F.expr(f"(g0 + count) div {capacity}"), F.lit(last)).cast("int")
-        keys = keys.select(F.explode(F.sequence(first_file, last_file)).alias("file"), "g0", "count", "data")
-        # the plan rows from literals, in the JVM: a DataFrame made from a Python list is a Python RDD, and
-        # its task started a Python worker of its own (1.3-1.7 s here)
-        plan_of = F.element_at(F.array(*[F.lit(pickle.dumps(p)) for p in layout.files]), F.col("id").cast("int") + 1)
-        number_of = F.element_at(F.array(*[F.lit(p.number) for p in layout.files]), F.col("id").cast("int") + 1)
-        plans = self.spark.range(0, len(layout.files), 1, 1).select(
-            number_of.cast("int").alias("file"), F.lit(PLAN_ROW).cast("bigint").alias("g0"),
-            F.lit(0).cast("int").alias("count"), plan_of.alias("data"))
-        return (keys.unionByName(plans).repartition(min(parts, len(layout.files)), "file")
-                .sortWithinPartitions("file", "g0").mapInArrow(run, RESULT_DDL))
-
-    def _catalog_writer(self, plan: ReadPlan, parts: int, catalog: str):
-        run = catalog_writer(catalog, self.s3, self.job_id)
-        return (self._selected(plan, CATALOG).select("topic", "aux", "range", "seq", "data")
-                .repartition(parts, "topic", "aux").sortWithinPartitions("topic", "aux", "range", "seq")
-                .select("topic", "aux", "data").mapInArrow(run, RESULT_DDL))
-
     def _commit(self, results: dict[str, list], build_cq: bool, build_index: bool, catalog: str | None) -> None:
         """Check the output, then link every staged file into place (the IndexFiles under their names)."""
         s = self.summary
-        staged_files = sorted((f for _, files in results[INDEX_FILES] for f in files), key=lambda f: f.number)
+        staged = [f for _, files in results[INDEX_FILES] for f in files]
+        chunks: dict[int, list[StagedIndexChunk]] = {}
+        for f in staged:
+            if isinstance(f, StagedIndexChunk):
+                chunks.setdefault(f.number, []).append(f)
+        plans = {p.number: p for p in self.index_plans}
+        store = self.config.store
+        staged_files = sorted([f for f in staged if not isinstance(f, StagedIndexChunk)]
+                              + [assemble_index_file(c, store.max_hash_slot_num, store.max_index_num,
+                                                     plans[n].key_start) for n, c in chunks.items()],
+                              key=lambda f: f.number)
         names = index_file_names([f.creator_ts for f in staged_files])
         queues = [q for _, staged in results[QUEUES] for q in staged]
         index_dir = os.path.join(self.out, INDEX_DIR)
@@ -646,12 +891,12 @@ class _Job:
                 for staged, relative, n in written:
                     final = f"{base}/{relative}"
                     filesystem.create_dir(final.rsplit("/", 1)[0], recursive=True)
+                    if filesystem.get_file_info(final).type != fs.FileType.NotFound:
+                        filesystem.delete_file(final)  # this range's own file, left by a commit a kill stopped
                     filesystem.move(staged, final)
                     rows += n
-            with contextlib.suppress(Exception):
-                filesystem.delete_dir(f"{base}/{CATALOG_STAGING}")
-            if not results[CATALOG_FILES] or not any(results[CATALOG_FILES]):
-                filesystem.create_dir(base, recursive=True)
+            filesystem.create_dir(base, recursive=True)
+            write_marker(filesystem, base, s.start_offset, s.end_offset)
             s.files["catalog"] = sum(len(w) for w in results[CATALOG_FILES])
             self.log.info("catalog_written", path=catalog, files=s.files["catalog"], rows=rows)
 

@@ -10,18 +10,10 @@ reading past the end to finish the last one, and reports where it started and wh
 may hold a forged header; the driver checks the chain (`plan.walk_ranges`) and has a range re-read from
 the right boundary where the chain breaks, so the result is that of reading each segment from its start.
 
-What a task emits is the output itself, as Arrow rows (`DECODED_SCHEMA`), never per-record objects:
-
-    UNITS    a run of ConsumeQueue units of one queue with consecutive queue offsets: the 20-byte units as
-             they lie in the file, keyed by (topic, queue id, physical offset of the first unit, row
-             sequence: a name repeated in one record starts two runs at one offset) and the first queue
-             offset; units come from `consumequeue.consume_queue_units` (multi-dispatch targets included,
-             with `multi_flags`), as the rebuild's do
-    KEYS     the IndexFile keys of a window in `buildIndex` order: hash (int32), physical offset and store
-             time (int64) of the owning record, and the store time of the record that would create the next
-             IndexFile if one filled at this key (int64; -1 when that record is in the next range)
-    CATALOG  the window's catalog rows of one (topic, day), an Arrow IPC stream (`catalog.py`)
-    META     the range's `RangeOutcome`, pickled, always the last row
+What a task emits is staged as files under the job's staging tree (`stage.py`): its ConsumeQueue runs
+by queue, its IndexFile keys in `buildIndex` order (with the store time of the record that would create
+the next IndexFile if one filled at each key) and its catalog groups; its one Arrow row is the range's
+`RangeOutcome`, so the JVM carries a few hundred bytes per range, never the output.
 """
 
 from __future__ import annotations
@@ -35,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from daemon.backfill.source import S3Options, open_image
+from daemon.backfill.stage import KEY_DTYPE, RangeStage, range_dir
 from indexcore.batchdecode import DecodeScratch
 from indexcore.commitlog import (
     BLANK_MAGIC_CODE,
@@ -50,19 +43,16 @@ from indexcore.errors import CorruptRecordError, StoreError
 from indexcore.reader import ReadStatus, decode_segment, read_result
 
 ROLLED, END, LIMIT, CORRUPT, EMPTY = "rolled", "end", "limit", "corrupt", "empty"
-META, UNITS, KEYS, CATALOG = 0, 1, 2, 3
-DECODED_DDL = ("kind tinyint, range int, seq int, topic string, queue int, pos bigint, aux bigint, count int, "
-               "data binary")
+OUTCOME_DDL = "data binary"  # a decode task's one row per range: its pickled RangeOutcome
 NO_CREATOR = -1
-KEY_RECORD_BYTES = 4 + 8 + 8 + 8  # hash, physical offset, store time, creator time
 PHYSICAL_OFFSET = struct.Struct(">q")
 _MAGICS = tuple(struct.pack(">i", m) for m in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2, BLANK_MAGIC_CODE))
 _MAGIC_AT = 4  # MAGICCODE's offset in a record
 _END_CHECK_SLACK = 64
-MAX_ROW_ITEMS = 16384  # units or keys per row: rows of at most 448 KiB
 BINARY_MAX_BYTES = 2**31 - 1  # an Arrow binary column's int32 offsets
 MAX_LOGGED_MISMATCHES = 1000  # per range: a hostile CommitLog could have one in every record
 _ZERO_PROBE = 1 << 20
+REMOTE_TAIL_BYTES = 64 * 1024  # read past a remote range's end before the whole look-ahead
 # the search for a range's first record looks this far at a time: a magic absent from the data (the v2 one
 # in a v1 CommitLog, BLANK's before a segment's end) would otherwise be searched for through a whole read
 _FIND_STEP = 64 * 1024
@@ -83,6 +73,7 @@ class DecodeSettings:
     catalog_body: bool
     s3: S3Options = field(default_factory=S3Options)
     multi_flags: int = 0  # multidispatch.multi_dispatch_flags of the store settings
+    stage_root: str = ""  # where each range's attempt stages its files (`stage.py`)
 
     @property
     def lookahead(self) -> int:
@@ -127,7 +118,11 @@ class RangeOutcome:
     last_key_owner_is_last: bool = False  # no record of the range follows the owner of its last key
     reread: bool = False
     bytes_read: int = 0  # from a remote store
-    arrow_bytes: int = 0  # the Arrow batches this task handed to the JVM
+    arrow_bytes: int = 0  # the Arrow row this task handed to the JVM (the outcome itself)
+    staged_bytes: int = 0  # units, keys and catalog streams staged as files
+    stage_dir: str = ""
+    bucket_units: dict = field(default_factory=dict)  # queue bucket (stage.queue_bucket) -> units staged
+    catalog_rows: dict = field(default_factory=dict)  # (topic, UTC day) -> catalog rows staged
     seconds: float = 0.0  # the task's decode time
     # records whose multi-dispatch name and offset counts differ (the broker logs each): (offset, topic) of
     # the first MAX_LOGGED_MISMATCHES, and how many more
@@ -230,12 +225,9 @@ def _unwritten(image, start: int, end: int) -> bool:
 # --- the decode ------------------------------------------------------------------------------------------
 
 class RangeRows:
-    """Turns the decoded windows of one range into Arrow record batches of DECODED_SCHEMA."""
+    """Stages the decoded windows of one range (`stage.RangeStage`); its only row is the outcome."""
 
-    def __init__(self, task: RangeTask, outcome: RangeOutcome, settings: DecodeSettings):
-        import pyarrow as pa  # noqa: PLC0415
-
-        self.pa = pa
+    def __init__(self, task: RangeTask, outcome: RangeOutcome, settings: DecodeSettings, stage: RangeStage):
         self.catalog_groups = None
         if settings.catalog:  # pyarrow.compute and parquet: only for a run that writes a catalog
             from daemon.backfill.catalog import catalog_groups  # noqa: PLC0415
@@ -244,24 +236,23 @@ class RangeRows:
         self.task = task
         self.outcome = outcome
         self.settings = settings
-        self.seq = 0
-        self.held: dict | None = None  # the last key run, whose final creator time waits for the next record
-        self.schema = decoded_arrow_schema()
+        self.stage = stage
+        self.held: np.ndarray | None = None  # the last key run, whose final creator time waits for the next record
 
-    def add(self, batch: DispatchBatch, image) -> Iterator:
+    def add(self, batch: DispatchBatch, image) -> None:
         n = len(batch)
         o = self.outcome
         if o.records == 0:
             o.first_ts = int(batch.store_timestamp[0])
-        rows = self._units(batch)
+        self._units(batch)
         for row in batch.multi_count_mismatch.tolist():
             if len(o.count_mismatch) < MAX_LOGGED_MISMATCHES:
                 o.count_mismatch.append((int(batch.phy_offset[row]), batch.topic_of(row)))
             else:
                 o.count_mismatch_omitted += 1
         if self.held is not None:
-            self.held["creators"][-1] = batch.store_timestamp[0]
-            rows.extend(self._key_rows(self.held))
+            self.held["creator"][-1] = batch.store_timestamp[0]
+            self.stage.add_keys(self.held)
             self.held = None
         if self.settings.index:
             hashes, owners = batch.index_keys(batch.index_mask())
@@ -271,85 +262,61 @@ class RangeRows:
                 last_of_owner[:-1] = owners[1:] != owners[:-1]
                 ts = batch.store_timestamp
                 following = np.minimum(owners + 1, n - 1)
-                creators = np.where(last_of_owner, ts[following], ts[owners]).astype(np.int64)
-                key_run = {"pos": o.keys, "hashes": hashes, "phy": batch.phy_offset[owners], "ts": ts[owners],
-                           "creators": creators}
+                run = np.empty(k, dtype=KEY_DTYPE)
+                run["hash"] = hashes
+                run["phy"] = batch.phy_offset[owners]
+                run["ts"] = ts[owners]
+                run["creator"] = np.where(last_of_owner, ts[following], ts[owners])
                 o.keys += k
                 if int(owners[-1]) == n - 1:
-                    creators[-1] = NO_CREATOR
-                    self.held = key_run
+                    run["creator"][-1] = NO_CREATOR
+                    self.held = run
                     o.last_key_owner_is_last = True
                 else:
-                    rows.extend(self._key_rows(key_run))
+                    self.stage.add_keys(run)
                     o.last_key_owner_is_last = False
             elif o.keys:
                 o.last_key_owner_is_last = False
         if self.settings.catalog:
             for topic, day, blob, count in self.catalog_groups(batch, image.buffer, self.task.seg_start,
                                                                self.settings.catalog_body):
-                rows.append({"kind": CATALOG, "topic": topic, "aux": day, "count": count, "data": blob})
+                self.stage.add_catalog(topic, day, blob, count)
         o.records += n
-        if rows:
-            yield self._batch(rows)
 
     def finish(self) -> Iterator:
-        rows = []
         if self.held is not None:
-            rows.extend(self._key_rows(self.held))
+            self.stage.add_keys(self.held)
             self.held = None
-        rows.append({"kind": META, "data": pickle.dumps(self.outcome)})
-        yield self._batch(rows)
+        self.stage.close()
+        o = self.outcome
+        o.stage_dir = self.stage.directory
+        o.bucket_units = self.stage.bucket_units()
+        o.catalog_rows = self.stage.catalog_rows()
+        o.staged_bytes = self.stage.unit_bytes + self.stage.key_count * KEY_DTYPE.itemsize + self.stage.catalog_bytes
+        yield outcome_batch(o)
 
-    def _units(self, batch: DispatchBatch) -> list[dict]:
-        """One row per run of a queue's units with consecutive queue offsets (at most MAX_ROW_ITEMS), in
-        CommitLog order."""
-        rows = []
+    def _units(self, batch: DispatchBatch) -> None:
+        """Each run of a queue's units with consecutive queue offsets, in CommitLog order."""
         for q in consume_queue_units(batch):
             n = len(q.units)
             cut = np.ones(n, dtype=bool)
             cut[1:] = np.diff(q.queue_offset) != 1
-            cut[::MAX_ROW_ITEMS] = True
             starts = np.flatnonzero(cut)
             ends = np.append(starts[1:], n)
             data = q.units.view(np.uint8).reshape(-1)
             phy = q.units["commit_log_offset"]
-            rows.extend({"kind": UNITS, "topic": q.topic, "queue": q.queue_id, "pos": int(phy[a]),
-                         "aux": int(q.queue_offset[a]), "count": int(b - a),
-                         "data": data[a * CQ_UNIT_SIZE : b * CQ_UNIT_SIZE]}
-                        for a, b in zip(starts.tolist(), ends.tolist(), strict=True))
-        return rows
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+                self.stage.add_units(q.topic, q.queue_id, int(phy[a]), int(q.queue_offset[a]), b - a,
+                                     data[a * CQ_UNIT_SIZE : b * CQ_UNIT_SIZE])
 
-    def _key_rows(self, run: dict) -> list[dict]:
-        """A key run as rows of at most MAX_ROW_ITEMS keys (large values strain the JVM's heap)."""
-        rows = []
-        for a in range(0, len(run["hashes"]), MAX_ROW_ITEMS):
-            b = a + MAX_ROW_ITEMS
-            data = b"".join((run["hashes"][a:b].astype("<i4").tobytes(), run["phy"][a:b].astype("<i8").tobytes(),
-                             run["ts"][a:b].astype("<i8").tobytes(), run["creators"][a:b].astype("<i8").tobytes()))
-            rows.append({"kind": KEYS, "pos": run["pos"] + a, "count": len(run["hashes"][a:b]), "data": data})
-        return rows
 
-    def _batch(self, rows: list[dict]):
-        batch = self._arrow(rows)
-        self.outcome.arrow_bytes += batch.nbytes
-        return batch
+def outcome_batch(outcome: RangeOutcome):
+    """A range's outcome as the decode task's one Arrow row (OUTCOME_DDL)."""
+    import pyarrow as pa  # noqa: PLC0415
 
-    def _arrow(self, rows: list[dict]):
-        pa = self.pa
-        n = len(rows)
-        seq = range(self.seq, self.seq + n)
-        self.seq += n
-        return pa.RecordBatch.from_arrays([
-            arrow_column([r["kind"] for r in rows], pa.int8()),
-            arrow_column([self.task.number] * n, pa.int32()),
-            arrow_column(seq, pa.int32()),
-            arrow_column([r.get("topic") for r in rows], pa.string()),
-            arrow_column([r.get("queue") for r in rows], pa.int32()),
-            arrow_column([r.get("pos") for r in rows], pa.int64()),
-            arrow_column([r.get("aux") for r in rows], pa.int64()),
-            arrow_column([r.get("count") for r in rows], pa.int32()),
-            arrow_column([r["data"] for r in rows], pa.binary()),
-        ], schema=self.schema)
+    data = pickle.dumps(outcome)
+    outcome.arrow_bytes = len(data)
+    return pa.RecordBatch.from_arrays([arrow_column([data], pa.binary())], schema=pa.schema([("data", pa.binary())]))
 
 
 def arrow_column(values, arrow_type):
@@ -377,23 +344,23 @@ def arrow_column(values, arrow_type):
                                                  pa.py_buffer(b"".join(pieces))])
 
 
-def decoded_arrow_schema():
-    import pyarrow as pa  # noqa: PLC0415
-
-    return pa.schema([("kind", pa.int8()), ("range", pa.int32()), ("seq", pa.int32()), ("topic", pa.string()),
-                      ("queue", pa.int32()), ("pos", pa.int64()), ("aux", pa.int64()), ("count", pa.int32()),
-                      ("data", pa.binary())])
-
-
-def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = None) -> Iterator:
-    """The Arrow batches of one range, its META row last. `start`: a record boundary (CommitLog offset)
-    to read from instead of scanning (the driver's re-read of a range whose chain broke)."""
+def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = None,
+                 attempt_id: int = 0) -> Iterator:
+    """Stage one range's output; yields its outcome row and returns the outcome. `start`: a record boundary
+    (CommitLog offset) to read from instead of scanning (the driver's re-read of a range whose chain broke);
+    `attempt_id`: Spark's, so that every attempt stages in a directory of its own."""
     started = time.perf_counter()
     outcome = RangeOutcome(task.number, task.segment, task.seg_start, task.location, task.begin, task.end,
                            reread=start is not None)
-    rows = RangeRows(task, outcome, settings)
+    stage = RangeStage(range_dir(settings.stage_root, task.number, attempt_id) + ("-re" if start is not None else ""),
+                       settings.catalog)
+    rows = RangeRows(task, outcome, settings, stage)
     size = settings.segment_size
-    image = open_image(task.location, size, settings.read_bytes, settings.s3)
+    try:
+        image = open_image(task.location, size, settings.read_bytes, settings.s3, ahead_limit=task.end)
+    except BaseException:
+        stage.abandon()
+        raise
     try:
         if start is not None:
             first = start - task.seg_start
@@ -403,35 +370,58 @@ def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = 
             first = find_first_record(image, task, settings)
         if first is not None and first < task.end:
             outcome.first = task.seg_start + first
-            yield from _decode_from(first, task, settings, image, rows, outcome)
+            _decode_from(first, task, settings, image, rows, outcome)
         elif first is not None:
             outcome.first = task.seg_start + first  # a re-read from a boundary past the range: nothing owned
             outcome.next_offset = outcome.first
+    except BaseException:
+        stage.abandon()
+        raise
     finally:
+        image.close()  # first: a read in flight is counted when it completes
         outcome.bytes_read = getattr(image, "bytes_read", 0)
-        image.close()
     outcome.seconds = time.perf_counter() - started
     yield from rows.finish()
     return outcome
 
 
+def _decided_within(result, seg_start: int, filled: int, lookahead: int) -> bool:
+    """Whether a window's decode read only bytes below `filled` (in-segment): every record it took ends
+    there, and where it stopped for good (the end of the data, corruption) had the whole look-ahead."""
+    batch = result.batch
+    if len(batch) and int((batch.phy_offset + batch.msg_size).max()) - seg_start > filled:
+        return False
+    if result.status is ReadStatus.END or result.status is ReadStatus.CORRUPT:
+        return result.next_offset - seg_start + lookahead <= filled
+    return result.next_offset - seg_start + RECORD_PREFIX.size <= filled
+
+
 def _decode_from(pos: int, task: RangeTask, settings: DecodeSettings, image, rows: RangeRows,
-                 outcome: RangeOutcome) -> Iterator:
+                 outcome: RangeOutcome) -> None:
     scratch = DecodeScratch()
     names: dict[bytes, str] = {}
     delay_table = DelayLevelTable(settings.message_delay_level)
     size = settings.segment_size
     while True:
         window_end = min(pos + settings.batch_bytes, task.end)
-        image.ensure(pos, window_end + settings.lookahead)
-        decoded = decode_segment(image.buffer, pos, segment_offset=task.seg_start, segment_size=size,
-                                 max_bytes=window_end - pos, check_crc=settings.check_crc,
-                                 max_message_size=settings.max_message_size, delay_table=delay_table,
-                                 scratch=scratch, multi_flags=settings.multi_flags, names=names)
-        result = read_result(decoded, image.buffer, task.seg_start, size, task.location, settings.max_message_size,
-                             lambda: task.written_successor)
+        full = min(size, window_end + settings.lookahead)
+        # a remote window is first read only a little past its end: what its last record needs, most of the
+        # time; the whole look-ahead (up to two maximal messages) only when that was not enough (a range's last
+        # window read it past the range's end, and each window before it into the next one's)
+        ensured = min(full, window_end + REMOTE_TAIL_BYTES) if image.remote else full
+        while True:
+            image.ensure(pos, ensured)
+            decoded = decode_segment(image.buffer, pos, segment_offset=task.seg_start, segment_size=size,
+                                     max_bytes=window_end - pos, check_crc=settings.check_crc,
+                                     max_message_size=settings.max_message_size, delay_table=delay_table,
+                                     scratch=scratch, multi_flags=settings.multi_flags, names=names)
+            result = read_result(decoded, image.buffer, task.seg_start, size, task.location,
+                                 settings.max_message_size, lambda: task.written_successor)
+            if ensured >= full or _decided_within(result, task.seg_start, ensured, settings.lookahead):
+                break
+            ensured = full
         if len(result.batch):
-            yield from rows.add(result.batch, image)
+            rows.add(result.batch, image)
         image.release(pos, decoded.position)
         outcome.next_offset = result.next_offset
         if result.status is ReadStatus.END:

@@ -228,6 +228,8 @@ def open_remote(location: str, s3: S3Options):
 class LocalImage:
     """A local segment, mapped read-only."""
 
+    remote = False
+
     def __init__(self, path: str, size: int):
         self.path = path
         with open(path, "rb") as f:
@@ -260,12 +262,17 @@ class LocalImage:
 
 class RemoteImage:
     """A remote segment read into a private anonymous mapping of its size, `read_bytes` per read, the next
-    read in flight while the caller decodes. Reads only move forward; `release` gives pages back."""
+    read in flight while the caller decodes. Reads only move forward; `release` gives pages back. Nothing
+    is read ahead past `ahead_limit` (the end of the task's range): beyond it only the bytes asked for are
+    read, so a range costs its own bytes and what its last record needs, not a discarded read."""
 
-    def __init__(self, location: str, size: int, read_bytes: int, s3: S3Options):
+    remote = True
+
+    def __init__(self, location: str, size: int, read_bytes: int, s3: S3Options, ahead_limit: int | None = None):
         self.location = location
         self.size = size
         self.read_bytes = read_bytes
+        self.ahead_limit = size if ahead_limit is None else min(size, ahead_limit)
         filesystem, path = open_remote(location, s3)
         try:
             self._file = filesystem.open_input_file(path)
@@ -279,10 +286,13 @@ class RemoteImage:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reputd-read")
         self._ahead: tuple[int, Future] | None = None
         self._lock = threading.Lock()
-        self.bytes_read = 0
+        self.bytes_read = 0  # every byte requested, read ahead or not
 
-    def _read(self, at: int) -> int:
-        n = min(self.read_bytes, self.size - at)
+    @property
+    def filled_to(self) -> int:
+        return self._filled_to
+
+    def _read(self, at: int, n: int) -> int:
         data = self._file.read_at(n, at)
         if len(data) != n:
             raise StoreLayoutError(self.location, f"short read: {len(data)} of {n} bytes at {at}")
@@ -290,6 +300,14 @@ class RemoteImage:
         with self._lock:
             self.bytes_read += n
         return at + n
+
+    def _next_read(self, at: int, end: int) -> int:
+        """How many bytes to read at `at` to reach `end`: whole reads inside the range, exactly what is asked
+        for past it."""
+        n = min(self.read_bytes, self.size - at)
+        if at + n > self.ahead_limit:
+            n = max(min(n, self.ahead_limit - at), min(end - at, self.size - at))
+        return n
 
     def ensure(self, start: int, end: int) -> None:
         end = min(end, self.size)
@@ -302,9 +320,10 @@ class RemoteImage:
                 self._ahead = None
             else:
                 self._drain()
-                self._filled_to = self._read(self._filled_to)
-        if self._ahead is None and self._filled_to < self.size:
-            self._ahead = (self._filled_to, self._pool.submit(self._read, self._filled_to))
+                self._filled_to = self._read(self._filled_to, self._next_read(self._filled_to, end))
+        if self._ahead is None and self._filled_to < self.ahead_limit:
+            at = self._filled_to
+            self._ahead = (at, self._pool.submit(self._read, at, min(self.read_bytes, self.ahead_limit - at)))
 
     def next_data(self, pos: int) -> int:
         return pos
@@ -330,7 +349,7 @@ class RemoteImage:
             self.buffer.close()
 
 
-def open_image(location: str, size: int, read_bytes: int, s3: S3Options):
+def open_image(location: str, size: int, read_bytes: int, s3: S3Options, ahead_limit: int | None = None):
     if "://" in location:
-        return RemoteImage(location, size, read_bytes, s3)
+        return RemoteImage(location, size, read_bytes, s3, ahead_limit)
     return LocalImage(location, size)

@@ -1,25 +1,36 @@
 """What runs in the Python workers: the functions Spark's `mapInArrow` calls, one per kind of task.
 
 A worker unpickles these and imports what they name, and every worker of every run pays for it, so this
-module and what it imports stay lean: the decode (`ranges`), the writers (`writers`), the staging helpers
-(`commit`), numpy and pyarrow; not the driver's session and planning code (`job`), the config loader or the
-daemon's dispatchers. The catalog writer imports `catalog` (pyarrow.compute, parquet) only when it runs.
+module and what it imports stay lean: the decode (`ranges`, `stage`), the writers (`writers`), the staging
+helpers (`commit`), numpy and pyarrow; not the driver's session and planning code (`job`), the config loader
+or the daemon's dispatchers. The catalog writer imports `catalog` (pyarrow.compute, parquet) only when it
+runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import pickle
+from dataclasses import dataclass
 
 from pyspark import TaskContext
 
 from daemon.backfill.commit import attempt_dir, remove_tree
 from daemon.backfill.plan import Reread
 from daemon.backfill.ranges import LIMIT, DecodeSettings, decode_range
-from daemon.backfill.writers import Attempt, Fault, result_rows, write_catalog, write_index_files, write_queues
+from daemon.backfill.writers import (
+    Attempt,
+    CatalogWork,
+    Fault,
+    QueueWork,
+    result_rows,
+    write_catalog,
+    write_index_chunk,
+    write_index_files,
+    write_queues,
+)
 
 QUEUES, INDEX_FILES, CATALOG_FILES = "queues", "index", "catalog"  # the kinds of result rows
-CATALOG_STAGING = "_reputd-staging"
 
 
 class BackfillTaskError(RuntimeError):
@@ -31,7 +42,7 @@ def task_attempt() -> Attempt:
     return Attempt(ctx.partitionId(), ctx.taskAttemptId(), ctx.attemptNumber())
 
 
-def reread(work: Reread, settings: DecodeSettings):
+def reread(work: Reread, settings: DecodeSettings, attempt_id: int = 0):
     """Decode consecutive ranges from a known boundary, until one's own first record is where the range
     before it stopped."""
     offset = work.start
@@ -40,7 +51,7 @@ def reread(work: Reread, settings: DecodeSettings):
             return
         if offset >= t.seg_start + t.end:
             continue
-        outcome = yield from decode_range(t, settings, start=offset)
+        outcome = yield from decode_range(t, settings, start=offset, attempt_id=attempt_id)
         if outcome.status != LIMIT or t.to_limit:
             return
         offset = outcome.next_offset
@@ -48,7 +59,8 @@ def reread(work: Reread, settings: DecodeSettings):
 
 def decode_rows(settings: DecodeSettings, work, fault: Fault | None):
     """The decode: each input row is the index (`id`) of a RangeTask or Reread in `work`, a broadcast list
-    of them pickled (fetched once per worker, not shipped with every task)."""
+    of them pickled (fetched once per worker, not shipped with every task). Each range stages its output
+    (`stage.py`) and yields its outcome."""
 
     def run(batches):
         for rb in batches:
@@ -59,9 +71,9 @@ def decode_rows(settings: DecodeSettings, work, fault: Fault | None):
                     fault.check("decode", "started", attempt.attempt_number)
                 try:
                     if isinstance(item, Reread):
-                        yield from reread(item, settings)
+                        yield from reread(item, settings, attempt.attempt_id)
                     else:
-                        yield from decode_range(item, settings)
+                        yield from decode_range(item, settings, attempt_id=attempt.attempt_id)
                 except Exception as e:
                     name = item.tasks[0].location if isinstance(item, Reread) else item.location
                     raise BackfillTaskError(f"decode task for {name}: {e}") from e
@@ -69,54 +81,63 @@ def decode_rows(settings: DecodeSettings, work, fault: Fault | None):
     return run
 
 
-def queue_writer(out: str, job_id: str, file_size: int, fault: Fault | None):
-    """The ConsumeQueue writer of one partition of (topic, queue), staging its files."""
+@dataclass(frozen=True, slots=True)
+class WriterSettings:
+    out: str
+    job_id: str
+    cq_file_size: int
+    hash_slot_num: int
+    index_num: int
+    catalog: str | None = None
+    s3: object = None
+
+
+def write_rows(settings: WriterSettings, work, fault: Fault | None):
+    """The writers: each input row is the index of a QueueWork, IndexWork or CatalogWork in `work` (a
+    broadcast list, pickled); each task stages its files and yields one result row."""
 
     def run(batches):
-        attempt = task_attempt()
-        stage = attempt_dir(out, job_id, "cq", attempt.partition, attempt.attempt_id)
-        try:
-            stats, staged = write_queues(batches, stage_dir=stage, file_size=file_size, attempt=attempt, fault=fault)
-        except Exception as e:
-            remove_tree(stage)
-            raise BackfillTaskError(f"consumequeue task {attempt.partition}: {e}") from e
-        yield from result_rows(QUEUES, (stats, staged))
+        for rb in batches:
+            for number in rb.column("id").to_pylist():
+                item = pickle.loads(work.value[number])
+                yield from _write(settings, item, fault)
 
     return run
 
 
-def index_writer(out: str, job_id: str, hash_slot_num: int, index_num: int, fault: Fault | None):
-    """The IndexFile writer of one partition of file numbers, staging each file under its number."""
+def _write(settings: WriterSettings, item, fault: Fault | None):
+    attempt = task_attempt()
+    if isinstance(item, CatalogWork):
+        yield from _write_catalog(settings, item, attempt)
+        return
+    phase = "cq" if isinstance(item, QueueWork) else "index"
+    stage = attempt_dir(settings.out, settings.job_id, phase, attempt.partition, attempt.attempt_id)
+    try:
+        if isinstance(item, QueueWork):
+            kind = QUEUES
+            result = write_queues(item, stage_dir=stage, file_size=settings.cq_file_size, attempt=attempt, fault=fault)
+        else:
+            kind = INDEX_FILES
+            write = write_index_files if item.chunk is None else write_index_chunk
+            result = write(item, stage_dir=stage, hash_slot_num=settings.hash_slot_num,
+                           index_num=settings.index_num, attempt=attempt, fault=fault)
+    except Exception as e:
+        remove_tree(stage)
+        name = "consumequeue" if phase == "cq" else "index"
+        raise BackfillTaskError(f"{name} task {attempt.partition}: {e}") from e
+    yield from result_rows(kind, result)
 
-    def run(batches):
-        attempt = task_attempt()
-        stage = attempt_dir(out, job_id, "index", attempt.partition, attempt.attempt_id)
-        try:
-            stats, staged = write_index_files(batches, stage_dir=stage, hash_slot_num=hash_slot_num,
-                                              index_num=index_num, attempt=attempt, fault=fault)
-        except Exception as e:
-            remove_tree(stage)
-            raise BackfillTaskError(f"index task {attempt.partition}: {e}") from e
-        yield from result_rows(INDEX_FILES, (stats, staged))
 
-    return run
+def _write_catalog(settings: WriterSettings, item: CatalogWork, attempt: Attempt):
+    """A catalog writer stages its Parquet files next to the catalog (under a name no reader takes)."""
+    from daemon.backfill.catalog import STAGING, catalog_filesystem  # noqa: PLC0415 - only a run with a catalog
 
-
-def catalog_writer(catalog: str, s3, job_id: str):
-    """The catalog writer of one partition of (topic, day), staging its Parquet files next to the catalog."""
-
-    def run(batches):
-        from daemon.backfill.catalog import catalog_filesystem  # noqa: PLC0415 - only a run with a catalog
-
-        attempt = task_attempt()
-        filesystem, base = catalog_filesystem(catalog, s3)
-        stage = f"{base.rstrip('/')}/{CATALOG_STAGING}/{job_id}/a{attempt.attempt_id}"
-        try:
-            written = write_catalog(batches, stage=stage, filesystem=filesystem, attempt=attempt)
-        except Exception as e:
-            with contextlib.suppress(Exception):
-                filesystem.delete_dir(stage)
-            raise BackfillTaskError(f"catalog task {attempt.partition}: {e}") from e
-        yield from result_rows(CATALOG_FILES, written)
-
-    return run
+    filesystem, base = catalog_filesystem(settings.catalog, settings.s3)
+    stage = f"{base.rstrip('/')}/{STAGING}/{settings.job_id}/a{attempt.attempt_id}"
+    try:
+        written = write_catalog(item, stage=stage, filesystem=filesystem, attempt=attempt)
+    except Exception as e:
+        with contextlib.suppress(Exception):
+            filesystem.delete_dir(stage)
+        raise BackfillTaskError(f"catalog task {attempt.partition}: {e}") from e
+    yield from result_rows(CATALOG_FILES, written)

@@ -1,20 +1,20 @@
-"""Phase 2 of the backfill: the tasks that write files from the rows Spark's shuffle brings them.
+"""Phase 2 of the backfill: the tasks that write the output's files from the ranges' staged runs.
 
-Rows arrive as Arrow batches, partitioned and sorted by Spark's JVM shuffle; nothing is sorted or
-spilled in Python, and each task holds one batch at a time.
+Every decode task staged its range's output as files (`stage.py`); a writer task is given its share of
+the work by the driver and reads those files range after range in CommitLog order, so nothing is
+shuffled, sorted or spilled, and the JVM never sees the bytes.
 
-* ConsumeQueue: runs of units partitioned by (topic, queue id) and sorted by physical offset, then by the
-  row sequence of the task that decoded them (a name repeated in one record starts a second run at the
-  same offset), so a task sees each of its queues whole and in put order and hands them to
-  `ConsumeQueue.put_packed`, the broker's rules (pre-blank, repeats, out-of-order appends, offset-0
-  appends of multi-dispatch units) included. LMQ queues (`%LMQ%name`, queue 0) are queues like any other.
-* IndexFile: key runs partitioned by file number and sorted by global key number, each file's plan row
-  first. A run that crosses a file boundary, or ends at one, goes to both files: the later file reads its
-  seed (the end values of the one before: physical offset and store time of the previous key) and the
-  store time of the record that creates it from the previous key, then puts its own keys with
-  `IndexFile.put_keys`. The file is staged under its number; the driver names it.
-* Catalog: (topic, day) groups partitioned by (topic, day) and sorted in CommitLog order: one Parquet
-  file per partition value and task.
+* ConsumeQueue (`QueueWork`): the whole queues of a group of buckets, balanced by units over the tasks.
+  Each queue's runs are read range after range (in a range they are in put order: a name repeated in one record starts a
+  second run at the same offset, staged after the first) and handed to `ConsumeQueue.put_packed`, the
+  broker's rules (pre-blank, repeats, out-of-order appends, offset-0 appends of multi-dispatch units)
+  included. LMQ queues (`%LMQ%name`, queue 0) are queues like any other.
+* IndexFile (`IndexWork`): one file. It reads its seed (the end values of the one before: physical offset
+  and store time of the previous key) and the store time of the record that creates it from the previous
+  key, then puts its own keys with `IndexFile.put_keys`. The file is staged under its number; the driver
+  names it.
+* Catalog (`CatalogWork`): a group of (topic, day) partitions, one Parquet file each, its streams
+  concatenated in CommitLog order.
 
 Every task writes into its attempt's staging directory; the driver commits (`commit.py`) once every task
 has succeeded and the output has been checked.
@@ -22,10 +22,11 @@ has succeeded and the output has been checked.
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,11 +34,19 @@ import numpy as np
 from daemon.backfill.commit import file_counts
 from daemon.backfill.plan import BackfillError, IndexFilePlan
 from daemon.backfill.ranges import NO_CREATOR, arrow_column
-from indexcore.consumequeue import CQ_UNIT_DTYPE, ConsumeQueueStore
-from indexcore.indexfile import RELEASE_AFTER_KEYS, IndexFile
+from daemon.backfill.stage import KEY_DTYPE, StagedRange
+from indexcore.consumequeue import ConsumeQueueStore
+from indexcore.indexfile import (
+    FIRST_INDEX,
+    HASH_SLOT_SIZE,
+    INDEX_ENTRY_SIZE,
+    INDEX_HEADER_SIZE,
+    RELEASE_AFTER_KEYS,
+    IndexFile,
+    IndexHeader,
+    index_file_size,
+)
 from indexcore.indexservice import INDEX_DIR
-
-PLAN_ROW = -1  # the g0 of a file's plan row: sorts before its keys
 
 
 class InjectedFault(RuntimeError):
@@ -97,6 +106,28 @@ class WriteStats:
 
 # --- ConsumeQueue ---------------------------------------------------------------------------------
 
+@dataclass(frozen=True, slots=True)
+class QueueWork:
+    ranges: tuple[str, ...]  # the dispatched ranges' staging directories, in CommitLog order
+    buckets: frozenset[int]  # the queue buckets (stage.queue_bucket) whose queues this task writes
+
+
+@dataclass(frozen=True, slots=True)
+class IndexWork:
+    plan: IndexFilePlan
+    sources: tuple[tuple[str, int, int], ...]  # (staging directory, global number of its first key, keys)
+    chunk: tuple[int, int] | None = None  # the plan's keys [lo, hi) this task puts; None: the whole file
+    shared_path: str = ""  # a chunk's file: the one every chunk of the IndexFile writes its entries into
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogWork:
+    ranges: tuple[str, ...]
+    groups: tuple[tuple[str, int], ...]  # (topic, UTC day)
+    name: str  # the file name each partition's file gets
+    covered: tuple[tuple[int, int], ...] = ()  # CommitLog ranges the catalog holds already: rows there are left out
+
+
 @dataclass(slots=True)
 class StagedQueue:
     topic: str
@@ -105,34 +136,35 @@ class StagedQueue:
     first_phy: int  # CommitLog offset of the queue's first unit in this backfill
 
 
-def write_queues(batches: Iterable, *, stage_dir: str, file_size: int, attempt: Attempt,
+def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: Attempt,
                  fault: Fault | None = None) -> tuple[WriteStats, list[StagedQueue]]:
-    """Build the queues of one sorted partition (rows: topic, queue, pos, seq, aux, count, data; sorted by
-    the first four) in `stage_dir`."""
+    """Build the queues of `work` in `stage_dir`, each from its runs range after range."""
     stats = WriteStats()
     store = ConsumeQueueStore(stage_dir, file_size)
     staged: list[StagedQueue] = []
-    cq = None
     started = time.perf_counter()
-    for rb in batches:
-        stats.arrow_bytes += rb.nbytes
-        cols = rb.to_pydict()
-        for topic, queue_id, phy, first_qo, count, data in zip(cols["topic"], cols["queue"], cols["pos"], cols["aux"],
-                                                               cols["count"], cols["data"], strict=True):
-            if cq is None or (cq.topic, cq.queue_id) != (topic, queue_id):
-                if cq is not None:
-                    _done_with(store, cq)
-                cq = store.queue(topic, queue_id)
-                staged.append(StagedQueue(topic, queue_id, cq.directory, phy))
-            units = np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=count)
-            ends = units["commit_log_offset"].astype(np.int64) + units["msg_size"]
-            put = cq.put_packed(np.arange(first_qo, first_qo + count, dtype=np.int64), units, ends)
-            stats.units += put.written
-            stats.already_built += put.already_built
-            stats.gap_blanks += put.gap_blanks
-    if cq is not None:
-        _done_with(store, cq)
-    store.close()
+    ranges = [StagedRange(d) for d in work.ranges]
+    try:
+        queues = sorted({q for r in ranges for q in r.queues(work.buckets)})
+        for topic, queue_id in queues:
+            cq = None
+            for r in ranges:
+                for phy, first_qo, units in r.unit_runs((topic, queue_id)):
+                    if cq is None:
+                        cq = store.queue(topic, queue_id)
+                        staged.append(StagedQueue(topic, queue_id, cq.directory, phy))
+                    count = len(units)
+                    ends = units["commit_log_offset"].astype(np.int64) + units["msg_size"]
+                    put = cq.put_packed(np.arange(first_qo, first_qo + count, dtype=np.int64), units, ends)
+                    stats.units += put.written
+                    stats.already_built += put.already_built
+                    stats.gap_blanks += put.gap_blanks
+            if cq is not None:
+                _done_with(store, cq)
+        store.close()
+    finally:
+        for r in ranges:
+            r.close()
     stats.queues = len(staged)
     stats.seconds = time.perf_counter() - started
     if fault is not None:
@@ -141,8 +173,8 @@ def write_queues(batches: Iterable, *, stage_dir: str, file_size: int, attempt: 
 
 
 def _done_with(store: ConsumeQueueStore, cq) -> None:
-    """A queue's runs are contiguous: once the next queue starts, this one is closed and forgotten, so a
-    task holds one queue's descriptors and state at a time, however many (LMQ) queues its partition has."""
+    """A queue is built whole before the next: once done it is closed and forgotten, so a task holds one
+    queue's descriptors and state at a time, however many (LMQ) queues its group has."""
     cq.close()
     del store.queues[(cq.topic, cq.queue_id)]
 
@@ -157,117 +189,220 @@ class StagedIndexFile:
     keys: int
 
 
-def _key_columns(data: bytes, count: int) -> tuple[np.ndarray, ...]:
-    """hash, physical offset, store time and creator time of each key of a run."""
-    hashes = np.frombuffer(data, dtype="<i4", count=count)
-    rest = np.frombuffer(data, dtype="<i8", count=3 * count, offset=4 * count).reshape(3, count)
-    return hashes, rest[0], rest[1], rest[2]
+def _keys(work: IndexWork, lo: int, hi: int, ranges: dict[str, StagedRange]) -> Iterator[np.ndarray]:
+    """Global keys [lo, hi) from the ranges that hold them, range by range (KEY_DTYPE)."""
+    for directory, base, count in work.sources:
+        a, b = max(lo, base), min(hi, base + count)
+        if a < b:
+            yield ranges[directory].keys(a - base, b - base)
 
 
-def write_index_files(batches: Iterable, *, stage_dir: str, hash_slot_num: int, index_num: int,
+def write_index_files(work: IndexWork, *, stage_dir: str, hash_slot_num: int, index_num: int,
                       attempt: Attempt, fault: Fault | None = None) -> tuple[WriteStats, list[StagedIndexFile]]:
-    """Build the IndexFiles of one sorted partition (rows: file, g0, count, data; each file's plan row
-    first) in `stage_dir`, each under its number."""
+    """Build IndexFile `work.plan.number` in `stage_dir` under its number."""
     stats = WriteStats()
     stage = os.path.join(stage_dir, INDEX_DIR)
     os.makedirs(stage, exist_ok=True)
-    staged: list[StagedIndexFile] = []
-    current: IndexFile | None = None
-    plan: IndexFilePlan | None = None
-    put = since_release = 0
+    plan = work.plan
     started = time.perf_counter()
-
-    def finish() -> None:
-        if plan is None:
-            return
-        if current is None:
-            raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} received no seed key")
-        if put != plan.key_end - plan.key_start:
-            raise BackfillError(f"{current.path}: {put} keys put, the plan has {plan.key_end - plan.key_start}")
-        current.sync()  # as IndexService leaves it: only a put writes the header (indexCount 0 before one)
-        current.close()
-        staged[-1].keys = put
-
-    def create(seed_phy: int, seed_ts: int, creator_ts: int) -> IndexFile:
-        path = os.path.join(stage, f"{plan.number:010d}")
-        staged.append(StagedIndexFile(plan.number, path, creator_ts, 0))
-        return IndexFile(path, hash_slot_num, index_num, create=True, end_phy_offset=seed_phy,
-                         end_timestamp=seed_ts)
-
-    for rb in batches:
-        stats.arrow_bytes += rb.nbytes
-        cols = rb.to_pydict()
-        for number, g0, count, data in zip(cols["file"], cols["g0"], cols["count"], cols["data"], strict=True):
-            if g0 == PLAN_ROW:
-                finish()
-                plan, current, put = pickle.loads(data), None, 0
-                if plan.key_start == 0:
-                    current = create(0, 0, plan.creator_ts)
-                continue
-            if plan is None or number != plan.number:
-                raise BackfillError(f"index task {attempt.partition}: keys of file {number} arrived without its plan")
-            hashes, phy, ts, creators = _key_columns(data, count)
-            if current is None:
-                e = plan.key_start - 1 - g0  # the previous file's last key, in this run
-                if not 0 <= e < count:
-                    raise BackfillError(f"index task {attempt.partition}: file {number} did not get key "
-                                        f"{plan.key_start - 1} first")
-                creator = int(creators[e])
-                current = create(int(phy[e]), int(ts[e]), plan.creator_ts if creator == NO_CREATOR else creator)
-            lo = max(g0, plan.key_start + put) - g0
-            hi = min(g0 + count, plan.key_end) - g0
-            if lo >= hi:
-                continue
-            if g0 + lo != plan.key_start + put:
-                raise BackfillError(f"index task {attempt.partition}: keys from {g0 + lo} of file {number} arrived "
-                                    f"out of order")
-            done = current.put_keys(hashes[lo:hi], phy[lo:hi], ts[lo:hi])
-            if done != hi - lo:
+    ranges = {d: StagedRange(d) for d, _, _ in work.sources}
+    path = os.path.join(stage, f"{plan.number:010d}")
+    try:
+        if plan.key_start == 0:
+            seed_phy = seed_ts = 0
+            creator = plan.creator_ts
+        else:
+            seed = [k for k in _keys(work, plan.key_start - 1, plan.key_start, ranges) if len(k)]
+            if not seed:
+                raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} found no key "
+                                    f"{plan.key_start - 1} to seed it")
+            key = seed[0][0]
+            seed_phy, seed_ts = int(key["phy"]), int(key["ts"])
+            creator = plan.creator_ts if int(key["creator"]) == NO_CREATOR else int(key["creator"])
+        current = IndexFile(path, hash_slot_num, index_num, create=True, end_phy_offset=seed_phy,
+                            end_timestamp=seed_ts)
+        put = since_release = 0
+        for keys in _keys(work, plan.key_start, plan.key_end, ranges):
+            done = current.put_keys(keys["hash"], keys["phy"], keys["ts"])
+            if done != len(keys):
                 raise BackfillError(f"{current.path}: full after {put + done} keys, the plan has "
                                     f"{plan.key_end - plan.key_start}")
             put += done
-            stats.keys += done
             since_release += done
             if since_release >= RELEASE_AFTER_KEYS:
                 current.release()  # written pages leave the worker's RSS; the page cache keeps them
                 since_release = 0
-    finish()
-    stats.index_files = len(staged)
+        if put != plan.key_end - plan.key_start:
+            raise BackfillError(f"{current.path}: {put} keys put, the plan has {plan.key_end - plan.key_start}")
+        current.sync()  # as IndexService leaves it: only a put writes the header (indexCount 0 before one)
+        current.close()
+    finally:
+        for r in ranges.values():
+            r.close()
+    stats.keys = put
+    stats.index_files = 1
     stats.seconds = time.perf_counter() - started
     if fault is not None:
         fault.check("index", "staged", attempt.attempt_number)
-    return stats, staged
+    return stats, [StagedIndexFile(plan.number, path, creator, put)]
+
+
+# --- IndexFile chunks ---------------------------------------------------------------------------------
+#
+# A large IndexFile is put by several tasks, each a chunk of its keys: the entries of key i depend only on
+# the keys before it through the slot it hashes to (the previous entry of that slot), so a chunk puts its keys
+# with the broker's loop into slots of its own (empty), writes its entries into the shared file at their
+# place, and records where its chain of each slot starts (entries whose previous entry is in an earlier
+# chunk) and ends. The driver links the chains (`assemble_index_file`): a chunk's first entry of a slot gets
+# the last entry of that slot in the chunks before it, and the slots and header take the final values.
+
+ENTRY_DTYPE = np.dtype([("hash", ">i4"), ("phy", ">i8"), ("time_diff", ">i4"), ("prev", ">i4")])
+
+
+@dataclass(slots=True)
+class StagedIndexChunk:
+    number: int
+    lo: int
+    hi: int
+    path: str  # the shared file
+    meta: str  # the chunk's chain ends (.npz)
+    begin_ts: int
+    begin_phy: int
+    end_ts: int
+    end_phy: int
+    creator_ts: int
+
+
+def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, index_num: int,
+                      attempt: Attempt, fault: Fault | None = None) -> tuple[WriteStats, list[StagedIndexChunk]]:
+    """Put keys [lo, hi) of an IndexFile into its shared file (`work.shared_path`), as entries
+    FIRST_INDEX + lo - key_start on, with slots of the chunk's own."""
+    from indexcore import _kernels  # noqa: PLC0415
+
+    stats = WriteStats()
+    plan = work.plan
+    lo, hi = work.chunk
+    started = time.perf_counter()
+    ranges = {d: StagedRange(d) for d, _, _ in work.sources}
+    try:
+        keys = np.concatenate(list(_keys(work, lo, hi, ranges)) or [np.zeros(0, dtype=KEY_DTYPE)])
+        if len(keys) != hi - lo:
+            raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} got {len(keys)} of its "
+                                f"keys [{lo}, {hi})")
+        creator = plan.creator_ts
+        if lo == plan.key_start:  # the file's first chunk: seeded by the key before it, as the file is
+            begin_ts = begin_phy = 0
+            if plan.key_start > 0:
+                seed = np.concatenate(list(_keys(work, lo - 1, lo, ranges)) or [np.zeros(0, dtype=KEY_DTYPE)])
+                if len(seed) != 1:
+                    raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} found no key "
+                                        f"{lo - 1} to seed it")
+                begin_ts, begin_phy = max(0, int(seed["ts"][0])), max(0, int(seed["phy"][0]))
+                if int(seed["creator"][0]) != NO_CREATOR:
+                    creator = int(seed["creator"][0])
+        else:  # after the first put, the file's begin values are its first key's
+            first = np.concatenate(list(_keys(work, plan.key_start, plan.key_start + 1, ranges)))
+            begin_ts, begin_phy = int(first["ts"][0]), int(first["phy"][0])
+        first_entry = FIRST_INDEX + lo - plan.key_start
+        entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
+        buf = bytearray(entries_at + INDEX_ENTRY_SIZE * len(keys))
+        _, _, begin_ts, begin_phy = _kernels.put_keys(
+            buf, entries_at, hash_slot_num, first_entry, index_num, begin_ts, begin_phy,
+            np.ascontiguousarray(keys["hash"], dtype=np.int64), np.ascontiguousarray(keys["phy"], dtype=np.int64),
+            np.ascontiguousarray(keys["ts"], dtype=np.int64), first_entry)
+        fd = os.open(work.shared_path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, memoryview(buf)[entries_at:], entries_at + INDEX_ENTRY_SIZE * first_entry)
+        finally:
+            os.close(fd)
+        slots = np.frombuffer(buf, dtype=">i4", count=hash_slot_num, offset=INDEX_HEADER_SIZE)
+        last_slot = np.flatnonzero(slots)
+        entries = np.frombuffer(buf, dtype=ENTRY_DTYPE, offset=entries_at)
+        firsts = np.flatnonzero(entries["prev"] == 0)
+        os.makedirs(stage_dir, exist_ok=True)
+        meta = os.path.join(stage_dir, f"index-{plan.number:010d}-{lo}.npz")
+        with open(meta, "wb") as f:
+            np.savez(f, first_entry=(first_entry + firsts).astype(np.int64),
+                     first_slot=(entries["hash"][firsts].astype(np.int64) % hash_slot_num),
+                     last_slot=last_slot.astype(np.int64), last_entry=slots[last_slot].astype(np.int64))
+    finally:
+        for r in ranges.values():
+            r.close()
+    stats.keys = len(keys)
+    stats.seconds = time.perf_counter() - started
+    if fault is not None:
+        fault.check("index", "staged", attempt.attempt_number)
+    return stats, [StagedIndexChunk(plan.number, lo, hi, work.shared_path, meta, begin_ts, begin_phy,
+                                    int(keys["ts"][-1]), int(keys["phy"][-1]), creator)]
+
+
+def create_shared_index_file(path: str, hash_slot_num: int, index_num: int) -> None:
+    """The file the chunks of one IndexFile write their entries into (sparse until they do)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(index_file_size(hash_slot_num, index_num))
+
+
+def assemble_index_file(chunks: list[StagedIndexChunk], hash_slot_num: int, index_num: int,
+                        key_start: int) -> StagedIndexFile:
+    """Link the chunks' slot chains in key order and write the slots and the header: the file one put of all
+    its keys makes."""
+    chunks = sorted(chunks, key=lambda c: c.lo)
+    path = chunks[0].path
+    entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
+    last = np.zeros(hash_slot_num, dtype=np.int64)
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        entries = np.ndarray((index_num,), dtype=ENTRY_DTYPE, buffer=mm, offset=entries_at)
+        for c in chunks:
+            with np.load(c.meta) as d:
+                if c.lo != key_start:
+                    prev = last[d["first_slot"]]
+                    linked = prev != 0
+                    entries["prev"][d["first_entry"][linked]] = prev[linked]
+                last[d["last_slot"]] = d["last_entry"]
+        slots = np.ndarray((hash_slot_num,), dtype=">i4", buffer=mm, offset=INDEX_HEADER_SIZE)
+        slots[:] = last
+        keys = chunks[-1].hi - key_start
+        header = IndexHeader(chunks[0].begin_ts, chunks[-1].end_ts, chunks[0].begin_phy, chunks[-1].end_phy,
+                             int(np.count_nonzero(last)), FIRST_INDEX + keys)
+        mm[:INDEX_HEADER_SIZE] = header.encode()
+        del entries, slots
+        mm.flush()
+    return StagedIndexFile(chunks[0].number, path, chunks[0].creator_ts, keys)
 
 
 # --- catalog ------------------------------------------------------------------------------------------
 
-def write_catalog(batches: Iterable, *, stage: str, filesystem, attempt: Attempt) -> list[tuple[str, str, int]]:
-    """One Parquet file per (topic, day) of a sorted partition, under `stage` (a catalog staging path);
-    (staged path, path relative to the catalog, rows) of each."""
+def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt) -> list[tuple[str, str, int]]:
+    """One Parquet file per (topic, day) of `work`, under `stage` (the catalog's staging path), its rows in
+    CommitLog order; (staged path, path relative to the catalog, rows) of each."""
     import pyarrow as pa  # noqa: PLC0415
 
-    from daemon.backfill.catalog import partition_dir, read_group, write_parquet  # noqa: PLC0415
+    from daemon.backfill.catalog import ParquetOut, partition_dir, read_group, uncovered  # noqa: PLC0415
 
     out: list[tuple[str, str, int]] = []
-    key, tables = None, []
-
-    def flush() -> None:
-        if not tables:
-            return
-        table = pa.concat_tables(tables)
-        relative = f"{partition_dir(*key)}/part-{attempt.partition:05d}.parquet"
-        path = f"{stage}/{relative}"
-        write_parquet(filesystem, path, table)
-        out.append((path, relative, table.num_rows))
-
-    for rb in batches:
-        cols = rb.to_pydict()
-        for topic, day, data in zip(cols["topic"], cols["aux"], cols["data"], strict=True):
-            if (topic, day) != key:
-                flush()
-                key, tables = (topic, day), []
-            tables.append(read_group(data))
-    flush()
+    ranges = [StagedRange(d) for d in work.ranges]
+    try:
+        for topic, day in work.groups:
+            relative = f"{partition_dir(topic, day)}/{work.name}"
+            writer = ParquetOut(filesystem, f"{stage}/{relative}")
+            rows = 0
+            for r in ranges:
+                for blob in r.catalog_blobs((topic, day)):
+                    table = read_group(blob)
+                    if work.covered:
+                        table = table.filter(pa.array(uncovered(table, work.covered)))
+                    if table.num_rows:
+                        writer.write(table)
+                        rows += table.num_rows
+            writer.close()
+            if rows:
+                out.append((writer.path, relative, rows))
+            else:
+                writer.discard()
+    finally:
+        for r in ranges:
+            r.close()
     return out
 
 
