@@ -34,10 +34,14 @@ run: $(VENV)/.installed-run
 	$(BIN)/reputd run --config $(CONFIG)
 
 # .ci/system-tools: the command-line tools some tests run, installed when this runs as root with apt-get
-# (elsewhere those tests skip, saying why; with CI=true a missing one fails)
+# (elsewhere those tests skip, saying why; with CI=true a missing one fails). The docs are built strictly
+# (a broken link or anchor fails) into a temporary directory, so nothing is written into the tree; not
+# with --quiet, which hides the warnings that --strict counts.
 test: $(VENV)/.installed-test
 	.ci/system-tools --install
 	$(BIN)/ruff check .
+	site=$$(mktemp -d) && { $(BIN)/mkdocs build --strict --site-dir "$$site"; status=$$?; rm -rf "$$site"; \
+		exit $$status; }
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed-test

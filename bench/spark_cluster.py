@@ -4,7 +4,7 @@ bound to 127.0.0.1 on free ports. Used by the cluster stress test and `make benc
     with StandaloneCluster(workers=2, work_dir=...) as cluster:
         reputd backfill --master cluster.url ...
 
-The processes are the ones the README's cluster section starts by hand (`spark-class
+The processes are the ones docs/backfill.md's cluster section starts by hand (`spark-class
 org.apache.spark.deploy.master.Master`, `...deploy.worker.Worker spark://HOST:PORT`); executors run
 PYSPARK_PYTHON, this interpreter, so they import reputd from the same environment.
 """

@@ -351,9 +351,9 @@ def test_to_inside_a_record_is_refused(spark, generated, tmp_path):
     assert not (tmp_path / "out" / "consumequeue").exists()
 
 
-def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_readme_queries(spark, generated, tmp_path):
+def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_documented_queries(spark, generated, tmp_path):
     """--catalog: one Parquet row per dispatched message with typed camelCase columns, one file per (topic,
-    day), and the README's two Spark SQL queries give the answers the store holds."""
+    day), and docs/backfill.md's two Spark SQL queries give the answers the store holds."""
     tmp, results, _ = generated
     catalog = tmp_path / "catalog"
     summary = backfill(make_config(tmp_path, "out", tmp / "store", backfill={"rangeBytes": 20_000}), spark=spark,
@@ -386,7 +386,7 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_readme_quer
     assert [r.commitLogOffset for r in key_hits] == [results[7].phy_offset]
     per_day = {(r.topic, str(r.date)): r.messages for r in spark.sql(CATALOG_QUERIES["per_day"]).collect()}
     assert per_day == {(t, "2023-11-14"): sum(1 for r in results if r.topic == t) for t in {r.topic for r in results}}
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "backfill.md").read_text()
     for query in CATALOG_QUERIES.values():
         assert " ".join(query.split()) in " ".join(readme.split())
 

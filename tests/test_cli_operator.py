@@ -501,7 +501,7 @@ def test_version_and_help_for_every_option():
 
     walk(parser, "reputd")
     assert missing == []
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "commands.md").read_text() + (ROOT / "docs" / "query.md").read_text()
     for option in ("--no-uniq-key", "--body-size", "--seed", "--save-body", "--until-caught-up", "--metrics"):
         assert option in readme
     res = run("query", "msgid", "--help")

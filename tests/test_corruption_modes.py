@@ -1,7 +1,7 @@
 """Corruption modes end to end: the real `reputd run` as a subprocess on a damaged store.
 
 tests/test_reader_corruption.py checks that the reader names each kind of damage; this file checks what
-the daemon does about it (README "Bad input" and "The live daemon"):
+the daemon does about it (docs/correctness.md "Bad input" and docs/recovery.md):
 
 * damage to a CommitLog record, or a missing segment: under `onCorruption: stop`, `--until-caught-up`
   exits 1 once with the checkpoint at the bad offset; a running daemon stays up at the bad offset,

@@ -1,7 +1,7 @@
 """Hostile input: topics that would be unsafe as directory names, and malformed property strings.
 
 A topic becomes `consumequeue/{topic}/`, so `/`, `\\`, `..`, NUL, control characters and (in a v1 record)
-more than 127 bytes make a record corrupt (README "Bad input"). Property strings are parsed as the broker
+more than 127 bytes make a record corrupt (docs/correctness.md "Bad input"). Property strings are parsed as the broker
 parses them: segments without a separator or with an empty name or value are skipped, invalid UTF-8 is
 replaced; a length field that does not fit its record is corruption.
 

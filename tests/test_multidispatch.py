@@ -802,7 +802,7 @@ def test_records_the_broker_cannot_dispatch_stop_the_rebuild(tmp_path: Path, pro
 
 def test_a_record_without_properties_at_the_end_is_waited_for(tmp_path: Path) -> None:
     """Its last byte is the zero of an empty PROPERTIESLENGTH, so at the very end of the written data it
-    cannot be told from a record still being copied in: not dispatched, not an error yet (README)."""
+    cannot be told from a record still being copied in: not dispatched, not an error yet (docs/correctness.md)."""
     log = tmp_path / "store" / "commitlog"
     log.mkdir(parents=True)
     first = raw_record(0, b"KEYS\x01k")

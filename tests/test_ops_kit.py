@@ -32,6 +32,7 @@ RULE_TESTS = ROOT / "config" / "prometheus" / "reputd-rules.test.yml"
 DASHBOARD = ROOT / "config" / "grafana" / "reputd-dashboard.json"
 SYSTEMD_README = ROOT / "systemd" / "README.md"
 README = ROOT / "README.md"
+OPERATIONS = ROOT / "docs" / "operations.md"
 
 PROMETHEUS_SERIES = {"up"}  # made by Prometheus itself, not by the daemon
 TARGET_LABELS = {"job", "instance"}  # added by Prometheus to every scraped series
@@ -230,14 +231,15 @@ def github_anchors(text: str) -> set[str]:
 
 
 def test_every_rule_links_a_runbook_that_exists_and_lag_alerts_keep_firing():
-    """runbook_url: the README section that says what to do for that alert, by name; the lag alerts keep
-    firing a while after dropping below the threshold, so a lag hovering there does not flap."""
-    anchors = github_anchors(README.read_text())
+    """runbook_url: the section of docs/operations.md that says what to do for that alert, by name (the anchor
+    GitHub and mkdocs both give its heading); the lag alerts keep firing a while after dropping below the
+    threshold, so a lag hovering there does not flap."""
+    anchors = github_anchors(OPERATIONS.read_text())
     for rule in load_rules():
         base, _, anchor = rule["annotations"]["runbook_url"].partition("#")
-        assert base == "README.md", rule["alert"]
+        assert base == "docs/operations.md", rule["alert"]
         assert anchor == rule["alert"].lower(), rule["alert"]
-        assert anchor in anchors, f"{rule['alert']}: README.md has no heading #{anchor}"
+        assert anchor in anchors, f"{rule['alert']}: docs/operations.md has no heading #{anchor}"
         if rule["alert"].startswith("ReputdDispatchLag"):
             assert rule["keep_firing_for"] == "5m", rule["alert"]
 
@@ -390,9 +392,11 @@ def test_promtool_parses_every_dashboard_query(tmp_path):
 
 
 def test_the_readme_links_the_kit():
-    text = README.read_text()
+    """The README links the rules, their tests and the dashboard; docs/operations.md names each."""
+    text, operations = README.read_text(), OPERATIONS.read_text()
     for path in (RULES, RULE_TESTS, DASHBOARD):
         assert f"({path.relative_to(ROOT)})" in text, path
+        assert f"`{path.relative_to(ROOT)}`" in operations, path
 
 
 # --- logs: every line reputd writes to stdout is JSON -----------------------------------------------------

@@ -677,3 +677,4 @@ def test_docker_docs_say_podman_needs_the_docker_format():
     header = DOCKERFILE.read_text()
     assert "--format docker" in header
     assert "--format docker" in (ROOT / "README.md").read_text()
+    assert "--format docker" in (ROOT / "docs" / "operations.md").read_text()

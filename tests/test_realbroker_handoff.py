@@ -46,7 +46,7 @@ SEED = int(os.environ.get("STRESS_HANDOFF_SEED", "27"))
 WRITES = stress.scale(500, 3000)
 # 1,000 entries per IndexFile, not LiveWriter's 400: the store dispatching a whole CommitLog alone fills
 # 400-entry files faster than one per millisecond, names the next file as the full one and drops its keys
-# (4.9.3, see the README's "What exact means"), which would make the reference lose keys, not the handoff
+# (4.9.3, see docs/correctness.md, "What exact means"), which would make the reference lose keys, not the handoff
 SIZES = {"mappedFileSizeCommitLog": 1 << 20, "mappedFileSizeConsumeQueue": 6000, "maxHashSlotNum": 97,
          "maxIndexNum": 1000}
 SIZE_FLAGS = ["--commitlog-size", str(SIZES["mappedFileSizeCommitLog"]), "--cq-size",

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_SELECTOR = 'job="reputd"'
-DEFAULT_RUNBOOK_BASE = "README.md"
+DEFAULT_RUNBOOK_BASE = "docs/operations.md"
 RULES = Path(__file__).resolve().parent / "reputd-rules.yml"
 MATCHER = r'\s*[a-zA-Z_]\w*\s*(?:=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
 SELECTOR = re.compile(rf"{MATCHER}(?:,{MATCHER})*")
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--selector", default=DEFAULT_SELECTOR, help="label matchers of reputd's scrape targets")
     parser.add_argument("--runbook-base", default=DEFAULT_RUNBOOK_BASE,
-                        help="where operators read reputd's README (the runbook links add #anchor)")
+                        help="where operators read reputd's docs/operations.md (the runbook links add #anchor)")
     parser.add_argument("--rules", type=Path, default=RULES, help="the shipped rules to render")
     args = parser.parse_args(argv)
     try:

@@ -62,7 +62,7 @@ SCHEMA = pa.schema([
 ])
 BODY_FIELD = pa.field("body", pa.binary())
 
-# The README's examples, over `spark.read.parquet(PATH).createOrReplaceTempView("catalog")`.
+# docs/backfill.md's examples, over `spark.read.parquet(PATH).createOrReplaceTempView("catalog")`.
 CATALOG_QUERIES = {
     "key": ("SELECT commitLogOffset, msgId, queueId, queueOffset, storeTime, tags, keys FROM catalog "
             "WHERE topic = '{topic}' AND array_contains(keys, '{key}') "

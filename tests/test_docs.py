@@ -1,0 +1,80 @@
+"""The documentation holds to the code: the generated configuration page, the README's links and the mkdocs nav
+(issue 30, item 3)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from daemon import config
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub and mkdocs give a Markdown file's headings (outside fenced code)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+
+
+def test_the_configuration_page_is_the_one_the_key_table_generates():
+    """docs/configuration.md's key reference is what tools/config_reference.py writes from daemon/config.py's
+    key table, so a key added, removed or re-checked without regenerating the page fails here."""
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "config_reference.py"), "--check"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    page = (DOCS / "configuration.md").read_text()
+    for key in config._KEY_LIST:
+        assert f"### `{key.dotted}`" in page, key.dotted
+        assert f"`{config.env_var_name(key.section, key.name)}`" in page, key.dotted
+
+
+def test_a_stale_configuration_page_is_reported(tmp_path, monkeypatch):
+    """--check exits 1 and names the command when the page and the key table disagree."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import config_reference
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    stale = tmp_path / "configuration.md"
+    stale.write_text((DOCS / "configuration.md").read_text().replace("`store.maxIndexNum`", "`store.maxIndexNumber`"))
+    monkeypatch.setattr(config_reference, "PAGE", stale)
+    assert config_reference.main(["--check"]) == 1
+    assert config_reference.main([]) == 0
+    assert stale.read_text() == (DOCS / "configuration.md").read_text()
+
+
+def test_the_readme_is_a_short_document_whose_links_resolve():
+    """The README stays a user's first ten minutes (at most ~350 lines), and every relative link in it names a
+    file that exists and, with an anchor, a heading of that file (mkdocs checks docs/ itself, not the README)."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 350
+    targets = [t for t in LINK.findall(text) if not t.startswith(("http://", "https://"))]
+    assert any(t.startswith("docs/") for t in targets)
+    for target in targets:
+        path, _, anchor = target.partition("#")
+        file = ROOT / path if path else README
+        assert file.is_file(), target
+        if anchor:
+            assert anchor in anchors(file.read_text()), target
+
+
+def test_every_docs_page_is_in_the_mkdocs_nav():
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    listed = {page for entry in nav for page in entry.values()}
+    assert listed == {p.name for p in DOCS.glob("*.md")}
+
+
+def test_the_readme_links_every_docs_page():
+    text = README.read_text()
+    for page in DOCS.glob("*.md"):
+        if page.name != "index.md":
+            assert f"(docs/{page.name})" in text, page.name
