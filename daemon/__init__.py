@@ -35,5 +35,12 @@ def __getattr__(name: str) -> str:
 
     try:
         return version("reputd")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "0+unknown"
+    except PackageNotFoundError:  # a source tree that was never installed: the one place it is written
+        import tomllib  # noqa: PLC0415 - see above
+
+        try:
+            pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+            with open(pyproject, "rb") as f:
+                return tomllib.load(f)["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "0+unknown"

@@ -1,11 +1,12 @@
-"""The documentation holds to the code: the generated configuration page, the README's links and the mkdocs nav
-(issue 30, item 3)."""
+"""The documentation holds to the code: the generated configuration page, the README's links, the mkdocs nav, and
+the version written in one place (issue 30, items 3 and 4)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import yaml
@@ -15,6 +16,7 @@ from daemon import config
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -78,3 +80,28 @@ def test_the_readme_links_every_docs_page():
     for page in DOCS.glob("*.md"):
         if page.name != "index.md":
             assert f"(docs/{page.name})" in text, page.name
+
+
+def test_the_version_is_written_once_and_read_everywhere():
+    """pyproject.toml holds the version; `reputd --version` and daemon.__version__ read it; the changelog's newest
+    release names it; no module writes a version of its own."""
+    import daemon
+
+    assert daemon.__version__ == VERSION
+    done = subprocess.run([str(Path(sys.executable).parent / "reputd"), "--version"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert (done.returncode, done.stdout) == (0, f"reputd {VERSION}\n")
+    releases = re.findall(r"^## \[(\d[^\]]*)\]", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert releases, "CHANGELOG.md names no release"
+    assert releases[0] == VERSION
+    for path in [*ROOT.glob("daemon/**/*.py"), *ROOT.glob("indexcore/**/*.py")]:
+        assert not re.search(r"""__version__\s*=|version\s*=\s*["']\d""", path.read_text()), path
+
+
+def test_a_source_tree_never_installed_reads_the_version_from_pyproject(tmp_path):
+    """Without installed metadata (the package on PYTHONPATH, run isolated from the venv's site-packages),
+    daemon.__version__ is still pyproject.toml's."""
+    done = subprocess.run([sys.executable, "-S", "-c", "import daemon; print(daemon.__version__)"],
+                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert (done.returncode, done.stdout.strip()) == (0, VERSION), done.stderr
