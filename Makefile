@@ -11,7 +11,7 @@ INSTALL = $(BIN)/pip install --quiet -e
 COMPILE = $(BIN)/python -m compileall -q daemon indexcore
 DEPS    := pyproject.toml setup.py indexcore/_kernels.c
 
-.PHONY: run test lint bench clean stress
+.PHONY: run test lint docs bench clean stress
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,16 +33,21 @@ run: $(VENV)/.installed-run
 	$(BIN)/python -m daemon.sample_store --config $(CONFIG)
 	$(BIN)/reputd run --config $(CONFIG)
 
+# docs/ built strictly (a broken link or anchor fails) into a temporary directory, so nothing is written into
+# the tree; not with --quiet, which hides the warnings that --strict counts. `mkdocs serve` shows them.
+DOCS_BUILD = site=$$(mktemp -d) && { $(BIN)/mkdocs build --strict --site-dir "$$site"; status=$$?; \
+	rm -rf "$$site"; exit $$status; }
+
 # .ci/system-tools: the command-line tools some tests run, installed when this runs as root with apt-get
-# (elsewhere those tests skip, saying why; with CI=true a missing one fails). The docs are built strictly
-# (a broken link or anchor fails) into a temporary directory, so nothing is written into the tree; not
-# with --quiet, which hides the warnings that --strict counts.
+# (elsewhere those tests skip, saying why; with CI=true a missing one fails)
 test: $(VENV)/.installed-test
 	.ci/system-tools --install
 	$(BIN)/ruff check .
-	site=$$(mktemp -d) && { $(BIN)/mkdocs build --strict --site-dir "$$site"; status=$$?; rm -rf "$$site"; \
-		exit $$status; }
+	$(DOCS_BUILD)
 	$(BIN)/python -m pytest -q
+
+docs: $(VENV)/.installed-test
+	$(DOCS_BUILD)
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
