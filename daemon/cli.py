@@ -459,6 +459,8 @@ def cmd_rebuild(args, config: Config) -> int:
     from daemon.rebuild import FromOffsetError, IndexSequenceGap, ProgressBar, RebuildFailed, rebuild
 
     _check_inputs(args, config)
+    if args.from_offset is not None:  # inside a record is a usage error found before anything is written
+        _check_record_boundaries(config, {"--from": args.from_offset})
     _lock_output(args, config)
     raise_open_files_limit()
     bar = ProgressBar() if sys.stderr.isatty() else None

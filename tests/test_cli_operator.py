@@ -249,6 +249,24 @@ def test_rebuild_from_outside_the_commitlog_is_a_usage_error(tmp_path):
     assert "rebuilt 0 new messages" in res.stdout
 
 
+def test_rebuild_from_inside_a_record_is_a_usage_error_naming_the_nearest_boundaries(tmp_path):
+    """--from inside a record exits 2 before anything is written (as backfill's --from/--to), naming the
+    record it falls in, where the docs promise a record boundary."""
+    results = make_store(tmp_path, topics=("TopicA",), n=50)
+    config = write_config(tmp_path)
+    second = results[1]
+    inside = second.phy_offset + 7
+    res = run("rebuild", "--config", str(config), "--out", str(tmp_path / "fresh"), "--from", str(inside))
+    assert res.returncode == 2
+    assert (f"--from {inside} is not a record boundary: it falls inside the record at [{second.phy_offset}, "
+            f"{second.phy_offset + second.msg_size})") in res.stderr
+    assert res.stdout == ""
+    no_traceback(res)
+    assert not (tmp_path / "fresh").exists()
+    res = run("rebuild", "--config", str(config), "--out", str(tmp_path / "fresh"), "--from", str(second.phy_offset))
+    assert res.returncode == 0, res.stderr
+
+
 def test_begin_later_than_end_is_a_usage_error(built):
     _tmp, config, _ = built
     res = run("query", "key", "TopicA", "order-0", "--config", str(config), "--begin", "2000", "--end", "1000")

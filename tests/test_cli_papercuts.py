@@ -69,16 +69,16 @@ def test_run_on_a_busy_metrics_port_creates_no_output_directory(tmp_path):
 
 
 def test_a_failed_rebuild_leaves_an_existing_directory_as_it_was(tmp_path):
-    """--from inside a record: exit 1; the directory existed, so it stays, holding only what it held
-    (not the lock file, not a checkpoint)."""
+    """--from inside a record: exit 2 (found before the lock); the directory existed, so it stays, holding
+    only what it held (not the lock file, not a checkpoint)."""
     make_store(tmp_path, n=40)
     config = write_config(tmp_path)
     out = tmp_path / "existing"
     out.mkdir()
     (out / "notes.txt").write_text("mine\n")
     res = run("rebuild", "--config", str(config), "--out", str(out), "--from", "5")
-    assert res.returncode == 1
-    assert "--from 5 may not be the start of a record" in res.stderr
+    assert res.returncode == 2
+    assert "--from 5 is not a record boundary: it falls inside the record at [0, " in res.stderr
     assert listing(out) == ["notes.txt"]
 
 
