@@ -172,8 +172,8 @@ class ReputService:
         return self._stop
 
     def request_stop(self, reason: str = "signal") -> None:
-        """Safe in a signal handler: only sets flags (logging there could deadlock on the log's lock);
-        the loop reports the request when it sees it."""
+        """Sets the stop and wake events (it takes their locks: never call it from a signal handler, see
+        `run_daemon`); the loop reports the request when it sees it."""
         if self._stop_reason is None:
             self._stop_reason = reason
         self._stop.set()
@@ -730,7 +730,7 @@ def run_daemon(config: Config, *, until_caught_up: bool = False,
         os._exit(EXIT_FAILURE)
 
     def guard() -> None:
-        """Started before any signal can arrive, so the handler itself only sets flags."""
+        """Started before any signal can arrive."""
         service.stopping.wait()
         if not finished.is_set():
             service.notify_stopping()
@@ -738,9 +738,28 @@ def run_daemon(config: Config, *, until_caught_up: bool = False,
             give_up()
 
     def on_signal(signum, _frame) -> None:
-        service.request_stop(signal.Signals(signum).name)
+        """Does nothing: a Python handler runs in the main thread between two bytecodes, possibly inside a
+        lock the loop holds (setting the wake event while the loop cleared it deadlocked a SIGTERM until
+        the shutdown timeout). The interpreter writes the signal's number to the wake-up descriptor, and
+        `relay` stops the service from a thread of its own."""
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+
+    def relay() -> None:
+        try:
+            while True:
+                for signum in os.read(read_end, 64):
+                    if signum == 0:  # run_daemon is done
+                        return
+                    if signum in (signal.SIGTERM, signal.SIGINT):
+                        service.request_stop(signal.Signals(signum).name)
+        finally:
+            os.close(read_end)
 
     threading.Thread(target=guard, name="reputd-shutdown-guard", daemon=True).start()
+    threading.Thread(target=relay, name="reputd-signal-relay", daemon=True).start()
+    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)  # before a signal can arrive
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = service.run()
@@ -748,6 +767,9 @@ def run_daemon(config: Config, *, until_caught_up: bool = False,
         finished.set()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(previous_fd)
+        os.write(write_end, b"\0")
+        os.close(write_end)
     if on_exit is not None:
         on_exit(service.summary())
     return code
