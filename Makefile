@@ -60,7 +60,8 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
 # The long mode of every stress-capable suite (the test files that import tests.stress, then bench/soak.py
-# when present); each suite's figures are collected in stress-report.jsonl, printed at the end.
+# and the accelerated life, bench/life.py: REPUTD_LIFE_SECONDS, default 240); each suite's figures are
+# collected in stress-report.jsonl, printed at the end.
 STRESS_REPORT := stress-report.jsonl
 # suites with no long mode of their own whose cases the stress report lists too
 STRESS_ALSO := tests/test_corruption_modes.py tests/test_hostile_input.py
@@ -71,4 +72,5 @@ stress: $(VENV)/.installed-test
 	if test -f bench/soak.py; then \
 		REPUTD_STRESS=1 REPUTD_STRESS_REPORT=$(STRESS_REPORT) $(BIN)/python bench/soak.py || status=1; \
 	fi; \
+	REPUTD_STRESS=1 REPUTD_STRESS_REPORT=$(STRESS_REPORT) $(BIN)/python bench/life.py || status=1; \
 	echo "--- $(STRESS_REPORT)"; cat $(STRESS_REPORT) 2>/dev/null; exit $$status

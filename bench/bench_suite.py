@@ -55,6 +55,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.latency import LatencyHistogram  # noqa: E402
 from bench.paced_writer import PacedWriter  # noqa: E402
 from daemon.config import load_config  # noqa: E402
 from daemon.query import query_key  # noqa: E402
@@ -320,11 +321,10 @@ def bench_live(work: Path, seconds: float, idle_seconds: float, rate: int = LIVE
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
         writer.close()
-    lat = np.array(json.loads(latency_file.read_text())["latency_ms"])
+    lat = LatencyHistogram.load(str(latency_file)).summary()
     return {"scenario": "live", "rate_requested": rate, "rate_achieved": wrote["msgs_per_s"],
-            "messages": wrote["messages"], "dispatched": int(lat.size), "seconds": wrote["seconds"],
-            "latency_ms_p50": round(float(np.percentile(lat, 50)), 1),
-            "latency_ms_p99": round(float(np.percentile(lat, 99)), 1), "latency_ms_max": round(float(lat.max()), 1),
+            "messages": wrote["messages"], "dispatched": lat["count"], "seconds": wrote["seconds"],
+            "latency_ms_p50": lat["p50_ms"], "latency_ms_p99": lat["p99_ms"], "latency_ms_max": lat["max_ms"],
             "daemon_cpu_busy": round(busy, 3), "daemon_cpu_idle": round(idle, 4),
             "peak_rss_mb": round(peak_rss / MIB, 1), "writer_cpu": wrote["cpu_fraction"], "exit_code": code}
 

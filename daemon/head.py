@@ -38,14 +38,15 @@ PHYSICAL_OFFSET_FIELD, STORE_TIMESTAMP_FIELD = 6, 11  # in fixed_part_struct's f
 FIXED_PART_MAX = fixed_part_struct(BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG).size  # up to BODYLENGTH, IPv6 hosts
 
 
-def _data_frontier(path: str, start: int, size: int, offset: int, horizon: int | None = None) -> int:
+def _data_frontier(path: str, start: int, size: int, offset: int, horizon: int | None = None,
+                   head: HeadDescriptor | None = None) -> int:
     """In the segment file `path` (CommitLog offsets [start, start + size)): the end of the last non-zero
     byte before the first all-zero page past `offset`'s page, found by galloping then bisecting pages (a
     zero page inside a record only makes it lower); with `horizon`, simply a written page that many bytes
-    on when there is one. `offset` itself on any error."""
+    on when there is one. `offset` itself on any error. With `head`, through its descriptor of `path`."""
     page = mmap.PAGESIZE
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY) if head is None else head.fd(path)
     except OSError:
         return offset
 
@@ -73,20 +74,47 @@ def _data_frontier(path: str, start: int, size: int, offset: int, horizon: int |
         tail = os.pread(fd, page, lo * page).rstrip(b"\0")
         return start + lo * page + len(tail)
     except OSError:
+        if head is not None:
+            head.close()  # opened again next time
         return offset
     finally:
-        os.close(fd)
+        if head is None:
+            os.close(fd)
 
 
-def written_below(commit_log: CommitLog, offset: int, horizon: int) -> int:
+class HeadDescriptor:
+    """One read-only descriptor of the segment the loop reads, kept open from read to read: the loop looks
+    for the data frontier (`written_below`) before every read, several hundred times a second when
+    following a broker, and opening and closing the file each time cost more than the look itself (and
+    raised two file events). Used by the loop's thread only; a new path closes the old descriptor."""
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._fd = -1
+
+    def fd(self, path: str) -> int:
+        if path != self._path:
+            self.close()
+            self._fd = os.open(path, os.O_RDONLY)
+            self._path = path
+        return self._fd
+
+    def close(self) -> None:
+        if self._path is not None:
+            self._path = None
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def written_below(commit_log: CommitLog, offset: int, horizon: int, head: HeadDescriptor | None = None) -> int:
     """A point of the segment holding `offset` below which every byte a front-to-back writer meant to write
     is in (`_data_frontier`, or a written page `horizon` bytes on: no read ends past it). A record copied
     in another order (TOTALSIZE last) does not decode before it is complete: only front-to-back copies
-    need it."""
+    need it. `head`: a descriptor kept open for the loop."""
     path = commit_log.find_segment(offset)
     if path is None:
         return offset
-    return _data_frontier(path, commit_log.segment_start(offset), commit_log.segment_size, offset, horizon)
+    return _data_frontier(path, commit_log.segment_start(offset), commit_log.segment_size, offset, horizon, head)
 
 
 def hold_torn_tail(s: Session, offset: int, result: ReadResult, written: int) -> ReadResult:
@@ -126,11 +154,7 @@ def hold_torn_tail(s: Session, offset: int, result: ReadResult, written: int) ->
         cut = n - 1  # the next read decides
     start = int(batch.phy_offset[first])
     again = _read_records(s, start, result.next_offset - start)
-    for i in range(first, cut):
-        j = i - first
-        if j >= len(again.batch) or not _same_dispatch(again.batch, j, batch, i):
-            cut = i
-            break
+    cut = first + _rows_alike(again.batch, batch, first, cut - first)
     if cut == n:
         return result
     head = _read_records(s, offset, int(batch.phy_offset[cut]) - offset) if cut else None
@@ -150,10 +174,49 @@ def _read_records(s: Session, offset: int, max_bytes: int) -> ReadResult:
         s.reader.batch_bytes = limit
 
 
-def _same_dispatch(a, i: int, b, j: int) -> bool:
-    """Whether row `i` of batch `a` dispatches as row `j` of batch `b`."""
-    return (a.topic_of(i) == b.topic_of(j) and a.keys[i] == b.keys[j] and a.uniq_key[i] == b.uniq_key[j]
-            and all(int(getattr(a, c)[i]) == int(getattr(b, c)[j]) for c in _DISPATCH_COLUMNS))
+def _rows_alike(a: DispatchBatch, b: DispatchBatch, first: int, n: int) -> int:
+    """How many rows, from the first, of batch `a` dispatch as the `n` rows of batch `b` from row `first`:
+    the same topic, KEYS, UNIQ_KEY and numeric columns. Compared column by column over the whole run (a
+    writer's copy caught by a read is hundreds of records: a row-by-row comparison in Python cost
+    milliseconds of the loop)."""
+    m = min(n, len(a))
+    if m <= 0:
+        return 0
+    rows = slice(first, first + m)
+    differ = np.zeros(m, dtype=bool)
+    for c in _DISPATCH_COLUMNS:
+        differ |= getattr(a, c)[:m] != getattr(b, c)[rows]
+    differ |= _topic_names(a)[:m] != _topic_names(b)[rows]
+    differ |= _strings_differ(a.keys, 0, b.keys, first, m)
+    differ |= _strings_differ(a.uniq_key, 0, b.uniq_key, first, m)
+    hit = np.flatnonzero(differ)
+    return int(hit[0]) if len(hit) else m
+
+
+def _topic_names(batch: DispatchBatch) -> np.ndarray:
+    """Each row's topic name (two reads may number topics differently)."""
+    if not batch.topics:
+        return np.full(len(batch), None, dtype=object)
+    return np.array(batch.topics, dtype=object)[batch.topic_id]
+
+
+def _strings_differ(a, i0: int, b, j0: int, m: int) -> np.ndarray:
+    """For each of `m` rows, whether StringColumn `a` from row `i0` and `b` from row `j0` hold different
+    values (None, or other bytes), compared as arrays."""
+    text_a, at_a, len_a = a.arrays()
+    text_b, at_b, len_b = b.arrays()
+    at_a, len_a = at_a[i0 : i0 + m], len_a[i0 : i0 + m]
+    at_b, len_b = at_b[j0 : j0 + m], len_b[j0 : j0 + m]
+    differ = ((at_a < 0) != (at_b < 0)) | (len_a != len_b)
+    rows = np.flatnonzero(~differ & (at_a >= 0) & (len_a > 0))
+    if len(rows):
+        lengths = len_a[rows].astype(np.int64)
+        starts = np.cumsum(lengths) - lengths
+        within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(starts, lengths)
+        bytes_a = np.frombuffer(text_a, dtype=np.uint8)[np.repeat(at_a[rows].astype(np.int64), lengths) + within]
+        bytes_b = np.frombuffer(text_b, dtype=np.uint8)[np.repeat(at_b[rows].astype(np.int64), lengths) + within]
+        differ[rows] |= np.logical_or.reduceat(bytes_a != bytes_b, starts)
+    return differ
 
 
 _DISPATCH_COLUMNS = ("phy_offset", "msg_size", "queue_id", "queue_offset", "sys_flag", "store_timestamp",

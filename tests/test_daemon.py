@@ -569,3 +569,34 @@ def test_the_daemon_writes_the_brokers_bytes(tmp_path, conformance):
     out = tmp_path / "store"
     assert files_under(out / "consumequeue") == files_under(conformance.store / "consumequeue")
     assert list(files_under(out / "index").values()) == list(files_under(conformance.store / "index").values())
+
+
+SIGNAL_INSIDE_WAKE_LOCK = """
+import os, signal, sys, time
+from daemon import reput
+from daemon.config import load_config
+
+def run(self):
+    with self._wake._cond:  # the loop clearing its wake event when SIGTERM arrives
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the Python handler runs here, inside the lock
+    return 0 if self.stopping.wait(10) else 3
+
+reput.ReputService.run = run
+sys.exit(reput.run_daemon(load_config(sys.argv[1], {})))
+"""
+
+
+def test_sigterm_while_the_loop_holds_its_wake_lock_stops_cleanly(tmp_path):
+    """A SIGTERM that lands while the loop holds the wake event's lock (it clears the event after every file
+    event) stops the daemon: the handler takes no lock (it once set that event from the handler and hung
+    until the shutdown timeout, exit 1, no final checkpoint)."""
+    (tmp_path / "store" / "commitlog").mkdir(parents=True)
+    config = tmp_path / "reputd.yaml"
+    config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(tmp_path / "store")},
+                                      "output": {"dir": str(tmp_path / "out")}, "metrics": {"enabled": False}}))
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_WAKE_LOCK, str(config)],
+                          cwd=Path(__file__).parent.parent, env=clean_env(), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "shutdown_timeout" not in proc.stdout

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from indexcore.commitlog import (
     BLANK_MAGIC_CODE,
@@ -442,3 +444,43 @@ def test_a_torn_record_is_held_back_whatever_ended_the_read(tmp_path, ended):
     again = session.reader.read(held.next_offset, verify_end=False)
     assert again.batch.uniq_key[0] == f"{2:032X}"
     session.reader.close()
+
+
+def _rows_alike_by_row(a, b, first: int, n: int) -> int:
+    """The row-by-row rule `_rows_alike` replaced: the first row of `a` that differs from b's row first + j."""
+    for j in range(n):
+        i = first + j
+        if j >= len(a) or not (
+                a.topic_of(j) == b.topic_of(i) and a.keys[j] == b.keys[i] and a.uniq_key[j] == b.uniq_key[i]
+                and all(int(getattr(a, c)[j]) == int(getattr(b, c)[i]) for c in (
+                    "phy_offset", "msg_size", "queue_id", "queue_offset", "sys_flag", "store_timestamp", "tags_code",
+                    "prepared_transaction_offset"))):
+            return j
+    return n
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_rows_alike_finds_the_first_row_that_differs(data):
+    """hold_torn_tail compares a read again column by column: the first differing row is the one a
+    row-by-row comparison finds, whatever field differs (KEYS, UNIQ_KEY, None against a value, the topic,
+    a number), and a shorter second read stops the run."""
+    from daemon.head import _rows_alike
+    from tests.conftest import DispatchRec, make_dispatch_batch
+
+    text = st.one_of(st.none(), st.text(max_size=6))
+    n = data.draw(st.integers(1, 12))
+    recs = [DispatchRec(topic=data.draw(st.sampled_from(["TopicA", "订单Topic"])), queue_id=i % 3, queue_offset=i,
+                        phy_offset=100 * i, msg_size=100, sys_flag=0, store_timestamp=1, tags_code=i,
+                        keys=data.draw(text), uniq_key=data.draw(text)) for i in range(n)]
+    first = data.draw(st.integers(0, n - 1))
+    again = list(recs[first:])
+    if again and data.draw(st.booleans()):
+        j = data.draw(st.integers(0, len(again) - 1))
+        field = data.draw(st.sampled_from(["topic", "keys", "uniq_key", "tags_code", "queue_offset"]))
+        value = {"topic": "TopicB", "keys": data.draw(text), "uniq_key": data.draw(text), "tags_code": -1,
+                 "queue_offset": -1}[field]
+        again[j] = again[j]._replace(**{field: value})
+    again = again[: data.draw(st.integers(0, len(again)))]
+    a, b = make_dispatch_batch(again), make_dispatch_batch(recs)
+    assert _rows_alike(a, b, first, n - first) == _rows_alike_by_row(a, b, first, n - first)
