@@ -18,7 +18,7 @@ from daemon.rebuild import make_reader, open_commit_log
 from daemon.render import human_time
 from daemon.verify import ABORT_FILE, LOCK_FILE, lock_held
 from indexcore.checkpoint import CHECKPOINT_FILE, CHECKPOINT_FILE_SIZE, StoreCheckpoint
-from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE
+from indexcore.consumequeue import CONSUME_QUEUE_DIR, last_written_unit
 from indexcore.errors import StoreError
 from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE, IndexHeader
 from indexcore.indexservice import INDEX_DIR
@@ -70,24 +70,9 @@ def hold_broker_lock(root: str) -> int | None:
 
 
 def _last_unit_offset(path: str) -> int:
-    """The CommitLog offset of the last unit of a ConsumeQueue file (the first invalid unit ends them, as
-    the broker's recovery finds its write position), by bisection; -1 when it holds no real unit."""
-    with open(path, "rb") as f:
-        def unit(i: int) -> tuple[int, int, int]:
-            return CQ_UNIT.unpack(os.pread(f.fileno(), CQ_UNIT_SIZE, i * CQ_UNIT_SIZE))
-
-        lo, hi = 0, os.path.getsize(path) // CQ_UNIT_SIZE
-        while lo < hi:
-            mid = (lo + hi) // 2
-            phy, msg_size, _ = unit(mid)
-            if phy >= 0 and msg_size > 0:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo == 0:
-            return -1
-        phy, msg_size, _ = unit(lo - 1)
-        return -1 if msg_size == BLANK_UNIT_MSG_SIZE else phy
+    """The CommitLog offset of the last unit of a ConsumeQueue file; -1 when it holds no real unit."""
+    last = last_written_unit(path)
+    return -1 if last is None else last[0]
 
 
 def newest_unit_offset(out: str) -> int:

@@ -42,7 +42,7 @@ from daemon.readahead import ReadAhead
 from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader, widen_thin_batches, written_end_of
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
-from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE
+from indexcore.consumequeue import CONSUME_QUEUE_DIR, last_written_unit
 from indexcore.dispatch import index_keys_of
 from indexcore.errors import SizeMismatchError, StoreError
 from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE, index_file_size
@@ -164,26 +164,9 @@ def _same_dir(a: str, b: str) -> bool:
 
 
 def _queue_end(path: str) -> int:
-    """The CommitLog end of the last unit of a ConsumeQueue file, found as the broker's recovery finds the
-    write position (the first invalid unit), by bisection; -1 when it holds no real unit."""
-    size = os.path.getsize(path)
-    n = size // CQ_UNIT_SIZE
-    with open(path, "rb") as f:
-        def unit(i: int) -> tuple[int, int, int]:
-            return CQ_UNIT.unpack(os.pread(f.fileno(), CQ_UNIT_SIZE, i * CQ_UNIT_SIZE))
-
-        lo, hi = 0, n
-        while lo < hi:
-            mid = (lo + hi) // 2
-            phy, msg_size, _ = unit(mid)
-            if phy >= 0 and msg_size > 0:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo == 0:
-            return -1
-        phy, msg_size, _ = unit(lo - 1)
-        return -1 if msg_size == BLANK_UNIT_MSG_SIZE else phy + msg_size
+    """The CommitLog end of the last unit of a ConsumeQueue file; -1 when it holds no real unit."""
+    last = last_written_unit(path)
+    return -1 if last is None else last[0] + last[1]
 
 
 def dispatch_frontier(out: str, commit_log: CommitLog, broker_checkpoint: StoreCheckpoint | None,

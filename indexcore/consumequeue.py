@@ -171,6 +171,28 @@ def _last_real_unit_end(units: np.ndarray) -> int:
     return int(last["commit_log_offset"]) + int(last["msg_size"])
 
 
+def last_written_unit(path: str) -> tuple[int, int] | None:
+    """(commit_log_offset, msg_size) of a ConsumeQueue file's last unit, found as the broker's recovery finds
+    its write position (the first invalid unit ends them), by bisection over a few reads; None when it holds
+    no unit or ends in a pre-blank unit, which says nothing about the CommitLog."""
+    with open(path, "rb") as f:
+        def unit(i: int) -> tuple[int, int, int]:
+            return CQ_UNIT.unpack(os.pread(f.fileno(), CQ_UNIT_SIZE, i * CQ_UNIT_SIZE))
+
+        lo, hi = 0, os.fstat(f.fileno()).st_size // CQ_UNIT_SIZE
+        while lo < hi:
+            mid = (lo + hi) // 2
+            phy, msg_size, _ = unit(mid)
+            if phy >= 0 and msg_size > 0:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == 0:
+            return None
+        phy, msg_size, _ = unit(lo - 1)
+    return None if msg_size == BLANK_UNIT_MSG_SIZE else (phy, msg_size)
+
+
 def _data_regions(fd: int, size: int) -> list[tuple[int, int]]:
     """The [start, end) byte ranges of a file that hold data (SEEK_DATA/SEEK_HOLE); the rest reads as zeros.
     A file system without them reports the whole file."""
