@@ -26,7 +26,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -46,7 +45,7 @@ from daemon.backfill.commit import (
     remove_tree,
     staging_root,
 )
-from daemon.backfill.jvm import ClassArchive, choose_archive, java_version_text, save_archive
+from daemon.backfill.jvm import ClassArchive, choose_archive, end_gateway, java_version_text, save_archive
 from daemon.backfill.plan import (
     BackfillError,
     IndexLayout,
@@ -462,25 +461,9 @@ def kill_spark_processes() -> None:
 
 
 def end_driver_jvm() -> None:
-    """After the session has stopped: end the gateway JVM this process launched (it exits at the end of its
-    standard input), killing it if it does not; the Python process may go on (a test, a caller)."""
-    from pyspark import SparkContext  # noqa: PLC0415
-
-    gateway = SparkContext._gateway
-    proc = getattr(gateway, "proc", None)
-    if proc is None:
-        return
-    with contextlib.suppress(Exception):
-        gateway.shutdown()
-    with contextlib.suppress(OSError):
-        proc.stdin.close()
-    try:
-        proc.wait(timeout=GATEWAY_EXIT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    SparkContext._gateway = None
-    SparkContext._jvm = None
+    """After the session has stopped: end the gateway JVM this process launched, killing it if it does not
+    exit; the Python process may go on (a test, a caller)."""
+    end_gateway(GATEWAY_EXIT_TIMEOUT_S)
 
 
 class _Interrupt:

@@ -121,25 +121,32 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def save_archive(archive: ClassArchive) -> bool:
-    """After the session has stopped: end the driver JVM (it writes the archive as it exits) and move the
-    archive into place. False when there was nothing to save (the JVM was not this backfill's)."""
+def end_gateway(timeout: float) -> None:
+    """End the gateway JVM this process launched (PySpark's; it exits at the end of its standard input),
+    killing it if it has not within `timeout` seconds; nothing when this process launched none."""
     from pyspark import SparkContext  # noqa: PLC0415
 
     gateway = SparkContext._gateway
     proc = getattr(gateway, "proc", None)
-    if proc is not None:
-        with contextlib.suppress(Exception):
-            gateway.shutdown()
-        with contextlib.suppress(OSError):
-            proc.stdin.close()  # the gateway server exits at the end of its standard input
-        try:
-            proc.wait(timeout=SAVE_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        SparkContext._gateway = None
-        SparkContext._jvm = None
+    if proc is None:
+        return
+    with contextlib.suppress(Exception):
+        gateway.shutdown()
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+
+
+def save_archive(archive: ClassArchive) -> bool:
+    """After the session has stopped: end the driver JVM (it writes the archive as it exits) and move the
+    archive into place. False when there was nothing to save (the JVM was not this backfill's)."""
+    end_gateway(SAVE_TIMEOUT_SECONDS)
     temporary = archive.temporary
     if not os.path.isfile(temporary) or os.path.getsize(temporary) == 0:
         with contextlib.suppress(OSError):
