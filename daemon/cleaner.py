@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.logs import get_logger
 from daemon.metrics import ErrorKind, FileKind
+from daemon.periodic import Periodic
 from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import list_queue_files
 from indexcore.retention import (
@@ -92,33 +92,23 @@ def _named(dispatchers: list[Dispatcher], kind: type):
     return next((d for d in dispatchers if isinstance(d, kind)), None)
 
 
-class Cleaner:
+class Cleaner(Periodic):
     """Deletes expired output files of a session, paced; `clean_once` is one pass of the broker's service."""
 
     def __init__(self, session: Session, metrics: ReputMetrics | None = None, *,
                  interval_ms: int | None = None, pause_ms: int | None = None):
         store = session.config.store
+        super().__init__("reputd-cleaner",
+                         (store.clean_resource_interval if interval_ms is None else interval_ms) / MS_PER_SECOND)
         self.session = session
         self.metrics = metrics if metrics is not None else session.metrics
-        self.interval = (store.clean_resource_interval if interval_ms is None else interval_ms) / MS_PER_SECOND
         self.pause = (store.delete_consume_queue_files_interval if pause_ms is None else pause_ms) / MS_PER_SECOND
         self.last_cleaned = 0  # lastPhysicalMinOffset
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reputd-cleaner", daemon=True)
         self._log = get_logger(component="cleaner")
         self._failed: str | None = None
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.clean_reported()
+    def tick(self) -> None:
+        self.clean_reported()
 
     def clean_reported(self, *, pause: bool = True) -> CleanPass | None:
         """`clean_once`, an error reported (once per distinct error: the next interval tries again)."""

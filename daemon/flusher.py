@@ -12,7 +12,6 @@ offset does it write the checkpoint. As on the broker, a queue with fewer than
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 from daemon.checkpoint import Checkpoint, write_checkpoint
 from daemon.dispatchers import FlushPlan, sync_paths
 from daemon.logs import get_logger
+from daemon.periodic import Periodic
 from indexcore import _kernels
 
 if TYPE_CHECKING:
@@ -126,40 +126,29 @@ def final_checkpoint(output_dir: str, dispatchers: list[Dispatcher], offset: int
     return checkpoint
 
 
-class Flusher:
+class Flusher(Periodic):
     """Flushes a session's dispatchers on a timer and checkpoints what the flushes made durable."""
 
     def __init__(self, session: Session, on_error: Callable[[Exception], None],
                  on_success: Callable[[], None] | None = None):
         store = session.config.store
+        super().__init__("reputd-flusher", store.flush_interval_consume_queue / MS_PER_SECOND)
         self.session = session
-        self.interval = store.flush_interval_consume_queue / MS_PER_SECOND
         self.least_pages = store.flush_consume_queue_least_pages
         self.thorough_interval = store.flush_consume_queue_thorough_interval / MS_PER_SECOND
         self._on_error = on_error
         self._on_success = on_success
         self._last_thorough = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reputd-flusher", daemon=True)
         self._log = get_logger(component="flusher")
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.flush_once()
-            except Exception as e:  # keep flushing; the error is reported and health goes degraded
-                self._on_error(e)
-            else:
-                if self._on_success is not None:
-                    self._on_success()
+    def tick(self) -> None:
+        try:
+            self.flush_once()
+        except Exception as e:  # keep flushing; the error is reported and health goes degraded
+            self._on_error(e)
+        else:
+            if self._on_success is not None:
+                self._on_success()
 
     def flush_once(self, *, thorough: bool = False, whole_fs: bool = False) -> bool:
         """One flush cycle; True when it wrote a checkpoint. `whole_fs`: as `sync_plans`, for the last one."""
