@@ -207,3 +207,16 @@ class ModelIndexFile:
         for n, entry in enumerate(self.entries[1:], start=1):
             MODEL_INDEX_ENTRY.pack_into(buf, entries_at + 20 * n, *entry)
         return bytes(buf)
+
+
+@pytest.fixture
+def built(tmp_path):
+    """A store of 300 messages (tests.test_cli.make_store: UNIQ_KEY f"{i:032X}"), rebuilt into tmp/out, for
+    the command-line suites: (tmp_path, config path, the messages' put results)."""
+    from tests.test_cli import make_store, run, write_config
+
+    results = make_store(tmp_path)
+    config = write_config(tmp_path)
+    res = run("rebuild", "--config", str(config))
+    assert res.returncode == 0, res.stderr
+    return tmp_path, config, results

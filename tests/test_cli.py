@@ -384,3 +384,7 @@ def test_rebuild_called_as_a_library_function_leaves_gc_alone(store, monkeypatch
     before = gc.get_freeze_count()
     assert rebuild(load_config(str(config))).messages == len(results)
     assert gc.get_freeze_count() == before
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

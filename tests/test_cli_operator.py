@@ -30,7 +30,7 @@ from indexcore.commitlog import Host
 from indexcore.msgid import create_offset_msg_id
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import discover
-from tests.test_cli import REPUTD, SEGMENT, make_store, run, write_config
+from tests.test_cli import REPUTD, SEGMENT, json_lines, make_store, run, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CAMEL = re.compile(r"[a-z][a-zA-Z0-9]*")
@@ -38,22 +38,8 @@ HUMAN_TIME = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}")
 FIRST_STORE_MS = 1_700_000_000_000  # tests.test_cli.make_store's clock: 250 ms a message from here
 
 
-@pytest.fixture
-def built(tmp_path):
-    """A store of 300 messages, rebuilt into tmp/out."""
-    results = make_store(tmp_path)
-    config = write_config(tmp_path)
-    res = run("rebuild", "--config", str(config))
-    assert res.returncode == 0, res.stderr
-    return tmp_path, config, results
-
-
 def no_traceback(res) -> None:
     assert "Traceback" not in res.stderr
-
-
-def json_lines(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def on_terminal(*args: str, env: dict | None = None, cwd: Path | None = None, stdout_tty: bool = False,

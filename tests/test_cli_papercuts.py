@@ -23,7 +23,7 @@ from indexcore.commitlog import COMPRESSED_FLAG, Host
 from indexcore.msgid import create_offset_msg_id
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import discover
-from tests.test_cli import REPUTD, SEGMENT, make_store, run, write_config
+from tests.test_cli import REPUTD, SEGMENT, json_lines, make_store, run, write_config
 from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,20 +195,6 @@ def test_a_store_root_of_the_real_broker_running_is_refused(tmp_path):
 
 
 # --- 33.1: piped `query queue` carries what a script pages on ----------------------------------------
-
-def json_lines(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-@pytest.fixture
-def built(tmp_path):
-    """A store of 300 messages (UNIQ_KEY f"{i:032X}"), rebuilt into tmp/out."""
-    results = make_store(tmp_path)
-    config = write_config(tmp_path)
-    res = run("rebuild", "--config", str(config))
-    assert res.returncode == 0, res.stderr
-    return tmp_path, config, results
-
 
 def test_a_script_pages_through_a_queue_on_the_piped_result_line(built):
     """Messages, then one object with status, nextBeginOffset, minOffset and maxOffset, as the broker's
