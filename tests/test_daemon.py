@@ -508,13 +508,17 @@ def test_enabling_the_index_later_builds_it_from_the_start(store):
     assert_same_as_rebuild(store)
 
 
-def test_flush_errors_degrade_and_hold_the_checkpoint_until_they_stop(store, tmp_path):
-    marker = tmp_path / "io-error"
+def fail_flushes_while(store: Store, marker: Path) -> Path:
+    """Add the failing test dispatcher to the store's config: its flush fails while `marker` exists."""
     cfg = yaml.safe_load(store.config.read_text())
-    cfg["dispatchers"] = ["consumequeue", "index",
-                          {"name": "tests.plugins.failing:FailingDispatcher",
-                           "options": {"fail_flush_if": str(marker)}}]
+    cfg["dispatchers"] = ["consumequeue", "index", {"name": "tests.plugins.failing:FailingDispatcher",
+                                                    "options": {"fail_flush_if": str(marker)}}]
     store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    return marker
+
+
+def test_flush_errors_degrade_and_hold_the_checkpoint_until_they_stop(store, tmp_path):
+    marker = fail_flushes_while(store, tmp_path / "io-error")
     store.append(300)
     proc = store.start()
     try:

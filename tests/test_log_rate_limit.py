@@ -3,10 +3,8 @@ output disk used to log `flush_failed` and `output_space_exhausted` on every flu
 
 from __future__ import annotations
 
-import yaml
-
 from daemon.logs import RepeatedFailures
-from tests.test_daemon import Store, events, stop, wait_for
+from tests.test_daemon import Store, events, fail_flushes_while, stop, wait_for
 
 
 class Clock:
@@ -44,11 +42,7 @@ def test_a_daemon_whose_flushes_fail_logs_once_and_counts_the_rest(tmp_path):
     `reputd_errors_total{kind=flush}`, and when flushes succeed again one `failure_repeats_ended` line with
     how many lines were held back."""
     store = Store(tmp_path)
-    marker = tmp_path / "io-error"
-    cfg = yaml.safe_load(store.config.read_text())
-    cfg["dispatchers"] = ["consumequeue", "index", {"name": "tests.plugins.failing:FailingDispatcher",
-                                                    "options": {"fail_flush_if": str(marker)}}]
-    store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
+    marker = fail_flushes_while(store, tmp_path / "io-error")
     store.append(300)
     proc = store.start()
     try:

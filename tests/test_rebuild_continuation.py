@@ -138,10 +138,9 @@ def test_run_after_rebuild_goes_on_from_its_checkpoint(store):
     assert output_files(tmp / "out") == expected
 
 
-@pytest.mark.parametrize("conformance", discover()[:1], ids=lambda s: s.name)
-def test_rebuild_into_a_brokers_store_adds_nothing(tmp_path, conformance):
-    """The broker's own files, rebuilt into three times: nothing is new, no file changes, and a key's
-    offset is returned once (before, each run added the newest IndexFile's last record's keys again)."""
+def writable_copy(conformance, tmp_path: Path) -> tuple[Path, Path]:
+    """A writable copy of a conformance store (the real broker's files) under tmp/store, and a config
+    rebuilding into it."""
     root = tmp_path / "store"
     shutil.copytree(conformance.store, root)
     for p in root.rglob("*"):
@@ -149,6 +148,14 @@ def test_rebuild_into_a_brokers_store_adds_nothing(tmp_path, conformance):
     config = tmp_path / "reputd.yaml"
     config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(root), **conformance.store_settings()},
                                       "logging": {"level": "warning"}}))
+    return root, config
+
+
+@pytest.mark.parametrize("conformance", discover()[:1], ids=lambda s: s.name)
+def test_rebuild_into_a_brokers_store_adds_nothing(tmp_path, conformance):
+    """The broker's own files, rebuilt into three times: nothing is new, no file changes, and a key's
+    offset is returned once (before, each run added the newest IndexFile's last record's keys again)."""
+    root, config = writable_copy(conformance, tmp_path)
     before = output_files(root)
     newest = sorted((root / "index").iterdir())[-1]
     for _ in range(3):
@@ -238,13 +245,7 @@ def _broker_store_copy(tmp_path: Path) -> tuple[Path, Path, dict]:
     if not stores:
         pytest.skip("the conformance store is not found (set REPUTD_CONFORMANCE_DIR)")
     conformance = stores[0]
-    root = tmp_path / "store"
-    shutil.copytree(conformance.store, root)
-    for p in root.rglob("*"):
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    config = tmp_path / "reputd.yaml"
-    config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(root), **conformance.store_settings()},
-                                      "logging": {"level": "warning"}}))
+    root, config = writable_copy(conformance, tmp_path)
     return root, config, output_files(root)
 
 
