@@ -183,6 +183,18 @@ def check_store(harness, root: Path, writes: int) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+
+def serve_and_compare(harness, store: Path, reference: Path, handed: dict[str, str]):
+    """The real store started on `store` (every unit, key and record asked for, WRITES more written); the
+    store alone dispatching the same final CommitLog in `reference`; their files compared; and how many of
+    the handed files the broker's load and start left as they were."""
+    served = check_store(harness, store, WRITES)
+    reference.mkdir()
+    shutil.copytree(store / "commitlog", reference / "commitlog")
+    alone = check_store(harness, reference, 0)
+    unchanged = sum(1 for name, digest in served["digests"].items() if handed.get(name) == digest)
+    return served, alone, same_files(reference, store), unchanged
+
 @pytest.mark.parametrize(("broker", "source", "checkpoint"), list(scenario_params()))
 def test_the_real_broker_takes_the_handed_off_files(harness, written, tmp_path, broker, source, checkpoint):
     writer_store, followed, facts = written(broker)
@@ -229,14 +241,8 @@ def test_the_real_broker_takes_the_handed_off_files(harness, written, tmp_path, 
     handed = digests(store)
     assert handed
 
-    served = check_store(harness, store, WRITES)
-    # the store alone, dispatching the same (final) CommitLog
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    shutil.copytree(store / "commitlog", reference / "commitlog")
-    alone = check_store(harness, reference, 0)
-    cq_same, cq_total, ix_same, ix_total, differ = same_files(reference, store)
-    unchanged = sum(1 for name, digest in served["digests"].items() if handed.get(name) == digest)
+    served, alone, (cq_same, cq_total, ix_same, ix_total, differ), unchanged = serve_and_compare(
+        harness, store, tmp_path / "reference", handed)
     stress.report("realbroker-handoff", scenario=f"{broker}/{source}/checkpoint {checkpoint}", messages=MESSAGES,
                   seed=SEED, writer_checkpoint=facts["checkpoint"], followed_to=facts["followed_to"],
                   commitlog_bytes=facts["commitlog_bytes"], handoff=printed,
@@ -289,13 +295,8 @@ def test_without_the_handoff_the_killed_broker_loses_what_reputd_built(harness, 
         for sub in ("consumequeue", "index"):
             shutil.copytree(followed / sub, store / sub)
     handed = digests(store)
-    served = check_store(harness, store, WRITES)
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    shutil.copytree(store / "commitlog", reference / "commitlog")
-    alone = check_store(harness, reference, 0)
-    cq_same, cq_total, ix_same, ix_total, differ = same_files(reference, store)
-    unchanged = sum(1 for name, digest in served["digests"].items() if handed.get(name) == digest)
+    served, alone, (cq_same, cq_total, ix_same, ix_total, differ), unchanged = serve_and_compare(
+        harness, store, tmp_path / "reference", handed)
     stress.report("realbroker-handoff-control", scenario=f"killed/{source}/checkpoint {checkpoint}/no handoff",
                   files_unchanged_by_load_and_start=f"{unchanged}/{len(handed)}",
                   records=f"{served['records_served']}/{served['records']}",
