@@ -91,7 +91,7 @@ CMD ["backfill", "--config", "/etc/reputd/reputd.yaml"]
 FROM base AS runtime
 USER 10001:10001
 EXPOSE 9108
-# daemon/healthcheck.py asks /healthz (slim images have no curl) and prints one line, e.g.
+# daemon/ops/healthcheck.py asks /healthz (slim images have no curl) and prints one line, e.g.
 # "down: CommitLog directory missing ... (HTTP 503)", which `docker inspect` shows in State.Health.Log:
 # "down" or no answer exits 1, "healthy" or "degraded" exits 0. The port follows REPUTD_METRICS_PORT when it
 # is set with -e (a port changed only in a mounted config file also needs -e REPUTD_METRICS_PORT). Start

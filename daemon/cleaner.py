@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
-from daemon.logs import get_logger
-from daemon.metrics import ErrorKind, FileKind
-from daemon.periodic import Periodic
+from daemon.ops.logs import get_logger
+from daemon.ops.metrics import ErrorKind, FileKind
+from daemon.ops.periodic import Periodic
 from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import list_queue_files
 from indexcore.retention import (
@@ -44,7 +44,7 @@ from indexcore.retention import (
 
 if TYPE_CHECKING:
     from daemon.dispatchers import Dispatcher
-    from daemon.metrics import ReputMetrics
+    from daemon.ops.metrics import ReputMetrics
     from daemon.session import Session
 
 MS_PER_SECOND = 1000

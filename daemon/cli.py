@@ -3,8 +3,8 @@
 
 Operators run `reputd query` by hand in an incident, so its start-up counts: this module imports only
 argparse at the top, each command imports what it uses, and the query commands defer the modules their
-imports pull in but a query never uses, numpy first (daemon/deferred.py; `make bench` measures it). Every
-writing command (run, rebuild, backfill) locks the output directory first (daemon/outlock.py); readers
+imports pull in but a query never uses, numpy first (daemon/ops/deferred.py; `make bench` measures it). Every
+writing command (run, rebuild, backfill) locks the output directory first (daemon/ops/outlock.py); readers
 never do.
 """
 
@@ -371,10 +371,10 @@ def command_line(args, config: Config, *words: str, out: str | None = None) -> s
 
 
 def _lock_output(args, config: Config) -> None:
-    """Take the output directory's writer lock for the rest of the process (daemon/outlock.py); a running
+    """Take the output directory's writer lock for the rest of the process (daemon/ops/outlock.py); a running
     broker's store root is refused before anything is created. `main` removes what taking it created when
     the command fails having written nothing."""
-    from daemon.outlock import BrokerRunning, OutputLocked, OutputNotWritable, lock_output
+    from daemon.ops.outlock import BrokerRunning, OutputLocked, OutputNotWritable, lock_output
 
     try:
         args.output_lock = lock_output(config.output.dir, args.command)
@@ -389,7 +389,7 @@ def _lock_output(args, config: Config) -> None:
 def cmd_run(args, config: Config) -> int:
     import dataclasses
 
-    from daemon.logs import configure_logging
+    from daemon.ops.logs import configure_logging
 
     configure_logging(config.logging.level, config.logging.format, stream=sys.stdout)
     from daemon.reput import run_daemon  # watchdog, prometheus-client: only `run` needs them
@@ -455,7 +455,7 @@ def cmd_rebuild(args, config: Config) -> int:
     import signal
     import threading
 
-    from daemon.logs import configure_logging
+    from daemon.ops.logs import configure_logging
     from daemon.rebuild import FromOffsetError, IndexSequenceGap, ProgressBar, RebuildFailed, rebuild
 
     _check_inputs(args, config)
@@ -524,7 +524,7 @@ def _handoff_command(args, config: Config) -> str:
 def _warn_abort(args, config: Config) -> None:
     """Writing into a store root whose broker did not exit cleanly: unless `reputd handoff` runs before the
     broker starts, 4.9.3's recovery discards these IndexFiles and re-dispatches over these ConsumeQueues."""
-    from daemon.logs import get_logger
+    from daemon.ops.logs import get_logger
     from daemon.verify import ABORT_FILE
 
     root, out = config.store.store_path_root_dir, config.output.dir
@@ -543,7 +543,7 @@ def cmd_handoff(args, config: Config) -> int:
 
     from daemon.brokerfiles import BrokerRunning, broker_lock_held, hold_broker_lock
     from daemon.handoff import HandoffRefused, handoff
-    from daemon.logs import configure_logging
+    from daemon.ops.logs import configure_logging
 
     root = config.store.store_path_root_dir
     for d in config.store.commit_log_dirs:
@@ -602,7 +602,7 @@ def cmd_verify(args, config: Config) -> int:
     """A reader: it takes no lock on the output directory."""
     import json
 
-    from daemon.logs import configure_logging
+    from daemon.ops.logs import configure_logging
     from daemon.rebuild import ProgressBar
     from daemon.verify import VerifyUsageError, format_text, verify
 
@@ -754,7 +754,7 @@ def cmd_backfill(args, config: Config) -> int:
     except ImportError as e:
         print(f"reputd: error: {backfill_import_error(e)}", file=sys.stderr)
         return EXIT_FAILURE
-    from daemon.logs import configure_logging
+    from daemon.ops.logs import configure_logging
 
     configure_logging(config.logging.level, config.logging.format)
     _warn_abort(args, config)
@@ -1040,7 +1040,7 @@ def _parser_for(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; a writing command that failed before writing leaves no trace of its output
-    directory (daemon/outlock.py)."""
+    directory (daemon/ops/outlock.py)."""
     args = argparse.Namespace()
     code = _main(argv, args)
     lock = getattr(args, "output_lock", None)
@@ -1052,8 +1052,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
     argv = _joined_time_options(list(sys.argv[1:] if argv is None else argv))
     _parser_for(argv).parse_args(argv, namespace=args)
-    if args.command == "query":  # modules a query imports but never uses (daemon/deferred.py)
-        from daemon.deferred import defer
+    if args.command == "query":  # modules a query imports but never uses (daemon/ops/deferred.py)
+        from daemon.ops.deferred import defer
 
         defer("numpy")  # indexcore's batch paths
         defer("inspect")  # dataclasses, for classes without a docstring

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from daemon.config import Config, ConfigError, DispatcherSpec, StoreConfig
-from daemon.logs import get_logger
+from daemon.ops.logs import get_logger
 from indexcore.consumequeue import CREATE_LABEL, ConsumeQueueStore, NewQueue, PutStats, QueueUnits, consume_queue_units
 from indexcore.dispatch import DispatchBatch
 from indexcore.indexfile import RELEASE_AFTER_KEYS

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from daemon.checkpoint import Checkpoint, write_checkpoint
 from daemon.dispatchers import FlushPlan, sync_paths
-from daemon.logs import get_logger
-from daemon.periodic import Periodic
+from daemon.ops.logs import get_logger
+from daemon.ops.periodic import Periodic
 from indexcore import _kernels
 
 if TYPE_CHECKING:

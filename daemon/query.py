@@ -5,7 +5,7 @@ Everything is opened read-only; a query never changes a file. A query that canno
 StoreLayoutError naming what is missing, so it is never mistaken for an empty answer.
 
 This module is on the path of `reputd query`, whose start-up time operators feel: it imports no numpy
-(daemon/deferred.py), no logging and no rebuild machinery, and its results are NamedTuples (a dataclass
+(daemon/ops/deferred.py), no logging and no rebuild machinery, and its results are NamedTuples (a dataclass
 costs a millisecond or more to create at import).
 """
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from daemon import failpoint
+from daemon.ops import failpoint
 from daemon.cleaner import clean_output
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, Dispatcher
 from daemon.flusher import final_checkpoint
-from daemon.logs import get_logger
+from daemon.ops.logs import get_logger
 from daemon.readahead import ReadAhead
 from daemon.recovery import recover_output
 from indexcore.dispatch import DelayLevelTable

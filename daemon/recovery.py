@@ -59,8 +59,8 @@ from typing import Any
 from daemon.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.config import Config
 from daemon.dispatchers import Dispatcher, build_dispatchers
-from daemon.logs import get_logger
-from daemon.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason
+from daemon.ops.logs import get_logger
+from daemon.ops.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.errors import StoreError, StoreLayoutError
 from indexcore.indexservice import INDEX_DIR

@@ -39,7 +39,7 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
-from daemon import failpoint
+from daemon.ops import failpoint
 from daemon.cleaner import Cleaner
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
 from daemon.flusher import Flusher
@@ -51,8 +51,8 @@ from daemon.head import (
     written_below,
     written_end,
 )
-from daemon.logs import RepeatedFailures, get_logger
-from daemon.metrics import (
+from daemon.ops.logs import RepeatedFailures, get_logger
+from daemon.ops.metrics import (
     DEGRADED,
     DOWN,
     HEALTHY,
@@ -66,7 +66,7 @@ from daemon.metrics import (
     SkipReason,
 )
 from daemon.rebuild import widen_after_dispatch
-from daemon.sdnotify import USEC_PER_SECOND, Notifier
+from daemon.ops.sdnotify import USEC_PER_SECOND, Notifier
 from daemon.session import Session, open_session
 from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
 from indexcore.reader import ReadResult, ReadStatus

@@ -14,7 +14,7 @@ from typing import Any
 
 from daemon.config import Config
 from daemon.dispatchers import Dispatcher
-from daemon.metrics import ReputMetrics
+from daemon.ops.metrics import ReputMetrics
 from daemon.rebuild import make_reader
 from daemon.recovery import recover_output
 from indexcore.reader import CommitLog, CommitLogReader

@@ -37,7 +37,7 @@ import numpy as np
 
 from daemon.checkpoint import CheckpointError, read_checkpoint
 from daemon.config import Config
-from daemon.outlock import lock_held, writer_holding
+from daemon.ops.outlock import lock_held, writer_holding
 from daemon.readahead import ReadAhead
 from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader, widen_thin_batches, written_end_of
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint

@@ -2,7 +2,7 @@
 (tests/test_crash_matrix.py) stops the process to check that recovery from each of them is exact.
 
 `hook` is None, and `reached` a no-op, unless a test installs one (the daemon does so only when its
-REPUTD_FAILPOINT variable is set: daemon/failpoint.py).
+REPUTD_FAILPOINT variable is set: daemon/ops/failpoint.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from daemon.backfill.catalog import CATALOG_QUERIES, file_name
 from daemon.backfill.commit import STAGING_DIR
 from daemon.backfill.job import spark_error_line
 from daemon.config import load_config
-from daemon.outlock import LOCK_FILE
+from daemon.ops.outlock import LOCK_FILE
 from daemon.query import query_key
 from daemon.rebuild import rebuild
 from indexcore.commitlog import MAGIC_CODE_OFFSET, TRANSACTION_COMMIT_TYPE, TRANSACTION_PREPARED_TYPE

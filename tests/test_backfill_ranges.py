@@ -349,7 +349,7 @@ def test_a_python_worker_imports_only_what_its_tasks_need():
     assert "daemon.backfill.tasks" in loaded
     assert {"daemon.backfill.ranges", "daemon.backfill.writers"} <= loaded
     assert loaded.isdisjoint({"daemon.backfill.job", "daemon.backfill.catalog", "daemon.dispatchers",
-                              "daemon.recovery", "daemon.metrics", "daemon.logs", "prometheus_client",
+                              "daemon.recovery", "daemon.ops.metrics", "daemon.ops.logs", "prometheus_client",
                               "structlog", "watchdog", "pyarrow.parquet", "pandas"}), sorted(loaded)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.outlock import LOCK_FILE
+from daemon.ops.outlock import LOCK_FILE
 from indexcore.commitlog import COMPRESSED_FLAG, Host
 from indexcore.msgid import create_offset_msg_id
 from indexcore.writer import CommitLogWriter, Message

@@ -3,7 +3,7 @@ and an IndexFile, with and without a checkpoint carrying dispatcher state, then 
 end byte-identical to a clean rebuild, recovered from the checkpoint it had (nothing quarantined).
 
 Random kills found a roll bug once in eight runs (issue 11); here each step is hit on purpose, through the
-REPUTD_FAILPOINT test hook (daemon/failpoint.py). The CommitLog is small and written once:
+REPUTD_FAILPOINT test hook (daemon/ops/failpoint.py). The CommitLog is small and written once:
 
 * phase 1, the records `reputd run` has dispatched (and checkpointed) before the kill: the first IndexFile
   nearly full, four queues below the end of their first ConsumeQueue file;

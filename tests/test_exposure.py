@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from daemon.config import ConfigError, MetricsConfig, default_config, load_config
-from daemon.metrics import Health, MetricsServer, ReputMetrics
+from daemon.ops.metrics import Health, MetricsServer, ReputMetrics
 from tests.test_daemon import REPUTD, Store, assert_same_as_rebuild, clean_env, free_port, stop, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent

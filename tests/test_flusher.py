@@ -13,7 +13,7 @@ import yaml
 from daemon.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from daemon.config import load_config
 from daemon.flusher import Flusher
-from daemon.metrics import ReputMetrics
+from daemon.ops.metrics import ReputMetrics
 from daemon.session import open_session
 from indexcore.reader import ReadStatus
 from indexcore.writer import CommitLogWriter, Message

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.outlock import LOCK_FILE
+from daemon.ops.outlock import LOCK_FILE
 from indexcore.commitlog import MessageRecord
 from indexcore.errors import CorruptRecordError, StoreError
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus, Stop, decode_segment

@@ -3,7 +3,7 @@ output disk used to log `flush_failed` and `output_space_exhausted` on every flu
 
 from __future__ import annotations
 
-from daemon.logs import RepeatedFailures
+from daemon.ops.logs import RepeatedFailures
 from tests.test_daemon import Store, events, fail_flushes_while, stop, wait_for
 
 

@@ -1,6 +1,6 @@
 """The daemon's metrics as an alert sees them: every known label value of a labelled counter exists at 0
 from the start (so `increase(...) > 0` fires on the first event), no `*_created` series, and label values
-that come only from the sets daemon/metrics.py declares."""
+that come only from the sets daemon/ops/metrics.py declares."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from daemon.metrics import (
+from daemon.ops.metrics import (
     CORRUPT_REASONS,
     DEGRADED,
     DOWN,

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.metrics import HEALTH_STATES, ErrorKind, SkipReason
+from daemon.ops.metrics import HEALTH_STATES, ErrorKind, SkipReason
 from tests.test_daemon import REPUTD, SEGMENT, Store, clean_env, corrupt_body_byte, stop, wait_for
 from tests.tools import require_tool
 

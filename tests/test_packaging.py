@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon import healthcheck as image_healthcheck
+from daemon.ops import healthcheck as image_healthcheck
 from daemon.cli import EXIT_USAGE, build_parser
 from daemon.config import load_config
-from daemon.metrics import DOWN, HEALTH_PATH
+from daemon.ops.metrics import DOWN, HEALTH_PATH
 from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -430,7 +430,7 @@ def test_docker_expose_matches_the_default_metrics_port(stages):
     port = yaml.safe_load(CONFIG.read_text())["metrics"]["port"]
     assert instructions(stages, "runtime", "EXPOSE") == [str(port)]
     assert port == image_healthcheck.DEFAULT_PORT
-    # The check's own copies of the daemon's names (it does not import daemon.metrics, to start fast).
+    # The check's own copies of the daemon's names (it does not import daemon.ops.metrics, to start fast).
     assert (image_healthcheck.HEALTH_PATH, image_healthcheck.DOWN) == (HEALTH_PATH, DOWN)
     assert load_config(CONFIG, env={image_healthcheck.PORT_VARIABLE: "19999"}).metrics.port == 19999
 

@@ -10,7 +10,7 @@ import structlog
 import yaml
 
 from daemon.config import load_config
-from daemon.metrics import ReputMetrics
+from daemon.ops.metrics import ReputMetrics
 from daemon.recovery import write_replay_marker
 from daemon.session import open_session
 from indexcore.consumequeue import CQ_UNIT_SIZE as UNIT_SIZE

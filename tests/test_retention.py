@@ -19,7 +19,7 @@ import yaml
 from daemon.checkpoint import read_checkpoint
 from daemon.cleaner import Cleaner, commit_log_min_offset
 from daemon.config import load_config
-from daemon.metrics import ReputMetrics
+from daemon.ops.metrics import ReputMetrics
 from daemon.session import open_session
 from indexcore.consumequeue import ConsumeQueue, ConsumeQueueStore
 from indexcore.indexfile import IndexHeader, index_file_size

@@ -1,4 +1,4 @@
-"""daemon.sdnotify against real AF_UNIX datagram sockets standing in for systemd's notification socket."""
+"""daemon.ops.sdnotify against real AF_UNIX datagram sockets standing in for systemd's notification socket."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from daemon.sdnotify import Notifier
+from daemon.ops.sdnotify import Notifier
 
 RECV_TIMEOUT_S = 2.0
 

@@ -24,7 +24,7 @@ import pytest
 
 from daemon.checkpoint import CHECKPOINT_FILE
 from daemon.cli import OWN_PACKAGES
-from daemon.outlock import LOCK_FILE
+from daemon.ops.outlock import LOCK_FILE
 from tests.conformance import discover, files_under
 
 ROOT = Path(__file__).resolve().parent.parent

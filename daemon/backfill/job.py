@@ -83,7 +83,7 @@ from daemon.backfill.writers import (
 )
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
-from daemon.logs import get_logger
+from daemon.ops.logs import get_logger
 from daemon.rebuild import RebuildSummary
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE, CQ_UNIT_SIZE
 from indexcore.errors import StoreError

@@ -1,10 +1,10 @@
-"""The container image's HEALTHCHECK: `python -m daemon.healthcheck`.
+"""The container image's HEALTHCHECK: `python -m daemon.healthcheck` (an entry that runs this module).
 
 Asks the daemon's `/healthz` on the loopback and prints one line with its answer — the status and the
 reason the daemon gives — because Docker keeps a check's output in `docker inspect` (State.Health.Log):
 that line, not a Python traceback, is what an operator reads there. Exit 0 while reputd runs (healthy or
 degraded), 1 when it is down or does not answer, as HEALTHCHECK expects. Standard library only (it runs
-every interval; importing daemon.metrics would triple its start-up), so the few names it shares with the
+every interval; importing daemon.ops.metrics would triple its start-up), so the few names it shares with the
 daemon are repeated here and tests/test_packaging.py holds them equal.
 """
 
@@ -16,7 +16,7 @@ import sys
 import urllib.error
 import urllib.request
 
-HEALTH_PATH, DOWN = "/healthz", "down"  # daemon.metrics.HEALTH_PATH and DOWN
+HEALTH_PATH, DOWN = "/healthz", "down"  # daemon.ops.metrics.HEALTH_PATH and DOWN
 PORT_VARIABLE = "REPUTD_METRICS_PORT"  # the daemon's own override of metrics.port
 DEFAULT_PORT = 9108  # metrics.port in config/reputd.yaml
 TIMEOUT_S = 4  # below the Dockerfile's HEALTHCHECK --timeout, so this process reports, not Docker's kill
