@@ -12,9 +12,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from daemon.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
+from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.config import Config
-from daemon.rebuild import make_reader, open_commit_log
+from daemon.engine.rebuild import make_reader, open_commit_log
 from daemon.render import human_time
 from daemon.verify import ABORT_FILE, LOCK_FILE, lock_held
 from indexcore.checkpoint import CHECKPOINT_FILE, CHECKPOINT_FILE_SIZE, StoreCheckpoint

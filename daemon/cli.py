@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from daemon.config import Config
-    from daemon.rebuild import RebuildSummary
+    from daemon.engine.rebuild import RebuildSummary
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 OWN_PACKAGES = ("daemon", "indexcore")  # what the reputd distribution installs; anything else is a dependency
@@ -392,7 +392,7 @@ def cmd_run(args, config: Config) -> int:
     from daemon.ops.logs import configure_logging
 
     configure_logging(config.logging.level, config.logging.format, stream=sys.stdout)
-    from daemon.reput import run_daemon  # watchdog, prometheus-client: only `run` needs them
+    from daemon.engine.reput import run_daemon  # watchdog, prometheus-client: only `run` needs them
 
     if args.metrics and not args.until_caught_up:
         raise UsageError("--metrics goes with --until-caught-up (`run` serves metrics as metrics.enabled says)")
@@ -456,7 +456,7 @@ def cmd_rebuild(args, config: Config) -> int:
     import threading
 
     from daemon.ops.logs import configure_logging
-    from daemon.rebuild import FromOffsetError, IndexSequenceGap, ProgressBar, RebuildFailed, rebuild
+    from daemon.engine.rebuild import FromOffsetError, IndexSequenceGap, ProgressBar, RebuildFailed, rebuild
 
     _check_inputs(args, config)
     if args.from_offset is not None:  # inside a record is a usage error found before anything is written
@@ -570,7 +570,7 @@ def cmd_handoff(args, config: Config) -> int:
     @contextlib.contextmanager
     def progress():
         """A progress line on stderr for each pass over the CommitLog (completing, then checking)."""
-        from daemon.rebuild import ProgressBar
+        from daemon.engine.rebuild import ProgressBar
 
         bar = ProgressBar()
         try:
@@ -603,7 +603,7 @@ def cmd_verify(args, config: Config) -> int:
     import json
 
     from daemon.ops.logs import configure_logging
-    from daemon.rebuild import ProgressBar
+    from daemon.engine.rebuild import ProgressBar
     from daemon.verify import VerifyUsageError, format_text, verify
 
     _check_inputs(args, config, output=True)
@@ -999,7 +999,7 @@ def cmd_produce(args, config: Config) -> int:
 
     bar = None
     if sys.stderr.isatty():
-        from daemon.rebuild import ProgressBar
+        from daemon.engine.rebuild import ProgressBar
 
         bar = ProgressBar(unit="messages")
     s = produce(config, args.messages, topics=args.topics, queues=args.queues, body_size=args.body_size,

@@ -101,7 +101,7 @@ def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file
 
     The directory is not synced here: until it
     is, a power loss may only lose the new name, i.e. leave the file absent, the other allowed outcome;
-    whoever checkpoints the file syncs its directory first (`daemon.flusher.sync_new_entries`), which
+    whoever checkpoints the file syncs its directory first (`daemon.engine.flusher.sync_new_entries`), which
     costs one directory sync per flush instead of one per file created. `label` names the steps for the
     crash matrix's fail points (`indexcore._failpoints`).
 

@@ -16,7 +16,7 @@ cleaned for, and then, with that offset:
 
 The functions here are that rule on plain values (no I/O, no clock), and the small reads that feed it;
 `ConsumeQueue.expired_files` and `IndexService.expired_files` apply it to a store, and the daemon's
-cleaner (`daemon.cleaner`) paces the deletions and counts them.
+cleaner (`daemon.engine.cleaner`) paces the deletions and counts them.
 """
 
 from __future__ import annotations

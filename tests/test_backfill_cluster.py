@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from bench.spark_cluster import StandaloneCluster
-from daemon.rebuild import rebuild
+from daemon.engine.rebuild import rebuild
 from tests import stress
 from tests.backfill_stores import write_forged_store
 from tests.test_backfill import SEGMENT, assert_same_files, config_file, make_config, outputs

@@ -10,7 +10,7 @@ import structlog
 
 from daemon.backfill import BackfillFailed, backfill
 from daemon.config import load_config
-from daemon.rebuild import rebuild
+from daemon.engine.rebuild import rebuild
 from indexcore.commitlog import TRANSACTION_COMMIT_TYPE, TRANSACTION_PREPARED_TYPE
 from indexcore.multidispatch import LMQ_PREFIX, MULTI_QUEUE_OFFSET_FIELD, PROPERTY_INNER_MULTI_DISPATCH
 from indexcore.writer import Message

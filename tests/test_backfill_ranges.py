@@ -348,8 +348,8 @@ def test_a_python_worker_imports_only_what_its_tasks_need():
                                 cwd=Path(__file__).resolve().parent.parent).stdout.split())
     assert "daemon.backfill.tasks" in loaded
     assert {"daemon.backfill.ranges", "daemon.backfill.writers"} <= loaded
-    assert loaded.isdisjoint({"daemon.backfill.job", "daemon.backfill.catalog", "daemon.dispatchers",
-                              "daemon.recovery", "daemon.ops.metrics", "daemon.ops.logs", "prometheus_client",
+    assert loaded.isdisjoint({"daemon.backfill.job", "daemon.backfill.catalog", "daemon.engine.dispatchers",
+                              "daemon.engine.recovery", "daemon.ops.metrics", "daemon.ops.logs", "prometheus_client",
                               "structlog", "watchdog", "pyarrow.parquet", "pandas"}), sorted(loaded)
 
 

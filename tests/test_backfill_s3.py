@@ -19,7 +19,7 @@ from daemon.backfill import backfill
 from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
 from daemon.backfill.source import LOCAL, S3, S3Options, SegmentDir, SegmentListing
 from daemon.config import BackfillConfig
-from daemon.rebuild import rebuild
+from daemon.engine.rebuild import rebuild
 from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
 from tests.backfill_stores import write_forged_store
 from tests.test_backfill import SEGMENT, assert_same_files, make_config, outputs

@@ -297,7 +297,7 @@ def seen_at_the_pass(store, command: str, measure: str, preexec_fn=None) -> list
     time the command started its pass."""
     _, config, _ = store
     probe = (
-        "import gc, json, resource, sys, daemon.rebuild as rb, daemon.verify as vf, daemon.reput as rp\n"
+        "import gc, json, resource, sys, daemon.engine.rebuild as rb, daemon.verify as vf, daemon.engine.reput as rp\n"
         "from daemon import cli\n"
         "seen = []\n"
         "def spy(real):\n"
@@ -376,7 +376,7 @@ def test_rebuild_called_as_a_library_function_leaves_gc_alone(store, monkeypatch
     import gc
 
     from daemon.config import load_config
-    from daemon.rebuild import rebuild
+    from daemon.engine.rebuild import rebuild
 
     _, config, results = store
     for name in [k for k in os.environ if k.startswith("REPUTD_")]:

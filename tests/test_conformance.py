@@ -9,7 +9,7 @@ import pytest
 
 from daemon.config import load_config
 from daemon.query import query_key, query_offsets, query_queue
-from daemon.rebuild import rebuild
+from daemon.engine.rebuild import rebuild
 from indexcore.commitlog import KEY_SEPARATOR
 from indexcore.consumequeue import CQ_UNIT_SIZE, ConsumeQueueStore
 from tests.conformance import conformance_roots, discover, files_under

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.checkpoint import CHECKPOINT_FILE, Checkpoint, write_checkpoint
+from daemon.engine.checkpoint import CHECKPOINT_FILE, Checkpoint, write_checkpoint
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus
 from tests.test_daemon import SEGMENT, Store, events, output_files, stop, wait_for
 

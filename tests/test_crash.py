@@ -28,7 +28,7 @@ import pytest
 import structlog
 
 from daemon.config import load_config
-from daemon.rebuild import rebuild
+from daemon.engine.rebuild import rebuild
 from indexcore.javahash import index_key_hash
 from tests import stress
 from tests.test_daemon import (

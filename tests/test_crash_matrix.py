@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import yaml
 
-from daemon.checkpoint import CHECKPOINT_FILE, Checkpoint, read_checkpoint, write_checkpoint
+from daemon.engine.checkpoint import CHECKPOINT_FILE, Checkpoint, read_checkpoint, write_checkpoint
 from indexcore.indexfile import INDEX_ENTRY_DTYPE, INDEX_HEADER, INDEX_HEADER_SIZE
 from indexcore.writer import CommitLogWriter, Message
 from tests.test_daemon import clean_env, events, output_files

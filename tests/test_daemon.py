@@ -22,7 +22,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.checkpoint import CHECKPOINT_FILE
+from daemon.engine.checkpoint import CHECKPOINT_FILE
 from indexcore.commitlog import MessageRecord
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import discover, files_under
@@ -577,7 +577,7 @@ def test_the_daemon_writes_the_brokers_bytes(tmp_path, conformance):
 
 SIGNAL_INSIDE_WAKE_LOCK = """
 import os, signal, sys, time
-from daemon import reput
+from daemon.engine import reput
 from daemon.config import load_config
 
 def run(self):

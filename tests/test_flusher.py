@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from daemon.engine.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from daemon.config import load_config
-from daemon.flusher import Flusher
+from daemon.engine.flusher import Flusher
 from daemon.ops.metrics import ReputMetrics
-from daemon.session import open_session
+from daemon.engine.session import open_session
 from indexcore.reader import ReadStatus
 from indexcore.writer import CommitLogWriter, Message
 
@@ -150,7 +150,7 @@ def test_checkpoint_naming_a_missing_index_file_falls_back_to_derivation(tmp_pat
 
 
 def _plans(tmp_path: Path, files: int):
-    from daemon.dispatchers import FlushPlan
+    from daemon.engine.dispatchers import FlushPlan
 
     paths = []
     for i in range(files):
@@ -166,7 +166,7 @@ def _plans(tmp_path: Path, files: int):
 def test_a_rebuilds_last_flush_of_many_files_syncs_the_file_system_once(tmp_path, monkeypatch, files):
     """From SYNCFS_MIN_FILES files, one syncfs per file system instead of an fdatasync per file and an fsync
     per new directory; the periodic flush of `run` always keeps to its own files."""
-    from daemon import flusher
+    from daemon.engine import flusher
 
     calls = {"syncfs": 0, "fdatasync": 0}
     real_syncfs, real_sync_paths = flusher._kernels.syncfs, flusher.sync_paths
@@ -186,7 +186,7 @@ def test_a_rebuilds_last_flush_of_many_files_syncs_the_file_system_once(tmp_path
 
 
 def test_sync_file_systems_syncs_each_file_system_once(tmp_path, monkeypatch):
-    from daemon import flusher
+    from daemon.engine import flusher
 
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:

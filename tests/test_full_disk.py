@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.checkpoint import CHECKPOINT_FILE
+from daemon.engine.checkpoint import CHECKPOINT_FILE
 from indexcore.indexfile import IndexHeader
 from tests.stress import report, scale
 from tests.test_daemon import REPUTD, Store, assert_same_as_rebuild, clean_env, output_files, wait_for

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.head import written_end
+from daemon.engine.head import written_end
 from indexcore.errors import StoreError
 from indexcore.reader import CommitLog
 from indexcore.writer import CommitLogWriter, Message
@@ -112,12 +112,12 @@ def service(tmp_path, monkeypatch):
     time, with the real reader and dispatchers: the reader's scan of the directory goes stale as it would
     in a loop that is segments behind."""
     from daemon.config import load_config
-    from daemon.reput import ReputService
-    from daemon.session import open_session
+    from daemon.engine.reput import ReputService
+    from daemon.engine.session import open_session
 
     store = Store(tmp_path)
     clock = Clock(START_MS)
-    monkeypatch.setattr("daemon.reput.time.time", clock)
+    monkeypatch.setattr("daemon.engine.reput.time.time", clock)
     svc = ReputService(load_config(str(store.config), env={}))
     svc.store, svc.clock = store, clock
     store.append(2000)  # about 2 segments of backlog before the start

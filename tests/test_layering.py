@@ -29,5 +29,5 @@ def test_indexcore_imports_no_runtime_machinery():
 
 def test_the_cli_and_the_daemon_do_not_load_pyspark():
     """PySpark is the optional [backfill] extra: every other command, and the daemon image, do without it."""
-    code = "import sys, daemon.cli, daemon.reput; sys.exit(1 if 'pyspark' in sys.modules else 0)"
+    code = "import sys, daemon.cli, daemon.engine.reput; sys.exit(1 if 'pyspark' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

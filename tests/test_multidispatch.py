@@ -27,15 +27,15 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import daemon.dispatchers
-import daemon.flusher
-import daemon.rebuild
-import daemon.reput
+import daemon.engine.dispatchers
+import daemon.engine.flusher
+import daemon.engine.rebuild
+import daemon.engine.reput
 import daemon.verify
-from daemon.checkpoint import read_checkpoint
+from daemon.engine.checkpoint import read_checkpoint
 from daemon.config import load_config
 from daemon.query import query_queue
-from daemon.rebuild import (
+from daemon.engine.rebuild import (
     REBUILD_BATCH_BYTES,
     REBUILD_MAX_BATCH_BYTES,
     THIN_BATCH_QUEUES,
@@ -373,11 +373,11 @@ def test_batches_spread_thin_over_many_queues_grow_and_write_the_same_files(tmp_
         readers.append(make_reader(*args, **kwargs))
         return readers[-1]
 
-    for module in (daemon.rebuild, daemon.verify):
+    for module in (daemon.engine.rebuild, daemon.verify):
         monkeypatch.setattr(module, "make_reader", spied_reader)
         monkeypatch.setattr(module, "REBUILD_BATCH_BYTES", 2000)
-    monkeypatch.setattr(daemon.rebuild, "REBUILD_MAX_BATCH_BYTES", 64_000)
-    monkeypatch.setattr(daemon.rebuild, "THIN_BATCH_QUEUES", 8)
+    monkeypatch.setattr(daemon.engine.rebuild, "REBUILD_MAX_BATCH_BYTES", 64_000)
+    monkeypatch.setattr(daemon.engine.rebuild, "THIN_BATCH_QUEUES", 8)
     cfg, summary, _ = quiet_rebuild(lmq_config(tmp_path, batch_bytes=2000))
     assert summary.messages == len(messages)
     assert readers[-1].batch_bytes == 64_000
@@ -406,7 +406,7 @@ def test_a_rebuild_killed_while_it_gathers_appends_then_run_again_writes_the_sam
     then run again, it writes the broker's files all the same."""
     records = write_workload(tmp_path, thin_lmq_messages(11))
     config = lmq_config(tmp_path)
-    small_batches = ("import sys, daemon.rebuild as r; r.REBUILD_BATCH_BYTES = r.REBUILD_MAX_BATCH_BYTES = 3000; "
+    small_batches = ("import sys, daemon.engine.rebuild as r; r.REBUILD_BATCH_BYTES = r.REBUILD_MAX_BATCH_BYTES = 3000; "
                      "from daemon.cli import main; sys.exit(main(sys.argv[1:]))")
     killed = subprocess.run([REPUTD[0], "-c", small_batches, "rebuild", "--config", str(config)],
                             env=clean_env({"REPUTD_FAILPOINT": f"consumequeue.after_rename@{creations}"}),
@@ -434,11 +434,11 @@ def test_run_behind_the_writer_grows_thin_batches_and_shrinks_them_when_caught_u
         return read(self, offset, **kwargs)
 
     monkeypatch.setattr(CommitLogReader, "read", spied_read)
-    monkeypatch.setattr(daemon.reput, "RUN_MAX_BATCH_BYTES", 64_000)
-    monkeypatch.setattr(daemon.rebuild, "REBUILD_MAX_BATCH_BYTES", 1 << 30)  # not the limit `run` goes by
-    monkeypatch.setattr(daemon.rebuild, "THIN_BATCH_QUEUES", 8)
+    monkeypatch.setattr(daemon.engine.reput, "RUN_MAX_BATCH_BYTES", 64_000)
+    monkeypatch.setattr(daemon.engine.rebuild, "REBUILD_MAX_BATCH_BYTES", 1 << 30)  # not the limit `run` goes by
+    monkeypatch.setattr(daemon.engine.rebuild, "THIN_BATCH_QUEUES", 8)
     config = load_config(lmq_config(tmp_path, batch_bytes=2000), env={})
-    service = daemon.reput.ReputService(config, until_caught_up=True)
+    service = daemon.engine.reput.ReputService(config, until_caught_up=True)
     with structlog.testing.capture_logs():
         assert service.run() == 0
     assert sizes[0] == 2000
@@ -457,21 +457,21 @@ def test_run_stopping_with_many_queue_files_to_flush_syncs_their_file_system_onc
     messages = [Message("im-chat", 0, b"x", {MD: f"%LMQ%r{i % rooms}"}) for i in range(600)]
     records = write_workload(tmp_path, messages)
     syncfs, closing, synced_closing = [], [], []
-    real_syncfs, real_fdatasync = daemon.flusher._kernels.syncfs, os.fdatasync
-    real_close = daemon.dispatchers.ConsumeQueueDispatcher.close
+    real_syncfs, real_fdatasync = daemon.engine.flusher._kernels.syncfs, os.fdatasync
+    real_close = daemon.engine.dispatchers.ConsumeQueueDispatcher.close
 
     def spied_close(self):
         closing.append(True)
         real_close(self)
 
-    monkeypatch.setattr(daemon.flusher._kernels, "syncfs", lambda fd: (syncfs.append(fd), real_syncfs(fd)))
+    monkeypatch.setattr(daemon.engine.flusher._kernels, "syncfs", lambda fd: (syncfs.append(fd), real_syncfs(fd)))
     monkeypatch.setattr(os, "fdatasync", lambda fd: (synced_closing.append(fd) if closing else None,
                                                      real_fdatasync(fd)))
-    monkeypatch.setattr(daemon.dispatchers.ConsumeQueueDispatcher, "close", spied_close)
+    monkeypatch.setattr(daemon.engine.dispatchers.ConsumeQueueDispatcher, "close", spied_close)
     config = load_config(lmq_config(tmp_path), env={})
     with structlog.testing.capture_logs():
-        assert daemon.reput.ReputService(config, until_caught_up=True).run() == 0
-    assert len(syncfs) == (1 if rooms + 1 >= daemon.flusher.SYNCFS_MIN_FILES else 0)
+        assert daemon.engine.reput.ReputService(config, until_caught_up=True).run() == 0
+    assert len(syncfs) == (1 if rooms + 1 >= daemon.engine.flusher.SYNCFS_MIN_FILES else 0)
     assert synced_closing == []  # the last flush synced every queue: closing them syncs none again
     assert read_checkpoint(config.output.dir).reput_from_offset == records[-1].physical_offset + records[-1].total_size
     assert files_under(Path(config.output.dir) / "consumequeue") == model_of(records, True, CQ_FILE)
@@ -540,7 +540,7 @@ def test_few_descriptors_for_many_queues_write_the_same_files(tmp_path: Path) ->
     outs = []
     for limit in (2, 4096):
         cfg = load_config(config, {}, {"output.dir": str(tmp_path / f"out-{limit}")})
-        from daemon.dispatchers import ConsumeQueueDispatcher
+        from daemon.engine.dispatchers import ConsumeQueueDispatcher
 
         d = ConsumeQueueDispatcher(cfg.store, cfg.output.dir)
         d.queues.open_files.limit = limit

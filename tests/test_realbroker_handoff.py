@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.checkpoint import read_checkpoint
+from daemon.engine.checkpoint import read_checkpoint
 from indexcore.checkpoint import StoreCheckpoint
 from tests import stress
 from tests.conformance import REPO

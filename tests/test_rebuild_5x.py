@@ -11,7 +11,7 @@ import yaml
 
 from daemon.config import load_config
 from daemon.query import query_offsets, query_queue
-from daemon.rebuild import rebuild
+from daemon.engine.rebuild import rebuild
 from indexcore.commitlog import TRANSACTION_COMMIT_TYPE, TRANSACTION_PREPARED_TYPE, TRANSACTION_ROLLBACK_TYPE, Host
 from indexcore.consumequeue import ConsumeQueueStore
 from indexcore.javahash import index_key_hash, java_string_hash

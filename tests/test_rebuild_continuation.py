@@ -1,5 +1,5 @@
 """`reputd rebuild` into an output that already holds files continues it exactly where it ends, by the resume
-rules `reputd run` uses (daemon/recovery.py): run twice, or stopped anywhere and run again, it ends with the
+rules `reputd run` uses (daemon/engine/recovery.py): run twice, or stopped anywhere and run again, it ends with the
 files of one rebuild, with no (hash, offset) pair indexed twice, and says how many messages were new.
 """
 
@@ -22,11 +22,11 @@ import pytest
 import structlog
 import yaml
 
-from daemon.checkpoint import CHECKPOINT_FILE
+from daemon.engine.checkpoint import CHECKPOINT_FILE
 from daemon.config import load_config
-from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
-from daemon.rebuild import dispatch_batch
-from daemon.rebuild import rebuild as daemon_rebuild
+from daemon.engine.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
+from daemon.engine.rebuild import dispatch_batch
+from daemon.engine.rebuild import rebuild as daemon_rebuild
 from indexcore.indexfile import INDEX_ENTRY_DTYPE, INDEX_HEADER, INDEX_HEADER_SIZE
 from indexcore.reader import ReadResult, ReadStatus
 from indexcore.writer import CommitLogWriter
@@ -223,7 +223,7 @@ def test_an_index_failure_mid_rebuild_stops_it_and_the_next_rebuild_writes_the_f
         real(self, batch)
 
     monkeypatch.setattr(IndexDispatcher, "dispatch", failing)
-    monkeypatch.setattr("daemon.rebuild.REBUILD_BATCH_BYTES", 4096)
+    monkeypatch.setattr("daemon.engine.rebuild.REBUILD_BATCH_BYTES", 4096)
     cfg = load_config(config)
     cfg = dataclasses.replace(cfg, reput=dataclasses.replace(cfg.reput, batch_bytes=4096))
     with structlog.testing.capture_logs(), pytest.raises(OSError, match="No space left"):

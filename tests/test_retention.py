@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.checkpoint import read_checkpoint
-from daemon.cleaner import Cleaner, commit_log_min_offset
+from daemon.engine.checkpoint import read_checkpoint
+from daemon.engine.cleaner import Cleaner, commit_log_min_offset
 from daemon.config import load_config
 from daemon.ops.metrics import ReputMetrics
-from daemon.session import open_session
+from daemon.engine.session import open_session
 from indexcore.consumequeue import ConsumeQueue, ConsumeQueueStore
 from indexcore.indexfile import IndexHeader, index_file_size
 from indexcore.indexservice import IndexService, index_file_name
@@ -296,7 +296,7 @@ def test_cleaner_cleans_only_below_the_checkpoint_and_keeps_its_index_file(tmp_p
 def test_cleaner_thread_deletes_while_dispatch_and_flush_go_on(tmp_path):
     """The thread cleans once the first offset moves while the flusher syncs and checkpoints beside it, and
     the files left are exactly the broker's rule over the final files."""
-    from daemon.flusher import Flusher
+    from daemon.engine.flusher import Flusher
 
     config = session_store(tmp_path, 3000)
     s = open_session(config, ReputMetrics(lambda: None))

@@ -23,7 +23,7 @@ import time
 import pytest
 import yaml
 
-from daemon import reput
+from daemon.engine import reput
 from daemon.config import load_config
 from tests.plugins.gated import GatedDispatcher
 from tests.test_daemon import SEGMENT, Store, events, stop, wait_for

@@ -409,7 +409,7 @@ def test_a_torn_record_is_held_back_whatever_ended_the_read(tmp_path, ended):
     whatever its status. Deterministic: the torn image is read, then the record is completed."""
     from types import SimpleNamespace
 
-    from daemon.head import hold_torn_tail
+    from daemon.engine.head import hold_torn_tail
     from indexcore.errors import CorruptRecordError
     from indexcore.reader import CommitLog, CommitLogReader, ReadStatus
 
@@ -465,7 +465,7 @@ def test_rows_alike_finds_the_first_row_that_differs(data):
     """hold_torn_tail compares a read again column by column: the first differing row is the one a
     row-by-row comparison finds, whatever field differs (KEYS, UNIQ_KEY, None against a value, the topic,
     a number), and a shorter second read stops the run."""
-    from daemon.head import _rows_alike
+    from daemon.engine.head import _rows_alike
     from tests.conftest import DispatchRec, make_dispatch_batch
 
     text = st.one_of(st.none(), st.text(max_size=6))

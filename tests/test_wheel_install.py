@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.checkpoint import CHECKPOINT_FILE
+from daemon.engine.checkpoint import CHECKPOINT_FILE
 from daemon.cli import OWN_PACKAGES
 from daemon.ops.outlock import LOCK_FILE
 from tests.conformance import discover, files_under

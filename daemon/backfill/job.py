@@ -82,9 +82,9 @@ from daemon.backfill.writers import (
     create_shared_index_file,
 )
 from daemon.config import Config
-from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
+from daemon.engine.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.ops.logs import get_logger
-from daemon.rebuild import RebuildSummary
+from daemon.engine.rebuild import RebuildSummary
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE, CQ_UNIT_SIZE
 from indexcore.errors import StoreError
 from indexcore.indexfile import FIRST_INDEX, INDEX_HEADER_SIZE, IndexHeader

@@ -55,7 +55,7 @@ class ErrorKind(StrEnum):
     COMMITLOG = "commitlog"
     RECOVERY = "recovery"
     LOOP = "loop"
-    RETENTION = "retention"  # a clean-up pass of expired output files failed (`daemon.cleaner`)
+    RETENTION = "retention"  # a clean-up pass of expired output files failed (`daemon.engine.cleaner`)
 
 
 class OutputStage(StrEnum):

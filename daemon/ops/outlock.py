@@ -31,7 +31,7 @@ import struct
 
 LOCK_FILE = "reputd.lock"
 BROKER_LOCK_FILE = "lock"  # DefaultMessageStore's `lock` in the store root
-CHECKPOINT_FILE = "reputd.checkpoint"  # daemon.checkpoint's; a failed command may have written only it
+CHECKPOINT_FILE = "reputd.checkpoint"  # daemon.engine.checkpoint's; a failed command may have written only it
 _HOLDER_MAX_BYTES = 256
 _FLOCK = struct.Struct("@hhqqi")  # struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid
 _FLOCK_SIZE = 32

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from daemon.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
+from daemon.engine.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.ops.logs import get_logger
 from daemon.ops.metrics import ErrorKind, FileKind
 from daemon.ops.periodic import Periodic
@@ -43,9 +43,9 @@ from indexcore.retention import (
 )
 
 if TYPE_CHECKING:
-    from daemon.dispatchers import Dispatcher
+    from daemon.engine.dispatchers import Dispatcher
     from daemon.ops.metrics import ReputMetrics
-    from daemon.session import Session
+    from daemon.engine.session import Session
 
 MS_PER_SECOND = 1000
 

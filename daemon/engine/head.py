@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-from daemon.session import Session
+from daemon.engine.session import Session
 from indexcore.commitlog import (
     BLANK_MAGIC_CODE,
     BORNHOST_V6_FLAG,

@@ -16,15 +16,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from daemon.checkpoint import Checkpoint, write_checkpoint
-from daemon.dispatchers import FlushPlan, sync_paths
+from daemon.engine.checkpoint import Checkpoint, write_checkpoint
+from daemon.engine.dispatchers import FlushPlan, sync_paths
 from daemon.ops.logs import get_logger
 from daemon.ops.periodic import Periodic
 from indexcore import _kernels
 
 if TYPE_CHECKING:
-    from daemon.dispatchers import Dispatcher
-    from daemon.session import Session
+    from daemon.engine.dispatchers import Dispatcher
+    from daemon.engine.session import Session
 
 MS_PER_SECOND = 1000
 # From this many files to sync, the last flush of a rebuild, and of `run` as it stops, syncs their file system
@@ -156,7 +156,7 @@ class Flusher(Periodic):
         now = time.monotonic()
         thorough = thorough or now - self._last_thorough >= self.thorough_interval
         least_pages = 0 if thorough else self.least_pages
-        with s.files_lock:  # from plan to sync, the cleaner deletes none of the files planned (`daemon.cleaner`)
+        with s.files_lock:  # from plan to sync, the cleaner deletes none of the files planned (`daemon.engine.cleaner`)
             with s.lock:
                 if s.poisoned:
                     return False

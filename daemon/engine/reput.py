@@ -1,12 +1,12 @@
 """`reputd run`: the live reput loop, what RocketMQ's ReputMessageService does inside the broker.
 
-A *session* (`daemon.session`) is one life of the pipeline: recover the output to a consistent point
-(`daemon.recovery`), then read the CommitLog from there in batches and hand each batch to the
-dispatchers, while the flusher thread (`daemon.flusher`) makes the output durable and checkpoints it. A
+A *session* (`daemon.engine.session`) is one life of the pipeline: recover the output to a consistent point
+(`daemon.engine.recovery`), then read the CommitLog from there in batches and hand each batch to the
+dispatchers, while the flusher thread (`daemon.engine.flusher`) makes the output durable and checkpoints it. A
 failing dispatcher ends the session without checkpointing past the data it did not take; the service
 then starts a new session after a back-off, which recovers exactly as a restart after `kill -9` would:
 one recovery path for every way of stopping. Records still being written at the head are held back
-(`daemon.head`).
+(`daemon.engine.head`).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from watchdog.events import (
 from watchdog.observers import Observer
 
 from daemon.ops import failpoint
-from daemon.cleaner import Cleaner
+from daemon.engine.cleaner import Cleaner
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
-from daemon.flusher import Flusher
-from daemon.head import (
+from daemon.engine.flusher import Flusher
+from daemon.engine.head import (
     HeadDescriptor,
     hold_torn_tail,
     oldest_undispatched_timestamp,
@@ -65,9 +65,9 @@ from daemon.ops.metrics import (
     ReputMetrics,
     SkipReason,
 )
-from daemon.rebuild import widen_after_dispatch
+from daemon.engine.rebuild import widen_after_dispatch
 from daemon.ops.sdnotify import USEC_PER_SECOND, Notifier
-from daemon.session import Session, open_session
+from daemon.engine.session import Session, open_session
 from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
 from indexcore.reader import ReadResult, ReadStatus
 

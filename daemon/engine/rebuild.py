@@ -2,7 +2,7 @@
 
 The same path as the live reput loop (recovery -> reader -> batch -> dispatchers -> flush -> checkpoint),
 run until the end of the written data. Rebuilding into an output that already holds files continues it
-exactly where it ends, by the resume rules `reputd run` uses (`daemon.recovery`): nothing already there
+exactly where it ends, by the resume rules `reputd run` uses (`daemon.engine.recovery`): nothing already there
 is written twice, and a rebuild stopped anywhere, then run again, ends as one rebuild would. It ends
 with a checkpoint, so the next `rebuild` or `run` starts where it stopped. Point the output at an empty
 directory for a from-scratch rebuild.
@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from daemon.ops import failpoint
-from daemon.cleaner import clean_output
+from daemon.engine.cleaner import clean_output
 from daemon.config import Config
-from daemon.dispatchers import ConsumeQueueDispatcher, Dispatcher
-from daemon.flusher import final_checkpoint
+from daemon.engine.dispatchers import ConsumeQueueDispatcher, Dispatcher
+from daemon.engine.flusher import final_checkpoint
 from daemon.ops.logs import get_logger
-from daemon.readahead import ReadAhead
-from daemon.recovery import recover_output
+from daemon.engine.readahead import ReadAhead
+from daemon.engine.recovery import recover_output
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
 from indexcore.indexfile import INDEX_HEADER_SIZE, IndexHeader
@@ -281,7 +281,7 @@ def new_units(batch, output_end: int) -> int:
 def written_end_of(commit_log: CommitLog) -> int:
     """Where the written data ends (the live daemon's rule, the one behind its lag gauge): what a rebuild
     reads up to, for the progress display and the check of --from."""
-    from daemon.head import written_end  # noqa: PLC0415 - the live daemon's module, loaded for this only
+    from daemon.engine.head import written_end  # noqa: PLC0415 - the live daemon's module, loaded for this only
 
     return written_end(commit_log, commit_log.min_offset)
 

@@ -1,8 +1,8 @@
 """A session: one life of the live pipeline, from a recovery to a stop or a failure.
 
-It holds what the reput loop (`daemon.reput`), the flusher thread (`daemon.flusher`) and the metrics
+It holds what the reput loop (`daemon.engine.reput`), the flusher thread (`daemon.engine.flusher`) and the metrics
 share: the CommitLog and its reader, the dispatchers, and how far records are dispatched, flushed and
-checkpointed. `open_session` makes one from what recovery (`daemon.recovery`) decided.
+checkpointed. `open_session` makes one from what recovery (`daemon.engine.recovery`) decided.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.config import Config
-from daemon.dispatchers import Dispatcher
+from daemon.engine.dispatchers import Dispatcher
 from daemon.ops.metrics import ReputMetrics
-from daemon.rebuild import make_reader
-from daemon.recovery import recover_output
+from daemon.engine.rebuild import make_reader
+from daemon.engine.recovery import recover_output
 from indexcore.reader import CommitLog, CommitLogReader
 
 
@@ -54,7 +54,7 @@ class Session:
 
 
 def open_session(config: Config, metrics: ReputMetrics) -> Session:
-    """Recover the output (`daemon.recovery`) and open a session of the live loop reading from there."""
+    """Recover the output (`daemon.engine.recovery`) and open a session of the live loop reading from there."""
     commit_log = CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log, follow=True)
     r = recover_output(config, commit_log, metrics=metrics)
     session = Session(config, config.output.dir, commit_log, make_reader(config, commit_log), r.dispatchers, metrics,
