@@ -30,7 +30,7 @@ $(VENV)/.installed-test: $(BIN)/python $(DEPS)
 	touch $@ $(VENV)/.installed-run
 
 run: $(VENV)/.installed-run
-	$(BIN)/python -m daemon.sample_store --config $(CONFIG)
+	$(BIN)/python -m daemon.commands.sample_store --config $(CONFIG)
 	$(BIN)/reputd run --config $(CONFIG)
 
 # docs/ built strictly (a broken link or anchor fails) into a temporary directory, so nothing is written into

@@ -525,7 +525,7 @@ def _warn_abort(args, config: Config) -> None:
     """Writing into a store root whose broker did not exit cleanly: unless `reputd handoff` runs before the
     broker starts, 4.9.3's recovery discards these IndexFiles and re-dispatches over these ConsumeQueues."""
     from daemon.ops.logs import get_logger
-    from daemon.verify import ABORT_FILE
+    from daemon.commands.verify import ABORT_FILE
 
     root, out = config.store.store_path_root_dir, config.output.dir
     abort = os.path.join(root, ABORT_FILE)
@@ -541,8 +541,8 @@ def _warn_abort(args, config: Config) -> None:
 def cmd_handoff(args, config: Config) -> int:
     import contextlib
 
-    from daemon.brokerfiles import BrokerRunning, broker_lock_held, hold_broker_lock
-    from daemon.handoff import HandoffRefused, handoff
+    from daemon.commands.brokerfiles import BrokerRunning, broker_lock_held, hold_broker_lock
+    from daemon.commands.handoff import HandoffRefused, handoff
     from daemon.ops.logs import configure_logging
 
     root = config.store.store_path_root_dir
@@ -604,7 +604,7 @@ def cmd_verify(args, config: Config) -> int:
 
     from daemon.ops.logs import configure_logging
     from daemon.engine.rebuild import ProgressBar
-    from daemon.verify import VerifyUsageError, format_text, verify
+    from daemon.commands.verify import VerifyUsageError, format_text, verify
 
     _check_inputs(args, config, output=True)
     bar = ProgressBar() if sys.stderr.isatty() and not args.json else None
@@ -824,7 +824,7 @@ def parse_time(option: str, text: str, now_ms: int | None = None) -> int:
 
 
 def cmd_query_key(args, config: Config) -> int:
-    from daemon.query import check_topic, query_key_result, query_offsets
+    from daemon.commands.query import check_topic, query_key_result, query_offsets
 
     _check_inputs(args, config, commit_log=False, output=True)  # the index first: the CommitLog when it is read
     begin = parse_time("--begin", args.begin)
@@ -855,12 +855,12 @@ def cmd_query_key(args, config: Config) -> int:
     if not result.messages and result.damage is None:
         check_topic(config, args.topic)
     if _format(args) == "json":
-        from daemon.render import message_json_line
+        from daemon.commands.render import message_json_line
 
         for rec in result.messages:
             print(message_json_line(rec))
     elif result.messages:
-        from daemon.render import key_table
+        from daemon.commands.render import key_table
 
         print("\n".join(key_table(result.messages)))
     if not result.messages:
@@ -888,7 +888,7 @@ def _damaged(damage: Exception | None) -> int:
 
 
 def _print_records(args, records, found_header: str | None = None) -> None:
-    from daemon.render import message_block, message_json_line, save_body
+    from daemon.commands.render import message_block, message_json_line, save_body
 
     as_json = _format(args) == "json"
     body, raw = args.body or args.raw_body, args.raw_body
@@ -903,7 +903,7 @@ def _print_records(args, records, found_header: str | None = None) -> None:
 
 
 def cmd_query_queue(args, config: Config) -> int:
-    from daemon.query import check_queue, query_queue
+    from daemon.commands.query import check_queue, query_queue
 
     _check_inputs(args, config, commit_log=False, output=True)
     check_queue(config, args.topic, args.queue_id)
@@ -938,7 +938,7 @@ def cmd_query_queue(args, config: Config) -> int:
 
 
 def cmd_query_msgid(args, config: Config) -> int:
-    from daemon.query import query_msgid
+    from daemon.commands.query import query_msgid
     from indexcore.msgid import msg_id_shape_error
 
     why = msg_id_shape_error(args.msgid.strip())
@@ -968,7 +968,7 @@ def cmd_query_msgid(args, config: Config) -> int:
 def cmd_inspect(args, config: Config) -> int:
     import json
 
-    from daemon.inspect_file import inspect_path, text_line, text_value
+    from daemon.commands.inspect_file import inspect_path, text_line, text_value
 
     if os.path.isdir(args.path):
         raise UsageError(f"{args.path}: is a directory; inspect decodes one file: a CommitLog segment "
@@ -995,7 +995,7 @@ def cmd_inspect(args, config: Config) -> int:
 
 
 def cmd_produce(args, config: Config) -> int:
-    from daemon.produce import produce
+    from daemon.commands.produce import produce
 
     bar = None
     if sys.stderr.isatty():

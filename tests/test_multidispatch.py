@@ -31,10 +31,10 @@ import daemon.engine.dispatchers
 import daemon.engine.flusher
 import daemon.engine.rebuild
 import daemon.engine.reput
-import daemon.verify
+import daemon.commands.verify
 from daemon.engine.checkpoint import read_checkpoint
 from daemon.config import load_config
-from daemon.query import query_queue
+from daemon.commands.query import query_queue
 from daemon.engine.rebuild import (
     REBUILD_BATCH_BYTES,
     REBUILD_MAX_BATCH_BYTES,
@@ -373,7 +373,7 @@ def test_batches_spread_thin_over_many_queues_grow_and_write_the_same_files(tmp_
         readers.append(make_reader(*args, **kwargs))
         return readers[-1]
 
-    for module in (daemon.engine.rebuild, daemon.verify):
+    for module in (daemon.engine.rebuild, daemon.commands.verify):
         monkeypatch.setattr(module, "make_reader", spied_reader)
         monkeypatch.setattr(module, "REBUILD_BATCH_BYTES", 2000)
     monkeypatch.setattr(daemon.engine.rebuild, "REBUILD_MAX_BATCH_BYTES", 64_000)
@@ -385,7 +385,7 @@ def test_batches_spread_thin_over_many_queues_grow_and_write_the_same_files(tmp_
     assert files_under(queues) == model_of(records, True, CQ_FILE)
 
     # `verify` reads in growing batches too, and still finds every difference where it is
-    report = daemon.verify.verify(cfg)
+    report = daemon.commands.verify.verify(cfg)
     assert readers[-1].batch_bytes == 64_000
     assert report.findings == []
     assert report.messages == len(messages)
@@ -393,7 +393,7 @@ def test_batches_spread_thin_over_many_queues_grow_and_write_the_same_files(tmp_
     data = bytearray(damaged.read_bytes())
     data[CQ_UNIT_SIZE + 12 : CQ_UNIT_SIZE + 20] = (12345).to_bytes(8, "big")  # unit 1's tags_code
     damaged.write_bytes(bytes(data))
-    report = daemon.verify.verify(cfg)
+    report = daemon.commands.verify.verify(cfg)
     assert [(f.kind, f.file, f.position) for f in report.findings] == [
         (CQ_UNIT_WRONG, str(damaged.relative_to(cfg.output.dir)), CQ_UNIT_SIZE)]
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
-from daemon.verify import MODE_CRASHED, MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
+from daemon.commands.verify import MODE_CRASHED, MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
 from indexcore.commitlog import BODY_CRC_OFFSET
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.errors import SizeMismatchError
@@ -792,7 +792,7 @@ def test_verify_while_the_real_broker_writes_finds_nothing(tmp_path):
     """The real 4.9.3 store writes (CommitLog, its own reput, ConsumeQueue, IndexFile rolls, scheduled deliveries,
     transactions) while verify runs again and again on its directory: no false positive, ever. Once the broker
     has stopped cleanly, the whole CommitLog is held to the files, and they verify clean too."""
-    from daemon.verify import MODE_RUNNING
+    from daemon.commands.verify import MODE_RUNNING
     from tests.stress import report as stress_report
     from tests.stress import scale
 

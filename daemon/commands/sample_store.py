@@ -7,7 +7,7 @@ import os
 import sys
 
 from daemon.config import ConfigError, load_config
-from daemon.produce import produce
+from daemon.commands.produce import produce
 
 SAMPLE_MESSAGES = 20_000
 SAMPLE_TOPICS = ("TopicTest", "order-events", "%RETRY%cg-demo")

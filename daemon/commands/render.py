@@ -1,6 +1,6 @@
 """How query results look: on a terminal, the layouts RocketMQ operators know from `mqadmin` (a table for
 `queryMsgByKey`, one block of `Label: value` lines per message for `queryMsgById`); elsewhere, and with
-`--json`, one JSON object per line (`daemon.query.message_json`, plus the body when asked for).
+`--json`, one JSON object per line (`daemon.commands.query.message_json`, plus the body when asked for).
 
 A body stored compressed (sysFlag COMPRESSED_FLAG) is shown and saved decompressed, as mqadmin shows it
 (`MessageDecoder.decode(deCompressBody=true)`, zlib as `UtilAll.uncompress`), and the output says so;
@@ -18,7 +18,7 @@ import zlib
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from daemon.query import message_json
+from daemon.commands.query import message_json
 from indexcore.commitlog import (
     COMPRESSED_FLAG,
     COMPRESSION_TYPE_MASK,

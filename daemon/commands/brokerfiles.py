@@ -1,7 +1,7 @@
 """The broker's own files in its store root that decide how a 4.9.3 broker starts on it: `lock` (held while
 it runs), `abort` (its last exit was not clean: it then recovers abnormally from the times in `checkpoint`)
 and `checkpoint` (StoreCheckpoint, indexcore/checkpoint.py), and the times an output's files hold, which
-`reputd handoff` writes there (daemon/handoff.py says why)."""
+`reputd handoff` writes there (daemon/commands/handoff.py says why)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.config import Config
 from daemon.engine.rebuild import make_reader, open_commit_log
-from daemon.render import human_time
-from daemon.verify import ABORT_FILE, LOCK_FILE, lock_held
+from daemon.commands.render import human_time
+from daemon.commands.verify import ABORT_FILE, LOCK_FILE, lock_held
 from indexcore.checkpoint import CHECKPOINT_FILE, CHECKPOINT_FILE_SIZE, StoreCheckpoint
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, last_written_unit
 from indexcore.errors import StoreError
