@@ -57,8 +57,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.latency import LatencyHistogram  # noqa: E402
 from bench.paced_writer import PacedWriter  # noqa: E402
-from daemon.config import load_config  # noqa: E402
 from daemon.commands.query import query_key  # noqa: E402
+from daemon.config import load_config  # noqa: E402
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus  # noqa: E402
 
 REPUTD = [sys.executable, "-m", "daemon.cli"]

@@ -455,8 +455,8 @@ def cmd_rebuild(args, config: Config) -> int:
     import signal
     import threading
 
-    from daemon.ops.logs import configure_logging
     from daemon.engine.rebuild import FromOffsetError, IndexSequenceGap, ProgressBar, RebuildFailed, rebuild
+    from daemon.ops.logs import configure_logging
 
     _check_inputs(args, config)
     if args.from_offset is not None:  # inside a record is a usage error found before anything is written
@@ -524,8 +524,8 @@ def _handoff_command(args, config: Config) -> str:
 def _warn_abort(args, config: Config) -> None:
     """Writing into a store root whose broker did not exit cleanly: unless `reputd handoff` runs before the
     broker starts, 4.9.3's recovery discards these IndexFiles and re-dispatches over these ConsumeQueues."""
-    from daemon.ops.logs import get_logger
     from daemon.commands.verify import ABORT_FILE
+    from daemon.ops.logs import get_logger
 
     root, out = config.store.store_path_root_dir, config.output.dir
     abort = os.path.join(root, ABORT_FILE)
@@ -602,9 +602,9 @@ def cmd_verify(args, config: Config) -> int:
     """A reader: it takes no lock on the output directory."""
     import json
 
-    from daemon.ops.logs import configure_logging
-    from daemon.engine.rebuild import ProgressBar
     from daemon.commands.verify import VerifyUsageError, format_text, verify
+    from daemon.engine.rebuild import ProgressBar
+    from daemon.ops.logs import configure_logging
 
     _check_inputs(args, config, output=True)
     bar = ProgressBar() if sys.stderr.isatty() and not args.json else None

@@ -28,10 +28,10 @@ from daemon.backfill import (
 from daemon.backfill.catalog import CATALOG_QUERIES, file_name
 from daemon.backfill.commit import STAGING_DIR
 from daemon.backfill.job import spark_error_line
-from daemon.config import load_config
-from daemon.ops.outlock import LOCK_FILE
 from daemon.commands.query import query_key
+from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
+from daemon.ops.outlock import LOCK_FILE
 from indexcore.commitlog import MAGIC_CODE_OFFSET, TRANSACTION_COMMIT_TYPE, TRANSACTION_PREPARED_TYPE
 from indexcore.commitlog import TRANSACTION_ROLLBACK_TYPE as ROLLBACK
 from indexcore.errors import StoreError

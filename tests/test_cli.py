@@ -297,7 +297,8 @@ def seen_at_the_pass(store, command: str, measure: str, preexec_fn=None) -> list
     time the command started its pass."""
     _, config, _ = store
     probe = (
-        "import gc, json, resource, sys, daemon.engine.rebuild as rb, daemon.commands.verify as vf, daemon.engine.reput as rp\n"
+        "import gc, json, resource, sys, daemon.engine.rebuild as rb, daemon.commands.verify as vf, "
+        "daemon.engine.reput as rp\n"
         "from daemon import cli\n"
         "seen = []\n"
         "def spy(real):\n"

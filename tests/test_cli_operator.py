@@ -660,7 +660,8 @@ def test_a_query_process_imports_only_what_it_needs(built):
     imported = {line.split("|")[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
     heavy = {m for m in imported if m.split(".")[0] in ("numpy", "structlog", "watchdog", "prometheus_client",
                                                         "inspect", "pyspark")
-             or m in ("daemon.engine.rebuild", "daemon.engine.dispatchers", "daemon.engine.reput", "daemon.ops.logs", "shutil")}
+             or m in ("daemon.engine.rebuild", "daemon.engine.dispatchers", "daemon.engine.reput", "daemon.ops.logs",
+                       "shutil")}
     assert heavy == set()
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.config import load_config
 from daemon.commands.query import query_key, query_offsets, query_queue
+from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
 from indexcore.commitlog import KEY_SEPARATOR
 from indexcore.consumequeue import CQ_UNIT_SIZE, ConsumeQueueStore

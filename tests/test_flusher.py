@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.engine.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from daemon.config import load_config
+from daemon.engine.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from daemon.engine.flusher import Flusher
-from daemon.ops.metrics import ReputMetrics
 from daemon.engine.session import open_session
+from daemon.ops.metrics import ReputMetrics
 from indexcore.reader import ReadStatus
 from indexcore.writer import CommitLogWriter, Message
 

@@ -27,14 +27,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import daemon.commands.verify
 import daemon.engine.dispatchers
 import daemon.engine.flusher
 import daemon.engine.rebuild
 import daemon.engine.reput
-import daemon.commands.verify
-from daemon.engine.checkpoint import read_checkpoint
-from daemon.config import load_config
 from daemon.commands.query import query_queue
+from daemon.config import load_config
+from daemon.engine.checkpoint import read_checkpoint
 from daemon.engine.rebuild import (
     REBUILD_BATCH_BYTES,
     REBUILD_MAX_BATCH_BYTES,
@@ -406,7 +406,8 @@ def test_a_rebuild_killed_while_it_gathers_appends_then_run_again_writes_the_sam
     then run again, it writes the broker's files all the same."""
     records = write_workload(tmp_path, thin_lmq_messages(11))
     config = lmq_config(tmp_path)
-    small_batches = ("import sys, daemon.engine.rebuild as r; r.REBUILD_BATCH_BYTES = r.REBUILD_MAX_BATCH_BYTES = 3000; "
+    small_batches = ("import sys, daemon.engine.rebuild as r; "
+                     "r.REBUILD_BATCH_BYTES = r.REBUILD_MAX_BATCH_BYTES = 3000; "
                      "from daemon.cli import main; sys.exit(main(sys.argv[1:]))")
     killed = subprocess.run([REPUTD[0], "-c", small_batches, "rebuild", "--config", str(config)],
                             env=clean_env({"REPUTD_FAILPOINT": f"consumequeue.after_rename@{creations}"}),

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.ops import healthcheck as image_healthcheck
 from daemon.cli import EXIT_USAGE, build_parser
 from daemon.config import load_config
+from daemon.ops import healthcheck as image_healthcheck
 from daemon.ops.metrics import DOWN, HEALTH_PATH
 from tests.tools import require_tool
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.config import load_config
 from daemon.commands.query import query_offsets, query_queue
+from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
 from indexcore.commitlog import TRANSACTION_COMMIT_TYPE, TRANSACTION_PREPARED_TYPE, TRANSACTION_ROLLBACK_TYPE, Host
 from indexcore.consumequeue import ConsumeQueueStore

@@ -22,8 +22,8 @@ import pytest
 import structlog
 import yaml
 
-from daemon.engine.checkpoint import CHECKPOINT_FILE
 from daemon.config import load_config
+from daemon.engine.checkpoint import CHECKPOINT_FILE
 from daemon.engine.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.engine.rebuild import dispatch_batch
 from daemon.engine.rebuild import rebuild as daemon_rebuild

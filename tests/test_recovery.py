@@ -10,9 +10,9 @@ import structlog
 import yaml
 
 from daemon.config import load_config
-from daemon.ops.metrics import ReputMetrics
 from daemon.engine.recovery import write_replay_marker
 from daemon.engine.session import open_session
+from daemon.ops.metrics import ReputMetrics
 from indexcore.consumequeue import CQ_UNIT_SIZE as UNIT_SIZE
 from indexcore.consumequeue import ConsumeQueue
 from tests.test_daemon import Store, assert_same_as_rebuild, events

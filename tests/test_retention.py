@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon.config import load_config
 from daemon.engine.checkpoint import read_checkpoint
 from daemon.engine.cleaner import Cleaner, commit_log_min_offset
-from daemon.config import load_config
-from daemon.ops.metrics import ReputMetrics
 from daemon.engine.session import open_session
+from daemon.ops.metrics import ReputMetrics
 from indexcore.consumequeue import ConsumeQueue, ConsumeQueueStore
 from indexcore.indexfile import IndexHeader, index_file_size
 from indexcore.indexservice import IndexService, index_file_name

@@ -23,8 +23,8 @@ import time
 import pytest
 import yaml
 
-from daemon.engine import reput
 from daemon.config import load_config
+from daemon.engine import reput
 from tests.plugins.gated import GatedDispatcher
 from tests.test_daemon import SEGMENT, Store, events, stop, wait_for
 

@@ -19,9 +19,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from daemon.commands.verify import MODE_CRASHED, MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
-from daemon.commands.verify import MODE_CRASHED, MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
 from indexcore.commitlog import BODY_CRC_OFFSET
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.errors import SizeMismatchError

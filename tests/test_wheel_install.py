@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine.checkpoint import CHECKPOINT_FILE
 from daemon.cli import OWN_PACKAGES
+from daemon.engine.checkpoint import CHECKPOINT_FILE
 from daemon.ops.outlock import LOCK_FILE
 from tests.conformance import discover, files_under
 

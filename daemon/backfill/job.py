@@ -83,8 +83,8 @@ from daemon.backfill.writers import (
 )
 from daemon.config import Config
 from daemon.engine.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
-from daemon.ops.logs import get_logger
 from daemon.engine.rebuild import RebuildSummary
+from daemon.ops.logs import get_logger
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_DTYPE, CQ_UNIT_SIZE
 from indexcore.errors import StoreError
 from indexcore.indexfile import FIRST_INDEX, INDEX_HEADER_SIZE, IndexHeader

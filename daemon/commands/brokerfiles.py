@@ -12,11 +12,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
-from daemon.config import Config
-from daemon.engine.rebuild import make_reader, open_commit_log
 from daemon.commands.render import human_time
 from daemon.commands.verify import ABORT_FILE, LOCK_FILE, lock_held
+from daemon.config import Config
+from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
+from daemon.engine.reading import make_reader, open_commit_log
 from indexcore.checkpoint import CHECKPOINT_FILE, CHECKPOINT_FILE_SIZE, StoreCheckpoint
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, last_written_unit
 from indexcore.errors import StoreError

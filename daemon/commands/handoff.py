@@ -40,12 +40,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from daemon.commands.brokerfiles import broker_file_changes, checkpoint_times, foreign_owned, index_headers
+from daemon.commands.verify import ABORT_FILE, VerifyReport, _same_dir, dispatch_frontier, format_text, verify
+from daemon.config import Config
 from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint
-from daemon.config import Config
+from daemon.engine.reading import make_reader, open_commit_log
+from daemon.engine.rebuild import RebuildFailed, rebuild, written_end_of
 from daemon.ops.logs import get_logger
-from daemon.engine.rebuild import RebuildFailed, make_reader, open_commit_log, rebuild, written_end_of
-from daemon.commands.verify import ABORT_FILE, VerifyReport, _same_dir, dispatch_frontier, format_text, verify
 from indexcore.checkpoint import CHECKPOINT_FILE
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.indexservice import INDEX_DIR, index_file_name, index_file_time

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.config import Config
 from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint
-from daemon.config import Config
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
 from indexcore.commitlog import RECORD_PREFIX, MessageRecord
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, CQ_UNIT_SIZE, ConsumeQueueUnit

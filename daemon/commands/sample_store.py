@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from daemon.config import ConfigError, load_config
 from daemon.commands.produce import produce
+from daemon.config import ConfigError, load_config
 
 SAMPLE_MESSAGES = 20_000
 SAMPLE_TOPICS = ("TopicTest", "order-events", "%RETRY%cg-demo")

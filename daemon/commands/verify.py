@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from daemon.engine.checkpoint import CheckpointError, read_checkpoint
 from daemon.config import Config
-from daemon.ops.outlock import lock_held, writer_holding
+from daemon.engine.checkpoint import CheckpointError, read_checkpoint
 from daemon.engine.readahead import ReadAhead
-from daemon.engine.rebuild import REBUILD_BATCH_BYTES, make_reader, widen_thin_batches, written_end_of
+from daemon.engine.reading import make_reader
+from daemon.engine.rebuild import REBUILD_BATCH_BYTES, widen_thin_batches, written_end_of
+from daemon.ops.outlock import lock_held, writer_holding
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, last_written_unit

@@ -44,8 +44,8 @@ from indexcore.retention import (
 
 if TYPE_CHECKING:
     from daemon.engine.dispatchers import Dispatcher
-    from daemon.ops.metrics import ReputMetrics
     from daemon.engine.session import Session
+    from daemon.ops.metrics import ReputMetrics
 
 MS_PER_SECOND = 1000
 

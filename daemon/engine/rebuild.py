@@ -21,19 +21,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from daemon.ops import failpoint
-from daemon.engine.cleaner import clean_output
 from daemon.config import Config
+from daemon.engine.cleaner import clean_output
 from daemon.engine.dispatchers import ConsumeQueueDispatcher, Dispatcher
 from daemon.engine.flusher import final_checkpoint
-from daemon.ops.logs import get_logger
 from daemon.engine.readahead import ReadAhead
+from daemon.engine.reading import make_reader, open_commit_log
 from daemon.engine.recovery import recover_output
-from indexcore.dispatch import DelayLevelTable
+from daemon.ops import failpoint
+from daemon.ops.logs import get_logger
 from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
 from indexcore.indexfile import INDEX_HEADER_SIZE, IndexHeader
 from indexcore.indexservice import IndexService
-from indexcore.multidispatch import multi_dispatch_flags
 from indexcore.reader import CommitLog, CommitLogReader, ReadResult, ReadStatus
 
 # A rebuild has no latency to keep, and every batch costs a fixed amount of Python per queue: it reads at
@@ -156,18 +155,6 @@ def index_sequence_gap(config: Config, commit_log: CommitLog) -> IndexSequenceGa
 
 class FromOffsetError(ValueError):
     """`--from` names no offset of the CommitLog's written data: a usage error."""
-
-
-def open_commit_log(config: Config) -> CommitLog:
-    return CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
-
-
-def make_reader(config: Config, log: CommitLog, batch_bytes: int | None = None) -> CommitLogReader:
-    store = config.store
-    return CommitLogReader(log, check_crc=store.check_crc_on_recover, max_message_size=store.max_message_size,
-                           delay_table=DelayLevelTable(store.message_delay_level),
-                           batch_bytes=batch_bytes or config.reput.batch_bytes,
-                           multi_flags=multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq))
 
 
 def rebuild(config: Config, *, from_offset: int | None = None,

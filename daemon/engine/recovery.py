@@ -56,8 +56,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.engine.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.config import Config
+from daemon.engine.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.engine.dispatchers import Dispatcher, build_dispatchers
 from daemon.ops.logs import get_logger
 from daemon.ops.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason

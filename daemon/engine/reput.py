@@ -39,9 +39,8 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
-from daemon.ops import failpoint
-from daemon.engine.cleaner import Cleaner
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
+from daemon.engine.cleaner import Cleaner
 from daemon.engine.flusher import Flusher
 from daemon.engine.head import (
     HeadDescriptor,
@@ -51,6 +50,9 @@ from daemon.engine.head import (
     written_below,
     written_end,
 )
+from daemon.engine.rebuild import widen_after_dispatch
+from daemon.engine.session import Session, open_session
+from daemon.ops import failpoint
 from daemon.ops.logs import RepeatedFailures, get_logger
 from daemon.ops.metrics import (
     DEGRADED,
@@ -65,9 +67,7 @@ from daemon.ops.metrics import (
     ReputMetrics,
     SkipReason,
 )
-from daemon.engine.rebuild import widen_after_dispatch
 from daemon.ops.sdnotify import USEC_PER_SECOND, Notifier
-from daemon.engine.session import Session, open_session
 from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
 from indexcore.reader import ReadResult, ReadStatus
 

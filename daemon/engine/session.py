@@ -14,9 +14,9 @@ from typing import Any
 
 from daemon.config import Config
 from daemon.engine.dispatchers import Dispatcher
-from daemon.ops.metrics import ReputMetrics
-from daemon.engine.rebuild import make_reader
+from daemon.engine.reading import make_reader
 from daemon.engine.recovery import recover_output
+from daemon.ops.metrics import ReputMetrics
 from indexcore.reader import CommitLog, CommitLogReader
 
 
