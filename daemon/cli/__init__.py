@@ -1139,6 +1139,3 @@ def _quiet_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
