@@ -584,7 +584,7 @@ def test_a_master_spark_cannot_parse_is_refused_before_spark_starts(tmp_path, ma
 
 
 def test_the_master_urls_spark_accepts_pass():
-    from daemon.cli import SPARK_MASTER_URL
+    from daemon.cli.backfill import SPARK_MASTER_URL
 
     for master in ("local", "local[1]", "local[*]", "local[4, 2]", "local-cluster[2, 1, 1024]", "yarn",
                    "spark://127.0.0.1:7077", "spark://h1:7077,h2:7077", "spark://[::1]:7077", "k8s://https://api:6443",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon import cli
+from daemon.cli import common as cli
 from indexcore.commitlog import PHYSICAL_OFFSET_OFFSET
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import discover, files_under

@@ -1,0 +1,332 @@
+"""What every command's front end shares: exit codes, argument types, the config a command line chooses,
+the checks of its input paths, the output lock, the commands it prints for the operator to run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from daemon.config import Config
+    from daemon.engine.rebuild import RebuildSummary
+
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+OWN_PACKAGES = ("daemon", "indexcore")  # what the reputd distribution installs; anything else is a dependency
+LONG_MAX = 2**63 - 1
+TIME_OPTIONS = ("--begin", "--end")
+FORMATS = ("text", "json")
+
+
+class UsageError(Exception):
+    """Arguments that cannot work, found before anything is read or written: exit 2."""
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _non_negative(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def _csv(text: str) -> list[str]:
+    items = [t for t in text.split(",") if t]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def _spark_setting(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key.strip(), value
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, sized without importing shutil (and bz2, lzma with it): argparse makes one
+    for every option it defines, so this is on every command's start-up path."""
+
+    def __init__(self, prog: str, **kwargs):
+        try:
+            width = int(os.environ.get("COLUMNS") or os.get_terminal_size(sys.__stdout__.fileno()).columns)
+        except (OSError, ValueError, AttributeError):
+            width = 80
+        kwargs.setdefault("width", max(width, 40) - 2)
+        super().__init__(prog, **kwargs)
+
+
+CONFIG_HELP = ("YAML config file (default: $REPUTD_CONFIG, else ./config/reputd.yaml if it exists, "
+               "else built-in defaults)")
+
+
+COMMIT_LOG_DIR = "commitlog"  # under the store root, where storePathCommitLog points by default
+COMMANDS = ("run", "rebuild", "verify", "handoff", "backfill", "query", "inspect", "produce")
+QUERY_KINDS = ("key", "queue", "msgid")
+OUT_HELP = "output directory for consumequeue/ and index/, overrides output.dir (default: the store root)"
+
+
+def _subparser(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+
+
+def _store_command(sub, name: str, help_text: str) -> argparse.ArgumentParser:
+    """A command that takes --config, --store and --out."""
+    p = _subparser(sub, name, help_text)
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--store", help="store root, overrides store.storePathRootDir (and the output directory "
+                                    "unless --out is given)")
+    p.add_argument("--out", help=OUT_HELP)
+    return p
+
+
+def _config(args) -> Config:
+    """The config file (daemon.config.config_path's rule), the environment and the command's --store/--out
+    flags, loaded once."""
+    from daemon.config import config_path, load_config
+
+    overrides = {"store.storePathRootDir": getattr(args, "store", None), "output.dir": getattr(args, "out", None)}
+    if overrides["store.storePathRootDir"] and not overrides["output.dir"]:
+        overrides["output.dir"] = overrides["store.storePathRootDir"]
+    args.config_file, args.config_origin = config_path(args.config, os.environ, os.getcwd())
+    # commands that import no plug-ins may take the file's parsed text from daemon/configmemo.py
+    return load_config(args.config_file, os.environ, overrides, memo=args.command in ("query", "inspect"))
+
+
+def _config_in_use(args) -> str:
+    if args.config_file is None:
+        return f"config: built-in defaults ({args.config_origin})"
+    return f"config: {args.config_file} ({args.config_origin})"
+
+
+def _size_setting(path: str) -> str:
+    """The store setting that fixes the size of the file at `path`."""
+    from indexcore.consumequeue import CONSUME_QUEUE_DIR
+    from indexcore.indexservice import INDEX_DIR
+
+    parts = os.path.normpath(path).split(os.sep)
+    if INDEX_DIR in parts[-2:-1]:
+        return "store.maxHashSlotNum and store.maxIndexNum"
+    if CONSUME_QUEUE_DIR in parts[:-1]:
+        return "store.mappedFileSizeConsumeQueue"
+    return "store.mappedFileSizeCommitLog"
+
+
+def _output_flag(args) -> str:
+    return "--out" if getattr(args, "out", None) else "--store" if getattr(args, "store", None) else "output.dir"
+
+
+def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool = False,
+                  data: bool = True) -> None:
+    """The directories a command reads, looked at before anything is read or written. One rule for every
+    command: a path named by an option or a config key that does not exist is a usage error (exit 2, naming
+    the option or key); a store root that exists without its `commitlog/` is data missing (StoreLayoutError,
+    exit 1), as a missing segment is (with `data` False left to the command, which reports it its way)."""
+    from indexcore.errors import StoreLayoutError
+
+    store = config.store
+    root = store.store_path_root_dir
+    if commit_log:
+        for d in store.commit_log_dirs:
+            if os.path.isdir(d):
+                continue
+            if os.path.normpath(d) != os.path.normpath(os.path.join(root, COMMIT_LOG_DIR)):
+                raise UsageError(f"{d}: no such CommitLog directory (store.storePathCommitLog)")
+            if not os.path.isdir(root):
+                option = "--store" if getattr(args, "store", None) else "store.storePathRootDir"
+                raise UsageError(f"{root}: no such store root directory ({option})")
+            if data:
+                raise StoreLayoutError(d, f"the store root {root} has no {COMMIT_LOG_DIR}/ directory: no CommitLog to "
+                                          "read")
+    if output and not os.path.isdir(config.output.dir):
+        raise UsageError(f"{config.output.dir}: no such output directory ({_output_flag(args)})")
+
+
+def command_line(args, config: Config, *words: str, out: str | None = None) -> str:
+    """`reputd WORDS...` with the options that chose this command's config, store and output (`out`
+    instead of the output when given), as absolute paths quoted for a shell: printed for the operator to
+    run, it reads and writes what it says."""
+    import shlex
+
+    chosen = []
+    if config.source:  # also when $REPUTD_CONFIG or ./config/reputd.yaml chose it: another directory may not
+        chosen += ["--config", config.source]
+    if getattr(args, "store", None):
+        chosen += ["--store", config.store.store_path_root_dir]
+    if out is not None or getattr(args, "out", None):
+        chosen += ["--out", out if out is not None else config.output.dir]
+    return shlex.join(["reputd", *words, *chosen])
+
+
+def _lock_output(args, config: Config) -> None:
+    """Take the output directory's writer lock for the rest of the process (daemon/ops/outlock.py); a running
+    broker's store root is refused before anything is created. `main` removes what taking it created when
+    the command fails having written nothing."""
+    from daemon.ops.outlock import BrokerRunning, OutputLocked, OutputNotWritable, lock_output
+
+    try:
+        args.output_lock = lock_output(config.output.dir, args.command)
+    except (BrokerRunning, OutputLocked) as e:
+        raise UsageError(str(e)) from None
+    except OutputNotWritable as e:
+        raise UsageError(f"{_output_flag(args)}: {e}") from None
+
+
+def _freeze_start_up() -> None:
+    """Before a pass over a whole CommitLog: what start-up made (modules, config, the logger) lives as
+    long as the command, so it is moved out of the cyclic collector's reach. The pass allocates enough
+    to trigger collections, which would otherwise walk all of it each time while holding the GIL the
+    read-ahead thread waits for (an LMQ rebuild of the bench store: 31 ms of collections, 10 ms frozen).
+    A command's business, not the library's: `rebuild()` called in a longer-lived process leaves its gc
+    alone."""
+    import gc
+
+    gc.freeze()
+
+
+# What a process may raise its descriptor limit to when the hard limit is unlimited: Linux refuses more than
+# fs.nr_open, 1,048,576 unless an administrator raised it.
+NOFILE_WHEN_UNLIMITED = 1 << 20
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft limit on open descriptors to the hard one, as the broker's JVM does for itself
+    (HotSpot's MaxFDLimit, on by default). A store keeps half the soft limit of its queue files open
+    (`open_queue_files_limit`): under a shell's usual 1,024 an LMQ store's thousand queues would be opened
+    and closed again batch after batch. Where the kernel refuses, the limit stays as it was."""
+    import contextlib
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = NOFILE_WHEN_UNLIMITED if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def _handoff_command(args, config: Config) -> str:
+    """The `reputd handoff` command for this config's store root, runnable as printed."""
+    import shlex
+
+    words = ["reputd", "handoff"]
+    if args.config_file:
+        words += ["--config", os.path.abspath(args.config_file)]
+    words += ["--store", os.path.abspath(config.store.store_path_root_dir)]
+    return shlex.join(words)
+
+
+def _warn_abort(args, config: Config) -> None:
+    """Writing into a store root whose broker did not exit cleanly: unless `reputd handoff` runs before the
+    broker starts, 4.9.3's recovery discards these IndexFiles and re-dispatches over these ConsumeQueues."""
+    from daemon.commands.verify import ABORT_FILE
+    from daemon.ops.logs import get_logger
+
+    root, out = config.store.store_path_root_dir, config.output.dir
+    abort = os.path.join(root, ABORT_FILE)
+    if not os.path.exists(abort) or os.path.realpath(out) != os.path.realpath(root):
+        return
+    command = _handoff_command(args, config)
+    print(f"reputd: warning: {abort} exists (the broker's last exit was not clean): a 4.9.3 broker started on this "
+          f"store discards these IndexFiles and re-dispatches over these ConsumeQueues unless `{command}` runs "
+          "first", file=sys.stderr)
+    get_logger(command=args.command).warning("broker_abort_present", path=abort, handoff=command)
+
+
+def _command_with_out(directory: str) -> str:
+    """This command line with `--out directory` instead of its own."""
+    import shlex
+
+    argv, out, skip = sys.argv[1:], ["reputd"], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--out", "--from"):
+            skip = True
+        elif not a.startswith(("--out=", "--from=")):
+            out.append(a)
+    return shlex.join([*out, "--out", directory])
+
+
+def _continue_command(offset: int) -> str:
+    """This command line with `--from offset`, for a rebuild stopped at `offset`."""
+    import shlex
+
+    argv, out, skip = sys.argv[1:], ["reputd"], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--from":
+            skip = True
+        elif not a.startswith("--from="):
+            out.append(a)
+    return shlex.join([*out, "--from", str(offset)])
+
+
+def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, where: str = "") -> None:
+    """The closing line of rebuild and backfill (or the summary as JSON), then the notes."""
+    import json
+
+    if args.json:
+        print(json.dumps(summary.as_dict()))
+        return
+    files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
+    restored = getattr(summary, "restored_units", 0)
+    if getattr(summary, "new_messages", summary.messages) == 0 and not restored and not summary.interrupted:
+        print(f"{verb} 0 new messages: nothing to dispatch from CommitLog offset {summary.start_offset}{where}; "
+              f"{files}; output {config.output.dir}")
+    else:  # a stopped rebuild says so on this line too: read alone (a log, `| tail -1`) it is not a success
+        new = getattr(summary, "new_messages", summary.messages)
+        read = f"{summary.messages:,} messages" + (f" ({new:,} new to the output)" if new != summary.messages else "")
+        print(f"{'interrupted: ' * summary.interrupted}{verb} {read}, {summary.bytes:,} bytes [{summary.start_offset}, "
+              f"{summary.end_offset}){where} in {summary.seconds:.2f} s ({summary.msgs_per_second:,.0f} msgs/s); "
+              f"{files}; output {config.output.dir}")
+    if restored:
+        print(f"note: restored {restored:,} ConsumeQueue units below the output's end ({summary.output_end}): "
+              "queues whose files were missing or ended early")
+    for lo, hi, error in summary.skipped:
+        print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
+    if summary.pending is not None:
+        print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
+    if getattr(summary, "class_archive_saved", None):
+        print(f"note: then {summary.class_archive_seconds:.2f} s once, not in the time and rate above, to save the "
+              f"driver JVM's classes in {summary.class_archive_saved}, which later local backfills start from")
+
+
+def _check_record_boundaries(config: Config, offsets: dict[str, int | None]) -> None:
+    """Each given offset must be a record boundary of the CommitLog (UsageError naming the nearest ones),
+    found before anything starts rather than by the job that would stop there."""
+    from indexcore.reader import CommitLog
+
+    log = CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
+    for option, offset in offsets.items():
+        if offset is None:
+            continue
+        lo, hi = log.record_around(offset)
+        if lo != offset:
+            raise UsageError(f"{option} {offset} is not a record boundary: it falls inside the record at "
+                             f"[{lo}, {hi}) of {log.find_segment(offset)}; the nearest boundaries are {lo} and {hi}")
+
+
+def _quiet_stdout() -> None:
+    """After a reader closed the pipe (`| head`), send what is left to /dev/null, so the interpreter's
+    final flush raises nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
