@@ -7,14 +7,15 @@ failing dispatcher ends the session without checkpointing past the data it did n
 then starts a new session after a back-off, which recovers exactly as a restart after `kill -9` would:
 one recovery path for every way of stopping. Records still being written at the head are held back
 (`daemon.engine.head`).
+
+This module is the loop itself (`ReputService`) and `run_daemon`, the process around it (signals, the
+shutdown timeout); the sessions it runs in are daemon/engine/sessions.py, what the service shows the
+outside (health, systemd, metrics, failure reports) daemon/engine/service.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import errno
-import gc
 import json
 import os
 import signal
@@ -23,56 +24,35 @@ import threading
 import time
 from collections.abc import Callable
 
-from watchdog.events import (
-    EVENT_TYPE_CLOSED_NO_WRITE,
-    EVENT_TYPE_OPENED,
-    DirCreatedEvent,
-    DirDeletedEvent,
-    DirModifiedEvent,
-    DirMovedEvent,
-    FileClosedEvent,
-    FileCreatedEvent,
-    FileDeletedEvent,
-    FileModifiedEvent,
-    FileMovedEvent,
-    FileSystemEventHandler,
-)
-from watchdog.observers import Observer
-
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
-from daemon.engine.cleaner import Cleaner
-from daemon.engine.flusher import Flusher
 from daemon.engine.head import (
     HeadDescriptor,
     hold_torn_tail,
-    oldest_undispatched_timestamp,
-    segments_now,
     written_below,
-    written_end,
 )
 from daemon.engine.rebuild import widen_after_dispatch
-from daemon.engine.session import Session, open_session
+from daemon.engine.service import (
+    CORRUPT_REASON,
+    EXIT_FAILURE,
+    MS_PER_SECOND,
+    _errno_name,
+)
+from daemon.engine.session import Session
+from daemon.engine.sessions import (
+    Outcome,
+    SessionRunner,
+)
 from daemon.ops import failpoint
-from daemon.ops.logs import RepeatedFailures, get_logger
 from daemon.ops.metrics import (
     DEGRADED,
-    DOWN,
-    HEALTHY,
     LAYOUT_REASON,
     ErrorKind,
-    Health,
-    Lag,
-    MetricsServer,
     OutputStage,
-    ReputMetrics,
     SkipReason,
 )
-from daemon.ops.sdnotify import USEC_PER_SECOND, Notifier
-from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
+from indexcore.errors import CorruptRecordError, StoreLayoutError
 from indexcore.reader import ReadResult, ReadStatus
 
-EXIT_OK, EXIT_FAILURE = 0, 1
-MS_PER_SECOND = 1000
 # After reaching the head, look for the next record every PROBE_MIN_S, backing off to PROBE_MAX_S:
 # a broker writes through its mapping, which raises no file event, and the probe is a 4-byte read. One
 # interval while data flows: a backoff to 10 ms after a probe that found nothing (the writer a moment late)
@@ -86,15 +66,6 @@ IN_FLIGHT_RETRY_S = 0.0005
 # Once nothing has arrived for IDLE_AFTER_S, probe only every IDLE_PROBE_S: near-zero CPU when idle.
 IDLE_AFTER_S = 2.0
 IDLE_PROBE_S = 0.05
-RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
-STATUS_INTERVAL_S = 2.0
-# While start-up recovery works, systemd's start timeout is pushed back every STARTUP_BEAT_S by
-# STARTUP_EXTEND_S, as long as the process used at least STARTUP_PROGRESS_CPU_S of CPU or read or wrote
-# data since the previous beat: a recovery that hangs (an NFS read that never returns) stops the beats,
-# and TimeoutStartSec= ends it.
-STARTUP_BEAT_S = 10.0
-STARTUP_EXTEND_S = 30.0
-STARTUP_PROGRESS_CPU_S = 0.05
 # A record being copied in does not fill front to back (memcpy stores the tail of a small copy first),
 # so a bad record near the head (in the newest segment with data, or the one before it, which a roll has
 # just left) may be one still in flight: it is only declared corrupt once it has stayed bad this long.
@@ -103,407 +74,11 @@ IN_FLIGHT_GRACE_S = 1.0
 # less than a rebuild's, since a stop waits for the batch in hand (catching up on 100,000 LMQ queues took
 # 286.8 s in 4 MiB batches, 137.7 s up to 32 MiB, 97.7 s up to 64 MiB and 72.7 s up to 256 MiB)
 RUN_MAX_BATCH_BYTES = 64 * 1024 * 1024
-FLUSH_FAILED = "flush failed"
-NO_SPACE = "output space exhausted"
-# errnos that mean "no room for the output": a full file system, a quota, or RLIMIT_FSIZE (SIGXFSZ, which
-# Python ignores, turns into EFBIG). IndexFiles are allocated in full when created and ConsumeQueue files
-# are written with pwrite, so these surface as an OSError naming the file, never as SIGBUS on a write
-# through a mapping.
-NO_SPACE_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT, errno.EFBIG))
-COMMITLOG_UNAVAILABLE = "CommitLog unavailable"
-RESTARTING = "restarting from the last checkpoint"
-_READ_ONLY_EVENTS = frozenset((EVENT_TYPE_OPENED, EVENT_TYPE_CLOSED_NO_WRITE))
-# the events asked of inotify: not opening or reading a file, which reputd's own reads do hundreds of times
-# a second (each event is handled by watchdog's threads, taking the interpreter from the loop)
-_WAKING_EVENTS = [FileCreatedEvent, DirCreatedEvent, FileDeletedEvent, DirDeletedEvent, FileMovedEvent,
-                  DirMovedEvent, FileModifiedEvent, DirModifiedEvent, FileClosedEvent]
-CORRUPT_REASON = "corrupt"
 
 
-class Outcome(enum.Enum):
-    STOPPED = "stopped"  # SIGTERM/SIGINT
-    CAUGHT_UP = "caught-up"  # --until-caught-up reached the end of the written data
-    CORRUPT = "corrupt"  # --until-caught-up met corruption under onCorruption: stop
-    FAILED = "failed"  # a dispatcher or the loop failed; nothing past the last checkpoint is trusted
-    UNAVAILABLE = "unavailable"  # --until-caught-up lost the CommitLog directory
-
-
-def no_space_error(error: BaseException) -> OSError | None:
-    """The OSError saying the output has no room, if that is what `error` is or was caused by."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS:
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _work_done() -> tuple[float, tuple[str, ...]]:
-    """CPU seconds this process has used, and its I/O counters (bytes read and written, /proc/self/io),
-    to tell a start-up that works from one that hangs."""
-    times = os.times()
-    io: tuple[str, ...] = ()
-    with contextlib.suppress(OSError), open("/proc/self/io") as f:
-        io = tuple(line for line in f if line.startswith(("read_bytes", "write_bytes")))
-    return times.user + times.system, io
-
-
-def _errno_name(error: BaseException) -> str | None:
-    code = getattr(error, "errno", None)
-    return errno.errorcode.get(code) if isinstance(code, int) else None
-
-
-# --- the service ------------------------------------------------------------------------------------
-
-class ReputService:
-    """Runs sessions until stopped; owns what outlives a session (metrics, health, notifications)."""
-
-    def __init__(self, config: Config, *, until_caught_up: bool = False):
-        self.config = config
-        self.until_caught_up = until_caught_up
-        self.session: Session | None = None
-        self.health = Health()
-        self.metrics = ReputMetrics(self._lag)
-        self.notifier = Notifier.from_env()
-        self._stop = threading.Event()
-        self._stop_reason: str | None = None
-        self._stop_reported = False
-        self._wake = threading.Event()
-        self._log = get_logger(component="reput")
-        self._repeats = RepeatedFailures()  # an identical failure is logged once a minute, with a count
-        self._ready_sent = False
-        self._stopping_sent = False
-        self._notify_lock = threading.Lock()
-        self._starting = threading.Event()  # set while start-up recovery runs before READY=1
-        self._notify_failed = False
-        self._last_watchdog = 0.0
-        self._last_status = 0.0
-        self._reported: tuple[int, str] | None = None
-        self._suspect: tuple[int, float] | None = None  # (offset, first seen) of a bad record at the head
-        self._short_since: tuple[str, float] | None = None  # (path, first seen) of a newest segment cut short
-        self._stalls = 0  # consecutive re-reads of an incomplete record
-        self._failed_at = -1  # dispatched offset when the last session failed: back off while stuck there
-        self._failure_reason = ""  # why the last session failed, kept in /healthz while waiting to retry
-        self._last_progress = 0.0
-        self.server: MetricsServer | None = None
-        # what this process dispatched, for the `caught_up` event and `run --until-caught-up`'s summary
-        self.first_offset: int | None = None
-        self.dispatched_messages = 0
-        self.started_at = time.monotonic()
-        self.caught_up_at: float | None = None
-        self.exit_error: str | None = None  # why `run --until-caught-up` stopped before the end, for its summary
-
-    # --- control -------------------------------------------------------------------------------
-
-    @property
-    def stopping(self) -> threading.Event:
-        """Set once a stop is requested."""
-        return self._stop
-
-    def request_stop(self, reason: str = "signal") -> None:
-        """Sets the stop and wake events (it takes their locks: never call it from a signal handler, see
-        `run_daemon`); the loop reports the request when it sees it."""
-        if self._stop_reason is None:
-            self._stop_reason = reason
-        self._stop.set()
-        self._wake.set()
-
-    def _report_stop(self) -> None:
-        if self._stop_reason is not None and not self._stop_reported:
-            self._stop_reported = True
-            self._log.info("shutdown_requested", reason=self._stop_reason)
-
-    def notify_stopping(self) -> None:
-        """STOPPING=1, once, as soon as stopping starts (before the final flush): systemd then shows the
-        unit as deactivating and times the stop with TimeoutStopSec=. Safe from any thread but a signal
-        handler (`run_daemon`'s guard thread sends it when a signal arrives)."""
-        with self._notify_lock:
-            if self._stopping_sent:
-                return
-            self._stopping_sent = True
-        self._notified(self.notifier.stopping("stopping: finishing the batch, flushing, writing the checkpoint"))
-
-    def _notify_ready(self, status: str) -> None:
-        """READY=1 with `status`, once: start-up is over, either following the CommitLog or waiting for
-        something only the outside can fix (health and STATUS= then say what); see systemd/README.md.
-        Later calls send the status alone."""
-        self._starting.clear()
-        if not self._ready_sent:
-            self._ready_sent = True
-            self._notified(self.notifier.ready(status))
-        else:
-            self.notifier.status(status)
-        self._last_status = time.monotonic()
-
-    def _startup_beats(self) -> None:
-        """While start-up recovery runs, push systemd's start timeout back every STARTUP_BEAT_S, as long as
-        the process is working (CPU used, data read or written since the last beat)."""
-        last = _work_done()
-        while self._starting.is_set() and not self._stop.wait(STARTUP_BEAT_S):
-            now = _work_done()
-            if not self._starting.is_set():
-                return
-            if now[0] - last[0] >= STARTUP_PROGRESS_CPU_S or now[1] != last[1]:
-                self._notified(self.notifier.extend_timeout(int(STARTUP_EXTEND_S * USEC_PER_SECOND)))
-                self.notifier.status("starting: recovering the output")
-            last = now
-
-    def _set_health(self, state: str, reason: str = "") -> None:
-        if self.health.set(state, reason):
-            self.metrics.set_health(state)
-            if state != HEALTHY:
-                self._log.warning("health_changed", state=state, reason=reason)
-            else:
-                self._log.info("health_changed", state=state)
-                self._repeats_ended()
-
-    def _repeats_ended(self, match=lambda key: True) -> None:
-        """One line per failure that stopped after repeats were held back: how many, over how long."""
-        for key, repeated, seconds in self._repeats.ended(match):
-            self._log.info("failure_repeats_ended", failure=key[0], repeated=repeated, repeated_over_s=seconds)
-
-    def _lag(self) -> Lag | None:
-        """At scrape time, from the directories as they are now (`segments_now`, not the loop's last scan) and
-        from the oldest record not dispatched yet: true while far behind, right after a start, after idle."""
-        s = self.session
-        if s is None:
-            return None
-        offset = s.dispatched_offset
-        segments = segments_now(s.commit_log, offset)
-        end = written_end(s.commit_log, offset, segments)
-        behind_s = 0.0
-        if end > offset:
-            stored = oldest_undispatched_timestamp(s.commit_log, offset, segments)
-            if stored is not None:
-                behind_s = max(0.0, time.time() - stored / MS_PER_SECOND)
-        return Lag(offset, end, s.flushed_offset, max(s.checkpoint_offset, 0),
-                   s.checkpoint_written_at, behind_s, s.files("consumequeue"), s.files("index"))
-
-    def progress(self) -> dict:
-        s = self.session
-        if s is None:
-            return {}
-        offset = s.dispatched_offset
-        return {"reputFromOffset": offset, "checkpointOffset": s.checkpoint_offset,
-                "commitLogMaxOffset": written_end(s.commit_log, offset, segments_now(s.commit_log, offset))}
-
-    def _tick(self) -> None:
-        """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds."""
-        now = time.monotonic()
-        interval = self.notifier.watchdog_interval
-        if interval and now - self._last_watchdog >= interval:
-            self._notified(self.notifier.watchdog())
-            self._last_watchdog = now
-        if self.notifier.enabled and now - self._last_status >= STATUS_INTERVAL_S and self.session is not None:
-            self._last_status = now
-            p = self.progress()
-            behind = p["commitLogMaxOffset"] - p["reputFromOffset"]
-            self.notifier.status(f"{self.health.state}: reput offset {p['reputFromOffset']}, "
-                                 f"{max(behind, 0)} bytes behind")
-
-    def _notified(self, sent: bool) -> None:
-        """systemd times a start out, or kills on a missed watchdog, without saying why: say it here."""
-        if not sent and not self._notify_failed:
-            self._notify_failed = True
-            self._log.warning("sd_notify_failed", socket=self.notifier.address, error=str(self.notifier.last_error))
-
-    # --- main -------------------------------------------------------------------------------------
-
-    def run(self) -> int:
-        metrics_cfg = self.config.metrics
-        if metrics_cfg.enabled:
-            self.server = MetricsServer(metrics_cfg.host, metrics_cfg.port, self.metrics, self.health, self.progress)
-            self.server.start()
-        self._log.info("reputd_started", store=self.config.store.store_path_commit_log, output=self.config.output.dir,
-                       metrics=f"{metrics_cfg.host}:{metrics_cfg.port}" if metrics_cfg.enabled else None,
-                       until_caught_up=self.until_caught_up)
-        if self.notifier.enabled:
-            self._starting.set()
-            threading.Thread(target=self._startup_beats, name="reputd-startup-beats", daemon=True).start()
-        try:
-            return self._run_sessions()
-        finally:
-            self._starting.clear()
-            self._report_stop()
-            if self._ready_sent or self._stop.is_set():  # a start that failed is not a stop: STATUS= says why
-                self.notify_stopping()
-            if self.server is not None:
-                self.server.stop()
-            self._log.info("reputd_stopped")
-
-    def _run_sessions(self) -> int:
-        backoff = RETRY_MIN_S
-        while not self._stop.is_set():
-            try:
-                self.session = open_session(self.config, self.metrics)
-            except (StoreError, OSError) as e:
-                self.metrics.errors.labels(kind=ErrorKind.RECOVERY).inc()
-                mismatch = self._size_setting_mismatch(e)
-                retry = None if self.until_caught_up or mismatch else backoff
-                extra = self._repeats.admit(("recovery_failed", str(e)))
-                if extra is not None:
-                    self._log.error("recovery_failed", error=str(e), errno=_errno_name(e), retry_in_s=retry, **extra)
-                reason = self._report_no_space(OutputStage.RECOVERY, e) or str(e)
-                self._set_health(DOWN, reason)
-                if mismatch:
-                    # no waiting fixes a setting: exit 1 lets systemd's Restart= and start limit end the
-                    # retries (systemd/README.md)
-                    self._log.error("commitlog_size_mismatch", path=e.path, error=mismatch, exit_code=EXIT_FAILURE)
-                    self.notifier.status(f"failed: {mismatch}")
-                    return EXIT_FAILURE
-                if self.until_caught_up:
-                    self.exit_error = str(e)
-                    return EXIT_FAILURE
-                self._notify_ready(f"down: {reason}; retrying in {backoff:g} s")
-                self._sleep(backoff)
-                backoff = min(backoff * 2, RETRY_MAX_S)
-                continue
-            self._failure_reason = ""
-            if not gc.get_freeze_count():
-                # what start-up and recovery left alive stays so: out of the collector's way, so that a full
-                # collection in the loop scans only what the loop allocates (one took 22 ms at 100,000 msgs/s)
-                gc.collect()
-                gc.freeze()
-            outcome = self._run_session(self.session)
-            code = self._close_session(self.session, outcome)
-            if outcome is Outcome.FAILED:
-                if self.session.dispatched_offset > self._failed_at:
-                    backoff = RETRY_MIN_S  # the failure is a new one, not the last one again
-                self._failed_at = self.session.dispatched_offset
-            if outcome is Outcome.FAILED and not self.until_caught_up and not self._stop.is_set():
-                reason = self._failure_reason or "dispatch failed"
-                self._set_health(DEGRADED, f"{reason}; {RESTARTING} in {backoff:g} s")
-                self._sleep(backoff)
-                backoff = min(backoff * 2, RETRY_MAX_S)
-                continue
-            return code
-        return EXIT_OK
-
-    def _sleep(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            self._tick()
-            self._stop.wait(min(1.0, deadline - time.monotonic()))
-
-    def _run_session(self, s: Session) -> Outcome:
-        flusher = Flusher(s, self._flush_failed, self._flush_succeeded)
-        cleaner = Cleaner(s)
-        observer = self._watch(s.commit_log.dirs)
-        flusher.start()
-        cleaner.start()
-        self._notify_ready(f"recovered; reading from offset {s.dispatched_offset}")
-        if not self._retrying():  # a session retried after a failure is healthy once it gets past it
-            self._set_health(HEALTHY)
-        try:
-            return self._follow(s)
-        except Exception as e:  # anything unexpected ends the session like a failed dispatch
-            s.poisoned = True
-            self.metrics.errors.labels(kind=ErrorKind.LOOP).inc()
-            self._log.exception("reput_loop_failed", error=f"{type(e).__name__}: {e}", offset=s.dispatched_offset)
-            return Outcome.FAILED
-        finally:
-            cleaner.stop()
-            flusher.stop()
-            if observer is not None:
-                observer.stop()
-                observer.join()
-
-    def _close_session(self, s: Session, outcome: Outcome) -> int:
-        self._report_stop()
-        if outcome is not Outcome.FAILED:
-            self.notify_stopping()
-        code = EXIT_OK if outcome in (Outcome.STOPPED, Outcome.CAUGHT_UP) else EXIT_FAILURE
-        if not s.poisoned:
-            try:
-                Flusher(s, self._flush_failed).flush_once(thorough=True, whole_fs=True)
-                self._log.info("final_flush", reput_from_offset=s.dispatched_offset,
-                               checkpoint_offset=s.checkpoint_offset)
-                if outcome is Outcome.CAUGHT_UP:  # a one-off run applies the retention rule once, unpaced
-                    Cleaner(s).clean_reported(pause=False)
-            except Exception as e:
-                self._flush_failed(e)
-                code = EXIT_FAILURE
-        for d in s.dispatchers:
-            try:
-                d.close()
-            except Exception as e:
-                self._log.error("dispatcher_close_failed", dispatcher=d.name, error=str(e))
-                code = EXIT_FAILURE
-        s.reader.close()
-        self._log.info("session_closed", outcome=outcome.value, reput_from_offset=s.dispatched_offset,
-                       checkpoint_offset=s.checkpoint_offset)
-        return code
-
-    def _size_setting_mismatch(self, error: BaseException) -> str | None:
-        """Why the CommitLog cannot be read with these settings, when its segments all have one size that is
-        not mappedFileSizeCommitLog (SizeMismatchError from the CommitLog): the setting is not the broker's,
-        which no waiting fixes. A single segment of another size, or a stray file, is damage an operator can
-        repair: that is waited out."""
-        if not isinstance(error, SizeMismatchError):
-            return None
-        dirs = [os.path.abspath(d) for d in self.config.store.commit_log_dirs]
-        path = os.path.abspath(error.path)
-        if not any(path.startswith(d + os.sep) for d in dirs):
-            return None
-        return f"{error}: set mappedFileSizeCommitLog to the broker's value"
-
-    def _flush_succeeded(self) -> None:
-        if self.health.state == DEGRADED and self.health.reason.startswith(FLUSH_FAILED):
-            self._set_health(HEALTHY)
-        self._repeats_ended(lambda key: key[0] == "flush_failed" or key[1:2] == (OutputStage.FLUSH,))
-
-    def _flush_failed(self, error: Exception) -> None:
-        self.metrics.errors.labels(kind=ErrorKind.FLUSH).inc()
-        text = f"{type(error).__name__}: {error}"
-        extra = self._repeats.admit(("flush_failed", text))
-        if extra is not None:
-            self._log.error("flush_failed", error=text, errno=_errno_name(error), **extra)
-        self._report_no_space(OutputStage.FLUSH, error)
-        self._set_health(DEGRADED, f"{FLUSH_FAILED}: {error}")
-
-    def _report_no_space(self, stage: OutputStage, error: BaseException, **fields) -> str | None:
-        """Name a full output explicitly (event, counter); returns the health reason, None if not that."""
-        cause = no_space_error(error)
-        if cause is None:
-            return None
-        self.metrics.no_space.labels(stage=stage).inc()
-        path = cause.filename or self.config.output.dir
-        free = None
-        with contextlib.suppress(OSError):
-            st = os.statvfs(self.config.output.dir)
-            free = st.f_bavail * st.f_frsize
-        extra = self._repeats.admit(("output_space_exhausted", stage, path, _errno_name(cause)))
-        if extra is not None:
-            self._log.error("output_space_exhausted", stage=stage, file=path, errno=_errno_name(cause),
-                            error=cause.strerror or str(cause), output_dir=self.config.output.dir, free_bytes=free,
-                            **fields, **extra, action="nothing past the checkpoint is trusted; retrying after a "
-                            "back-off" if stage != "flush" else "the checkpoint waits until a flush succeeds")
-        return f"{NO_SPACE} ({_errno_name(cause)}) writing {path}"
-
-    def _watch(self, dirs):
-        """Wake the loop on file events in the CommitLog directories: a new segment, a deletion, or data
-        from a writer that uses write(2). Without inotify the probe and the poll still find new data."""
-        wake = self._wake
-
-        class Wake(FileSystemEventHandler):
-            def on_any_event(self, event):
-                # opening or reading a segment (reputd itself does, every loop) must not wake the loop
-                if event.event_type not in _READ_ONLY_EVENTS:
-                    wake.set()
-
-        observer = Observer()
-        try:
-            for d in dirs:
-                observer.schedule(Wake(), d, recursive=False, event_filter=_WAKING_EVENTS)
-            observer.start()
-        except OSError as e:
-            self._log.warning("file_events_unavailable", error=str(e), fallback="polling")
-            return None
-        return observer
-
-    # --- the loop ---------------------------------------------------------------------------------
+class ReputService(SessionRunner):
+    """The live reput loop: follow the CommitLog from the session's offset, dispatch each batch, wait at the
+    head for data, hold back records still being written, and decide what a bad record ends."""
 
     def _follow(self, s: Session) -> Outcome:
         offset = s.dispatched_offset
@@ -616,42 +191,6 @@ class ReputService:
             if not self.until_caught_up or now >= deadline or self._stop.wait(PROBE_MIN_S * 16):
                 return None
             log.refresh()
-
-    def _report_caught_up(self, offset: int) -> None:
-        """Log `caught_up` the first time the loop reaches the end of the written data."""
-        if self.caught_up_at is None:
-            self.caught_up_at = time.monotonic()
-            self._log.info("caught_up", reput_from_offset=offset, dispatched=self.dispatched_messages,
-                           dispatched_bytes=offset - (self.first_offset or 0),
-                           seconds=round(self.caught_up_at - self.started_at, 3))
-
-    def summary(self) -> dict:
-        """What this process dispatched: offsets, messages, seconds (for `run --until-caught-up`)."""
-        first = self.first_offset if self.first_offset is not None else 0
-        end = self.session.dispatched_offset if self.session is not None else first
-        return {"startOffset": first, "endOffset": end, "messages": self.dispatched_messages,
-                "bytes": end - first, "seconds": round(time.monotonic() - self.started_at, 3),
-                "checkpointOffset": self.session.checkpoint_offset if self.session is not None else None,
-                "caughtUp": self.caught_up_at is not None, "error": self.exit_error}
-
-    def _retrying(self) -> bool:
-        return self.health.state == DEGRADED and RESTARTING in self.health.reason
-
-    def _recovered_from_stall(self, offset: int) -> None:
-        """Healthy again once reading goes on: past a bad record or a missing directory, or past the batch
-        the last session failed on."""
-        if self.health.state != HEALTHY and (self.health.reason.startswith((CORRUPT_REASON, COMMITLOG_UNAVAILABLE))
-                                             or (self._retrying() and offset > self._failed_at)):
-            self._set_health(HEALTHY)
-
-    def _commit_log_unavailable(self, error: StoreLayoutError) -> None:
-        """Report once, stay up (metrics keep being served) and look again every poll interval."""
-        if self._reported != (-1, str(error)):
-            self._reported = (-1, str(error))
-            self.metrics.errors.labels(kind=ErrorKind.COMMITLOG).inc()
-            self._log.error("commitlog_unavailable", path=error.path, error=str(error))
-        self._set_health(DOWN, f"{COMMITLOG_UNAVAILABLE}: {error}")
-        self._stop.wait(self.config.reput.poll_interval_ms / MS_PER_SECOND)
 
     def _dispatch(self, s: Session, result: ReadResult) -> bool:
         batch = result.batch
