@@ -34,7 +34,8 @@ def cmd_verify(args, config: Config) -> int:
     """A reader: it takes no lock on the output directory."""
     import json
 
-    from daemon.commands.verify import VerifyUsageError, format_text, verify
+    from daemon.commands.verify import VerifyUsageError, verify
+    from daemon.commands.verify_text import format_text
     from daemon.engine.rebuild import ProgressBar
     from daemon.ops.logs import configure_logging
 

@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from daemon.commands.brokerfiles import broker_file_changes, checkpoint_times, foreign_owned, index_headers
-from daemon.commands.verify import ABORT_FILE, VerifyReport, _same_dir, dispatch_frontier, format_text, verify
+from daemon.commands.frontier import _same_dir, dispatch_frontier
+from daemon.commands.verify import ABORT_FILE, VerifyReport, verify
+from daemon.commands.verify_text import format_text
 from daemon.config import Config
 from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint

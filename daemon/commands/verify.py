@@ -26,7 +26,6 @@ beside a CommitLog that holds data is one finding, `outputMissing`, not "consist
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import time
@@ -35,18 +34,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from daemon.commands.frontier import Frontier, _read_broker_checkpoint, _same_dir, dispatch_frontier
 from daemon.config import Config
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint
 from daemon.engine.readahead import ReadAhead
 from daemon.engine.reading import make_reader
 from daemon.engine.rebuild import REBUILD_BATCH_BYTES, widen_thin_batches, written_end_of
 from daemon.ops.outlock import lock_held, writer_holding
-from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
-from indexcore.consumequeue import CONSUME_QUEUE_DIR, last_written_unit
+from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.dispatch import index_keys_of
 from indexcore.errors import SizeMismatchError, StoreError
-from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE, index_file_size
+from indexcore.indexfile import index_file_size
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import FILE_NAME_DIGITS, offset_to_file_name
 from indexcore.reader import CommitLog, ReadStatus
@@ -85,27 +84,6 @@ MODE_COMPLETE = "completed to the CommitLog's end by handoff: the whole CommitLo
 
 class VerifyUsageError(Exception):
     """What to verify is not there (exit 2): nothing was checked."""
-
-
-@dataclass(slots=True)
-class Frontier:
-    """Where dispatch has provably reached: records ending at or before `offset`, or stored before
-    `timestamp`, are dispatched (the index: ending before `offset`)."""
-
-    offset: int = 0
-    timestamp: int = 0
-    evidence: dict[str, int] = field(default_factory=dict)
-
-    def cut(self, batch, *, index: bool) -> int:
-        """How many leading records of `batch` are dispatched."""
-        last_end = int(batch.phy_offset[-1]) + int(batch.msg_size[-1])
-        if last_end < self.offset or (not index and last_end == self.offset):
-            return len(batch)
-        end = batch.phy_offset + batch.msg_size
-        done = (end < self.offset) if index else (end <= self.offset)
-        if self.timestamp:
-            done |= batch.store_timestamp < self.timestamp
-        return len(batch) if done.all() else int(np.argmin(done))
 
 
 @dataclass(slots=True)
@@ -155,65 +133,6 @@ class VerifyReport:
             "indexFiles": self.index_files, "indexEntries": self.entries,
             "indexEntriesNotJudged": self.entries_not_judged, "notes": self.notes, "repair": self.repair,
         }
-
-
-def _same_dir(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _queue_end(path: str) -> int:
-    """The CommitLog end of the last unit of a ConsumeQueue file; -1 when it holds no real unit."""
-    last = last_written_unit(path)
-    return -1 if last is None else last[0] + last[1]
-
-
-def dispatch_frontier(out: str, commit_log: CommitLog, broker_checkpoint: StoreCheckpoint | None,
-                      reput_from_offset: int | None) -> Frontier:
-    """What the files prove dispatched (module docstring)."""
-    frontier = Frontier()
-    cq_end = -1
-    root = os.path.join(out, CONSUME_QUEUE_DIR)
-    if os.path.isdir(root):
-        for topic in os.listdir(root):
-            tdir = os.path.join(root, topic)
-            if not os.path.isdir(tdir):
-                continue
-            for qid in os.listdir(tdir):
-                qdir = os.path.join(tdir, qid)
-                names = sorted(n for n in os.listdir(qdir) if n.isdigit()) if os.path.isdir(qdir) else []
-                if names:
-                    cq_end = max(cq_end, _queue_end(os.path.join(qdir, names[-1])))
-    if cq_end >= 0:
-        frontier.evidence["consumeQueueEnd"] = cq_end
-    index_dir = os.path.join(out, INDEX_DIR)
-    names = sorted(n for n in os.listdir(index_dir) if n.isdigit()) if os.path.isdir(index_dir) else []
-    if names:
-        with open(os.path.join(index_dir, names[-1]), "rb") as f:
-            head = f.read(INDEX_HEADER_SIZE)
-        if len(head) == INDEX_HEADER_SIZE:
-            end_phy = INDEX_HEADER.unpack(head)[3]
-            with contextlib.suppress(StoreError, OSError):
-                frontier.evidence["indexEnd"] = end_phy + commit_log.read_record(end_phy, check_crc=False).total_size
-    if reput_from_offset is not None:
-        frontier.evidence["reputFromOffset"] = reput_from_offset
-    frontier.offset = max(frontier.evidence.values(), default=0)
-    if broker_checkpoint is not None:
-        frontier.timestamp = max(broker_checkpoint.logics_msg_timestamp, broker_checkpoint.index_msg_timestamp)
-        if frontier.timestamp:
-            frontier.evidence["checkpointTimestamp"] = frontier.timestamp
-    return frontier
-
-
-def _read_broker_checkpoint(root: str) -> StoreCheckpoint | None:
-    path = os.path.join(root, CHECKPOINT_FILE)
-    try:
-        with open(path, "rb") as f:
-            return StoreCheckpoint.decode(f.read(), path)
-    except (OSError, StoreError):
-        return None
 
 
 def _check_file_sizes(out: str, store, *, queues: bool, index: bool) -> None:
@@ -277,6 +196,11 @@ def _newest_record_left_out(out: str, mode: str, checkpoint, frontier: Frontier 
         return (f"reputd.checkpoint ({checkpoint.reput_from_offset}) stops before the files' end: a writer stopped "
                 "without its final checkpoint")
     return None
+
+
+def _n(count: int, one: str, many: str | None = None) -> str:
+    return f"{count:,} {one if count == 1 else many or one + 's'}"
+
 
 
 def verify(config: Config, *, from_offset: int | None = None,
@@ -511,84 +435,4 @@ def repair_plan(config: Config, report: VerifyReport,
     return plan
 
 
-def format_text(report: VerifyReport, examples: int = 3) -> list[str]:
-    """The human summary: one block per kind (count and the first examples), then the verdict."""
-    lines = [f"verified {report.directory} ({report.mode})",
-             f"  {report.messages:,} messages [{report.from_offset}, {report.end_offset}) in {report.seconds:.2f} s "
-             f"({report.msgs_per_second:,.0f} msgs/s); {_n(report.queues, 'queue')} in "
-             f"{_n(report.queue_files, 'file')}, {_n(report.units, 'unit')}; {_n(report.index_files, 'IndexFile')}, "
-             f"{_n(report.entries, 'entry', 'entries')}"
-             + (f" ({report.entries_not_judged:,} not judged: see the note)" if report.entries_not_judged else "")]
-    if report.frontier is not None:
-        ev = ", ".join(f"{k} {v}" for k, v in report.frontier.evidence.items()) or "none"
-        lines.append(f"  dispatch frontier {report.frontier.offset} ({ev})")
-    for note in report.notes:
-        lines.append(f"note: {note}")
-    by_kind: dict[str, list[Finding]] = {}
-    for f in report.findings:
-        by_kind.setdefault(f.kind, []).append(f)
-    for kind, fs in by_kind.items():
-        total = sum(f.count for f in fs)
-        lines.append(f"{kind}: {len(fs)} finding{'s' * (len(fs) != 1)}, {total:,} in all")
-        for f in fs[:examples]:
-            lines.append("  " + _describe(f))
-        if len(fs) > examples:
-            lines.append(f"  ... and {len(fs) - examples} more (--json lists them all)")
-    if report.consistent:
-        lines.append("consistent: no difference from what the CommitLog implies")
-    else:
-        lines.append(f"{len(report.findings)} finding{'s' * (len(report.findings) != 1)}: the files differ from "
-                     "what the CommitLog implies")
-        lines.extend(_repair_lines(report.repair))
-    return lines
-
-
-_NOUNS = {"queueOffsets": ("unit", "units", "queue offsets"), "entries": ("entry", "entries", "entries"),
-          "slots": ("slot", "slots", "slots"), "queueOffsetsLost": ("unit lost", "units lost", "queue offsets")}
-
-
-def _n(count: int, one: str, many: str | None = None) -> str:
-    return f"{count:,} {one if count == 1 else many or one + 's'}"
-
-
-def _describe(f: Finding) -> str:
-    where = f.file if f.position is None else f"{f.file} @ {f.position}"
-    d = f.as_dict()
-    if f.kind == OUTPUT_MISSING:
-        lo, hi = d["commitLogData"]
-        return f"{' and '.join(d['missing'])} absent; the CommitLog holds data [{lo}, {hi})"
-    extra = []
-    if f.range_name in d:
-        one, many, what = _NOUNS.get(f.range_name, ("item", "items", f.range_name))
-        ranges = ", ".join(f"[{a}, {b})" for a, b in d[f.range_name][:4]) + (" ..." if len(d[f.range_name]) > 4 else "")
-        extra.append(f"{f.count:,} {one if f.count == 1 else many} at {what} {ranges}")
-    for key in ("expectedSize", "actualSize", "offset", "error", "ordinal", "indexEntries", "beginPhyOffset",
-                "endPhyOffset", "after", "unitsInLastFile"):
-        if key in d:
-            extra.append(f"{key} {d[key]}")
-    if "fields" in d:
-        extra.append(", ".join(f"{k} {v['actual']} (expected {v['expected']})" for k, v in d["fields"].items()))
-    if f.examples and f.examples[0].get("key"):
-        extra.append(f"key {f.examples[0]['key']!r}")
-    if f.examples and f.examples[0].get("actualKey") and f.examples[0].get("actualKey") != f.examples[0].get("key"):
-        extra.append(f"holds key {f.examples[0]['actualKey']!r}")
-    return f"{where}" + (f": {'; '.join(extra)}" if extra else "")
-
-
-def _repair_lines(plan: dict | None) -> list[str]:
-    if plan is None:
-        return []
-    lines = [f"repair: {plan['command']}"]
-    if plan["replace"] or plan["remove"]:
-        lines.append(f"  then, with {plan['stop']} stopped:")
-    for r in plan["replace"]:
-        lines.append(f"  replace {shlex.quote(r['to'])} by {shlex.quote(r['from'])}"
-                     + (f" ({r['note']})" if "note" in r else ""))
-    for path in plan["remove"]:
-        lines.append(f"  remove {shlex.quote(path)}")
-    if "note" in plan:
-        lines.append(f"  note: {plan['note']}")
-    return lines
-
-
-__all__ = ["VerifyReport", "VerifyUsageError", "dispatch_frontier", "format_text", "lock_held", "repair_plan", "verify"]
+__all__ = ["VerifyReport", "VerifyUsageError", "dispatch_frontier", "lock_held", "repair_plan", "verify"]
