@@ -44,7 +44,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache_dir(tmp_path_factory):
-    """The CLI remembers parsed config files under $XDG_CACHE_HOME (daemon/configmemo.py): keep the
+    """The CLI remembers parsed config files under $XDG_CACHE_HOME (daemon/config/memo.py): keep the
     suite's out of the runner's home."""
     previous = _os.environ.get("XDG_CACHE_HOME")
     _os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))

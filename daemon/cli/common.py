@@ -105,7 +105,7 @@ def _config(args) -> Config:
     if overrides["store.storePathRootDir"] and not overrides["output.dir"]:
         overrides["output.dir"] = overrides["store.storePathRootDir"]
     args.config_file, args.config_origin = config_path(args.config, os.environ, os.getcwd())
-    # commands that import no plug-ins may take the file's parsed text from daemon/configmemo.py
+    # commands that import no plug-ins may take the file's parsed text from daemon/config/memo.py
     return load_config(args.config_file, os.environ, overrides, memo=args.command in ("query", "inspect"))
 
 

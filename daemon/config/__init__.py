@@ -535,7 +535,7 @@ _strict_loader: type | None = None
 def _loader() -> type:
     """PyYAML's safe loader, rejecting duplicate keys (which plain PyYAML silently resolves to the last one),
     on LibYAML's parser when PyYAML has it (most builds). Made on first use: importing PyYAML is a third of
-    a query's start-up, and a query with a remembered config file (daemon/configmemo.py) does without it."""
+    a query's start-up, and a query with a remembered config file (daemon/config/memo.py) does without it."""
     global _strict_loader  # noqa: PLW0603 - one class, made once
     if _strict_loader is None:
         import yaml  # noqa: PLC0415 - see above
@@ -572,7 +572,7 @@ def _read_yaml(source: str, *, memo: bool = False) -> Any:
     except UnicodeDecodeError as exc:
         raise ConfigError("", f"config file {source} is not UTF-8 text: {exc}") from exc
     if memo:
-        from daemon import configmemo  # noqa: PLC0415 - the query commands only
+        from daemon.config import memo as configmemo  # noqa: PLC0415 - the query commands only
 
         found, data = configmemo.recall(source, text)
         if found:
@@ -777,7 +777,7 @@ def load_config(
     (``"store.storePathRootDir"``, or ``"dispatchers"``) to values and wins over everything; a None value
     means "not given", so CLI flags can be passed straight through. Relative paths in the file are resolved
     against the file's directory, all others (defaults included) against the current directory. ``memo``
-    lets the file's parsed text come from daemon/configmemo.py (commands that import no plug-ins only).
+    lets the file's parsed text come from daemon/config/memo.py (commands that import no plug-ins only).
     """
     cwd = os.getcwd()
     layers = _Layers(cwd)
