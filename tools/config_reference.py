@@ -3,7 +3,7 @@
     .venv/bin/python tools/config_reference.py           # rewrite the generated part of the page
     .venv/bin/python tools/config_reference.py --check   # exit 1 when the committed page is not what it writes
 
-Each key's name, environment variable, kind, allowed values and default come from daemon/config.py (its
+Each key's name, environment variable, kind, allowed values and default come from daemon/config/keys.py (its
 `_KEY_LIST`, the section dataclasses and the derived defaults), so the page cannot name a key the loader
 does not take, or miss one it does; what a key does is the comment above it in config/reputd.yaml, the
 commented default config. Everything above MARKER in the page is written by hand and left as it is.
@@ -21,11 +21,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from daemon import config  # noqa: E402 - the checkout's own daemon, whatever is installed
+from daemon.config import keys as config  # noqa: E402 - the checkout's own daemon, whatever is installed
 
 PAGE = ROOT / "docs" / "configuration.md"
 EXAMPLE = ROOT / "config" / "reputd.yaml"
-MARKER = "<!-- Generated below by tools/config_reference.py from daemon/config.py; do not edit by hand. -->"
+MARKER = "<!-- Generated below by tools/config_reference.py from daemon/config/keys.py; do not edit by hand. -->"
 _KEY_LINE = re.compile(r"^  (?:# )?([A-Za-z][A-Za-z0-9]*):")
 _SECTION_LINE = re.compile(r"^([a-z]+):")
 
