@@ -34,6 +34,7 @@ from indexcore.indexfile import (
     INDEX_HEADER_SIZE,
     IndexFile,
 )
+from indexcore.indeximage import IndexImage
 from indexcore.javahash import index_key_hash
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.verify import (
@@ -56,7 +57,6 @@ from indexcore.verify import (
     INDEX_FILE_SIZE,
     INDEX_HEADER_WRONG,
     STRAY_FILE,
-    IndexImage,
 )
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import ConformanceStore, discover

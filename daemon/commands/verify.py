@@ -45,9 +45,11 @@ from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_K
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.dispatch import index_keys_of
 from indexcore.errors import SizeMismatchError, StoreError
+from indexcore.indexcheck import IndexCheck
 from indexcore.indexfile import index_file_size
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import FILE_NAME_DIGITS, offset_to_file_name
+from indexcore.queuecheck import ConsumeQueueCheck
 from indexcore.reader import CommitLog, ReadStatus
 from indexcore.verify import (
     COMMIT_LOG_CORRUPT,
@@ -63,10 +65,8 @@ from indexcore.verify import (
     INDEX_FILE_SIZE,
     OUTPUT_MISSING,
     STRAY_FILE,
-    ConsumeQueueCheck,
     Finding,
     Findings,
-    IndexCheck,
     RecordLocator,
 )
 

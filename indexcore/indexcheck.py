@@ -1,0 +1,375 @@
+"""The IndexFile half of verification (indexcore/verify.py says how): `IndexCheck` is an `IndexService`
+that builds into `IndexImage`s and compares each put with the existing files: entries, slot chains,
+headers, files the CommitLog implies and files it does not."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+from indexcore.dispatch import DispatchBatch, index_keys_of
+from indexcore.indexfile import (
+    FIRST_INDEX,
+    HASH_SLOT_SIZE,
+    INDEX_ENTRY_DTYPE,
+    INDEX_ENTRY_SIZE,
+    INDEX_HEADER_SIZE,
+    INVALID_INDEX,
+    IndexEntry,
+    IndexHeader,
+)
+from indexcore.indeximage import IndexImage, _ActualIndexFile, _Predecessor
+from indexcore.indexservice import INDEX_DIR, IndexService
+from indexcore.javahash import index_key_hash
+from indexcore.verify import (
+    _HEADER_BEGIN,
+    _HEADER_FIELD_AT,
+    _HEADER_JSON,
+    _INDEX_FILE_NAME,
+    _PREV_AT,
+    _TIME_DIFF,
+    INDEX_CHAIN_BROKEN,
+    INDEX_ENTRY_EXTRA,
+    INDEX_ENTRY_MISSING,
+    INDEX_ENTRY_WRONG,
+    INDEX_FILE_EXTRA,
+    INDEX_FILE_MISSING,
+    INDEX_FILE_SIZE,
+    INDEX_HEADER_WRONG,
+    MAX_EXAMPLES,
+    STRAY_FILE,
+    TAIL_SCAN_UNITS,
+    Findings,
+    MappedFiles,
+    _entry_json,
+    _nonzero_rows,
+    same_bytes,
+)
+
+
+class IndexCheck(IndexService):
+    """`IndexService.build_index` into IndexImages, each compared with the existing file it stands for.
+
+    Existing files are taken in name order and matched to the images by the CommitLog offset they start at,
+    so a missing or an extra file is one finding, not a shift of everything after it.
+    """
+
+    def __init__(self, root: str, hash_slot_num: int, index_num: int, findings: Findings, *,
+                 live: bool = False, frontier: int | None = None,
+                 keys_at: Callable[[int], list[str]] | None = None):
+        super().__init__(root, hash_slot_num, index_num)
+        self.findings = findings
+        self.keys_at = keys_at  # the `topic#key`s of the record at an offset: names what an existing entry holds
+        self.live = live
+        self.frontier = frontier
+        self.maps = MappedFiles()
+        self.batch: DispatchBatch | None = None
+        self.actual: list[_ActualIndexFile] = []
+        self._next = 0  # the next existing file not matched yet
+        self._images = 0
+        self.entries = 0
+        self._scan_actual()
+
+    # --- the existing files ---------------------------------------------------------------------------
+
+    def _scan_actual(self) -> None:
+        if not os.path.isdir(self.directory):
+            return
+        names = sorted(os.listdir(self.directory))
+        for name in names:
+            path = os.path.join(self.directory, name)
+            if not _INDEX_FILE_NAME.fullmatch(name) or not os.path.isfile(path):
+                self.findings.add(STRAY_FILE, f"{INDEX_DIR}/{name}", None)
+                continue
+            size = os.path.getsize(path)
+            if self.live and size != self.file_size and name == names[-1]:
+                continue  # being created by the broker: past the frontier
+            if size != self.file_size:
+                self.findings.add(INDEX_FILE_SIZE, f"{INDEX_DIR}/{name}", size, expectedSize=self.file_size,
+                                  actualSize=size)
+            header = entry = None
+            with open(path, "rb") as f:
+                head = f.read(INDEX_HEADER_SIZE)
+                if len(head) == INDEX_HEADER_SIZE:
+                    header = IndexHeader.decode(head)
+                raw = os.pread(f.fileno(), INDEX_ENTRY_SIZE, self._entry_at(FIRST_INDEX))
+                if len(raw) == INDEX_ENTRY_SIZE:
+                    entry = IndexEntry.decode(raw)
+            self.actual.append(_ActualIndexFile(name, path, size, header, entry))
+
+    def _entry_at(self, n: int) -> int:
+        return INDEX_HEADER_SIZE + HASH_SLOT_SIZE * self.hash_slot_num + INDEX_ENTRY_SIZE * n
+
+    def _rel(self, actual: _ActualIndexFile) -> str:
+        return f"{INDEX_DIR}/{actual.name}"
+
+    def _view(self, actual: _ActualIndexFile, position: int, length: int) -> np.ndarray:
+        """The bytes [position, position + length) of an existing file, cut at its end."""
+        length = max(0, min(length, actual.size - position))
+        if length == 0:
+            return np.zeros(0, dtype=np.uint8)
+        return self.maps.view(actual.path, position, length)
+
+    # --- starting in the middle of the history ----------------------------------------------------------
+
+    def start_at(self, from_offset: int, store_timestamp_at: Callable[[int], int | None]) -> None:
+        """Take up the index as it stood just before `from_offset`: the newest existing file that starts below
+        it, cut back to its entries below it (slots restored along their chains), as the image to continue.
+        Files before that one are history. With none, the first file's deleted predecessor stands before it."""
+        usable = [i for i, a in enumerate(self.actual) if a.size == self.file_size and a.identity is not None
+                  and a.header is not None]
+        before = [i for i in usable if self.actual[i].identity < from_offset]
+        if not before:
+            if usable:
+                self._last = self._predecessor_of(self.actual[usable[0]])
+                self.names.append("deleted-predecessor")
+            return
+        i = before[-1]
+        actual = self.actual[i]
+        count = max(actual.header.index_count, FIRST_INDEX)
+        n0 = self._first_entry_at_or_after(actual, from_offset, count)
+        image = self._create_file("", 0, 0)
+        h = actual.header
+        image.begin_timestamp, image.begin_phy_offset = h.begin_timestamp, h.begin_phy_offset
+        image.index_count = n0
+        last = self._entry(actual, n0 - 1) if n0 > FIRST_INDEX else None
+        image.end_phy_offset = last.phy_offset if last is not None else h.end_phy_offset
+        ts = None if last is None or n0 == count else store_timestamp_at(last.phy_offset)
+        image.end_timestamp = h.end_timestamp if ts is None else ts
+        slots = np.frombuffer(self._view(actual, INDEX_HEADER_SIZE, HASH_SLOT_SIZE * self.hash_slot_num),
+                              dtype=">i4").copy()
+        started = 0
+        for hi in range(count, n0, -TAIL_SCAN_UNITS):  # newest first: the oldest entry of a slot wins
+            lo = max(n0, hi - TAIL_SCAN_UNITS)
+            entries = np.frombuffer(self._view(actual, self._entry_at(lo), INDEX_ENTRY_SIZE * (hi - lo)),
+                                    dtype=INDEX_ENTRY_DTYPE)
+            slot = entries["key_hash"].astype(np.int64) % self.hash_slot_num
+            ids, first = np.unique(slot, return_index=True)
+            slots[ids] = entries["prev_index"][first]
+            started += int(np.count_nonzero(entries["prev_index"] == INVALID_INDEX))
+        image.slot_table()[:] = slots.view(np.uint8)
+        image.hash_slot_count = max(0, h.hash_slot_count - started)
+        image.first_checked = n0
+        image.actual, image.matched = actual, True
+        self.names.append(f"history-{actual.name}")
+        self._last = image
+        self._next = i + 1
+
+    def _predecessor_of(self, first: _ActualIndexFile) -> _Predecessor:
+        """The full file the first existing one was rolled from, deleted since (the broker deletes IndexFiles
+        that end below its oldest segment). It takes the keys that precede the first existing file's first
+        entry, among them the leading keys of a record whose keys the roll split between the two."""
+        e1 = self._entry(first, FIRST_INDEX)
+        p1 = e1.phy_offset if any(e1) else first.header.begin_phy_offset
+        tail = 0
+        while FIRST_INDEX + tail < max(first.header.index_count, FIRST_INDEX) and \
+                self._entry(first, FIRST_INDEX + tail).phy_offset == p1:
+            tail += 1
+        return _Predecessor(p1, tail)
+
+    def _entry(self, actual: _ActualIndexFile, n: int) -> IndexEntry:
+        return IndexEntry.decode(self._view(actual, self._entry_at(n), INDEX_ENTRY_SIZE).tobytes())
+
+    def _first_entry_at_or_after(self, actual: _ActualIndexFile, offset: int, count: int) -> int:
+        lo, hi = FIRST_INDEX, count
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._entry(actual, mid).phy_offset < offset:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    # --- IndexService hooks --------------------------------------------------------------------------
+
+    _finishing = False
+
+    def _new_name(self, store_timestamp: int) -> str:
+        return f"expected-{len(self.names)}"
+
+    def _create_file(self, name: str, end_phy_offset: int, end_timestamp: int) -> IndexImage:
+        image = IndexImage(self.hash_slot_num, self.index_num, end_phy_offset, end_timestamp, self._put, self._closed)
+        image.ordinal = self._images
+        self._images += 1
+        if isinstance(self._last, _Predecessor):
+            image.seed_known = self._last.put > 0
+        return image
+
+    def check(self, batch: DispatchBatch) -> None:
+        self.batch = batch
+        self.build_index(batch)
+
+    # --- comparing ---------------------------------------------------------------------------------------
+
+    def _match(self, image: IndexImage, identity: int) -> None:
+        """The next existing file (in name order) that starts where the image starts; the ones passed over
+        are extra. None found: the image's file is missing."""
+        image.matched = True
+        for j in range(self._next, len(self.actual)):
+            a = self.actual[j]
+            if identity in a.identities():
+                for extra in self.actual[self._next : j]:
+                    self._extra(extra)
+                self._next = j + 1
+                image.actual = a
+                return
+
+    def _extra(self, actual: _ActualIndexFile) -> None:
+        self.findings.add(INDEX_FILE_EXTRA, self._rel(actual), None,
+                          beginPhyOffset=None if actual.header is None else actual.header.begin_phy_offset,
+                          indexCount=None if actual.header is None else actual.header.index_count)
+
+    def _put(self, image: IndexImage, first: int, n: int) -> None:
+        self.entries += n
+        if not image.matched:
+            self._match(image, image.begin_phy_offset)
+        actual = image.actual
+        if actual is None:
+            return
+        want = image.window_entries(n)
+        if not image.seed_known and first == FIRST_INDEX:
+            want = want.copy()  # the first entry's time_diff counts from the unread predecessor's end
+            got = self._view(actual, self._entry_at(FIRST_INDEX) + _TIME_DIFF.start, 4)
+            if len(got) == 4:
+                want[_TIME_DIFF] = got
+        at = self._entry_at(first)
+        got = self._view(actual, at, INDEX_ENTRY_SIZE * n)
+        fit = len(got) // INDEX_ENTRY_SIZE
+        got = got[: fit * INDEX_ENTRY_SIZE]
+        if not same_bytes(got, want[: fit * INDEX_ENTRY_SIZE]):
+            g, w = got.reshape(-1, INDEX_ENTRY_SIZE), want[: fit * INDEX_ENTRY_SIZE].reshape(-1, INDEX_ENTRY_SIZE)
+            for r in np.flatnonzero((g != w).any(axis=1)).tolist():
+                self._entry_differs(actual, first + r, g[r], w[r])
+        if fit < n:
+            self.findings.get(INDEX_FILE_SIZE, self._rel(actual), actual.size).add(first + fit, n - fit)
+        self.maps.done_with(actual.path, at, at + INDEX_ENTRY_SIZE * fit)
+
+    def _key_of(self, phy_offset: int, key_hash: int) -> str | None:
+        """The `topic#key` of an expected entry, from the batch being dispatched (for examples only)."""
+        b = self.batch
+        if b is None or not len(b):
+            return None
+        i = int(np.searchsorted(b.phy_offset, phy_offset))
+        if i >= len(b) or int(b.phy_offset[i]) != phy_offset:
+            return None
+        for key in index_keys_of(b.topic_of(i), b.uniq_key[i], b.keys[i]):
+            if index_key_hash(key) == key_hash:
+                return key
+        return None
+
+    def _entry_differs(self, actual: _ActualIndexFile, n: int, got: np.ndarray, want: np.ndarray | None) -> None:
+        pos = self._entry_at(n)
+        if want is None:
+            kind = INDEX_ENTRY_EXTRA
+        elif not got.any():
+            kind = INDEX_ENTRY_MISSING
+        elif np.array_equal(got[:_PREV_AT], want[:_PREV_AT]):
+            kind, pos = INDEX_CHAIN_BROKEN, pos + _PREV_AT
+        else:
+            kind = INDEX_ENTRY_WRONG
+        finding = self.findings.get(kind, self._rel(actual), pos, range_name="entries")
+        example = None
+        if len(finding.examples) < MAX_EXAMPLES:
+            example = {"entry": n, "position": pos, "expected": None if want is None else _entry_json(want),
+                       "actual": _entry_json(got) if got.any() else None}
+            if want is not None:
+                w = IndexEntry.decode(want.tobytes())
+                example["key"] = self._key_of(w.phy_offset, w.key_hash)
+            if got.any() and self.keys_at is not None:
+                g = IndexEntry.decode(got.tobytes())
+                example["actualKey"] = next((k for k in self.keys_at(g.phy_offset) if index_key_hash(k) == g.key_hash),
+                                            None)
+        finding.add(n, 1, example)
+
+    def _closed(self, image: IndexImage) -> None:
+        """The image is complete (rolled or at the end): its slots, header and what follows its entries."""
+        if not image.matched:
+            self._match(image, image.begin_phy_offset)
+        actual = image.actual
+        if actual is None:
+            self.findings.add(INDEX_FILE_MISSING, f"{INDEX_DIR}/", None, key=f"{INDEX_DIR}/#{image.ordinal}",
+                              ordinal=image.ordinal, indexEntries=image.index_count - image.first_checked,
+                              beginPhyOffset=image.begin_phy_offset, endPhyOffset=image.end_phy_offset,
+                              after=self._name_before(image))
+            return
+        frontier = self.live and self._finishing
+        entry0 = self._view(actual, self._entry_at(INVALID_INDEX), INDEX_ENTRY_SIZE)
+        if entry0.any():  # entry numbers start at 1: entry 0 is never written
+            self._entry_differs(actual, INVALID_INDEX, entry0, None)
+        self._compare_slots(image, actual, frontier)
+        if not frontier:
+            self._compare_header(image, actual)
+            self._scan_extra_entries(image, actual)
+        elif image.index_count > image.first_checked:
+            # a put in progress writes hashSlotCount, then indexCount, then the end values: only the begin
+            # values, fixed by the first put, can be held to the image while the broker writes
+            self._compare_header(image, actual, begin_only=True)
+
+    def _name_before(self, image: IndexImage) -> str | None:
+        return self.actual[self._next - 1].name if self._next > 0 else None
+
+    def _compare_slots(self, image: IndexImage, actual: _ActualIndexFile, frontier: bool) -> None:
+        want = image.slot_table()
+        got = self._view(actual, INDEX_HEADER_SIZE, len(want))
+        if len(got) % HASH_SLOT_SIZE == 0 and same_bytes(got, want[: len(got)]):
+            return
+        w = np.frombuffer(want[: len(got) - len(got) % HASH_SLOT_SIZE], dtype=">i4")
+        g = np.frombuffer(got[: len(w) * HASH_SLOT_SIZE], dtype=">i4")
+        bad = g != w
+        if frontier:  # a broker still writing: a slot may already lead to an entry past the frontier
+            bad &= g < image.index_count
+        for s in np.flatnonzero(bad).tolist():
+            pos = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * s
+            self.findings.get(INDEX_CHAIN_BROKEN, self._rel(actual), pos, range_name="slots").add(
+                s, 1, {"slot": s, "position": pos, "expected": int(w[s]), "actual": int(g[s])})
+        self.maps.done_with(actual.path, INDEX_HEADER_SIZE, INDEX_HEADER_SIZE + len(got))
+
+    def _compare_header(self, image: IndexImage, actual: _ActualIndexFile, *, begin_only: bool = False) -> None:
+        if actual.header is None:
+            return
+        got = actual.header
+        if image.index_count > image.first_checked or image.first_checked > FIRST_INDEX:
+            want = image.written_header()
+        elif not image.seed_known:
+            return
+        else:
+            want = image.written_header()
+            if got.index_count == FIRST_INDEX:  # a created file flushed before its first put (5.x shutdown)
+                want = want._replace(index_count=FIRST_INDEX)
+        if begin_only:
+            want, got = (tuple(v if i in _HEADER_BEGIN else None for i, v in enumerate(h)) for h in (want, got))
+        if tuple(got) == tuple(want):
+            return
+        diff = {f: {"expected": e, "actual": a} for f, e, a in zip(_HEADER_JSON, want, got, strict=True) if e != a}
+        first = _HEADER_JSON.index(next(iter(diff)))
+        self.findings.add(INDEX_HEADER_WRONG, self._rel(actual), _HEADER_FIELD_AT[first], fields=diff)
+
+    def _scan_extra_entries(self, image: IndexImage, actual: _ActualIndexFile) -> None:
+        n = image.index_count
+        while n < self.index_num:
+            k = min(TAIL_SCAN_UNITS, self.index_num - n)
+            at = self._entry_at(n)
+            data = self._view(actual, at, INDEX_ENTRY_SIZE * k)
+            rows = _nonzero_rows(data[: len(data) - len(data) % INDEX_ENTRY_SIZE], INDEX_ENTRY_SIZE)
+            for r in rows.tolist():
+                self._entry_differs(actual, n + r, data[r * INDEX_ENTRY_SIZE : (r + 1) * INDEX_ENTRY_SIZE], None)
+            self.maps.done_with(actual.path, at, at + len(data))
+            if len(rows) == 0:
+                break
+            n += k
+
+    def finish(self) -> None:
+        """Close the last image; existing files left unmatched are extra (past the frontier of a live
+        broker, its newest work)."""
+        self._finishing = True
+        self.close()
+        if not self.live:  # files after the last one expected: a broker still writing may have made them since
+            for a in self.actual[self._next :]:
+                self._extra(a)
+        self._next = len(self.actual)
+        self.maps.close()
+
+    def files_checked(self) -> int:
+        return len(self.actual)
