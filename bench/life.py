@@ -43,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.latency import LatencyHistogram  # noqa: E402
-from indexcore.consumequeue import ConsumeQueueStore  # noqa: E402
 from indexcore.indexservice import IndexService  # noqa: E402
+from indexcore.queuestore import ConsumeQueueStore  # noqa: E402
 from indexcore.reader import CommitLog  # noqa: E402
 from indexcore.retention import expired_index_files, expired_queue_files  # noqa: E402
 from indexcore.writer import Message  # noqa: E402

@@ -2,19 +2,22 @@
 
 One module per on-disk format, each opening with its byte layout:
     commitlog      CommitLog records: layout constants, MessageRecord, properties, topics
-    consumequeue   ConsumeQueue units and queues (ConsumeQueue, ConsumeQueueStore)
+    consumequeue   ConsumeQueue units, their placement in a queue's files, reading and scanning them
     indexfile      IndexFile header, slots and entries (IndexFile)
     checkpoint     the broker's 4096-byte StoreCheckpoint
     msgid          offset message ids
 
 and the logic around them:
+    queuefiles     ConsumeQueue: one queue's files (recover, put, read, truncate, flush)
+    queuestore     ConsumeQueueStore: every queue of an output; a batch's units grouped by queue
     reader         CommitLog, CommitLogReader: batches from any offset; torn tail vs corruption
     dispatch       DispatchBatch (columnar dispatch requests) and the dispatch rules
     indexservice   IndexService: rolling, naming, loading and querying IndexFiles
     retention      which ConsumeQueue files and IndexFiles the broker deletes once the CommitLog shrinks
     javahash       Java String.hashCode over UTF-16, scalar and vectorised
     writer         CommitLogWriter: appends as the broker lays records out
-    verify         existing ConsumeQueue and IndexFile files compared with what the dispatch rules write
+    verify         existing ConsumeQueue and IndexFile files compared with what the dispatch rules write:
+                   the findings; queuecheck and indexcheck (with indeximage) the two checks
     mappedfile     the pre-allocated, mapped file lifecycle shared by the formats
     errors         CorruptRecordError, StoreLayoutError
 """
@@ -27,8 +30,8 @@ _EXPORTS = {
     "CommitLog": "reader",
     "CommitLogReader": "reader",
     "CommitLogWriter": "writer",
-    "ConsumeQueue": "consumequeue",
-    "ConsumeQueueStore": "consumequeue",
+    "ConsumeQueue": "queuefiles",
+    "ConsumeQueueStore": "queuestore",
     "CorruptRecordError": "errors",
     "DispatchBatch": "dispatch",
     "IndexFile": "indexfile",

@@ -17,11 +17,11 @@ from indexcore.consumequeue import (
     ConsumeQueueUnit,
     PutStats,
     QueueCursor,
-    consume_queue_units,
     place_units,
 )
 from indexcore.dispatch import DispatchBatch
 from indexcore.mappedfile import offset_to_file_name
+from indexcore.queuestore import consume_queue_units
 from indexcore.verify import (
     _QUEUE_FILE_NAME,
     CQ_FILE_EXTRA,

@@ -26,8 +26,9 @@ import os
 from collections.abc import Callable, Iterable
 
 from indexcore import _failpoints
-from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE, ConsumeQueue
+from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.indexservice import IndexService
+from indexcore.queuefiles import ConsumeQueue
 
 UNWRITTEN = None  # a file's last unit that no put wrote (all zeros): the walk stops there
 

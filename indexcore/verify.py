@@ -42,17 +42,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from indexcore.consumequeue import (
-    PRIVATE_OPEN_FILES,
-    ConsumeQueueUnit,
-    open_queue_files_limit,
-)
+from indexcore.consumequeue import PRIVATE_OPEN_FILES, ConsumeQueueUnit
 from indexcore.dispatch import DispatchBatch
 from indexcore.indexfile import (
     IndexEntry,
 )
 from indexcore.indexservice import INDEX_FILE_NAME_DIGITS
 from indexcore.mappedfile import FILE_NAME_DIGITS
+from indexcore.queuestore import open_queue_files_limit
 
 CQ_UNIT_MISSING = "cqUnitMissing"
 CQ_UNIT_WRONG = "cqUnitWrong"

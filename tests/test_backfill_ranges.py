@@ -23,8 +23,8 @@ from daemon.backfill.source import LOCAL, SegmentDir, SegmentListing
 from daemon.backfill.stage import QUEUE_BUCKETS, StagedRange
 from daemon.backfill.tasks import reread as _reread
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, ON_CORRUPTION_STOP
-from indexcore.consumequeue import consume_queue_units
 from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
+from indexcore.queuestore import consume_queue_units
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus
 from tests.backfill_stores import corrupt_record, tear_tail, write_forged_store
 

@@ -11,7 +11,8 @@ from daemon.commands.query import query_key, query_offsets, query_queue
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
 from indexcore.commitlog import KEY_SEPARATOR
-from indexcore.consumequeue import CQ_UNIT_SIZE, ConsumeQueueStore
+from indexcore.consumequeue import CQ_UNIT_SIZE
+from indexcore.queuestore import ConsumeQueueStore
 from tests.conformance import conformance_roots, discover, files_under
 
 STORES = discover()

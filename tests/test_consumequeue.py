@@ -19,14 +19,13 @@ from indexcore.consumequeue import (
     CQ_UNIT,
     CQ_UNIT_SIZE,
     DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE,
-    HELD_BATCHES,
-    ConsumeQueue,
-    ConsumeQueueStore,
     PutStats,
     pack_units,
 )
 from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import OpenFiles, offset_to_file_name
+from indexcore.queuefiles import ConsumeQueue
+from indexcore.queuestore import HELD_BATCHES, ConsumeQueueStore
 from tests.conftest import DispatchRec, make_dispatch_batch
 
 # The model's own layout, straight from §7.2 (not imported from indexcore).
@@ -396,7 +395,7 @@ def test_store_writes_what_it_gathered_after_a_few_batches_or_bytes(tmp_path: Pa
     """A queue that gets a unit a batch is not gathered for ever (each piece keeps its batch's units in
     memory): the store writes everything it gathered every HELD_BATCHES batches, or past its byte budget."""
     if budget is not None:
-        monkeypatch.setattr("indexcore.consumequeue.HELD_BYTES_BUDGET", budget)
+        monkeypatch.setattr("indexcore.queuestore.HELD_BYTES_BUDGET", budget)
     store = ConsumeQueueStore(str(tmp_path), 1000 * UNIT_SIZE)
     store.hold_bytes = 1 << 20
     path = tmp_path / "consumequeue" / "T" / "0" / offset_to_file_name(0)

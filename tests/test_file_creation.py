@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 from indexcore import _failpoints
-from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT_SIZE, ConsumeQueue, ConsumeQueueStore
+from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT_SIZE
 from indexcore.indexfile import INDEX_HEADER, IndexFile, index_file_size
 from indexcore.indexservice import IndexService
 from indexcore.mappedfile import TEMP_SUFFIX, create_file
+from indexcore.queuefiles import ConsumeQueue
+from indexcore.queuestore import ConsumeQueueStore
 from tests.conftest import DispatchRec, make_dispatch_batch
 
 STEPS = ("before_create", "after_create", "after_allocate", "after_header", "after_fsync", "after_rename")

@@ -57,7 +57,7 @@ from indexcore.commitlog import (
     body_crc32,
     parse_properties,
 )
-from indexcore.consumequeue import CQ_UNIT_SIZE, ConsumeQueue, ConsumeQueueStore, consume_queue_units, pack_units
+from indexcore.consumequeue import CQ_UNIT_SIZE, pack_units
 from indexcore.errors import CORRUPT_RECORD_FIELDS, CorruptRecordError
 from indexcore.javahash import java_string_hash
 from indexcore.multidispatch import (
@@ -71,6 +71,8 @@ from indexcore.multidispatch import (
     multi_dispatch_flags,
     multi_dispatch_targets,
 )
+from indexcore.queuefiles import ConsumeQueue
+from indexcore.queuestore import ConsumeQueueStore, consume_queue_units
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus, Stop, decode_segment
 from indexcore.verify import CQ_UNIT_WRONG
 from indexcore.writer import CommitLogWriter, Message

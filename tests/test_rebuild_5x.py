@@ -13,8 +13,8 @@ from daemon.commands.query import query_offsets, query_queue
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
 from indexcore.commitlog import TRANSACTION_COMMIT_TYPE, TRANSACTION_PREPARED_TYPE, TRANSACTION_ROLLBACK_TYPE, Host
-from indexcore.consumequeue import ConsumeQueueStore
 from indexcore.javahash import index_key_hash, java_string_hash
+from indexcore.queuestore import ConsumeQueueStore
 from indexcore.writer import CommitLogWriter, Message
 
 SEGMENT = 32 * 1024

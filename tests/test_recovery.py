@@ -14,7 +14,7 @@ from daemon.engine.recovery import write_replay_marker
 from daemon.engine.session import open_session
 from daemon.ops.metrics import ReputMetrics
 from indexcore.consumequeue import CQ_UNIT_SIZE as UNIT_SIZE
-from indexcore.consumequeue import ConsumeQueue
+from indexcore.queuefiles import ConsumeQueue
 from tests.test_daemon import Store, assert_same_as_rebuild, events
 
 

@@ -21,10 +21,11 @@ from daemon.engine.checkpoint import read_checkpoint
 from daemon.engine.cleaner import Cleaner, commit_log_min_offset
 from daemon.engine.session import open_session
 from daemon.ops.metrics import ReputMetrics
-from indexcore.consumequeue import ConsumeQueue, ConsumeQueueStore
 from indexcore.indexfile import IndexHeader, index_file_size
 from indexcore.indexservice import IndexService, index_file_name
 from indexcore.mappedfile import offset_to_file_name
+from indexcore.queuefiles import ConsumeQueue
+from indexcore.queuestore import ConsumeQueueStore
 from indexcore.retention import delete_expired, expired_index_prefix, expired_prefix, should_clean
 from indexcore.writer import CommitLogWriter, Message
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import yaml
 
 from daemon.cli import EXIT_OK
-from indexcore.consumequeue import ConsumeQueueStore
 from indexcore.indexservice import IndexService
+from indexcore.queuestore import ConsumeQueueStore
 from indexcore.retention import delete_expired
 from tests import stress
 from tests.test_daemon import REPUTD, SEGMENT, Store, clean_env, events, free_port, output_files, stop, wait_for

@@ -37,9 +37,10 @@ from indexcore.commitlog import (
     PHYSICAL_OFFSET_OFFSET,
     RECORD_PREFIX,
 )
-from indexcore.consumequeue import CQ_UNIT_SIZE, consume_queue_units
+from indexcore.consumequeue import CQ_UNIT_SIZE
 from indexcore.dispatch import DelayLevelTable, DispatchBatch
 from indexcore.errors import CorruptRecordError, StoreError
+from indexcore.queuestore import consume_queue_units
 from indexcore.reader import ReadStatus, decode_segment, read_result
 
 ROLLED, END, LIMIT, CORRUPT, EMPTY = "rolled", "end", "limit", "corrupt", "empty"

@@ -35,7 +35,6 @@ from daemon.backfill.commit import file_counts
 from daemon.backfill.plan import BackfillError, IndexFilePlan
 from daemon.backfill.ranges import NO_CREATOR, arrow_column
 from daemon.backfill.stage import KEY_DTYPE, StagedRange
-from indexcore.consumequeue import ConsumeQueueStore
 from indexcore.indexfile import (
     FIRST_INDEX,
     HASH_SLOT_SIZE,
@@ -47,6 +46,7 @@ from indexcore.indexfile import (
     index_file_size,
 )
 from indexcore.indexservice import INDEX_DIR
+from indexcore.queuestore import ConsumeQueueStore
 
 
 class InjectedFault(RuntimeError):

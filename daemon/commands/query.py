@@ -24,11 +24,12 @@ from indexcore.commitlog import (
     MessageRecord,
     is_record_start,
 )
-from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_SIZE, ConsumeQueueStore
+from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT_SIZE
 from indexcore.errors import CorruptEntryError, StoreError, StoreLayoutError
 from indexcore.indexservice import INDEX_DIR, IndexQueryDamaged, IndexService, QueryOffsetResult
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.msgid import PORT_MAX, create_offset_msg_id, decode_offset_msg_id
+from indexcore.queuestore import ConsumeQueueStore
 from indexcore.reader import CommitLog
 from indexcore.retention import expired_queue_files
 

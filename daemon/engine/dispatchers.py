@@ -19,11 +19,12 @@ from typing import Any, Protocol, runtime_checkable
 
 from daemon.config import Config, ConfigError, DispatcherSpec, StoreConfig
 from daemon.ops.logs import get_logger
-from indexcore.consumequeue import CREATE_LABEL, ConsumeQueueStore, NewQueue, PutStats, QueueUnits, consume_queue_units
+from indexcore.consumequeue import CREATE_LABEL, PutStats
 from indexcore.dispatch import DispatchBatch
 from indexcore.indexfile import RELEASE_AFTER_KEYS
 from indexcore.indexservice import IndexResume, IndexService, IndexState, IndexStats
 from indexcore.mappedfile import create_sparse_files
+from indexcore.queuestore import ConsumeQueueStore, NewQueue, QueueUnits, consume_queue_units
 
 PAGE_SIZE = mmap.PAGESIZE  # the unit of flushConsumeQueueLeastPages, as the broker's OS_PAGE_SIZE
 
