@@ -9,7 +9,7 @@ one recovery path for every way of stopping. Records still being written at the 
 (`daemon.engine.head`).
 
 This module is the loop itself (`ReputService`) and `run_daemon`, the process around it (signals, the
-shutdown timeout); the sessions it runs in are daemon/engine/sessions.py, what the service shows the
+shutdown timeout); the sessions it runs in are daemon/engine/runner.py, what the service shows the
 outside (health, systemd, metrics, failure reports) daemon/engine/service.py.
 """
 
@@ -31,6 +31,10 @@ from daemon.engine.head import (
     written_below,
 )
 from daemon.engine.rebuild import widen_after_dispatch
+from daemon.engine.runner import (
+    Outcome,
+    SessionRunner,
+)
 from daemon.engine.service import (
     CORRUPT_REASON,
     EXIT_FAILURE,
@@ -38,10 +42,6 @@ from daemon.engine.service import (
     _errno_name,
 )
 from daemon.engine.session import Session
-from daemon.engine.sessions import (
-    Outcome,
-    SessionRunner,
-)
 from daemon.ops import failpoint
 from daemon.ops.metrics import (
     DEGRADED,

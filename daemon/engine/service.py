@@ -1,7 +1,7 @@
 """What the live service shows the outside and keeps across sessions: stop requests, systemd notifications
 (READY, STATUS, WATCHDOG, STOPPING), health and the reason for it, lag and progress for /metrics and
 /healthz, and how a failure is reported (events, counters, a full output named as such). The sessions
-(daemon/engine/sessions.py) and the loop (daemon/engine/reput.py) build on it."""
+(daemon/engine/runner.py) and the loop (daemon/engine/reput.py) build on it."""
 
 from __future__ import annotations
 
