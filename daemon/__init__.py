@@ -1,22 +1,14 @@
-"""daemon: the reputd service built on indexcore.
+"""daemon: the reputd service built on indexcore, laid out by role (docs/architecture.md draws it).
 
-    config        YAML configuration, environment overrides, validation (ConfigError names the key)
-    dispatchers   the Dispatcher protocol and the built-in ConsumeQueue and IndexFile dispatchers
-    rebuild       the offline pipeline: recovery -> CommitLog reader -> batches -> dispatchers -> checkpoint
-    reput         `reputd run`: the service and its live reput loop
-    session       one life of the live pipeline, and opening one
-    recovery      where every start resumes: checkpoint, replay markers, quarantine, the resume rules
-    head          the CommitLog's head: the end of the written data, records still being written
-    flusher       the flush thread and the checkpoint it writes after each complete flush
-    failpoint     test hook: kill the process at a named step of a file's creation (REPUTD_FAILPOINT)
-    checkpoint    reputd's own checkpoint file (reputFromOffset + dispatcher states)
-    metrics       Prometheus instruments, /metrics and /healthz
-    sdnotify      systemd notifications (READY, STATUS, WATCHDOG, EXTEND_TIMEOUT_USEC, STOPPING)
-    query         queries by key, queue offset and msgId (read-only)
-    inspect_file  decoding any store file for `reputd inspect`
-    produce       sample messages for demos and load
-    logs          structlog set-up
-    cli           the `reputd` command line
+    engine/     what `run` and `rebuild` share: recovery, the reader, the session, dispatchers, the flusher
+                and checkpoint, the cleaner, the offline rebuild, the live service (service, runner) and
+                its loop (reput)
+    commands/   each command's logic: verify (frontier, verify_text), handoff (brokerfiles), query (render),
+                inspect_file, produce, sample_store
+    cli/        the `reputd` command line: parsing, dispatch, exit codes; one module per command's front end
+    config/     the configuration: model, keys (the key table), validate, yamlfile, layers, memo
+    ops/        metrics and /healthz, sdnotify, healthcheck, logs, outlock, periodic, failpoint, deferred
+    backfill/   `reputd backfill` on Spark
 """
 
 import os

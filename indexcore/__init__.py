@@ -8,16 +8,20 @@ One module per on-disk format, each opening with its byte layout:
     msgid          offset message ids
 
 and the logic around them:
-    queuefiles     ConsumeQueue: one queue's files (recover, put, read, truncate, flush)
+    queuefiles     ConsumeQueue: one queue's files (put, read, flush)
+    queuerecovery  a queue's files put back to a consistent state (load, torn unit, truncate, retention)
     queuestore     ConsumeQueueStore: every queue of an output; a batch's units grouped by queue
     reader         CommitLog, CommitLogReader: batches from any offset; torn tail vs corruption
+    readresult     what a read returns (ReadResult) and how a decoded window becomes it
     dispatch       DispatchBatch (columnar dispatch requests) and the dispatch rules
     indexservice   IndexService: rolling, naming, loading and querying IndexFiles
+    indexbuild     IndexService's puts (build_index) and key queries (query_offset)
+    indexresults   what IndexService hands back: query results, put statistics, resume point, truncation
     retention      which ConsumeQueue files and IndexFiles the broker deletes once the CommitLog shrinks
     javahash       Java String.hashCode over UTF-16, scalar and vectorised
     writer         CommitLogWriter: appends as the broker lays records out
     verify         existing ConsumeQueue and IndexFile files compared with what the dispatch rules write:
-                   the findings; queuecheck and indexcheck (with indeximage) the two checks
+                   the findings; queuecheck and indexcheck (with indexcompare, indeximage) the two checks
     mappedfile     the pre-allocated, mapped file lifecycle shared by the formats
     errors         CorruptRecordError, StoreLayoutError
 """
