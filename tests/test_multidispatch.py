@@ -881,7 +881,7 @@ def test_consume_queue_units_orders_each_queue_as_the_broker_puts(tmp_path: Path
 def test_grouping_by_counting_equals_grouping_by_sorting(tmp_path: Path, seed: int, monkeypatch) -> None:
     """consume_queue_units' two ways, the C counting sort and the numpy stable sort (for batches with too
     many queue keys), give the same groups, units and streak flags."""
-    import indexcore.consumequeue as cq
+    import indexcore.queuestore as cq
 
     rng = random.Random(seed)
     write_workload(tmp_path, lmq_workload(rng, rng.randint(20, 300)), lmq=seed % 3 != 0)

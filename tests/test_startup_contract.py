@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from daemon.config import load_config
-from daemon.engine import reput, runner
+from daemon.engine import reput
 from tests.plugins.gated import GatedDispatcher
 from tests.test_daemon import SEGMENT, Store, events, stop, wait_for
 
@@ -210,10 +210,10 @@ def test_long_recovery_extends_the_start_timeout_only_while_it_works(store, list
     began, ended = (t - listener.started for t in GatedDispatcher.startup)
     # beats inside the plug-in's construction, after the first one (which may still count the work before it)
     extends = [t for t, m in listener.messages
-               if m.startswith("EXTEND_TIMEOUT_USEC=") and began + runner.STARTUP_BEAT_S * 1.5 <= t <= ended]
+               if m.startswith("EXTEND_TIMEOUT_USEC=") and began + reput.STARTUP_BEAT_S * 1.5 <= t <= ended]
     if extended:
         assert len(extends) >= 2, listener.timeline()
-        assert all(m.split("\n")[0] == f"EXTEND_TIMEOUT_USEC={int(runner.STARTUP_EXTEND_S * 1_000_000)}"
+        assert all(m.split("\n")[0] == f"EXTEND_TIMEOUT_USEC={int(reput.STARTUP_EXTEND_S * 1_000_000)}"
                    for _, m in listener.messages if m.startswith("EXTEND_TIMEOUT_USEC="))
     else:
         assert extends == [], listener.timeline()

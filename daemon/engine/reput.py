@@ -8,9 +8,10 @@ then starts a new session after a back-off, which recovers exactly as a restart 
 one recovery path for every way of stopping. Records still being written at the head are held back
 (`daemon.engine.head`).
 
-This module is the loop itself (`ReputService`) and `run_daemon`, the process around it (signals, the
-shutdown timeout); the sessions it runs in are daemon/engine/runner.py, what the service shows the
-outside (health, systemd, metrics, failure reports) daemon/engine/service.py.
+This module is the loop itself (`ReputService`, with the start-up beats to systemd while recovery runs)
+and `run_daemon`, the process around it (signals, the shutdown timeout); the sessions it runs in are
+daemon/engine/runner.py, what the service shows the outside (health, systemd, metrics, failure reports)
+daemon/engine/service.py.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from daemon.ops.metrics import (
     OutputStage,
     SkipReason,
 )
+from daemon.ops.sdnotify import USEC_PER_SECOND
 from indexcore.errors import CorruptRecordError, StoreLayoutError
 from indexcore.reader import ReadResult, ReadStatus
 
@@ -74,11 +76,42 @@ IN_FLIGHT_GRACE_S = 1.0
 # less than a rebuild's, since a stop waits for the batch in hand (catching up on 100,000 LMQ queues took
 # 286.8 s in 4 MiB batches, 137.7 s up to 32 MiB, 97.7 s up to 64 MiB and 72.7 s up to 256 MiB)
 RUN_MAX_BATCH_BYTES = 64 * 1024 * 1024
+# While start-up recovery works, systemd's start timeout is pushed back every STARTUP_BEAT_S by
+# STARTUP_EXTEND_S, as long as the process used at least STARTUP_PROGRESS_CPU_S of CPU or read or wrote
+# data since the previous beat: a recovery that hangs (an NFS read that never returns) stops the beats,
+# and TimeoutStartSec= ends it.
+STARTUP_BEAT_S = 10.0
+STARTUP_EXTEND_S = 30.0
+STARTUP_PROGRESS_CPU_S = 0.05
+
+
+def _work_done() -> tuple[float, tuple[str, ...]]:
+    """CPU seconds this process has used, and its I/O counters (bytes read and written, /proc/self/io),
+    to tell a start-up that works from one that hangs."""
+    times = os.times()
+    io: tuple[str, ...] = ()
+    with contextlib.suppress(OSError), open("/proc/self/io") as f:
+        io = tuple(line for line in f if line.startswith(("read_bytes", "write_bytes")))
+    return times.user + times.system, io
+
 
 
 class ReputService(SessionRunner):
     """The live reput loop: follow the CommitLog from the session's offset, dispatch each batch, wait at the
     head for data, hold back records still being written, and decide what a bad record ends."""
+
+    def _startup_beats(self) -> None:
+        """While start-up recovery runs, push systemd's start timeout back every STARTUP_BEAT_S, as long as
+        the process is working (CPU used, data read or written since the last beat)."""
+        last = _work_done()
+        while self._starting.is_set() and not self._stop.wait(STARTUP_BEAT_S):
+            now = _work_done()
+            if not self._starting.is_set():
+                return
+            if now[0] - last[0] >= STARTUP_PROGRESS_CPU_S or now[1] != last[1]:
+                self._notified(self.notifier.extend_timeout(int(STARTUP_EXTEND_S * USEC_PER_SECOND)))
+                self.notifier.status("starting: recovering the output")
+            last = now
 
     def _follow(self, s: Session) -> Outcome:
         offset = s.dispatched_offset

@@ -5,10 +5,8 @@ follows the CommitLog inside a session is daemon/engine/reput.py."""
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import gc
-import os
 import threading
 import time
 
@@ -46,17 +44,9 @@ from daemon.ops.metrics import (
     MetricsServer,
     OutputStage,
 )
-from daemon.ops.sdnotify import USEC_PER_SECOND
 from indexcore.errors import StoreError
 
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
-# While start-up recovery works, systemd's start timeout is pushed back every STARTUP_BEAT_S by
-# STARTUP_EXTEND_S, as long as the process used at least STARTUP_PROGRESS_CPU_S of CPU or read or wrote
-# data since the previous beat: a recovery that hangs (an NFS read that never returns) stops the beats,
-# and TimeoutStartSec= ends it.
-STARTUP_BEAT_S = 10.0
-STARTUP_EXTEND_S = 30.0
-STARTUP_PROGRESS_CPU_S = 0.05
 _READ_ONLY_EVENTS = frozenset((EVENT_TYPE_OPENED, EVENT_TYPE_CLOSED_NO_WRITE))
 # the events asked of inotify: not opening or reading a file, which reputd's own reads do hundreds of times
 # a second (each event is handled by watchdog's threads, taking the interpreter from the loop)
@@ -72,31 +62,8 @@ class Outcome(enum.Enum):
     UNAVAILABLE = "unavailable"  # --until-caught-up lost the CommitLog directory
 
 
-def _work_done() -> tuple[float, tuple[str, ...]]:
-    """CPU seconds this process has used, and its I/O counters (bytes read and written, /proc/self/io),
-    to tell a start-up that works from one that hangs."""
-    times = os.times()
-    io: tuple[str, ...] = ()
-    with contextlib.suppress(OSError), open("/proc/self/io") as f:
-        io = tuple(line for line in f if line.startswith(("read_bytes", "write_bytes")))
-    return times.user + times.system, io
-
-
 class SessionRunner(ServiceState):
     """Runs sessions until stopped; each follows the CommitLog with the loop a subclass defines (`_follow`)."""
-
-    def _startup_beats(self) -> None:
-        """While start-up recovery runs, push systemd's start timeout back every STARTUP_BEAT_S, as long as
-        the process is working (CPU used, data read or written since the last beat)."""
-        last = _work_done()
-        while self._starting.is_set() and not self._stop.wait(STARTUP_BEAT_S):
-            now = _work_done()
-            if not self._starting.is_set():
-                return
-            if now[0] - last[0] >= STARTUP_PROGRESS_CPU_S or now[1] != last[1]:
-                self._notified(self.notifier.extend_timeout(int(STARTUP_EXTEND_S * USEC_PER_SECOND)))
-                self.notifier.status("starting: recovering the output")
-            last = now
 
 
     def run(self) -> int:
