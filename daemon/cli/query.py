@@ -27,6 +27,7 @@ from daemon.cli.common import (
 if TYPE_CHECKING:
     from daemon.config import Config
 
+
 _QUERY_HELP = {
     "key": "Messages whose topic and key (a KEYS token or the UNIQ_KEY) match exactly, newest first.",
     "queue": "Messages of a ConsumeQueue from a queue offset, as the broker's getMessage returns them.",
