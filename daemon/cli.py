@@ -338,7 +338,13 @@ def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool
 
     store = config.store
     root = store.store_path_root_dir
-    if commit_log:
+    if commit_log and store.enable_d_leger_commit_log:
+        from daemon.dledgermode import input_problem
+
+        problem = input_problem(store)
+        if problem:
+            raise UsageError(problem)
+    elif commit_log:
         for d in store.commit_log_dirs:
             if os.path.isdir(d):
                 continue
@@ -546,9 +552,15 @@ def cmd_handoff(args, config: Config) -> int:
     from daemon.logs import configure_logging
 
     root = config.store.store_path_root_dir
-    for d in config.store.commit_log_dirs:
+    for d in () if config.store.enable_d_leger_commit_log else config.store.commit_log_dirs:
         if not os.path.isdir(d):
             raise UsageError(f"{d}: no CommitLog directory (store.storePathCommitLog / --store); nothing was changed")
+    if config.store.enable_d_leger_commit_log:
+        from daemon.dledgermode import input_problem
+
+        problem = input_problem(config.store)
+        if problem:
+            raise UsageError(f"{problem}; nothing was changed")
     if broker_lock_held(root):
         raise UsageError(f"{os.path.join(root, 'lock')} is held: the broker is running; stop it first (handoff "
                          "prepares the files for its next start); nothing was changed")
@@ -720,9 +732,9 @@ def _backfill_checks(args, config: Config) -> None:
 def _check_record_boundaries(config: Config, offsets: dict[str, int | None]) -> None:
     """Each given offset must be a record boundary of the CommitLog (UsageError naming the nearest ones),
     found before anything starts rather than by the job that would stop there."""
-    from indexcore.reader import CommitLog
+    from daemon.dledgermode import open_commit_log
 
-    log = CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
+    log = open_commit_log(config.store)
     for option, offset in offsets.items():
         if offset is None:
             continue

@@ -105,6 +105,11 @@ class StoreConfig:
     enable_lmq: bool = False
     max_transfer_bytes_on_message_in_memory: int = 256 * 1024
     max_transfer_count_on_message_in_memory: int = 32
+    # DLedger CommitLog mode (daemon/dledgermode.py): the CommitLog is <root>/dledger-<selfId>/data
+    enable_d_leger_commit_log: bool = False
+    d_leger_self_id: str = ""
+    d_leger_group: str = ""
+    d_leger_peers: str = ""
 
     @property
     def commit_log_dirs(self) -> tuple[str, ...]:
@@ -315,6 +320,10 @@ _KEY_LIST = (
     _Key("store", "enableLmq", "bool"),
     _Key("store", "maxTransferBytesOnMessageInMemory", "int", (_java_int(1),)),
     _Key("store", "maxTransferCountOnMessageInMemory", "int", (_java_int(1),)),
+    _Key("store", "enableDLegerCommitLog", "bool"),
+    _Key("store", "dLegerSelfId", "str"),
+    _Key("store", "dLegerGroup", "str"),
+    _Key("store", "dLegerPeers", "str"),
     _Key("output", "dir", "path"),
     _Key("reput", "pollIntervalMs", "int", (_in_range(1),)),
     _Key("reput", "batchBytes", "int", (_in_range(1),)),
@@ -345,8 +354,8 @@ _DISPATCHERS_ENV = env_var_name(_DISPATCHERS_SECTION)
 BROKER_RUNTIME_STORE_KEYS = frozenset({
     "accessMessageInMemoryMaxRatio", "autoMessageVersionOnTopicLen", "bitMapLengthConsumeQueueExt", "brokerRole",
     "cleanFileForciblyEnable", "commitCommitLogLeastPages",
-    "commitCommitLogThoroughInterval", "commitIntervalCommitLog", "dLegerGroup", "dLegerPeers", "dLegerSelfId",
-    "debugLockEnable", "defaultQueryMaxNum", "deleteCommitLogFilesInterval",
+    "commitCommitLogThoroughInterval", "commitIntervalCommitLog", "debugLockEnable", "defaultQueryMaxNum",
+    "deleteCommitLogFilesInterval",
     "deleteWhen", "destroyMapedFileIntervalForcibly", "diskFallRecorded", "diskMaxUsedSpaceRatio",
     "duplicationEnable", "enableBatchPush", "enableScheduleAsyncDeliver", "enableScheduleMessageStats",
     "enabledAppendPropCRC", "fastFailIfNoBufferInStorePool", "fileReservedTime", "flushCommitLogLeastPages",
@@ -365,12 +374,10 @@ BROKER_RUNTIME_STORE_KEYS = frozenset({
 # accepted only at these (default) values, so they can never silently give different files.
 UNSUPPORTED_STORE_SETTINGS: dict[str, Any] = {
     "enableConsumeQueueExt": False,
-    "enableDLegerCommitLog": False,
     "readOnlyCommitLogStorePaths": None,
 }
 _UNSUPPORTED_WHY = {
     "enableConsumeQueueExt": "ConsumeQueueExt files are not written by reputd",
-    "enableDLegerCommitLog": "a DLedger CommitLog wraps records in DLedger entries, which reputd does not read",
     "readOnlyCommitLogStorePaths": "list those directories in storePathCommitLog instead",
 }
 
@@ -390,6 +397,9 @@ def _broker_only(section: str, name: Any, value: Any, origin: str) -> bool:
         return True
     return False
 
+
+# string keys the broker leaves null by default: `null` in the file reads as unset
+_NULL_AS_EMPTY = frozenset({"dLegerSelfId", "dLegerGroup", "dLegerPeers"})
 
 # Defaults the dataclasses cannot carry because they depend on other values; None means "the store root".
 _DERIVED_DEFAULTS: dict[tuple[str, str], Any] = {
@@ -643,7 +653,8 @@ class _Layers:
                 if key is None:
                     known = [k.name for k in _KEY_LIST if k.section == section]
                     raise _error(f"{section}.{name}", f"unknown key{_suggest(str(name), known)}", origin)
-                self.set(key, value, base_dir, origin)
+                # the DLedger ids broker.conf leaves unset (Java null)
+                self.set(key, "" if value is None and key.name in _NULL_AS_EMPTY else value, base_dir, origin)
 
     def apply_env(self, env: Mapping[str, str], cwd: str) -> None:
         for var in sorted(env):
@@ -715,7 +726,24 @@ class _Layers:
         kwargs["output"]["dir"] = root if self.settings[out_key].value is None else self._path(out_key, root)
         built = {section: cls(**kwargs[section]) for section, cls in _SECTION_CLASSES.items()}
         self._check_index_size(built["store"])
+        self._check_dledger(built["store"])
         return Config(dispatchers=self.dispatchers, source=source, **built)
+
+    def _check_dledger(self, store: StoreConfig) -> None:
+        """DLedger mode needs dLegerSelfId (it names the data directory, dledger-<selfId>), and the node must be
+        one of dLegerPeers (`id-host:port;...`, MemberState) when they are given."""
+        if not store.enable_d_leger_commit_log:
+            return
+        self_key = _KEYS[("store", "dLegerSelfId")]
+        if not store.d_leger_self_id.strip():
+            raise _error(self_key.dotted, "must be set with enableDLegerCommitLog: true (the data path is "
+                                          "<storePathRootDir>/dledger-<dLegerSelfId>/data)",
+                         self.settings[self_key].origin)
+        if store.d_leger_peers.strip():
+            ids = [peer.split("-")[0].strip() for peer in store.d_leger_peers.split(";") if peer.strip()]
+            if store.d_leger_self_id not in ids:
+                raise _error(self_key.dotted, f"{store.d_leger_self_id!r} is not one of the dLegerPeers "
+                                              f"({', '.join(ids) or 'none'})", self.settings[self_key].origin)
 
     def _check_index_size(self, store: StoreConfig) -> None:
         size = index_file_size(store.max_hash_slot_num, store.max_index_num)

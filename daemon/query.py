@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+from daemon import dledgermode
 from daemon.config import Config, StoreConfig
 from indexcore.commitlog import (
     KEY_SEPARATOR,
@@ -64,7 +65,7 @@ def message_json(rec: MessageRecord) -> dict:
 
 
 def open_commit_log(config: Config) -> CommitLog:
-    return CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
+    return dledgermode.open_commit_log(config.store)
 
 
 def _read(config: Config, log: CommitLog, offset: int) -> MessageRecord:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from daemon import failpoint
+from daemon import dledgermode, failpoint
 from daemon.cleaner import clean_output
 from daemon.config import Config
 from daemon.dispatchers import ConsumeQueueDispatcher, Dispatcher
@@ -159,7 +159,7 @@ class FromOffsetError(ValueError):
 
 
 def open_commit_log(config: Config) -> CommitLog:
-    return CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
+    return dledgermode.open_commit_log(config.store)
 
 
 def make_reader(config: Config, log: CommitLog, batch_bytes: int | None = None) -> CommitLogReader:

@@ -37,6 +37,7 @@ import numpy as np
 
 from daemon.checkpoint import CheckpointError, read_checkpoint
 from daemon.config import Config
+from daemon.dledgermode import open_commit_log
 from daemon.outlock import lock_held, writer_holding
 from daemon.readahead import ReadAhead
 from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader, widen_thin_batches, written_end_of
@@ -313,7 +314,7 @@ def verify(config: Config, *, from_offset: int | None = None,
     else:
         mode = MODE_STOPPED
     live = mode not in (MODE_STOPPED, MODE_COMPLETE)
-    commit_log = CommitLog(store.commit_log_dirs, store.mapped_file_size_commit_log, follow=live)
+    commit_log = open_commit_log(store, follow=live)
     if commit_log.short_newest is not None:
         path, size = commit_log.short_newest
         notes.append(f"{path} is {size} bytes, not mappedFileSizeCommitLog {store.mapped_file_size_commit_log}: not "
