@@ -85,7 +85,8 @@ def test_every_message_of_the_real_store_is_read_at_entry_pos_plus_48(manifest, 
     log = DLedgerLog(str(store_copy), "n0", SEGMENT)
     cols, status, error, end = read_all(log)
     msgs = manifest["messages"]
-    assert status is ReadStatus.END and error is None
+    assert status is ReadStatus.END
+    assert error is None
     assert end == log.read_limit == 1591901 == msgs[-1]["dledger_pos"] + msgs[-1]["dledger_size"]
     assert cols["phy"].tolist() == [m["dledger_pos"] + ENTRY_HEADER_SIZE for m in msgs]
     assert cols["phy"].tolist() == [m["phy_offset"] for m in msgs]
@@ -115,10 +116,13 @@ def test_committed_position_without_the_index_file_and_from_the_bak(store_copy):
     with_index = committed_position(str(store_copy), "n0", SEGMENT)
     shutil.rmtree(home / "index")
     without = committed_position(str(store_copy), "n0", SEGMENT)
-    assert with_index == without and without.committed_index == 1000
+    assert with_index == without
+    assert without.committed_index == 1000
     log = DLedgerLog(str(store_copy), "n0", SEGMENT)
     cols, status, _, end = read_all(log)
-    assert status is ReadStatus.END and len(cols["phy"]) == 1001 and end == without.position
+    assert status is ReadStatus.END
+    assert len(cols["phy"]) == 1001
+    assert end == without.position
     (home / "checkpoint").unlink()
     assert read_checkpoint(str(home)).path.endswith("checkpoint.bak")
     assert committed_position(str(store_copy), "n0", SEGMENT).committed_index == 3014
@@ -147,10 +151,15 @@ def test_corrupt_entry_header_is_one_line_naming_file_offset_and_field(manifest,
         f.write(struct.pack(fmt[1], value))
     log = DLedgerLog(str(store_copy), "n0", SEGMENT)
     cols, status, error, end = read_all(log)
-    assert status is ReadStatus.CORRUPT and end == pos and len(cols["phy"]) == 200
-    assert isinstance(error, CorruptEntryHeaderError) and error.field == f"entry.{field}"
+    assert status is ReadStatus.CORRUPT
+    assert end == pos
+    assert len(cols["phy"]) == 200
+    assert isinstance(error, CorruptEntryHeaderError)
+    assert error.field == f"entry.{field}"
     line = str(error)
-    assert "\n" not in line and line.startswith(f"{path} @ {pos}: ") and expect.format(off=pos) in line
+    assert "\n" not in line
+    assert line.startswith(f"{path} @ {pos}: ")
+    assert expect.format(off=pos) in line
 
 
 def _write_log(root: Path, bodies: list[bytes], *, first_file: int = 0) -> list[int]:
@@ -161,8 +170,8 @@ def _write_log(root: Path, bodies: list[bytes], *, first_file: int = 0) -> list[
     files: dict[int, bytearray] = {}
     pos, out = first_file, []
     for i, body in enumerate(bodies):
-        rec = MessageRecord("T", 0, 0, i, 0, 0, 1, _host(), 1000 + i, _host(), 0, 0, body, b"KEYS\x01k" + str(i).encode(),
-                            0)
+        props = b"KEYS\x01k" + str(i).encode()
+        rec = MessageRecord("T", 0, 0, i, 0, 0, 1, _host(), 1000 + i, _host(), 0, 0, body, props, 0)
         size = ENTRY_HEADER_SIZE + rec.total_size
         seg = pos - pos % SEGMENT
         if size + 8 > SEGMENT - (pos - seg):
@@ -208,7 +217,8 @@ def test_any_log_reads_every_entry_across_dledger_blanks(tmp_path_factory, sizes
             break
         offset = res.next_offset
     reader.close()
-    assert res.status is ReadStatus.END and res.error is None
+    assert res.status is ReadStatus.END
+    assert res.error is None
     assert got == [p + 48 for p in positions]
     assert res.next_offset == log.read_limit
 
@@ -224,8 +234,10 @@ def test_blank_declaring_the_wrong_length_is_corrupt(tmp_path):
     assert BLANK.unpack_from(data, blank_at) == (-1, SEGMENT - blank_at)
     BLANK.pack_into(data, blank_at, -1, 12)
     path.write_bytes(bytes(data))
-    cols, status, error, end = read_all(DLedgerLog(str(tmp_path), "n0", SEGMENT))
-    assert status is ReadStatus.CORRUPT and end == blank_at and error.field == "entry.size"
+    _cols, status, error, end = read_all(DLedgerLog(str(tmp_path), "n0", SEGMENT))
+    assert status is ReadStatus.CORRUPT
+    assert end == blank_at
+    assert error.field == "entry.size"
     assert f"DLedger BLANK declares 12 bytes left, {SEGMENT - blank_at} are left" in str(error)
 
 
@@ -239,7 +251,8 @@ def test_committed_index_past_the_data_is_capped_at_the_last_entry(tmp_path):
     data[positions[3]:] = bytes(len(data) - positions[3])
     path.write_bytes(bytes(data))
     log = DLedgerLog(str(tmp_path), "n0", SEGMENT)
-    assert log.committed.committed_index == 2 and log.read_limit == positions[3]
+    assert log.committed.committed_index == 2
+    assert log.read_limit == positions[3]
     idx = tmp_path / "dledger-n0" / "index"
     idx.mkdir()
     (idx / offset_to_file_name(0)).write_bytes(b"".join(
@@ -262,7 +275,9 @@ def test_committed_entries_missing_before_the_committed_position_is_corrupt(tmp_
     log = DLedgerLog(str(tmp_path), "n0", SEGMENT)
     assert log.read_limit == positions[4] + positions[1] - positions[0]
     cols, status, error, end = read_all(log)
-    assert status is ReadStatus.CORRUPT and end == positions[2] and len(cols["phy"]) == 2
+    assert status is ReadStatus.CORRUPT
+    assert end == positions[2]
+    assert len(cols["phy"]) == 2
     assert str(path) in str(error)
 
 
