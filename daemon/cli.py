@@ -341,7 +341,7 @@ def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool
     if commit_log and store.enable_d_leger_commit_log:
         from daemon.dledgermode import input_problem
 
-        problem = input_problem(store)
+        problem = input_problem(store, "--store" if getattr(args, "store", None) else "store.storePathRootDir")
         if problem:
             raise UsageError(problem)
     elif commit_log:

@@ -119,6 +119,31 @@ class DLedgerLog(CommitLog):
             pos += h.size
         return offset, offset
 
+    def dir_label(self, offset: int) -> str:
+        """The directory of the file holding `offset`, relative to the store root: `dledger-<id>/data`, or
+        `commitlog` below dividedCommitlogOffset (a mixed store)."""
+        if offset < self.divided_offset:
+            return "commitlog"
+        return os.path.relpath(self.data_dir, self.root)
+
+    def entry_start(self, offset: int) -> int:
+        """`offset` when an entry (or anything but a message) starts there; the entry's position when `offset` is
+        the store offset of its message (pos + 48): the reput offset of that message."""
+        if offset < self.divided_offset or offset - ENTRY_HEADER_SIZE < self.divided_offset:
+            return offset
+        entry = offset - ENTRY_HEADER_SIZE
+        path = self.find_segment(entry)
+        if path is None or self.segment_start(entry) != self.segment_start(offset):
+            return offset
+        at = entry - self.segment_start(entry)
+        with open(path, "rb") as f:
+            head = os.pread(f.fileno(), ENTRY_HEADER_SIZE, at)
+        try:
+            decode_entry_header(head, 0, entry, path=path, bytes_left=self.segment_size - at)
+        except CorruptRecordError:
+            return offset
+        return entry
+
     def read_record(self, offset: int, *, check_crc: bool = True,
                     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> MessageRecord:
         """The message at store offset `offset` (entry pos + 48 above dividedCommitlogOffset), its entry header
