@@ -338,7 +338,7 @@ def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool
 
     store = config.store
     root = store.store_path_root_dir
-    if commit_log and store.enable_d_leger_commit_log:
+    if store.enable_d_leger_commit_log:  # settings that locate no DLedger log: a usage error, for queries too
         from daemon.dledgermode import input_problem
 
         problem = input_problem(store, "--store" if getattr(args, "store", None) else "store.storePathRootDir")

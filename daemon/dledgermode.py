@@ -54,11 +54,11 @@ def input_problem(store: StoreConfig, root_option: str = "store.storePathRootDir
     data = data_dir(root, store.d_leger_self_id)
     if os.path.isdir(data):
         return None
-    others = sorted(n for n in os.listdir(root) if n.startswith("dledger-") and os.path.isdir(os.path.join(root, n)))
-    hint = f"; this store has {', '.join(others)}" if others else ""
-    what = "no data/ in it" if os.path.isdir(home) else "no such directory"
-    return (f"{data}: {what}: store.dLegerSelfId {store.d_leger_self_id!r} under store.storePathRootDir does not "
-            f"locate a DLedger CommitLog{hint}")
-
+    others = sorted(n for n in os.listdir(root)
+                    if n.startswith("dledger-") and os.path.isdir(os.path.join(root, n, "data")))
+    hint = f"; this store has {', '.join(f'{n}/data' for n in others)}" if others else ""
+    held = (f"names {home}, which holds no data/" if os.path.isdir(home) else
+            f"under {root} locates no DLedger CommitLog")
+    return f"{data}: no such directory: store.dLegerSelfId {store.d_leger_self_id!r} {held}{hint}"
 
 __all__ = ["commit_log_path", "enabled", "input_problem", "open_commit_log", "reput_offset"]
