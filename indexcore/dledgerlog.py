@@ -94,7 +94,7 @@ class DLedgerLog(CommitLog):
 
     def _update_committed(self) -> None:
         self._stamp = self._checkpoint_stamp()
-        self.committed = committed_position(self.root, self.self_id, self.segment_size)
+        self.committed = committed_position(self.root, self.self_id, self.segment_size, self.committed)
         self.read_limit = max(self.committed.position, self.divided_offset) if self._has_dledger else self._old_end
 
     def decode_flags(self, offset: int) -> int:
