@@ -365,3 +365,28 @@ def test_damaged_data_never_crashes_the_decoder(tmp_path_factory, flips, batch):
         assert "\n" not in str(res.error)
     assert set(got) <= {p + 48 for p in positions}
     assert got == sorted(got)
+
+
+def test_probe_at_the_committed_position_waits_for_a_commit(tmp_path):
+    """Entries appended but not committed are nothing new for a tailing reader's cheap probe (it would spin
+    on them); a checkpoint that commits more is."""
+    from indexcore.writer import Message
+    from tests.dledger_writer import DLedgerWriter
+
+    w = DLedgerWriter(str(tmp_path), "n0", SEGMENT, commit_on_close=False)
+    for i in range(6):
+        w.append(Message("T", 0, bytes(100), {"KEYS": f"k{i}"}))
+    w.flush()
+    w.commit(2)
+    log = DLedgerLog(str(tmp_path), "n0", SEGMENT)
+    reader = CommitLogReader(log)
+    res = reader.read(0)
+    assert len(res.batch) == 3
+    assert reader.read(res.next_offset).status is ReadStatus.END
+    assert not reader.probe(res.next_offset)
+    os.utime(tmp_path / "dledger-n0" / "checkpoint", ns=(0, 0))
+    w.commit()
+    assert reader.probe(res.next_offset)
+    assert len(reader.read(res.next_offset).batch) == 3
+    reader.close()
+    w.close()
