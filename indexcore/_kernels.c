@@ -62,6 +62,17 @@
 #define BORNHOST_V6_FLAG 0x10
 #define STOREHOSTADDRESS_V6_FLAG 0x20
 
+/* DLedger entry layout (dledger.py): with DLEDGER_ENTRIES every record sits in an entry of a 48-byte header
+ * (magic 1, size, index, term, pos, channel, chainCrc, bodyCrc, bodyLen) and a file ends with the DLedger
+ * BLANK `int -1, int bytes left`, magic first */
+#define DLEDGER_MAGIC 1
+#define DLEDGER_BLANK_MAGIC (-1)
+#define DLEDGER_BLANK_LENGTH 8
+#define DLEDGER_SIZE_OFFSET 4
+#define DLEDGER_POS_OFFSET 24
+#define DLEDGER_BODY_LENGTH_OFFSET 44
+#define DLEDGER_HEADER_SIZE 48
+
 #define NAME_VALUE_SEPARATOR 0x01
 #define PROPERTY_SEPARATOR 0x02
 #define KEY_SEPARATOR 0x20
@@ -96,12 +107,15 @@ enum { STOP_LIMIT, STOP_BLANK, STOP_END, STOP_ERROR, STOP_FULL };
 enum {
     ERR_NO_BLANK = 1, ERR_BLANK_SIZE, ERR_MAGIC, ERR_TOTAL_SMALL, ERR_TOTAL_MAX, ERR_TOTAL_PAST,
     ERR_PHYSICAL_OFFSET, ERR_BODY_LENGTH, ERR_BODY_CRC, ERR_TOPIC_LENGTH_END, ERR_TOPIC_LENGTH,
-    ERR_PROPERTIES_LENGTH, ERR_PARTS, ERR_FIXED_PART, ERR_MULTI_NO_PROPERTIES, ERR_MULTI_QUEUE_OFFSET
+    ERR_PROPERTIES_LENGTH, ERR_PARTS, ERR_FIXED_PART, ERR_MULTI_NO_PROPERTIES, ERR_MULTI_QUEUE_OFFSET,
+    /* DLedger entry headers (dledger.py ENTRY_ERRORS) */
+    ERR_ENTRY_NO_BLANK, ERR_ENTRY_BLANK_SIZE, ERR_ENTRY_MAGIC, ERR_ENTRY_SIZE, ERR_ENTRY_POS, ERR_ENTRY_BODY_LENGTH,
+    ERR_ENTRY_TOTAL_SIZE
 };
 /* why a multi-dispatch queue offset is refused (e2 of ERR_MULTI_QUEUE_OFFSET) */
 enum { OFFSET_NOT_A_NUMBER, OFFSET_NEGATIVE, OFFSET_TOO_LARGE };
 /* the decode_window flags argument */
-enum { MULTI_DISPATCH = 1, MULTI_DISPATCH_LMQ = 2 };
+enum { MULTI_DISPATCH = 1, MULTI_DISPATCH_LMQ = 2, DLEDGER_ENTRIES = 4 };
 /* R_MULTI: what multi-dispatch made of a record */
 enum { MULTI_NONE, MULTI_DISPATCHED, MULTI_COUNT_MISMATCH };
 /* which output is full (bits of e1 with STOP_FULL) */
@@ -441,15 +455,44 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
     const int multi = (multi_flags & MULTI_DISPATCH) != 0, lmq = (multi_flags & MULTI_DISPATCH_LMQ) != 0;
     const uint8_t *buf = o->buf;
     Result r = {STOP_LIMIT, start, 0, 0, 0, 0};
-    int64_t pos = start;
+    const int dledger = (multi_flags & DLEDGER_ENTRIES) != 0;
+    int64_t pos = start, entry = start, entry_size = 0;  /* entry: where the record, or its DLedger entry, starts */
 #define FAIL(code, a, b_) do { r.stop = STOP_ERROR; r.err = (code); r.e1 = (a); r.e2 = (b_); goto done; } while (0)
     while (pos < stop_at) {
+        if (dledger) {  /* DLedgerCommitLog.checkMessageAndReturnSize: the entry header, then the message at +48 */
+            if (pos + DLEDGER_BLANK_LENGTH > file_size) FAIL(ERR_ENTRY_NO_BLANK, 0, 0);
+            int64_t entry_magic = be32(buf + pos);
+            entry_size = be32(buf + pos + DLEDGER_SIZE_OFFSET);
+            if (entry_magic == DLEDGER_BLANK_MAGIC) {
+                if (entry_size != file_size - pos) FAIL(ERR_ENTRY_BLANK_SIZE, entry_size, file_size - pos);
+                r.stop = STOP_BLANK;
+                goto done;
+            }
+            if (entry_magic == 0 && entry_size == 0) {
+                r.stop = STOP_END;
+                goto done;
+            }
+            if (entry_magic != DLEDGER_MAGIC) FAIL(ERR_ENTRY_MAGIC, entry_magic, 0);
+            if (entry_size < DLEDGER_HEADER_SIZE + MIN_RECORD_SIZE || entry_size > file_size - pos)
+                FAIL(ERR_ENTRY_SIZE, entry_size, file_size - pos);
+            int64_t entry_pos = be64(buf + pos + DLEDGER_POS_OFFSET);
+            if (entry_pos != base + pos) FAIL(ERR_ENTRY_POS, entry_pos, base + pos);
+            int64_t entry_body = be32(buf + pos + DLEDGER_BODY_LENGTH_OFFSET);
+            if (entry_body != entry_size - DLEDGER_HEADER_SIZE)
+                FAIL(ERR_ENTRY_BODY_LENGTH, entry_body, entry_size - DLEDGER_HEADER_SIZE);
+            pos += DLEDGER_HEADER_SIZE;
+        }
         if (pos + END_FILE_MIN_BLANK_LENGTH > file_size) FAIL(ERR_NO_BLANK, 0, 0);
         const uint8_t *at = buf + pos;
         int64_t total = be32(at);
         int64_t magic = be32(at + MAGIC_CODE_OFFSET);
+        if (dledger && (magic == MESSAGE_MAGIC_CODE || magic == MESSAGE_MAGIC_CODE_V2)
+            && total != entry_size - DLEDGER_HEADER_SIZE)
+            FAIL(ERR_ENTRY_TOTAL_SIZE, total, entry_size - DLEDGER_HEADER_SIZE);
         if (magic != MESSAGE_MAGIC_CODE && magic != MESSAGE_MAGIC_CODE_V2) {
-            if (magic == BLANK_MAGIC_CODE) {
+            if (dledger) {
+                FAIL(ERR_MAGIC, magic, 0);  /* inside a whole entry: neither the end nor a BLANK */
+            } else if (magic == BLANK_MAGIC_CODE) {
                 if (total != file_size - pos) FAIL(ERR_BLANK_SIZE, total, file_size - pos);
                 r.stop = STOP_BLANK;
             } else if (total == 0) {
@@ -626,10 +669,11 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
 #undef ROW
         o->n++;
         pos = end;
+        entry = pos;
     }
 done:
 #undef FAIL
-    r.pos = pos;
+    r.pos = entry;
     return r;
 }
 
@@ -1176,7 +1220,11 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         {"ERR_MULTI_NO_PROPERTIES", ERR_MULTI_NO_PROPERTIES}, {"ERR_MULTI_QUEUE_OFFSET", ERR_MULTI_QUEUE_OFFSET},
         {"OFFSET_NOT_A_NUMBER", OFFSET_NOT_A_NUMBER}, {"OFFSET_NEGATIVE", OFFSET_NEGATIVE},
         {"OFFSET_TOO_LARGE", OFFSET_TOO_LARGE}, {"MULTI_DISPATCH", MULTI_DISPATCH},
-        {"MULTI_DISPATCH_LMQ", MULTI_DISPATCH_LMQ}, {"MULTI_NONE", MULTI_NONE}, {"MULTI_DISPATCHED", MULTI_DISPATCHED},
+        {"MULTI_DISPATCH_LMQ", MULTI_DISPATCH_LMQ}, {"DLEDGER_ENTRIES", DLEDGER_ENTRIES},
+        {"ERR_ENTRY_NO_BLANK", ERR_ENTRY_NO_BLANK}, {"ERR_ENTRY_BLANK_SIZE", ERR_ENTRY_BLANK_SIZE},
+        {"ERR_ENTRY_MAGIC", ERR_ENTRY_MAGIC}, {"ERR_ENTRY_SIZE", ERR_ENTRY_SIZE}, {"ERR_ENTRY_POS", ERR_ENTRY_POS},
+        {"ERR_ENTRY_BODY_LENGTH", ERR_ENTRY_BODY_LENGTH}, {"ERR_ENTRY_TOTAL_SIZE", ERR_ENTRY_TOTAL_SIZE},
+        {"DLEDGER_HEADER_SIZE", DLEDGER_HEADER_SIZE}, {"MULTI_NONE", MULTI_NONE}, {"MULTI_DISPATCHED", MULTI_DISPATCHED},
         {"MULTI_COUNT_MISMATCH", MULTI_COUNT_MISMATCH}, {"R_MULTI", R_MULTI}, {"M_OWNER", M_OWNER},
         {"M_TOPIC_ID", M_TOPIC_ID}, {"M_QUEUE_ID", M_QUEUE_ID}, {"M_QUEUE_OFFSET", M_QUEUE_OFFSET},
         {"MULTI_COLUMNS", MULTI_COLUMNS}, {"T_ROLE", T_ROLE}, {"ROLE_TOPIC", ROLE_TOPIC},

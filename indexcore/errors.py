@@ -8,11 +8,13 @@ from __future__ import annotations
 
 # Every field a CorruptRecordError can name (its `field`): the CommitLog record fields a reader checks, and
 # `properties.DELAY` for a delay level that is not a number, and the two LMQ multi-dispatch properties
-# (`indexcore.multidispatch`). Metrics count corruption by these names.
+# (`indexcore.multidispatch`), and the DLedger entry header's. Metrics count corruption by these names.
 CORRUPT_RECORD_FIELDS = (
     "total_size", "magic_code", "body_crc", "body_length", "physical_offset", "topic_length", "topic",
     "properties_length", "properties", "properties.DELAY", "properties.INNER_MULTI_DISPATCH",
     "properties.INNER_MULTI_QUEUE_OFFSET",
+    # a DLedger entry header (indexcore/dledger.py ENTRY_FIELDS)
+    "entry.magic", "entry.size", "entry.pos", "entry.body_length",
 )
 
 

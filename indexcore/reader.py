@@ -66,6 +66,7 @@ from indexcore.commitlog import (
     record_error,
 )
 from indexcore.dispatch import DelayLevelTable, DispatchBatch, StringColumn, delay_tags_code, parse_java_int
+from indexcore.dledger import DLEDGER_ENTRIES, ENTRY_ERRORS, ENTRY_HEADER_SIZE, entry_error
 from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreLayoutError
 from indexcore.mappedfile import list_queue_files, offset_to_file_name
 from indexcore.multidispatch import MULTI_COUNT_MISMATCH, check_queue_name, multi_dispatch_error
@@ -97,7 +98,8 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
     buffers; the batch owns copies of what it needs. `multi_flags` (`multidispatch.multi_dispatch_flags`)
     makes the batch carry the multi-dispatch targets. `names`, when given, keeps the topics and queue names
     found safe from one window to the next (a store with thousands of LMQ queues meets each in every
-    window); a name is only ever added once checked.
+    window); a name is only ever added once checked. With `dledger.DLEDGER_ENTRIES` in `multi_flags` the
+    segment is a DLedger data file: positions are entry positions, the records' offsets entry pos + 48.
     """
     base = segment_offset
     w = decode_window(buf, start, min(segment_size, start + max_bytes), segment_size, base, max_message_size,
@@ -106,8 +108,12 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
     n, stop, end = rec.shape[1], w.stop, w.position
     error = None
     if stop == STOP_ERROR:
-        error = record_error(w.error, *w.details) if w.error in RECORD_ERRORS else multi_dispatch_error(
-            w.error, *w.details)
+        if w.error in RECORD_ERRORS:
+            error = record_error(w.error, *w.details)
+        elif w.error in ENTRY_ERRORS:
+            error = entry_error(w.error, *w.details)
+        else:
+            error = multi_dispatch_error(w.error, *w.details)
     topics: list[str] = []
     for at, length, first, role in w.topics[:, [T_AT, T_LEN, T_FIRST, T_ROLE]].tolist():  # first appearance
         if first >= rec.shape[1]:  # met in a record the kernel did not take
@@ -144,8 +150,8 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
             code = delay_tags_code(level, int(rec[R_STORE_TIMESTAMP, i]), delay_table)
             if code is not None:
                 tags_code[i] = code
-    if n < rec.shape[1]:
-        end = int(rec[R_PHY, n]) - base
+    if n < rec.shape[1]:  # the record's start, or its DLedger entry's
+        end = int(rec[R_PHY, n]) - base - (ENTRY_HEADER_SIZE if multi_flags & DLEDGER_ENTRIES else 0)
     if error is not None:
         error = error.located(None, base + end)
     rec = rec[:, :n]
@@ -195,6 +201,17 @@ class CommitLog:
         self._by_start: dict[int, str] = {}
         self.short_newest: tuple[str, int] | None = None
         self.refresh()
+
+    # where a reader stops: None, or a DLedger log's committed position (dledgerlog.py)
+    read_limit: int | None = None
+
+    def decode_flags(self, offset: int) -> int:
+        """The decode flags of the segment holding `offset`: 0, or DLEDGER_ENTRIES in a DLedger log."""
+        return 0
+
+    def at_end(self, result: ReadResult) -> ReadResult:
+        """What an END read means for this log (a DLedger log checks it against its committed position)."""
+        return result
 
     def refresh(self) -> list[tuple[int, str]]:
         """Rescan the directories: segment files appear at the head and vanish at the tail."""
@@ -358,6 +375,10 @@ class CommitLogReader:
         """Whether a read at `offset` may find something new: a cheap look at the TOTALSIZE there in the
         segment already mapped, for tailing a CommitLog that a broker writes through its own mapping
         (which raises no file-system event). True whenever it cannot tell without a full read."""
+        limit = self.commit_log.read_limit
+        if limit is not None and offset >= limit:  # a DLedger log: new only once more is committed
+            at_limit = ReadResult(DispatchBatch.empty(offset), offset, ReadStatus.END)
+            return self.commit_log.at_end(at_limit).status is not ReadStatus.END
         path = self.commit_log.find_segment(offset)
         if path is None:
             return False  # no segment yet: a file event or the periodic verified read finds it
@@ -405,20 +426,25 @@ class CommitLogReader:
         if mm is None:
             return ReadResult(empty, offset, ReadStatus.END)
         seg_start = log.segment_start(offset)
+        limit, flags = log.read_limit, self.multi_flags | log.decode_flags(offset)
+        if limit is not None and offset >= limit:  # a DLedger log: nothing committed there yet
+            return log.at_end(ReadResult(empty, offset, ReadStatus.END))
         result = decode_segment(mm, offset - seg_start, segment_offset=seg_start, segment_size=size,
-                                max_bytes=self.batch_bytes, check_crc=self.check_crc,
+                                max_bytes=self.batch_bytes if limit is None else min(self.batch_bytes, limit - offset),
+                                check_crc=self.check_crc,
                                 max_message_size=self.max_message_size, delay_table=self.delay_table,
-                                scratch=self._scratch, multi_flags=self.multi_flags, names=self._names)
+                                scratch=self._scratch, multi_flags=flags, names=self._names)
         _release(mm, offset - seg_start, result.position)
 
         def decode_again() -> SegmentDecode:
             return decode_segment(mm, result.position, segment_offset=seg_start, segment_size=size, max_bytes=1,
                                   check_crc=self.check_crc, max_message_size=self.max_message_size,
                                   delay_table=self.delay_table, scratch=self._scratch,
-                                  multi_flags=self.multi_flags, names=self._names)
+                                  multi_flags=flags, names=self._names)
 
-        return read_result(result, mm, seg_start, size, path, self.max_message_size,
-                           (lambda: self._written_successor(offset)) if verify_end else None, decode_again)
+        res = read_result(result, mm, seg_start, size, path, self.max_message_size,
+                          (lambda: self._written_successor(offset)) if verify_end else None, decode_again)
+        return log.at_end(res) if res.status is ReadStatus.END else res
 
     def _written_successor(self, offset: int) -> bool:
         """Whether data exists past this segment, looking again at the directory first: a successor

@@ -4,7 +4,8 @@ Stores are read from `../shared/conformance/` and, next to it, `../shared/confor
 features added later, such as LMQ multi-dispatch). `REPUTD_CONFORMANCE_DIR` replaces the first with one
 or more directories (separated by `os.pathsep`); a `-next` sibling of each is read too when it exists.
 Every store is rebuilt with the settings its own manifest gives (`store_config`), so a store written with
-other settings (LMQ on, say) needs nothing but its folder.
+other settings (LMQ on, say) needs nothing but its folder. A store written in DLedger CommitLog mode has no
+`commitlog/`: its messages are in `store/dledger-<selfId>/data/`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ class ConformanceStore:
     def store(self) -> Path:
         return self.path / "store"
 
+    @property
+    def is_dledger(self) -> bool:
+        return bool(self.store_settings().get("enableDLegerCommitLog"))
+
+    @property
+    def log_dir(self) -> str:
+        """Where the messages are, relative to the store root: `commitlog`, or the DLedger data directory."""
+        if self.is_dledger:
+            return f"dledger-{self.store_settings()['dLegerSelfId']}/data"
+        return "commitlog"
+
+    def segment_path(self, root: Path, offset: int) -> Path:
+        """The CommitLog (or DLedger data) file of `root`, a workspace store root, holding store offset `offset`
+        (a record's offset: a DLedger entry starts 48 bytes before it, in the same file)."""
+        size = self.store_settings()["mappedFileSizeCommitLog"]
+        return root / self.log_dir / f"{offset - offset % size:020d}"
+
     def store_settings(self) -> dict:
         """The broker's whole MessageStoreConfig as the manifest gives it, paths left out: reputd takes a
         block copied from broker.conf as it is."""
@@ -54,11 +72,14 @@ class ConformanceStore:
         return {k: v for k, v in merged.items() if k not in _PATH_KEYS}
 
     def make_workspace(self, tmp: Path) -> Path:
-        """A store root holding a copy of the CommitLog only, and a config to rebuild it."""
+        """A store root holding a copy of the CommitLog only (in DLedger mode the `dledger-<selfId>/` directory:
+        its data files, checkpoint and the index file as stored, truncated), and a config to rebuild it."""
         root = tmp / "store"
-        shutil.copytree(self.store / "commitlog", root / "commitlog")
-        for p in (root / "commitlog").iterdir():
-            p.chmod(0o644)
+        for name in ("commitlog", *(d.name for d in sorted(self.store.glob("dledger-*")) if d.is_dir())):
+            if (self.store / name).is_dir():
+                shutil.copytree(self.store / name, root / name)
+                for p in (root / name).rglob("*"):
+                    p.chmod(0o755 if p.is_dir() else 0o644)
         config = {"store": {"storePathRootDir": str(root), **self.store_settings()},
                   "logging": {"level": "warning"}}
         path = tmp / "reputd.yaml"
@@ -66,11 +87,30 @@ class ConformanceStore:
         return path
 
 
+def store_writer(store: ConformanceStore, root: Path, **kw):
+    """A writer appending to the workspace store `root` of `store` as its broker would: a CommitLogWriter on
+    `commitlog/`, or in DLedger mode a DLedgerWriter (tests/dledger_writer.py) committing what it wrote."""
+    from indexcore.writer import CommitLogWriter
+
+    settings = store.store_settings()
+    if store.is_dledger:
+        from tests.dledger_writer import DLedgerWriter
+
+        return DLedgerWriter(str(root), settings["dLegerSelfId"], settings["mappedFileSizeCommitLog"], **kw)
+    return CommitLogWriter(str(root / "commitlog"), settings["mappedFileSizeCommitLog"], **kw)
+
+
+def has_log(store: Path) -> bool:
+    """Whether a store root holds messages: `commitlog/`, or a DLedger data directory `dledger-*/data/`."""
+    return (store / "commitlog").is_dir() or any(d.is_dir() for d in store.glob("dledger-*/data"))
+
+
 def discover() -> list[ConformanceStore]:
-    """Every store (a folder with manifest.json and store/commitlog) under `conformance_roots()`, named by
-    its folder (prefixed with the root's name when two roots hold the same name)."""
+    """Every store (a folder with manifest.json and store/commitlog or store/dledger-*/data) under
+    `conformance_roots()`, named by its folder (prefixed with the root's name when two roots hold the same
+    name)."""
     found = [(root, d) for root in conformance_roots() for d in sorted(root.iterdir())
-             if (d / "manifest.json").is_file() and (d / "store" / "commitlog").is_dir()]
+             if (d / "manifest.json").is_file() and has_log(d / "store")]
     names = [d.name for _, d in found]
     return [ConformanceStore(d.name if names.count(d.name) == 1 else f"{root.name}/{d.name}", d,
                              json.loads((d / "manifest.json").read_text())) for root, d in found]

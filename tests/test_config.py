@@ -452,7 +452,7 @@ def test_broker_runtime_store_keys_are_accepted_and_ignored(tmp_path):
     assert config.store.max_hash_slot_num == 97
 
 
-@pytest.mark.parametrize(("key", "value"), [("enableConsumeQueueExt", "true"), ("enableDLegerCommitLog", "true"),
+@pytest.mark.parametrize(("key", "value"), [("enableConsumeQueueExt", "true"),
                                             ("readOnlyCommitLogStorePaths", "/ro/commitlog")])
 def test_unsupported_broker_settings_are_refused(tmp_path, key, value):
     """Settings that change what the broker writes are refused unless at their default, naming the key."""

@@ -25,6 +25,7 @@ from daemon.ops.metrics import (
     SkipReason,
 )
 from indexcore.commitlog import RECORD_ERRORS
+from indexcore.dledger import ENTRY_ERRORS
 from indexcore.errors import CORRUPT_RECORD_FIELDS, CorruptRecordError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -147,9 +148,10 @@ def test_no_label_value_is_a_string_literal_at_a_call_site():
 def test_every_corrupt_record_field_raised_is_declared():
     """`reputd_corrupt_records_total{reason}` is the error's field: each field a CorruptRecordError is made
     with anywhere (literal or from the record error table) is in CORRUPT_RECORD_FIELDS, and no other."""
-    raised = {field for field, _ in RECORD_ERRORS.values()}
+    raised = {field for field, _ in (*RECORD_ERRORS.values(), *ENTRY_ERRORS.values())}
     for path in _python_files("indexcore", "daemon"):
-        for call in _calls(ast.parse(path.read_text(), str(path)), "CorruptRecordError"):
+        tree = ast.parse(path.read_text(), str(path))
+        for call in [*_calls(tree, "CorruptRecordError"), *_calls(tree, "CorruptEntryHeaderError")]:
             if call.args and isinstance(call.args[0], ast.Constant):
                 raised.add(call.args[0].value)
             elif call.args and isinstance(call.args[0], ast.Name):  # a module constant naming the field

@@ -142,7 +142,13 @@ def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool
 
     store = config.store
     root = store.store_path_root_dir
-    if commit_log:
+    if store.enable_d_leger_commit_log:  # settings that locate no DLedger log: a usage error, for queries too
+        from daemon.engine.dledgermode import input_problem
+
+        problem = input_problem(store, "--store" if getattr(args, "store", None) else "store.storePathRootDir")
+        if problem:
+            raise UsageError(problem)
+    elif commit_log:
         for d in store.commit_log_dirs:
             if os.path.isdir(d):
                 continue
@@ -312,9 +318,9 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
 def _check_record_boundaries(config: Config, offsets: dict[str, int | None]) -> None:
     """Each given offset must be a record boundary of the CommitLog (UsageError naming the nearest ones),
     found before anything starts rather than by the job that would stop there."""
-    from indexcore.reader import CommitLog
+    from daemon.engine.dledgermode import open_commit_log
 
-    log = CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
+    log = open_commit_log(config.store)
     for option, offset in offsets.items():
         if offset is None:
             continue

@@ -43,9 +43,15 @@ def cmd_handoff(args, config: Config) -> int:
     from daemon.ops.logs import configure_logging
 
     root = config.store.store_path_root_dir
-    for d in config.store.commit_log_dirs:
+    for d in () if config.store.enable_d_leger_commit_log else config.store.commit_log_dirs:
         if not os.path.isdir(d):
             raise UsageError(f"{d}: no CommitLog directory (store.storePathCommitLog / --store); nothing was changed")
+    if config.store.enable_d_leger_commit_log:
+        from daemon.engine.dledgermode import input_problem
+
+        problem = input_problem(config.store)
+        if problem:
+            raise UsageError(f"{problem}; nothing was changed")
     if broker_lock_held(root):
         raise UsageError(f"{os.path.join(root, 'lock')} is held: the broker is running; stop it first (handoff "
                          "prepares the files for its next start); nothing was changed")

@@ -17,32 +17,23 @@ import mmap
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.commands.inspection import Inspection, _limited, _where_it_stopped
 from daemon.config import Config
 from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint
 from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
-from indexcore.commitlog import RECORD_PREFIX, MessageRecord
+from indexcore.commitlog import MessageRecord
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, CQ_UNIT_SIZE, ConsumeQueueUnit
 from indexcore.dispatch import DelayLevelTable
 from indexcore.errors import CorruptEntryError, StoreLayoutError
 from indexcore.indexfile import FIRST_INDEX, IndexFile, IndexHeader, header_fault, index_file_size
-from indexcore.reader import DEFAULT_BATCH_BYTES, Stop, at_written_end, decode_segment
+from indexcore.reader import DEFAULT_BATCH_BYTES, Stop, decode_segment
 
 _QUEUE_FILE_NAME = re.compile(r"\d{20}")
 _INDEX_FILE_NAME = re.compile(r"\d{17}")
 _WORD = re.compile(r"_([a-z0-9])")
-
-
-@dataclass
-class Inspection:
-    """A file's header fields and a stream of its entries; `trailer` is filled once the stream ends."""
-
-    header: dict
-    rows: Iterator[dict]
-    trailer: dict = field(default_factory=dict)
 
 
 def camel(name: str) -> str:
@@ -78,8 +69,17 @@ def file_kind(path: str) -> str:
 def inspect_path(path: str, config: Config, *, limit: int | None = None, hash_slot_num: int | None = None,
                  index_num: int | None = None) -> Inspection:
     """Inspect the file at `path`, of whatever kind its name says (`file_kind`)."""
-    kind = file_kind(path)
+    from daemon.commands import inspect_dledger  # noqa: PLC0415 - DLedger CommitLog files (dledger-<selfId>/)
+
     store = config.store
+    kind = inspect_dledger.dledger_kind(path) or file_kind(path)
+    if kind == "dledger-data":
+        return inspect_dledger.inspect_dledger_data(path, limit, DelayLevelTable(store.message_delay_level),
+                                                    store.max_message_size, store.mapped_file_size_commit_log)
+    if kind == "dledger-index":
+        return inspect_dledger.inspect_dledger_index(path, limit)
+    if kind == "dledger-checkpoint":
+        return inspect_dledger.inspect_dledger_checkpoint(path)
     if kind == "commitlog":
         return inspect_commitlog(path, limit, DelayLevelTable(store.message_delay_level), store.max_message_size)
     if kind == "consumequeue":
@@ -90,26 +90,6 @@ def inspect_path(path: str, config: Config, *, limit: int | None = None, hash_sl
     if kind == "reputd-checkpoint":
         return inspect_reputd_checkpoint(path)
     return inspect_checkpoint(path)
-
-
-def _limited(rows: Iterator[dict], limit: int | None) -> Iterator[dict]:
-    for i, row in enumerate(rows):
-        if limit is not None and i >= limit:
-            return
-        yield row
-
-
-def _has_written_successor(path: str, base: int) -> bool:
-    """Whether a later segment in the same directory holds data (a broker pre-creates its next segment,
-    all zeros, before it needs it: that one does not count)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    for name in os.listdir(directory):
-        if _QUEUE_FILE_NAME.fullmatch(name) and int(name) > base:
-            with open(os.path.join(directory, name), "rb") as f:
-                head = f.read(RECORD_PREFIX.size)
-            if len(head) == RECORD_PREFIX.size and RECORD_PREFIX.unpack(head)[0] != 0:
-                return True
-    return False
 
 
 def inspect_commitlog(path: str, limit: int | None, delay_table: DelayLevelTable,
@@ -141,28 +121,6 @@ def inspect_commitlog(path: str, limit: int | None, delay_table: DelayLevelTable
 
     out.rows = _limited(rows(), limit)
     return out
-
-
-def _where_it_stopped(mm, path: str, base: int, size: int, max_message_size: int, result) -> dict:
-    pos = result.position
-    trailer: dict = {"stoppedAt": base + pos}
-    if result.stop is Stop.BLANK:
-        trailer["stop"] = "blank"
-        return trailer
-    bad = result.stop is Stop.ERROR
-    successor = _has_written_successor(path, base)
-    if not successor and at_written_end(mm, pos, size, max_message_size, bad_record=bad):
-        trailer["stop"] = "end of written data"
-        if bad:
-            trailer["incompleteRecord"] = f"still being written: {result.error.located(path, base + pos)}"
-        return trailer
-    trailer["stop"] = "corrupt"
-    if bad:
-        trailer["error"] = str(result.error.located(path, base + pos))
-    else:
-        where = "before the end of a segment that has a successor" if successor else "with data after it"
-        trailer["error"] = f"{path} @ offset {base + pos}: zero TOTALSIZE {where}"
-    return trailer
 
 
 def inspect_consumequeue(path: str, limit: int | None) -> Inspection:

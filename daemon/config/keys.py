@@ -138,6 +138,10 @@ _KEY_LIST = (
     _Key("store", "enableLmq", "bool"),
     _Key("store", "maxTransferBytesOnMessageInMemory", "int", (_java_int(1),)),
     _Key("store", "maxTransferCountOnMessageInMemory", "int", (_java_int(1),)),
+    _Key("store", "enableDLegerCommitLog", "bool"),
+    _Key("store", "dLegerSelfId", "str"),
+    _Key("store", "dLegerGroup", "str"),
+    _Key("store", "dLegerPeers", "str"),
     _Key("output", "dir", "path"),
     _Key("reput", "pollIntervalMs", "int", (_in_range(1),)),
     _Key("reput", "batchBytes", "int", (_in_range(1),)),
@@ -168,8 +172,8 @@ _DISPATCHERS_ENV = env_var_name(_DISPATCHERS_SECTION)
 BROKER_RUNTIME_STORE_KEYS = frozenset({
     "accessMessageInMemoryMaxRatio", "autoMessageVersionOnTopicLen", "bitMapLengthConsumeQueueExt", "brokerRole",
     "cleanFileForciblyEnable", "commitCommitLogLeastPages",
-    "commitCommitLogThoroughInterval", "commitIntervalCommitLog", "dLegerGroup", "dLegerPeers", "dLegerSelfId",
-    "debugLockEnable", "defaultQueryMaxNum", "deleteCommitLogFilesInterval",
+    "commitCommitLogThoroughInterval", "commitIntervalCommitLog", "debugLockEnable", "defaultQueryMaxNum",
+    "deleteCommitLogFilesInterval",
     "deleteWhen", "destroyMapedFileIntervalForcibly", "diskFallRecorded", "diskMaxUsedSpaceRatio",
     "duplicationEnable", "enableBatchPush", "enableScheduleAsyncDeliver", "enableScheduleMessageStats",
     "enabledAppendPropCRC", "fastFailIfNoBufferInStorePool", "fileReservedTime", "flushCommitLogLeastPages",
@@ -188,15 +192,16 @@ BROKER_RUNTIME_STORE_KEYS = frozenset({
 # accepted only at these (default) values, so they can never silently give different files.
 UNSUPPORTED_STORE_SETTINGS: dict[str, Any] = {
     "enableConsumeQueueExt": False,
-    "enableDLegerCommitLog": False,
     "readOnlyCommitLogStorePaths": None,
 }
 _UNSUPPORTED_WHY = {
     "enableConsumeQueueExt": "ConsumeQueueExt files are not written by reputd",
-    "enableDLegerCommitLog": "a DLedger CommitLog wraps records in DLedger entries, which reputd does not read",
     "readOnlyCommitLogStorePaths": "list those directories in storePathCommitLog instead",
 }
 
+
+# string keys the broker leaves null by default: `null` in the file reads as unset
+_NULL_AS_EMPTY = frozenset({"dLegerSelfId", "dLegerGroup", "dLegerPeers"})
 
 # Defaults the dataclasses cannot carry because they depend on other values; None means "the store root".
 _DERIVED_DEFAULTS: dict[tuple[str, str], Any] = {

@@ -19,6 +19,7 @@ from daemon.config.keys import (
     _JAVA_INT_MAX,
     _KEY_LIST,
     _KEYS,
+    _NULL_AS_EMPTY,
     _SECTION_CLASSES,
     _STRING_KINDS,
     _Key,
@@ -103,7 +104,8 @@ class _Layers:
                 if key is None:
                     known = [k.name for k in _KEY_LIST if k.section == section]
                     raise _error(f"{section}.{name}", f"unknown key{_suggest(str(name), known)}", origin)
-                self.set(key, value, base_dir, origin)
+                # the DLedger ids broker.conf leaves unset (Java null)
+                self.set(key, "" if value is None and key.name in _NULL_AS_EMPTY else value, base_dir, origin)
 
     def apply_env(self, env: Mapping[str, str], cwd: str) -> None:
         for var in sorted(env):
@@ -175,7 +177,24 @@ class _Layers:
         kwargs["output"]["dir"] = root if self.settings[out_key].value is None else self._path(out_key, root)
         built = {section: cls(**kwargs[section]) for section, cls in _SECTION_CLASSES.items()}
         self._check_index_size(built["store"])
+        self._check_dledger(built["store"])
         return Config(dispatchers=self.dispatchers, source=source, **built)
+
+    def _check_dledger(self, store: StoreConfig) -> None:
+        """DLedger mode needs dLegerSelfId (it names the data directory, dledger-<selfId>), and the node must be
+        one of dLegerPeers (`id-host:port;...`, MemberState) when they are given."""
+        if not store.enable_d_leger_commit_log:
+            return
+        self_key = _KEYS[("store", "dLegerSelfId")]
+        if not store.d_leger_self_id.strip():
+            raise _error(self_key.dotted, "must be set with enableDLegerCommitLog: true (the data path is "
+                                          "<storePathRootDir>/dledger-<dLegerSelfId>/data)",
+                         self.settings[self_key].origin)
+        if store.d_leger_peers.strip():
+            ids = [peer.split("-")[0].strip() for peer in store.d_leger_peers.split(";") if peer.strip()]
+            if store.d_leger_self_id not in ids:
+                raise _error(self_key.dotted, f"{store.d_leger_self_id!r} is not one of the dLegerPeers "
+                                              f"({', '.join(ids) or 'none'})", self.settings[self_key].origin)
 
     def _check_index_size(self, store: StoreConfig) -> None:
         size = index_file_size(store.max_hash_slot_num, store.max_index_num)

@@ -70,6 +70,11 @@ class StoreConfig:
     enable_lmq: bool = False
     max_transfer_bytes_on_message_in_memory: int = 256 * 1024
     max_transfer_count_on_message_in_memory: int = 32
+    # DLedger CommitLog mode (daemon/engine/dledgermode.py): the CommitLog is <root>/dledger-<selfId>/data
+    enable_d_leger_commit_log: bool = False
+    d_leger_self_id: str = ""
+    d_leger_group: str = ""
+    d_leger_peers: str = ""
 
     @property
     def commit_log_dirs(self) -> tuple[str, ...]:

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from daemon.config import Config
+from daemon.engine import dledgermode
 from indexcore.dispatch import DelayLevelTable
 from indexcore.multidispatch import multi_dispatch_flags
 from indexcore.reader import CommitLog, CommitLogReader
 
 
 def open_commit_log(config: Config) -> CommitLog:
-    return CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log)
+    return dledgermode.open_commit_log(config.store)
 
 
 def make_reader(config: Config, log: CommitLog, batch_bytes: int | None = None) -> CommitLogReader:

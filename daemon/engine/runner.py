@@ -27,6 +27,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 
 from daemon.engine.cleaner import Cleaner
+from daemon.engine.dledgermode import commit_log_path
 from daemon.engine.flusher import Flusher
 from daemon.engine.service import (
     EXIT_FAILURE,
@@ -71,7 +72,7 @@ class SessionRunner(ServiceState):
         if metrics_cfg.enabled:
             self.server = MetricsServer(metrics_cfg.host, metrics_cfg.port, self.metrics, self.health, self.progress)
             self.server.start()
-        self._log.info("reputd_started", store=self.config.store.store_path_commit_log, output=self.config.output.dir,
+        self._log.info("reputd_started", store=commit_log_path(self.config.store), output=self.config.output.dir,
                        metrics=f"{metrics_cfg.host}:{metrics_cfg.port}" if metrics_cfg.enabled else None,
                        until_caught_up=self.until_caught_up)
         if self.notifier.enabled:

@@ -12,6 +12,7 @@ import threading
 import time
 
 from daemon.config import Config
+from daemon.engine.dledgermode import commit_log_path
 from daemon.engine.head import (
     oldest_undispatched_timestamp,
     segments_now,
@@ -210,7 +211,7 @@ class ServiceState:
         repair: that is waited out."""
         if not isinstance(error, SizeMismatchError):
             return None
-        dirs = [os.path.abspath(d) for d in self.config.store.commit_log_dirs]
+        dirs = [os.path.abspath(d) for d in (*self.config.store.commit_log_dirs, commit_log_path(self.config.store))]
         path = os.path.abspath(error.path)
         if not any(path.startswith(d + os.sep) for d in dirs):
             return None

@@ -14,6 +14,7 @@ from typing import Any
 
 from daemon.config import Config
 from daemon.engine.dispatchers import Dispatcher
+from daemon.engine.dledgermode import open_commit_log
 from daemon.engine.reading import make_reader
 from daemon.engine.recovery import recover_output
 from daemon.ops.metrics import ReputMetrics
@@ -55,7 +56,7 @@ class Session:
 
 def open_session(config: Config, metrics: ReputMetrics) -> Session:
     """Recover the output (`daemon.engine.recovery`) and open a session of the live loop reading from there."""
-    commit_log = CommitLog(config.store.commit_log_dirs, config.store.mapped_file_size_commit_log, follow=True)
+    commit_log = open_commit_log(config.store, follow=True)
     r = recover_output(config, commit_log, metrics=metrics)
     session = Session(config, config.output.dir, commit_log, make_reader(config, commit_log), r.dispatchers, metrics,
                       dispatched_offset=r.start, flushed_offset=r.start)

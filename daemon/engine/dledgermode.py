@@ -1,0 +1,64 @@
+"""DLedger CommitLog mode (`store.enableDLegerCommitLog: true`): which log a command reads, and the checks on
+the settings that locate it, made before anything is read or written.
+
+In this mode the broker's CommitLog is `<storePathRootDir>/dledger-<dLegerSelfId>/data` (DLedgerConfig, as
+DLedgerCommitLog configures it); `storePathCommitLog` still names the old plain CommitLog of a store switched
+to DLedger, read below dividedCommitlogOffset (indexcore/dledgerlog.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+from daemon.config import StoreConfig
+from indexcore.dledger import data_dir, home_dir
+from indexcore.dledgerlog import DLedgerLog
+from indexcore.reader import CommitLog
+
+
+def enabled(store: StoreConfig) -> bool:
+    return store.enable_d_leger_commit_log
+
+
+def commit_log_path(store: StoreConfig) -> str:
+    """Where the CommitLog a command reads lives, for messages: the DLedger data directory in this mode."""
+    return data_dir(store.store_path_root_dir, store.d_leger_self_id) if enabled(store) else \
+        store.store_path_commit_log
+
+
+def open_commit_log(store: StoreConfig, *, follow: bool = False, committed: bool = True) -> CommitLog:
+    """The CommitLog the broker's reput reads: the plain one, or in DLedger mode the DLedger data files (after
+    the old commitlog/ of a mixed store), stopping at the committed position unless `committed` is False."""
+    if not enabled(store):
+        return CommitLog(store.commit_log_dirs, store.mapped_file_size_commit_log, follow=follow)
+    return DLedgerLog(store.store_path_root_dir, store.d_leger_self_id, store.mapped_file_size_commit_log,
+                      commit_log_dirs=store.commit_log_dirs, follow=follow, committed=committed)
+
+
+def reput_offset(log: CommitLog, offset: int | None) -> int | None:
+    """An offset an operator gives (`--from`, `--to`) as the reput takes it: in a DLedger log reput offsets are
+    entry positions, and a message's store offset (entry pos + 48, what ConsumeQueue units, IndexFiles and
+    msgIds hold) is taken as its entry's position. Anything else is left for the command to refuse."""
+    if offset is None or not isinstance(log, DLedgerLog):
+        return offset
+    return log.entry_start(offset)
+
+
+def input_problem(store: StoreConfig, root_option: str = "store.storePathRootDir") -> str | None:
+    """The one line saying why the DLedger settings do not locate a DLedger log (a usage error), or None;
+    `root_option` is what chose the store root (`--store` or the config key)."""
+    root = store.store_path_root_dir
+    if not os.path.isdir(root):
+        return f"{root}: no such store root directory ({root_option})"
+    home = home_dir(root, store.d_leger_self_id)
+    data = data_dir(root, store.d_leger_self_id)
+    if os.path.isdir(data):
+        return None
+    others = sorted(n for n in os.listdir(root)
+                    if n.startswith("dledger-") and os.path.isdir(os.path.join(root, n, "data")))
+    hint = f"; this store has {', '.join(f'{n}/data' for n in others)}" if others else ""
+    held = (f"names {home}, which holds no data/" if os.path.isdir(home) else
+            f"under {root} locates no DLedger CommitLog")
+    return f"{data}: no such directory: store.dLegerSelfId {store.d_leger_self_id!r} {held}{hint}"
+
+__all__ = ["commit_log_path", "enabled", "input_problem", "open_commit_log", "reput_offset"]
