@@ -39,7 +39,7 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
-from daemon import failpoint
+from daemon import dledgerfence, failpoint
 from daemon.cleaner import Cleaner
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
 from daemon.flusher import Flusher
@@ -573,6 +573,8 @@ class ReputService:
                         self.exit_error = str(cut_short)
                         return Outcome.UNAVAILABLE
                     continue
+                if dledgerfence.truncated(s.dispatchers):  # a new DLedger leader cut what was dispatched
+                    return self._dledger_truncated(s, offset)
                 s.reader.batch_bytes = self.config.reput.batch_bytes  # caught up: back to the configured size
                 self._recovered_from_stall(offset)
                 self._report_caught_up(offset)
@@ -593,6 +595,15 @@ class ReputService:
                 return outcome
             offset = s.dispatched_offset
         return Outcome.STOPPED
+
+    def _dledger_truncated(self, s: Session, offset: int) -> Outcome:
+        """End the session with nothing checkpointed past the cut: the next start repairs the output
+        (`daemon.dledgerfence.repair_truncation`)."""
+        s.poisoned = True
+        self._failure_reason = "DLedger entries already dispatched were cut from the log"
+        self._log.warning("dledger_truncation_found", reput_from_offset=offset,
+                          checkpoint_offset=s.checkpoint_offset, action=RESTARTING)
+        return Outcome.FAILED
 
     def _cut_short(self, s: Session, offset: int | None) -> StoreLayoutError | None:
         """The newest segment (where reading stopped, or with `offset` None anywhere) when it is shorter than
