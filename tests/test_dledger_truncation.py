@@ -196,7 +196,7 @@ def test_a_term_change_without_a_cut_is_not_a_truncation(tmp_path, followed):
 
 
 def test_the_repair_is_counted_and_a_second_start_finds_nothing(tmp_path, followed):
-    root, out, cfg = followed
+    root, _, cfg = followed
     new_leader(root, 2990, 10)
     metrics = ReputMetrics(lambda: None)
     repair = repair_truncation(load_config(str(cfg)), metrics=metrics)
