@@ -194,12 +194,13 @@ class DLedgerFence:
             self._term_start(entry(b).term, entry(b).index)
             a = b
 
-    def still_there(self) -> bool:
-        """Whether the last entry dispatched is in the log as it was; looked at once a CHECK_INTERVAL_S."""
-        now = time.monotonic()
-        if self.last is None or now - self._checked < CHECK_INTERVAL_S:
+    def still_there(self, *, now: bool = False) -> bool:
+        """Whether the last entry dispatched is in the log as it was; looked at once a CHECK_INTERVAL_S, or at
+        once with `now` (the log reads as corrupt where the next entry should be)."""
+        t = time.monotonic()
+        if self.last is None or (not now and t - self._checked < CHECK_INTERVAL_S):
             return True
-        self._checked = now
+        self._checked = t
         return self.view.at(self.last.pos) == self.last
 
     def checkpoint_state(self) -> dict | None:
@@ -230,11 +231,11 @@ def parse_state(state: Any) -> tuple[Entry | None, list[list[int]]]:
     return entry, terms
 
 
-def truncated(dispatchers) -> bool:
-    """At the head of a live log: whether the fence finds the last entry dispatched gone (module docstring)."""
+def truncated(dispatchers, *, now: bool = False) -> bool:
+    """Where a read stops: whether the fence finds the last entry dispatched gone (module docstring)."""
     for d in dispatchers:
         if isinstance(d, DLedgerFence):
-            return not d.still_there()
+            return not d.still_there(now=now)
     return False
 
 

@@ -39,7 +39,7 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
-from daemon import dledgerfence, failpoint
+from daemon import dledgerfence, dledgerfollow, failpoint
 from daemon.cleaner import Cleaner
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
 from daemon.flusher import Flusher
@@ -68,6 +68,7 @@ from daemon.metrics import (
 from daemon.rebuild import widen_after_dispatch
 from daemon.sdnotify import USEC_PER_SECOND, Notifier
 from daemon.session import Session, open_session
+from indexcore.dledgerlog import DLedgerLog
 from indexcore.errors import CorruptRecordError, SizeMismatchError, StoreError, StoreLayoutError
 from indexcore.reader import ReadResult, ReadStatus
 
@@ -271,13 +272,16 @@ class ReputService:
         if s is None:
             return None
         offset = s.dispatched_offset
-        segments = segments_now(s.commit_log, offset)
-        end = written_end(s.commit_log, offset, segments)
-        behind_s = 0.0
-        if end > offset:
-            stored = oldest_undispatched_timestamp(s.commit_log, offset, segments)
-            if stored is not None:
-                behind_s = max(0.0, time.time() - stored / MS_PER_SECOND)
+        if isinstance(s.commit_log, DLedgerLog):  # against the committed position (daemon/dledgerfollow.py)
+            end, behind_s = dledgerfollow.lag_end_and_age(s.commit_log, self.config.store, offset)
+        else:
+            segments = segments_now(s.commit_log, offset)
+            end = written_end(s.commit_log, offset, segments)
+            behind_s = 0.0
+            if end > offset:
+                stored = oldest_undispatched_timestamp(s.commit_log, offset, segments)
+                if stored is not None:
+                    behind_s = max(0.0, time.time() - stored / MS_PER_SECOND)
         return Lag(offset, end, s.flushed_offset, max(s.checkpoint_offset, 0),
                    s.checkpoint_written_at, behind_s, s.files("consumequeue"), s.files("index"))
 
@@ -286,8 +290,11 @@ class ReputService:
         if s is None:
             return {}
         offset = s.dispatched_offset
-        return {"reputFromOffset": offset, "checkpointOffset": s.checkpoint_offset,
-                "commitLogMaxOffset": written_end(s.commit_log, offset, segments_now(s.commit_log, offset))}
+        if isinstance(s.commit_log, DLedgerLog):  # the committed position (daemon/dledgerfollow.py)
+            end = max(offset, dledgerfollow.committed_end(s.commit_log, self.config.store))
+        else:
+            end = written_end(s.commit_log, offset, segments_now(s.commit_log, offset))
+        return {"reputFromOffset": offset, "checkpointOffset": s.checkpoint_offset, "commitLogMaxOffset": end}
 
     def _tick(self) -> None:
         """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds."""
@@ -541,6 +548,10 @@ class ReputService:
                     return Outcome.UNAVAILABLE
                 continue
             result = hold_torn_tail(s, offset, result, written)
+            # a new DLedger leader cut what was dispatched: at the head, or where the new entries make no sense
+            if result.status is not ReadStatus.OK and dledgerfence.truncated(
+                    s.dispatchers, now=result.status is not ReadStatus.END):
+                return self._dledger_truncated(s, offset)
             if result.skipped_from is not None:
                 skipped = result.next_offset - result.skipped_from
                 self.metrics.skipped.labels(reason=SkipReason.RETENTION).inc(skipped)
@@ -573,8 +584,6 @@ class ReputService:
                         self.exit_error = str(cut_short)
                         return Outcome.UNAVAILABLE
                     continue
-                if dledgerfence.truncated(s.dispatchers):  # a new DLedger leader cut what was dispatched
-                    return self._dledger_truncated(s, offset)
                 s.reader.batch_bytes = self.config.reput.batch_bytes  # caught up: back to the configured size
                 self._recovered_from_stall(offset)
                 self._report_caught_up(offset)
