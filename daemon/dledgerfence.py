@@ -25,7 +25,9 @@ new one (recovery cuts again, which is idempotent).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,9 @@ from typing import Any
 from daemon.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.config import Config, StoreConfig
 from daemon.logs import get_logger
+from indexcore import _failpoints
 from indexcore.commitlog import MessageRecord
+from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.dledger import (
     ENTRY_HEADER,
     ENTRY_HEADER_SIZE,
@@ -335,6 +339,44 @@ def index_state_at(config: Config, output_dir: str, view: DLedgerLogView, cut: i
     return None
 
 
+def _first_unit(path: str) -> int | None:
+    """The store offset of a ConsumeQueue file's first unit past its blank units; None when it holds none."""
+    chunk = CQ_UNIT_SIZE * 256
+    with open(path, "rb") as f:
+        at = 0
+        while data := os.pread(f.fileno(), chunk, at):
+            for i in range(0, len(data) - CQ_UNIT_SIZE + 1, CQ_UNIT_SIZE):
+                phy, size, _ = CQ_UNIT.unpack_from(data, i)
+                if size != BLANK_UNIT_MSG_SIZE:
+                    return phy if size > 0 else None
+            at += len(data)
+    return None
+
+
+def drop_queues_without_units_below(output_dir: str, cut: int) -> tuple[list[str], int]:
+    """Remove each queue whose first unit (after its blank units) is at or past store offset `cut`: every record
+    it holds was cut, and what recovery's truncation would leave of it is its first file's blank units, which a
+    rebuild of the new log never writes. Done before the repair's checkpoint: a kill redoes it. Returns the
+    queues removed and the number left."""
+    root = os.path.join(output_dir, CONSUME_QUEUE_DIR)
+    dropped, left = [], 0
+    for topic in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        for queue in sorted(os.listdir(os.path.join(root, topic))):
+            directory = os.path.join(root, topic, queue)
+            files = sorted(n for n in os.listdir(directory) if n.isdigit())
+            first = None
+            if files:
+                first = _first_unit(os.path.join(directory, files[0]))
+            if first is not None and first < cut:
+                left += 1
+                continue
+            shutil.rmtree(directory)
+            dropped.append(f"{topic}/{queue}")
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(root, topic))  # only when no queue is left in it
+    return dropped, left
+
+
 def repair_truncation(config: Config, metrics=None, log=None) -> Repair | None:
     """At a start in DLedger mode, before recovery: if the checkpoint's last entry is no longer in the log,
     write a checkpoint at the end of the last entry both logs share, with the dispatchers' states there
@@ -366,13 +408,18 @@ def repair_truncation(config: Config, metrics=None, log=None) -> Repair | None:
     states: dict[str, Any] = {}
     old = checkpoint.dispatchers
     if "consumequeue" in old:
-        states["consumequeue"] = old["consumequeue"]
+        dropped, queues = drop_queues_without_units_below(out, cut + ENTRY_HEADER_SIZE)
+        if dropped:
+            log.info("dledger_queues_removed", queues=dropped, reput_from_offset=cut,
+                     detail="queues whose every record was cut: a rebuild of the new log has none")
+        states["consumequeue"] = {"queues": queues}
     if "index" in old:
         states["index"] = index_state_at(config, out, view, cut + ENTRY_HEADER_SIZE)
     if shared is not None:
         states[FENCE] = {"index": shared.index, "term": shared.term, "pos": shared.pos, "size": shared.size,
                          "terms": [t for t in terms if t[1] <= shared.index]}
     write_checkpoint(out, Checkpoint(cut, states, int(time.time() * 1000)))
+    _failpoints.reached("dledger.after_repair_checkpoint")  # recovery, not done yet, cuts the files next
     repair = Repair(gone, now_there, shared, cut, checkpoint.reput_from_offset)
     log.warning("dledger_truncation_repaired", dispatched_entry=gone.index, dispatched_term=gone.term,
                 dispatched_pos=gone.pos, now_at_pos=None if now_there is None else

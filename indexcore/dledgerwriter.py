@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from indexcore.commitlog import PHYSICAL_OFFSET, PHYSICAL_OFFSET_OFFSET
+from indexcore.commitlog import BLANK_MAGIC_CODE, PHYSICAL_OFFSET, PHYSICAL_OFFSET_OFFSET, RECORD_PREFIX
 from indexcore.dledger import (
     ENTRY_HEADER_SIZE,
     ENTRY_MAGIC,
@@ -101,6 +101,25 @@ class DLedgerLogWriter:
             f.seek(index * INDEX_UNIT_SIZE)
             f.write(bytes(min(end, self.next_index * INDEX_UNIT_SIZE + INDEX_UNIT_SIZE) - index * INDEX_UNIT_SIZE))
         self.pos, self.next_index = pos, index
+
+
+def commitlog_records(directory: str, segment_size: int, start: int = 0, end: int | None = None):
+    """The records of a plain CommitLog directory from record boundary `start` to `end` (bytes of each, in order),
+    for copying its messages into a DLedger log: every segment walked by TOTALSIZE to its BLANK or zeros."""
+    names = sorted(n for n in os.listdir(directory) if n.isdigit())
+    for name in names:
+        seg = int(name)
+        if seg + segment_size <= start:
+            continue
+        with open(os.path.join(directory, name), "rb") as f:
+            data = f.read()
+        at = max(start - seg, 0)
+        while at + 8 <= len(data) and (end is None or seg + at < end):
+            total, magic = RECORD_PREFIX.unpack_from(data, at)
+            if total <= 0 or magic == BLANK_MAGIC_CODE:
+                break
+            yield data[at : at + total]
+            at += total
 
 
 def write_checkpoint(root: str, committed_index: int, end_index: int) -> None:
