@@ -122,6 +122,42 @@ def commitlog_records(directory: str, segment_size: int, start: int = 0, end: in
             at += total
 
 
+def copy_commitlog(directory: str, segment_size: int, home: str, *, term: int = 0, first_offset: int = 0) -> int:
+    """Write the records of the plain CommitLog `directory` as a new DLedger log under `home` (data files of
+    `segment_size` bytes, the index file, a checkpoint committing every entry), in one sequential pass: the
+    same bytes `DLedgerLogWriter.append` writes entry by entry (tests/test_dledger_writer.py), fast enough for a
+    benchmark's millions of messages. Returns the number of entries."""
+    data_dir, index_dir = os.path.join(home, "data"), os.path.join(home, "index")
+    os.makedirs(data_dir, exist_ok=True)
+    os.makedirs(index_dir, exist_ok=True)
+    units = bytearray()
+    index, start, pos = 0, first_offset, first_offset
+    out = open(os.path.join(data_dir, offset_to_file_name(start)), "wb")  # noqa: SIM115 - rolled below
+    try:
+        out.truncate(segment_size)
+        for record in commitlog_records(directory, segment_size):
+            size = ENTRY_HEADER_SIZE + len(record)
+            left = start + segment_size - pos
+            if size + MIN_BLANK_LENGTH > left:
+                out.write(encode_blank(left))
+                out.close()
+                start += segment_size
+                pos = start
+                out = open(os.path.join(data_dir, offset_to_file_name(start)), "wb")  # noqa: SIM115
+                out.truncate(segment_size)
+            out.write(encode_entry(record, index=index, term=term, pos=pos))
+            units += INDEX_UNIT.pack(ENTRY_MAGIC, pos, size, index, term)
+            pos += size
+            index += 1
+    finally:
+        out.close()
+    with open(os.path.join(index_dir, offset_to_file_name(0)), "wb") as f:
+        f.truncate(INDEX_FILE_SIZE)
+        f.write(units)
+    write_checkpoint(home, index - 1, index - 1)
+    return index
+
+
 def write_checkpoint(root: str, committed_index: int, end_index: int) -> None:
     """DLedger's `checkpoint` (IOUtils.properties2String of a Hashtable: this key order)."""
     path = os.path.join(root, "checkpoint")

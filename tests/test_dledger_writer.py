@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from indexcore.dledger import ENTRY_HEADER, ENTRY_HEADER_SIZE, ENTRY_MAGIC
-from indexcore.dledgerwriter import DLedgerLogWriter, commitlog_records
+from indexcore.dledgerwriter import DLedgerLogWriter, commitlog_records, copy_commitlog
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import conformance_roots
 
@@ -95,3 +95,23 @@ def test_a_plain_commitlogs_records_copy_over_with_their_offsets_moved(tmp_path)
         assert int.from_bytes(body[28:36], "big") == pos + ENTRY_HEADER_SIZE
         assert body[:28] + body[36:] == record[:28] + record[36:]
         assert index == records.index(record)
+
+
+def test_copy_commitlog_in_one_pass_writes_what_append_writes(tmp_path):
+    """The benchmark's converter: the same data files, index units and checkpoint as entry-by-entry appends."""
+    clock = iter(range(1_700_000_000_000, 1_800_000_000_000, 7))
+    plain = CommitLogWriter(str(tmp_path / "plain"), 8192, clock=lambda: next(clock))
+    for i in range(400):
+        plain.append(Message(f"T{i % 3}", i % 4, bytes([i % 7]) * (30 + i % 200), {"KEYS": f"k{i} x", "TAGS": "a"}))
+    plain.close()
+    entries = copy_commitlog(str(tmp_path / "plain"), 8192, str(tmp_path / "bulk"))
+    writer = DLedgerLogWriter(str(tmp_path / "one"), 8192)
+    for record in commitlog_records(str(tmp_path / "plain"), 8192):
+        writer.append(record, 0)
+    assert entries == writer.next_index == 400
+    for sub in ("data", "index"):
+        names = sorted(os.listdir(tmp_path / "one" / sub))
+        assert sorted(os.listdir(tmp_path / "bulk" / sub)) == names
+        for name in names:
+            assert (tmp_path / "bulk" / sub / name).read_bytes() == (tmp_path / "one" / sub / name).read_bytes()
+    assert (tmp_path / "bulk" / "checkpoint").read_text() == "committedIndex=399\nendIndex=399\n"
