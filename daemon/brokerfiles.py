@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from daemon.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.config import Config
+from daemon.dledgermode import commit_log_path
 from daemon.rebuild import make_reader, open_commit_log
 from daemon.render import human_time
 from daemon.verify import ABORT_FILE, LOCK_FILE, lock_held
@@ -129,6 +130,10 @@ def checkpoint_times(config: Config, end_offset: int) -> CheckpointTimes:
             offset = result.next_offset
     finally:
         reader.close()
+    if store.enable_d_leger_commit_log:
+        # DLedger mode: no CommitLog flush service runs, and every ConsumeQueue write sets physicMsgTimestamp
+        # too (ConsumeQueue.putMessagePositionInfoWrapper), so it is the last unit's store time (NOTES §9)
+        physic = logics
     index = 0
     for _name, header in index_headers(config.output.dir):
         if header.index_count >= store.max_index_num:
@@ -193,7 +198,7 @@ def write_broker_checkpoint(root: str, checkpoint: StoreCheckpoint) -> None:
 def foreign_owned(config: Config) -> tuple[int, int, list[str]]:
     """The broker's user (the owner of the CommitLog directory) and the files and directories under the
     output's consumequeue/ and index/ owned by someone else: files the broker could not write to."""
-    owner = os.stat(config.store.commit_log_dirs[0])
+    owner = os.stat(commit_log_path(config.store).split(",")[0])
     others = []
     for sub in (CONSUME_QUEUE_DIR, INDEX_DIR):
         top = os.path.join(config.output.dir, sub)

@@ -37,20 +37,30 @@ def open_commit_log(store: StoreConfig, *, follow: bool = False, committed: bool
                commit_log_dirs=store.commit_log_dirs, follow=follow, committed=committed)
 
 
-def input_problem(store: StoreConfig) -> str | None:
-    """The one line saying why the DLedger settings do not locate a DLedger log (a usage error), or None."""
+def reput_offset(log: CommitLog, offset: int | None) -> int | None:
+    """An offset an operator gives (`--from`, `--to`) as the reput takes it: in a DLedger log reput offsets are
+    entry positions, and a message's store offset (entry pos + 48, what ConsumeQueue units, IndexFiles and
+    msgIds hold) is taken as its entry's position. Anything else is left for the command to refuse."""
+    if offset is None or not isinstance(log, DLedgerLog):
+        return offset
+    return log.entry_start(offset)
+
+
+def input_problem(store: StoreConfig, root_option: str = "store.storePathRootDir") -> str | None:
+    """The one line saying why the DLedger settings do not locate a DLedger log (a usage error), or None;
+    `root_option` is what chose the store root (`--store` or the config key)."""
     root = store.store_path_root_dir
     if not os.path.isdir(root):
-        return f"{root}: no such store root directory (store.storePathRootDir)"
+        return f"{root}: no such store root directory ({root_option})"
     home = home_dir(root, store.d_leger_self_id)
     data = data_dir(root, store.d_leger_self_id)
     if os.path.isdir(data):
         return None
-    others = sorted(n for n in os.listdir(root) if n.startswith("dledger-") and os.path.isdir(os.path.join(root, n)))
-    hint = f"; this store has {', '.join(others)}" if others else ""
-    what = "no data/ in it" if os.path.isdir(home) else "no such directory"
-    return (f"{data}: {what}: store.dLegerSelfId {store.d_leger_self_id!r} under store.storePathRootDir does not "
-            f"locate a DLedger CommitLog{hint}")
+    others = sorted(n for n in os.listdir(root)
+                    if n.startswith("dledger-") and os.path.isdir(os.path.join(root, n, "data")))
+    hint = f"; this store has {', '.join(f'{n}/data' for n in others)}" if others else ""
+    held = (f"names {home}, which holds no data/" if os.path.isdir(home) else
+            f"under {root} locates no DLedger CommitLog")
+    return f"{data}: no such directory: store.dLegerSelfId {store.d_leger_self_id!r} {held}{hint}"
 
-
-__all__ = ["commit_log_path", "enabled", "input_problem", "open_commit_log"]
+__all__ = ["commit_log_path", "enabled", "input_problem", "open_commit_log", "reput_offset"]

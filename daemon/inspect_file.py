@@ -78,8 +78,17 @@ def file_kind(path: str) -> str:
 def inspect_path(path: str, config: Config, *, limit: int | None = None, hash_slot_num: int | None = None,
                  index_num: int | None = None) -> Inspection:
     """Inspect the file at `path`, of whatever kind its name says (`file_kind`)."""
-    kind = file_kind(path)
+    from daemon import inspect_dledger  # noqa: PLC0415 - DLedger CommitLog files (dledger-<selfId>/)
+
     store = config.store
+    kind = inspect_dledger.dledger_kind(path) or file_kind(path)
+    if kind == "dledger-data":
+        return inspect_dledger.inspect_dledger_data(path, limit, DelayLevelTable(store.message_delay_level),
+                                                    store.max_message_size, store.mapped_file_size_commit_log)
+    if kind == "dledger-index":
+        return inspect_dledger.inspect_dledger_index(path, limit)
+    if kind == "dledger-checkpoint":
+        return inspect_dledger.inspect_dledger_checkpoint(path)
     if kind == "commitlog":
         return inspect_commitlog(path, limit, DelayLevelTable(store.message_delay_level), store.max_message_size)
     if kind == "consumequeue":

@@ -396,7 +396,8 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
         notes.append(f"not an offset msgId of this CommitLog (its offset would be {offset}, outside the "
                      f"CommitLog's [0, {log.max_offset}))")
     elif host is not None:
-        if _record_starts_at(log, offset):
+        # a DLedger log serves only committed entries (DLedgerCommitLog.getData stops at committedPos)
+        if _record_starts_at(log, offset) and (log.read_limit is None or offset < log.read_limit):
             rec = _read(config, log, offset)
             if rec.store_host != host:
                 notes.append(f"warning: msgId {msg_id} names store host {host}, the record at CommitLog "

@@ -183,13 +183,14 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     failpoint.install_from_env()
     log = get_logger(command="rebuild")
     commit_log = open_commit_log(config)
+    from_offset = dledgermode.reput_offset(commit_log, from_offset)
     out = config.output.dir
     os.makedirs(out, exist_ok=True)
     checked = progress is not None or from_offset is not None
     target = written_end_of(commit_log) if checked else commit_log.min_offset
     if from_offset is not None and not commit_log.min_offset <= from_offset <= target:
         raise FromOffsetError(f"--from {from_offset} is outside the CommitLog, which holds "
-                              f"[{commit_log.min_offset}, {target}) in {config.store.store_path_commit_log}")
+                              f"[{commit_log.min_offset}, {target}) in {dledgermode.commit_log_path(config.store)}")
     if from_offset is None:  # before anything is written
         gap = index_sequence_gap(config, commit_log)
         if gap is not None:
@@ -204,7 +205,7 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     target = max(target, offset)
     summary = RebuildSummary(start_offset=offset, end_offset=offset, output_end=max(recovered.output_end, offset))
     reader = make_reader(config, commit_log, max(config.reput.batch_bytes, REBUILD_BATCH_BYTES))
-    log.info("rebuild_started", store=config.store.store_path_commit_log, output=out, from_offset=offset,
+    log.info("rebuild_started", store=dledgermode.commit_log_path(config.store), output=out, from_offset=offset,
              segments=len(commit_log.segments), dispatchers=[getattr(d, "name", type(d).__name__) for d in dispatchers])
     started = time.perf_counter()
     rolls = 0

@@ -42,6 +42,7 @@ from watchdog.observers import Observer
 from daemon import dledgerfence, dledgerfollow, failpoint
 from daemon.cleaner import Cleaner
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
+from daemon.dledgermode import commit_log_path
 from daemon.flusher import Flusher
 from daemon.head import (
     HeadDescriptor,
@@ -323,7 +324,7 @@ class ReputService:
         if metrics_cfg.enabled:
             self.server = MetricsServer(metrics_cfg.host, metrics_cfg.port, self.metrics, self.health, self.progress)
             self.server.start()
-        self._log.info("reputd_started", store=self.config.store.store_path_commit_log, output=self.config.output.dir,
+        self._log.info("reputd_started", store=commit_log_path(self.config.store), output=self.config.output.dir,
                        metrics=f"{metrics_cfg.host}:{metrics_cfg.port}" if metrics_cfg.enabled else None,
                        until_caught_up=self.until_caught_up)
         if self.notifier.enabled:
@@ -450,7 +451,7 @@ class ReputService:
         repair: that is waited out."""
         if not isinstance(error, SizeMismatchError):
             return None
-        dirs = [os.path.abspath(d) for d in self.config.store.commit_log_dirs]
+        dirs = [os.path.abspath(d) for d in (*self.config.store.commit_log_dirs, commit_log_path(self.config.store))]
         path = os.path.abspath(error.path)
         if not any(path.startswith(d + os.sep) for d in dirs):
             return None

@@ -37,7 +37,7 @@ import numpy as np
 
 from daemon.checkpoint import CheckpointError, read_checkpoint
 from daemon.config import Config
-from daemon.dledgermode import open_commit_log
+from daemon.dledgermode import open_commit_log, reput_offset
 from daemon.outlock import lock_held, writer_holding
 from daemon.readahead import ReadAhead
 from daemon.rebuild import REBUILD_BATCH_BYTES, make_reader, widen_thin_batches, written_end_of
@@ -45,6 +45,7 @@ from indexcore.checkpoint import CHECKPOINT_FILE, StoreCheckpoint
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, last_written_unit
 from indexcore.dispatch import index_keys_of
+from indexcore.dledgerlog import DLedgerLog
 from indexcore.errors import SizeMismatchError, StoreError
 from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE, index_file_size
 from indexcore.indexservice import INDEX_DIR
@@ -315,6 +316,7 @@ def verify(config: Config, *, from_offset: int | None = None,
         mode = MODE_STOPPED
     live = mode not in (MODE_STOPPED, MODE_COMPLETE)
     commit_log = open_commit_log(store, follow=live)
+    from_offset = reput_offset(commit_log, from_offset)
     if commit_log.short_newest is not None:
         path, size = commit_log.short_newest
         notes.append(f"{path} is {size} bytes, not mappedFileSizeCommitLog {store.mapped_file_size_commit_log}: not "
@@ -471,7 +473,8 @@ def _corrupt(findings: Findings, commit_log: CommitLog, offset: int, error: Exce
     segment = commit_log.segment_start(offset)
     path = commit_log.find_segment(offset)
     rel = os.path.basename(path) if path else offset_to_file_name(segment)
-    findings.add(COMMIT_LOG_CORRUPT, f"commitlog/{rel}", offset - segment, offset=offset, error=str(error))
+    where = commit_log.dir_label(offset) if isinstance(commit_log, DLedgerLog) else "commitlog"
+    findings.add(COMMIT_LOG_CORRUPT, f"{where}/{rel}", offset - segment, offset=offset, error=str(error))
 
 
 def repair_plan(config: Config, report: VerifyReport,

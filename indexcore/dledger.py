@@ -254,14 +254,14 @@ def data_files(directory: str, segment_size: int) -> list[tuple[int, str]]:
     return sorted(list_queue_files(directory))
 
 
-def _entries_of(path: str, start: int, size: int):
-    """Walk one data file's entry headers (mapped, not read whole): yields EntryHeader until its BLANK or
-    unwritten space."""
+def _entries_of(path: str, start: int, size: int, at: int = 0):
+    """Walk one data file's entry headers from in-file position `at` (mapped, not read whole): yields
+    EntryHeader until its BLANK or unwritten space."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            at, length = 0, min(len(data), size)
+            length = min(len(data), size)
             while at + BLANK.size <= length and not is_blank(data, at) and not is_unwritten(data, at):
                 h = decode_entry_header(data, at, start + at, path=path, bytes_left=length - at)
                 yield h
@@ -277,7 +277,7 @@ def first_entry(path: str, start: int, segment_size: int) -> EntryHeader | None:
 
 
 def _entry_by_index(files: list[tuple[int, str]], index_path: str | None, index: int,
-                    segment_size: int) -> EntryHeader | None:
+                    segment_size: int, hint: EntryHeader | None = None) -> EntryHeader | None:
     """The header of entry `index`: through its unit in the index directory `index_path` when it is there and
     agrees with the data, else by a walk of the one data file that holds it (files start with increasing entry
     indexes)."""
@@ -301,7 +301,7 @@ def _entry_by_index(files: list[tuple[int, str]], index_path: str | None, index:
                     h = None
                 if h is not None and h.index == index and h.size == size:
                     return h
-    holder = None
+    holder, at = None, 0
     for start, path in files:
         first = first_entry(path, start, segment_size)
         if first is None or first.index > index:
@@ -309,7 +309,12 @@ def _entry_by_index(files: list[tuple[int, str]], index_path: str | None, index:
         holder = (start, path)
     if holder is None:
         return None
-    for h in _entries_of(holder[1], holder[0], segment_size):
+    if hint is not None and hint.index <= index and holder[0] <= hint.pos < holder[0] + segment_size:
+        with open(holder[1], "rb") as f:  # an earlier answer in the same file, still there (not truncated)
+            head = os.pread(f.fileno(), ENTRY_HEADER_SIZE, hint.pos - holder[0])
+        if len(head) == ENTRY_HEADER_SIZE and EntryHeader._make(ENTRY_HEADER.unpack(head)) == hint:
+            at = hint.pos - holder[0]  # walk on from it, not from the file's start
+    for h in _entries_of(holder[1], holder[0], segment_size, at):
         if h.index == index:
             return h
         if h.index > index:
@@ -337,12 +342,15 @@ class CommittedPosition:
     committed_index: int  # -1: no committed entry
     end_index: int  # the last entry in the data (-1: none)
     source: str  # the checkpoint file read, or why there is none
+    entry: EntryHeader | None = None  # the committed entry's header
 
 
-def committed_position(store_path_root_dir: str, self_id: str, segment_size: int) -> CommittedPosition:
+def committed_position(store_path_root_dir: str, self_id: str, segment_size: int,
+                       hint: CommittedPosition | None = None) -> CommittedPosition:
     """The committed position as DLedger recovers it (DLedgerMmapFileStore.recover, updateCommittedIndex):
     committedIndex from the checkpoint, capped at the last entry written, then committedPos = pos + size of
-    that entry, looked up in the index file when present and consistent, else in the data."""
+    that entry, looked up in the index file when present and consistent, else in the data (from `hint`, an
+    earlier answer, when it lies in the same file: a follower walks only what was committed since)."""
     home = home_dir(store_path_root_dir, self_id)
     files = data_files(data_dir(store_path_root_dir, self_id), segment_size)
     floor = files[0][0] if files else 0
@@ -352,14 +360,14 @@ def committed_position(store_path_root_dir: str, self_id: str, segment_size: int
         return CommittedPosition(floor, -1, -1, why)
     index_path = os.path.join(home, INDEX_DIR)
     h = _entry_by_index(files, index_path if os.path.isdir(index_path) else None, ckpt.committed_index,
-                        segment_size)
+                        segment_size, hint.entry if hint is not None else None)
     if h is not None:
-        return CommittedPosition(h.end, h.index, max(ckpt.end_index, h.index), ckpt.path)
+        return CommittedPosition(h.end, h.index, max(ckpt.end_index, h.index), ckpt.path, h)
     last = last_entry(files, segment_size)
     if last is None or ckpt.committed_index < last.index:  # older than the oldest data file: none is kept
         return CommittedPosition(floor, -1, -1 if last is None else last.index, ckpt.path)
     # past the last entry written (a follower behind its leader): updateCommittedIndex caps it at ledgerEndIndex
-    return CommittedPosition(last.end, last.index, last.index, ckpt.path)
+    return CommittedPosition(last.end, last.index, last.index, ckpt.path, last)
 
 __all__ = [
     "BLANK", "BLANK_MAGIC", "CHECKPOINT_FILE", "COMMITTED_INDEX_KEY", "DATA_DIR", "DLEDGER_ENTRIES", "END_INDEX_KEY",

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 from indexcore.commitlog import DEFAULT_MAX_MESSAGE_SIZE, MessageRecord
 from indexcore.dledger import (
+    CHECKPOINT_BAK_SUFFIX,
+    CHECKPOINT_FILE,
     DLEDGER_ENTRIES,
     ENTRY_HEADER_SIZE,
     CommittedPosition,
@@ -51,6 +53,9 @@ class DLedgerLog(CommitLog):
         self.committed: CommittedPosition | None = None
         self.divided_offset = -1
         self.read_limit = None
+        self._stamp: tuple = ()
+        self._old_end = 0
+        self._has_dledger = False
         super().__init__((*self.old_dirs, self.data_dir), segment_size, follow=follow)
 
     def refresh(self) -> list[tuple[int, str]]:
@@ -69,12 +74,28 @@ class DLedgerLog(CommitLog):
             if start >= divided:
                 raise StoreLayoutError(path, f"a plain CommitLog segment at or above the first DLedger data file "
                                              f"({divided}): the old commitlog/ must end where DLedger starts")
-        if self.use_committed:
-            self.committed = committed_position(self.root, self.self_id, self.segment_size)
-            self.read_limit = max(self.committed.position, divided) if dledger else (
-                old[-1][0] + self.segment_size if old else 0)
         self.divided_offset = divided
+        self._old_end = old[-1][0] + self.segment_size if old else 0
+        self._has_dledger = bool(dledger)
+        if self.use_committed:
+            self._update_committed()
         return super().refresh()
+
+    def _checkpoint_stamp(self) -> tuple:
+        """What changes when DLedger rewrites its checkpoint (it renames a new file in)."""
+        out = []
+        for name in (CHECKPOINT_FILE, CHECKPOINT_FILE + CHECKPOINT_BAK_SUFFIX):
+            try:
+                st = os.stat(os.path.join(self.home, name))
+                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
+            except FileNotFoundError:
+                out.append(None)
+        return tuple(out)
+
+    def _update_committed(self) -> None:
+        self._stamp = self._checkpoint_stamp()
+        self.committed = committed_position(self.root, self.self_id, self.segment_size, self.committed)
+        self.read_limit = max(self.committed.position, self.divided_offset) if self._has_dledger else self._old_end
 
     def decode_flags(self, offset: int) -> int:
         return DLEDGER_ENTRIES if offset >= self.divided_offset else 0
@@ -83,6 +104,12 @@ class DLedgerLog(CommitLog):
         """The data ends before the committed position: committed entries are missing (a data file cut short
         or zeroed), which the broker could not have dispatched either."""
         limit = self.read_limit
+        if limit is not None and result.next_offset >= limit and self._checkpoint_stamp() != self._stamp:
+            self._update_committed()  # DLedger committed more since: read on (a data file may be new too)
+            if self.read_limit > result.next_offset:
+                super().refresh()
+                return dataclasses.replace(result, status=ReadStatus.OK)
+            return result
         if limit is None or result.next_offset >= limit or result.pending is not None or result.error is not None:
             return result
         at = result.next_offset
@@ -118,6 +145,31 @@ class DLedgerLog(CommitLog):
                 return seg + pos, seg + pos + h.size
             pos += h.size
         return offset, offset
+
+    def dir_label(self, offset: int) -> str:
+        """The directory of the file holding `offset`, relative to the store root: `dledger-<id>/data`, or
+        `commitlog` below dividedCommitlogOffset (a mixed store)."""
+        if offset < self.divided_offset:
+            return "commitlog"
+        return os.path.relpath(self.data_dir, self.root)
+
+    def entry_start(self, offset: int) -> int:
+        """`offset` when an entry (or anything but a message) starts there; the entry's position when `offset` is
+        the store offset of its message (pos + 48): the reput offset of that message."""
+        if offset < self.divided_offset or offset - ENTRY_HEADER_SIZE < self.divided_offset:
+            return offset
+        entry = offset - ENTRY_HEADER_SIZE
+        path = self.find_segment(entry)
+        if path is None or self.segment_start(entry) != self.segment_start(offset):
+            return offset
+        at = entry - self.segment_start(entry)
+        with open(path, "rb") as f:
+            head = os.pread(f.fileno(), ENTRY_HEADER_SIZE, at)
+        try:
+            decode_entry_header(head, 0, entry, path=path, bytes_left=self.segment_size - at)
+        except CorruptRecordError:
+            return offset
+        return entry
 
     def read_record(self, offset: int, *, check_crc: bool = True,
                     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> MessageRecord:

@@ -464,7 +464,7 @@ class CommitLogReader:
             log.refresh()  # the committed position moves without a file event: read it again
             limit = log.read_limit
             if limit is not None and offset >= limit:
-                return ReadResult(empty, offset, ReadStatus.END)
+                return log.at_end(ReadResult(empty, offset, ReadStatus.END))
         result = decode_segment(mm, offset - seg_start, segment_offset=seg_start, segment_size=size,
                                 max_bytes=self.batch_bytes if limit is None else min(self.batch_bytes, limit - offset),
                                 check_crc=self.check_crc,

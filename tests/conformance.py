@@ -87,6 +87,19 @@ class ConformanceStore:
         return path
 
 
+def store_writer(store: ConformanceStore, root: Path, **kw):
+    """A writer appending to the workspace store `root` of `store` as its broker would: a CommitLogWriter on
+    `commitlog/`, or in DLedger mode a DLedgerWriter (tests/dledger_writer.py) committing what it wrote."""
+    from indexcore.writer import CommitLogWriter
+
+    settings = store.store_settings()
+    if store.is_dledger:
+        from tests.dledger_writer import DLedgerWriter
+
+        return DLedgerWriter(str(root), settings["dLegerSelfId"], settings["mappedFileSizeCommitLog"], **kw)
+    return CommitLogWriter(str(root / "commitlog"), settings["mappedFileSizeCommitLog"], **kw)
+
+
 def has_log(store: Path) -> bool:
     """Whether a store root holds messages: `commitlog/`, or a DLedger data directory `dledger-*/data/`."""
     return (store / "commitlog").is_dir() or any(d.is_dir() for d in store.glob("dledger-*/data"))

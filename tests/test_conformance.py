@@ -19,7 +19,8 @@ STORES = discover()
 
 def test_conformance_stores_are_present():
     """The suite must not pass vacuously: at least one broker-written store is found."""
-    assert STORES, f"no conformance store (manifest.json + store/commitlog or store/dledger-*/data) under {conformance_roots()}"
+    where = conformance_roots()
+    assert STORES, f"no conformance store (manifest.json + store/commitlog or store/dledger-*/data) under {where}"
 
 
 @pytest.fixture(scope="module", params=STORES, ids=[s.name for s in STORES])

@@ -286,3 +286,39 @@ def test_data_dir_missing_is_a_layout_error(tmp_path):
     with pytest.raises(StoreLayoutError) as info:
         DLedgerLog(str(tmp_path), "n0", SEGMENT)
     assert os.path.join(str(tmp_path), "dledger-n0", "data") in str(info.value)
+
+
+def test_a_reader_at_the_committed_position_reads_on_once_more_is_committed(tmp_path):
+    """Entries appended but not committed are not read; once DLedger's checkpoint commits them (a new file
+    renamed in), the next read at the old committed position goes on, into a new data file too."""
+    from indexcore.writer import Message
+    from tests.dledger_writer import DLedgerWriter
+
+    w = DLedgerWriter(str(tmp_path), "n0", SEGMENT, commit_on_close=False)
+    first = [w.append(Message("T", 0, bytes(5000), {"KEYS": f"k{i}"})) for i in range(20)]
+    w.flush()
+    w.commit(9)
+    log = DLedgerLog(str(tmp_path), "n0", SEGMENT)
+    reader = CommitLogReader(log)
+    res = reader.read(0)
+    assert res.status is ReadStatus.OK
+    assert res.batch.phy_offset.tolist() == [r.phy_offset for r in first[:10]]
+    end = reader.read(res.next_offset)
+    assert end.status is ReadStatus.END
+    assert len(end.batch) == 0
+    more = [w.append(Message("T", 0, bytes(5000), {"KEYS": f"m{i}"})) for i in range(20)]
+    w.flush()
+    os.utime(tmp_path / "dledger-n0" / "checkpoint", ns=(0, 0))
+    w.commit()
+    got, offset = [], end.next_offset
+    for _ in range(100):
+        res = reader.read(offset)
+        got += res.batch.phy_offset.tolist()
+        if res.status is not ReadStatus.OK:
+            break
+        offset = res.next_offset
+    reader.close()
+    w.close()
+    assert res.status is ReadStatus.END
+    assert got == [r.phy_offset for r in first[10:] + more]
+    assert len(log.segments) > 1

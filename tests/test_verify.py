@@ -24,6 +24,7 @@ from daemon.rebuild import rebuild
 from daemon.verify import MODE_CRASHED, MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
 from indexcore.commitlog import BODY_CRC_OFFSET
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CQ_UNIT, CQ_UNIT_SIZE
+from indexcore.dledger import ENTRY_HEADER_SIZE
 from indexcore.errors import SizeMismatchError
 from indexcore.indexfile import (
     HASH_SLOT,
@@ -58,8 +59,8 @@ from indexcore.verify import (
     STRAY_FILE,
     IndexImage,
 )
-from indexcore.writer import CommitLogWriter, Message
-from tests.conformance import ConformanceStore, discover
+from indexcore.writer import Message
+from tests.conformance import ConformanceStore, discover, store_writer
 
 STORES = discover()
 REPUTD = [sys.executable, "-m", "daemon.cli"]
@@ -169,8 +170,8 @@ def test_verify_from_a_record_boundary_is_clean(broker_store):
 
 def test_commitlog_after_retention_verifies_clean(broker_store):
     """A broker deletes its oldest segments: what is left verifies from the oldest one left."""
-    _, root, config = broker_store
-    segments = sorted((root / "commitlog").iterdir())
+    store, root, config = broker_store
+    segments = sorted((root / store.log_dir).iterdir())
     for p in segments[:5]:
         p.unlink()
     report = run_verify(config)
@@ -461,10 +462,11 @@ def damage_commitlog_record(store, root):
     segment_size = store.store_settings()["mappedFileSizeCommitLog"]
     messages = sorted(store.manifest["messages"], key=lambda m: m["phy_offset"])
     m = next(m for m in messages[2 * len(messages) // 3 :] if m["body_length"] > 0)
-    segment = root / "commitlog" / offset_to_file_name(m["phy_offset"] - m["phy_offset"] % segment_size)
+    segment = store.segment_path(root, m["phy_offset"])
     pos = m["phy_offset"] % segment_size
     _patch(segment, pos + BODY_CRC_OFFSET, (0x1234567).to_bytes(4, "big"))
-    return {(COMMIT_LOG_CORRUPT, _rel(root, segment), pos)}
+    # where the reput stops: the record, or in DLedger mode its entry (48 bytes before the message)
+    return {(COMMIT_LOG_CORRUPT, _rel(root, segment), pos - (ENTRY_HEADER_SIZE if store.is_dledger else 0))}
 
 
 DAMAGE = [damage_unit_zeroed, damage_units_swapped, damage_queue_file_truncated, damage_queue_file_extended,
@@ -570,8 +572,7 @@ def test_unclean_exit_judges_up_to_the_frontier(broker_store):
     while damage behind that frontier still is."""
     store, root, config = broker_store
     clock = iter(range(max(m["store_timestamp"] for m in store.manifest["messages"]) + 60_000, 2**62, 7))
-    with CommitLogWriter(str(root / "commitlog"), store.store_settings()["mappedFileSizeCommitLog"],
-                         clock=lambda: next(clock)) as w:
+    with store_writer(store, root, clock=lambda: next(clock)) as w:
         queue = _queue_dirs(root)[0]
         for i in range(50):
             w.append(Message(queue.parent.name, int(queue.name), bytes(100), {"KEYS": f"late-{i}",
@@ -728,10 +729,16 @@ def test_cli_wrong_paths_and_values_exit_2(broker_store, args, needle):
 
 def test_cli_missing_commitlog_directory_is_data_missing(broker_store):
     """A store root without its commitlog/: data missing (exit 1), as rebuild says it; a store root that
-    does not exist is the usage error."""
-    _, root, config = broker_store
-    shutil.rmtree(root / "commitlog")
+    does not exist is the usage error. In DLedger mode the data path comes from store.dLegerSelfId: without
+    dledger-<selfId>/data the settings locate no log, a usage error (exit 2) naming the key and the path."""
+    store, root, config = broker_store
+    shutil.rmtree(root / store.log_dir)
     res = cli("--config", str(config))
+    if store.is_dledger:
+        assert res.returncode == 2
+        assert (f"{root / store.log_dir}: no such directory: store.dLegerSelfId 'n0' names {root / 'dledger-n0'}, "
+                "which holds no data/") in res.stderr
+        return
     assert res.returncode == 1
     assert f"{root / 'commitlog'}: the store root {root} has no commitlog/ directory" in res.stderr
 
