@@ -709,9 +709,6 @@ SPARK_MASTER_URL = re.compile(r"local(\[(\d+|\*)(\s*,\s*\d+)?\])?|local-cluster\
 
 def _backfill_checks(args, config: Config) -> None:
     """What `backfill` can refuse without reading data or starting Spark (UsageError, exit 2)."""
-    if config.store.enable_d_leger_commit_log:  # the DLedger side of the backfill is not built yet
-        raise UsageError("store.enableDLegerCommitLog: backfill does not read a DLedger CommitLog yet; `reputd "
-                         "rebuild` does (the same files)")
     if not SPARK_MASTER_URL.fullmatch(args.master):
         raise UsageError(f"--master {args.master} is not a Spark master URL: local, local[N], local[*], "
                          "spark://HOST:PORT, yarn or k8s://...")
