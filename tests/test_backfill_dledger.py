@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon.backfill import backfill
 from daemon.backfill.plan import Reread, walk_ranges
 from daemon.backfill.ranges import DecodeSettings, decode_range, entry_at, plan_ranges
 from daemon.backfill.source import LOCAL, SegmentDir, SegmentListing
 from daemon.backfill.tasks import reread as _reread
-from daemon.config import ON_CORRUPTION_STOP
+from daemon.config import ON_CORRUPTION_STOP, load_config
+from daemon.rebuild import rebuild
 from indexcore.commitlog import encode_blank
 from indexcore.consumequeue import consume_queue_units
 from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
@@ -31,6 +33,8 @@ from indexcore.reader import CommitLogReader, ReadStatus
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import conformance_roots
 from tests.test_backfill_ranges import outcomes_of, staged_rows
+from tests.test_backfill_s3 import BUCKET, KEYS
+from tests.test_backfill_s3 import s3_server as s3_server  # noqa: PLC0414 - the fixture, used by name
 from tests.test_daemon import clean_env
 
 SEGMENT = 65536
@@ -220,3 +224,36 @@ def test_backfill_writes_what_rebuild_writes_on_a_mixed_store(tmp_path, mixed):
     summary = json.loads(filled.stdout.strip().splitlines()[-1])
     assert summary["messages"] == json.loads(rebuilt.stdout.strip().splitlines()[-1])["messages"] == 1300
     assert files(tmp_path / "backfill") == files(tmp_path / "rebuild")
+
+
+def test_backfill_from_s3_writes_what_rebuild_writes_on_a_mixed_store(spark, s3_server, mixed, tmp_path,
+                                                                         monkeypatch):
+    """The mixed store's old commitlog/ and dledger-n0/data archived on S3 and named by `--segments` (the DLedger
+    data last): the files `reputd rebuild` writes from the local store."""
+    fs = pytest.importorskip("pyarrow.fs")
+    s3 = fs.S3FileSystem(access_key=KEYS["AWS_ACCESS_KEY_ID"], secret_key=KEYS["AWS_SECRET_ACCESS_KEY"],
+                         region=KEYS["AWS_REGION"], endpoint_override=s3_server.split("://")[1], scheme="http",
+                         allow_bucket_creation=True)
+    s3.create_dir(BUCKET)
+    for sub in ("commitlog", "dledger-n0/data"):
+        for path in sorted((mixed / sub).iterdir()):
+            with s3.open_output_stream(f"{BUCKET}/dledger-a/{sub}/{path.name}") as out:
+                out.write(path.read_bytes())
+    store = {"mappedFileSizeCommitLog": SEGMENT, "mappedFileSizeConsumeQueue": 1280, "maxHashSlotNum": 97,
+             "maxIndexNum": 400, **DLEDGER}
+
+    def config(name: str, root: Path):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(root), **store},
+                                        "output": {"dir": str(tmp_path / name)}, "metrics": {"enabled": False},
+                                        "backfill": {"rangeBytes": 30_000, "readBytes": 1 << 20},
+                                        "logging": {"level": "warning"}}))
+        return load_config(path, env={})
+
+    rebuild(config("reference", mixed))
+    for k, v in {**KEYS, "AWS_ENDPOINT_URL": s3_server}.items():
+        monkeypatch.setenv(k, v)
+    summary = backfill(config("bf", tmp_path / "nonexistent"), spark=spark, partitions=2,
+                       segments=f"s3://{BUCKET}/dledger-a/commitlog,s3://{BUCKET}/dledger-a/dledger-n0/data")
+    assert summary.messages == 1300
+    assert files(tmp_path / "bf") == files(tmp_path / "reference")
