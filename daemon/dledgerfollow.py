@@ -22,6 +22,7 @@ dispatches too. Entries a new leader cut after reputd dispatched them are repair
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -40,6 +41,7 @@ from indexcore.dledger import (
 from indexcore.dledgerlog import DLedgerLog
 from indexcore.errors import CorruptRecordError
 from indexcore.mappedfile import offset_to_file_name
+from indexcore.reader import CommitLog, ReadResult, ReadStatus
 
 MS_PER_SECOND = 1000
 ENTRY_PREFIX = BLANK  # an entry starts `int magic, int size`; a BLANK `int -1, int bytes left`
@@ -103,11 +105,26 @@ class OneNodeDLedgerLog(DLedgerLog):
 
     def refresh(self) -> list[tuple[int, str]]:
         segments = super().refresh()
-        if self.use_committed and self.read_limit is not None:
-            end = last_entry_end(self)
-            if end is not None and end > self.read_limit:
-                self.read_limit = end
+        self._last_entry()
         return segments
+
+    def _last_entry(self) -> bool:
+        """Move the read limit to the last entry's end; whether it moved."""
+        if not self.use_committed or self.read_limit is None:
+            return False
+        end = last_entry_end(self)
+        if end is None or end <= self.read_limit:
+            return False
+        self.read_limit = end
+        return True
+
+    def at_end(self, result: ReadResult) -> ReadResult:
+        """Reads reach the limit: an entry appended since moves it (no file event tells), and reading goes on."""
+        if self.read_limit is not None and result.next_offset >= self.read_limit and result.error is None \
+                and self._last_entry() and self.read_limit > result.next_offset:
+            CommitLog.refresh(self)  # a data file may be new too
+            return dataclasses.replace(result, status=ReadStatus.OK)
+        return super().at_end(result)
 
 
 def committed_end(log: DLedgerLog, store: StoreConfig) -> int:

@@ -460,11 +460,8 @@ class CommitLogReader:
             return ReadResult(empty, offset, ReadStatus.END)
         seg_start = log.segment_start(offset)
         limit, flags = log.read_limit, self.multi_flags | log.decode_flags(offset)
-        if limit is not None and offset >= limit:  # a DLedger log: nothing committed there yet, as last read
-            log.refresh()  # the committed position moves without a file event: read it again
-            limit = log.read_limit
-            if limit is not None and offset >= limit:
-                return log.at_end(ReadResult(empty, offset, ReadStatus.END))
+        if limit is not None and offset >= limit:  # a DLedger log: nothing committed there yet
+            return log.at_end(ReadResult(empty, offset, ReadStatus.END))
         result = decode_segment(mm, offset - seg_start, segment_offset=seg_start, segment_size=size,
                                 max_bytes=self.batch_bytes if limit is None else min(self.batch_bytes, limit - offset),
                                 check_crc=self.check_crc,
