@@ -303,7 +303,10 @@ def _entry_by_index(files: list[tuple[int, str]], index_path: str | None, index:
                     return h
     holder, at = None, 0
     for start, path in files:
-        first = first_entry(path, start, segment_size)
+        try:
+            first = first_entry(path, start, segment_size)
+        except CorruptRecordError:
+            continue  # a file whose first entry is damaged holds no answer we can find; the reader reports it
         if first is None or first.index > index:
             break
         holder = (start, path)

@@ -412,6 +412,10 @@ class CommitLogReader:
         """Whether a read at `offset` may find something new: a cheap look at the TOTALSIZE there in the
         segment already mapped, for tailing a CommitLog that a broker writes through its own mapping
         (which raises no file-system event). True whenever it cannot tell without a full read."""
+        limit = self.commit_log.read_limit
+        if limit is not None and offset >= limit:  # a DLedger log: new only once more is committed
+            at_limit = ReadResult(DispatchBatch.empty(offset), offset, ReadStatus.END)
+            return self.commit_log.at_end(at_limit).status is not ReadStatus.END
         path = self.commit_log.find_segment(offset)
         if path is None:
             return False  # no segment yet: a file event or the periodic verified read finds it
