@@ -7,6 +7,7 @@ CommitLog (old commitlog/ below dividedCommitlogOffset, DLedger entries after it
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from bench.spark_cluster import StandaloneCluster
 from daemon.backfill import backfill
 from daemon.backfill.plan import Reread, walk_ranges
 from daemon.backfill.ranges import DecodeSettings, decode_range, entry_at, plan_ranges
@@ -31,6 +33,7 @@ from indexcore.dledgerlog import DLedgerLog
 from indexcore.dledgerwriter import DLedgerLogWriter, commitlog_records, write_checkpoint
 from indexcore.reader import CommitLogReader, ReadStatus
 from indexcore.writer import CommitLogWriter, Message
+from tests import stress
 from tests.conformance import conformance_roots
 from tests.test_backfill_ranges import outcomes_of, staged_rows
 from tests.test_backfill_s3 import BUCKET, KEYS
@@ -257,3 +260,30 @@ def test_backfill_from_s3_writes_what_rebuild_writes_on_a_mixed_store(spark, s3_
                        segments=f"s3://{BUCKET}/dledger-a/commitlog,s3://{BUCKET}/dledger-a/dledger-n0/data")
     assert summary.messages == 1300
     assert files(tmp_path / "bf") == files(tmp_path / "reference")
+
+
+@pytest.mark.stress_only
+def test_standalone_cluster_backfill_equals_rebuild_on_a_mixed_store(tmp_path, mixed):
+    """`--master spark://...` on a Spark standalone cluster (a master and two one-core workers, started here;
+    long mode only, as tests/test_backfill_cluster.py): the files of `reputd rebuild`."""
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("no Java runtime: a Spark cluster needs one")
+    cfg = {"store": {"storePathRootDir": str(mixed), "mappedFileSizeCommitLog": SEGMENT,
+                     "mappedFileSizeConsumeQueue": 1280, "maxHashSlotNum": 97, "maxIndexNum": 400, **DLEDGER},
+           "backfill": {"rangeBytes": 25_000}, "logging": {"level": "warning"}}
+    config = tmp_path / "reputd.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    rebuilt = run_cli("rebuild", "--config", str(config), "--out", str(tmp_path / "rebuild"))
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    with StandaloneCluster(workers=2, work_dir=tmp_path / "cluster") as cluster:
+        env = {k: v for k, v in cluster.env().items() if not k.startswith("REPUTD_")}
+        env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+        res = subprocess.run([sys.executable, "-m", "daemon.cli", "backfill", "--config", str(config), "--out",
+                              str(tmp_path / "backfill"), "--master", cluster.url, "--json", "--conf",
+                              "spark.ui.enabled=false"], capture_output=True, text=True, env=env, timeout=900,
+                             check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    stress.report("backfill-dledger-cluster", master=cluster.url, messages=summary["messages"])
+    assert summary["messages"] == 1300
+    assert files(tmp_path / "backfill") == files(tmp_path / "rebuild")
