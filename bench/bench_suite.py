@@ -9,6 +9,8 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
     rebuild-3keys    the same with 3 KEYS per message
     rebuild-4k       500,000 messages with 4 KiB bodies
     rebuild-noindex  the first data set with messageIndexEnable: false (ConsumeQueue only)
+    rebuild-dledger  the first data set's messages as a DLedger CommitLog (enableDLegerCommitLog, one DLedger
+                     entry each, bench/dledger_rebuild.py), rebuilt beside the plain one: msgs/s and the ratio
     verify           `reputd verify` of the first data set's rebuilt output, beside that rebuild's own time
     rebuild-lmq3     the first data set with every message also sent to 3 of 1,000 LMQ queues
                      (enableMultiDispatch, enableLmq); its msgs/s is compared with `rebuild`'s
@@ -630,7 +632,7 @@ def print_table(results: list[dict]) -> None:
     print("\n| scenario | messages | seconds | msgs/s | MB/s | peak RSS MB | raw read s | ratio to raw read |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        if r["scenario"].startswith("rebuild"):
+        if r["scenario"].startswith("rebuild") and "seconds" in r:  # rebuild-dledger has a line of its own
             print(f"| {r['scenario']} | {r['messages']:,} | {r['seconds']:.2f} | {r['msgs_per_s']:,} | "
                   f"{r['mb_per_s']:,.0f} | {r['peak_rss_mb']:.0f} | {r['raw_read_seconds']:.2f} | "
                   f"{r['ratio_to_raw_read']:.2f} |")
@@ -657,6 +659,10 @@ def print_table(results: list[dict]) -> None:
                   f"{rss['driver']:.0f}/{rss['jvm']:.0f}/{rss['python_worker']:.0f} | "
                   f"{r['identical_to_rebuild']} |")
     for r in results:
+        if r["scenario"] == "rebuild-dledger":
+            from bench.dledger_rebuild import print_line  # noqa: PLC0415
+
+            print_line(r)
         if r["scenario"] == "verify":
             print(f"\nverify: {r['messages']:,} messages in {r['seconds']:.2f} s ({r['msgs_per_s']:,} msgs/s, peak RSS "
                   f"{r['peak_rss_mb']:.0f} MB); the rebuild of the same data {r['rebuild_seconds']:.2f} s "
@@ -685,7 +691,8 @@ def print_table(results: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench" / "results" / "suite")
-    ap.add_argument("--only", default="rebuild,rebuild-3keys,rebuild-4k,rebuild-noindex,verify,rebuild-lmq3,"
+    ap.add_argument("--only", default="rebuild,rebuild-3keys,rebuild-4k,rebuild-noindex,rebuild-dledger,verify,"
+                                      "rebuild-lmq3,"
                                       "rebuild-lmq100k,live,query,backfill,backfill-cost")
     ap.add_argument("--quick", action="store_true", help="a tenth of every data set and short runs (a smoke test)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per rebuild scenario; the fastest is reported")
@@ -706,6 +713,12 @@ def main() -> int:
         if scenario in wanted:
             results.append(bench_rebuild(work, scenario, scale, 1 if args.quick else args.repeat))
             print(f"{scenario}: {results[-1]['msgs_per_s']:,} msgs/s", flush=True)
+    if "rebuild-dledger" in wanted:
+        from bench.dledger_rebuild import bench_rebuild_dledger  # noqa: PLC0415
+
+        results.append(bench_rebuild_dledger(work, scale, 1 if args.quick else args.repeat, sys.modules[__name__]))
+        print(f"rebuild-dledger: {results[-1]['dledger']['msgs_per_s']:,} msgs/s "
+              f"({results[-1]['ratio_to_plain_msgs_per_s']:.0%} of the plain CommitLog's)", flush=True)
     if "verify" in wanted:
         results.append(bench_verify(work, scale, 1 if args.quick else args.repeat))
         print(f"verify: {results[-1]['msgs_per_s']:,} msgs/s ({results[-1]['ratio_to_rebuild']}x rebuild)", flush=True)

@@ -165,15 +165,9 @@ def test_backfill_from_an_offset_matches_rebuild_from_it(spark, generated, tmp_p
 
 @pytest.mark.parametrize("store", CONFORMANCE, ids=[s.name for s in CONFORMANCE])
 def test_conformance_stores_backfill_like_rebuild(spark, store, tmp_path):
-    """The broker-written stores: backfill writes exactly what rebuild writes (which is what the broker wrote).
-    A DLedger store is refused for now, exit 2 naming the key (its backfill is the other half of issue 31)."""
+    """The broker-written stores: backfill writes exactly what rebuild writes (which is what the broker wrote),
+    the DLedger one included (daemon/backfill/dledger.py)."""
     config_path = store.make_workspace(tmp_path)
-    if store.is_dledger:
-        res = run_cli("backfill", "--config", str(config_path), "--out", str(tmp_path / "bf"))
-        assert res.returncode == 2, res.stderr
-        assert res.stderr.startswith("reputd: error: store.enableDLegerCommitLog: backfill does not read a DLedger")
-        assert not (tmp_path / "bf" / "consumequeue").exists()
-        return
     reference = load_config(config_path, env={}, overrides={"output.dir": str(tmp_path / "reference")})
     rebuild(reference)
     config = load_config(config_path, env={}, overrides={"output.dir": str(tmp_path / "bf")})

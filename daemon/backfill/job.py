@@ -37,6 +37,7 @@ import numpy as np
 from pyarrow import fs
 from pyspark.sql import SparkSession
 
+from daemon.backfill import dledger
 from daemon.backfill.catalog import catalog_filesystem, file_name, write_marker
 from daemon.backfill.commit import (
     commit_index_file,
@@ -308,6 +309,8 @@ def segment_dirs(config: Config, segments: str | None) -> tuple[SegmentDir, ...]
     """The CommitLog directories: `--segments` (paths or file://, s3://, hdfs:// URIs, comma-separated)
     or the store's."""
     if segments is None:
+        if dledger.enabled(config):  # the old commitlog/ of an upgraded store, then dledger-<id>/data
+            return dledger.segment_dirs(config)
         return tuple(SegmentDir(LOCAL, d) for d in config.store.commit_log_dirs)
     return parse_segment_dirs(segments)
 
@@ -331,6 +334,9 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     s3 = S3Options.resolve(config.backfill)
     listing = SegmentListing(segment_dirs(config, segments), config.store.mapped_file_size_commit_log, s3)
     start = listing.min_offset if from_offset is None else from_offset
+    dledger_from = dledger.dledger_from(listing) if dledger.enabled(config) else -1
+    if dledger_from >= 0 and to_offset is None:
+        to_offset = dledger.committed_end(config)  # committed entries only, where `rebuild` stops
     if listing.segments and start < listing.min_offset:
         log.warning("offset_below_oldest_segment", requested=start, resumed_at=listing.min_offset)
         start = listing.min_offset
@@ -382,7 +388,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
                                   store.max_message_size, store.message_delay_level, window, config.backfill.read_bytes,
                                   build_index, catalog is not None, config.backfill.catalog_body, s3,
                                   multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq),
-                                  staging_root(out, job_id))
+                                  staging_root(out, job_id), dledger_from)
         job = _Job(config, spark, out, job_id, summary, settings, say, log, fault, s3)
         job.catalog_covered = catalog_covered
         if tasks:

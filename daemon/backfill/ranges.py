@@ -39,6 +39,9 @@ from indexcore.commitlog import (
 )
 from indexcore.consumequeue import CQ_UNIT_SIZE
 from indexcore.dispatch import DelayLevelTable, DispatchBatch
+from indexcore.dledger import BLANK as DLEDGER_BLANK
+from indexcore.dledger import BLANK_MAGIC as DLEDGER_BLANK_MAGIC
+from indexcore.dledger import DLEDGER_ENTRIES, ENTRY_HEADER, ENTRY_HEADER_SIZE, ENTRY_MAGIC
 from indexcore.errors import CorruptRecordError, StoreError
 from indexcore.queuestore import consume_queue_units
 from indexcore.reader import ReadStatus, decode_segment, read_result
@@ -57,6 +60,7 @@ REMOTE_TAIL_BYTES = 64 * 1024  # read past a remote range's end before the whole
 # the search for a range's first record looks this far at a time: a magic absent from the data (the v2 one
 # in a v1 CommitLog, BLANK's before a segment's end) would otherwise be searched for through a whole read
 _FIND_STEP = 64 * 1024
+_ENTRY_MAGIC_BYTES = struct.pack(">i", ENTRY_MAGIC)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +79,12 @@ class DecodeSettings:
     s3: S3Options = field(default_factory=S3Options)
     multi_flags: int = 0  # multidispatch.multi_dispatch_flags of the store settings
     stage_root: str = ""  # where each range's attempt stages its files (`stage.py`)
+    dledger_from: int = -1  # DLedger mode: segments from this offset on hold DLedger entries (dledger.py)
+
+    def flags(self, seg_start: int) -> int:
+        """The decode flags of a segment: DLEDGER_ENTRIES for a DLedger data file."""
+        dledger = 0 <= self.dledger_from <= seg_start
+        return self.multi_flags | (DLEDGER_ENTRIES if dledger else 0)
 
     @property
     def lookahead(self) -> int:
@@ -175,9 +185,47 @@ def header_at(buf, p: int, seg_start: int, seg_size: int, max_size: int, follow:
     return header_at(buf, nxt, seg_start, seg_size, max_size, follow - 1)
 
 
+def entry_at(buf, p: int, seg_start: int, seg_size: int, max_size: int, follow: int = 1) -> bool:
+    """Whether a DLedger entry (or DLedger BLANK) that validates itself starts at p: magic 1, a size within
+    bounds, bodyLen = size - 48 and its pos field equal to its own offset (which DLedger writes in every entry,
+    so a forged one inside a body must also name its place); `follow` deep, the one after too."""
+    if p + DLEDGER_BLANK.size > seg_size:
+        return False
+    magic, size = DLEDGER_BLANK.unpack_from(buf, p)
+    if magic == DLEDGER_BLANK_MAGIC:
+        return size == seg_size - p
+    if magic != ENTRY_MAGIC or p + ENTRY_HEADER_SIZE > seg_size:
+        return False
+    if not ENTRY_HEADER_SIZE + MIN_RECORD_SIZE <= size <= min(max_size + ENTRY_HEADER_SIZE, seg_size - p):
+        return False
+    fields = ENTRY_HEADER.unpack_from(buf, p)
+    if fields[4] != seg_start + p or fields[8] != size - ENTRY_HEADER_SIZE:
+        return False
+    if follow == 0:
+        return True
+    nxt = p + size
+    if nxt + DLEDGER_BLANK.size > seg_size:
+        return False
+    if DLEDGER_BLANK.unpack_from(buf, nxt) == (0, 0):
+        return True  # the end of the written data
+    return entry_at(buf, nxt, seg_start, seg_size, max_size, follow - 1)
+
+
+def _first_entry_in(buf, lo: int, hi: int, seg_start: int, seg_size: int, max_size: int) -> int | None:
+    """The first position in [lo, hi) where a self-validating DLedger entry starts, found by its magic."""
+    at = buf.find(_ENTRY_MAGIC_BYTES, lo, hi + len(_ENTRY_MAGIC_BYTES) - 1)
+    while 0 <= at < hi:
+        if entry_at(buf, at, seg_start, seg_size, max_size):
+            return at
+        at = buf.find(_ENTRY_MAGIC_BYTES, at + 1, hi + len(_ENTRY_MAGIC_BYTES) - 1)
+    return None
+
+
 def find_first_record(image, task: RangeTask, settings: DecodeSettings) -> int | None:
-    """The in-segment position of the first self-validating header in [begin, end), or None."""
+    """The in-segment position of the first self-validating header (a DLedger entry's in a DLedger data file)
+    in [begin, end), or None."""
     size, max_size = settings.segment_size, settings.max_message_size
+    first_in = _first_entry_in if settings.flags(task.seg_start) & DLEDGER_ENTRIES else _first_header_in
     pos = task.begin
     while pos < task.end:
         if _unwritten(image, pos, min(size, pos + settings.lookahead)):
@@ -188,7 +236,7 @@ def find_first_record(image, task: RangeTask, settings: DecodeSettings) -> int |
         hi = min(task.end, pos + settings.read_bytes)
         image.ensure(pos, hi + settings.lookahead)
         for lo in range(pos, hi, _FIND_STEP):
-            found = _first_header_in(image.buffer, lo, min(hi, lo + _FIND_STEP), task.seg_start, size, max_size)
+            found = first_in(image.buffer, lo, min(hi, lo + _FIND_STEP), task.seg_start, size, max_size)
             if found is not None:
                 return found
         image.release(pos, hi)
@@ -415,7 +463,7 @@ def _decode_from(pos: int, task: RangeTask, settings: DecodeSettings, image, row
             decoded = decode_segment(image.buffer, pos, segment_offset=task.seg_start, segment_size=size,
                                      max_bytes=window_end - pos, check_crc=settings.check_crc,
                                      max_message_size=settings.max_message_size, delay_table=delay_table,
-                                     scratch=scratch, multi_flags=settings.multi_flags, names=names)
+                                     scratch=scratch, multi_flags=settings.flags(task.seg_start), names=names)
             result = read_result(decoded, image.buffer, task.seg_start, size, task.location,
                                  settings.max_message_size, lambda: task.written_successor)
             if ensured >= full or _decided_within(result, task.seg_start, ensured, settings.lookahead):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from daemon.config import Config, ConfigError, DispatcherSpec, StoreConfig
+from daemon.engine.dledgerfence import fence_for
 from daemon.ops.logs import get_logger
 from indexcore.consumequeue import CREATE_LABEL, PutStats
 from indexcore.dispatch import DispatchBatch
@@ -342,8 +343,9 @@ def load_plugin(spec: DispatcherSpec, index: int) -> type:
 
 
 def build_dispatchers(config: Config, output_dir: str, options: Mapping[str, Any] | None = None) -> list[Dispatcher]:
-    """The configured dispatchers, in order; `index` is left out when messageIndexEnable is false."""
-    out: list[Dispatcher] = []
+    """The configured dispatchers, in order; `index` is left out when messageIndexEnable is false. In DLedger
+    mode the fence (`daemon.engine.dledgerfence`) comes first."""
+    out: list[Dispatcher] = list(fence_for(config, output_dir))
     for i, spec in enumerate(config.dispatchers):
         if spec.name == ConsumeQueueDispatcher.name:
             out.append(ConsumeQueueDispatcher(config.store, output_dir))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from daemon.config import StoreConfig
+from daemon.engine.dledgerfollow import OneNodeDLedgerLog, one_node_group
 from indexcore.dledger import data_dir, home_dir
 from indexcore.dledgerlog import DLedgerLog
 from indexcore.reader import CommitLog
@@ -31,8 +32,9 @@ def open_commit_log(store: StoreConfig, *, follow: bool = False, committed: bool
     the old commitlog/ of a mixed store), stopping at the committed position unless `committed` is False."""
     if not enabled(store):
         return CommitLog(store.commit_log_dirs, store.mapped_file_size_commit_log, follow=follow)
-    return DLedgerLog(store.store_path_root_dir, store.d_leger_self_id, store.mapped_file_size_commit_log,
-                      commit_log_dirs=store.commit_log_dirs, follow=follow, committed=committed)
+    cls = OneNodeDLedgerLog if one_node_group(store) else DLedgerLog  # daemon/dledgerfollow.py
+    return cls(store.store_path_root_dir, store.d_leger_self_id, store.mapped_file_size_commit_log,
+               commit_log_dirs=store.commit_log_dirs, follow=follow, committed=committed)
 
 
 def reput_offset(log: CommitLog, offset: int | None) -> int | None:

@@ -59,6 +59,7 @@ from typing import Any
 from daemon.config import Config
 from daemon.engine.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.engine.dispatchers import Dispatcher, build_dispatchers
+from daemon.engine.dledgerfence import repair_truncation
 from daemon.ops.logs import get_logger
 from daemon.ops.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
@@ -183,6 +184,7 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
     log = log or get_logger(component="recovery")
     out = config.output.dir
     os.makedirs(out, exist_ok=True)
+    repair_truncation(config, metrics=metrics, log=log)  # DLedger: entries dispatched that a new leader cut
     try:
         checkpoint = read_checkpoint(out)
     except CheckpointError as e:

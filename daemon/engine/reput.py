@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, Config
+from daemon.engine import dledgerfence
 from daemon.engine.head import (
     HeadDescriptor,
     hold_torn_tail,
@@ -40,6 +41,7 @@ from daemon.engine.service import (
     CORRUPT_REASON,
     EXIT_FAILURE,
     MS_PER_SECOND,
+    RESTARTING,
     _errno_name,
 )
 from daemon.engine.session import Session
@@ -149,6 +151,10 @@ class ReputService(SessionRunner):
                     return Outcome.UNAVAILABLE
                 continue
             result = hold_torn_tail(s, offset, result, written)
+            # a new DLedger leader cut what was dispatched: at the head, or where the new entries make no sense
+            if result.status is not ReadStatus.OK and dledgerfence.truncated(
+                    s.dispatchers, now=result.status is not ReadStatus.END):
+                return self._dledger_truncated(s, offset)
             if result.skipped_from is not None:
                 skipped = result.next_offset - result.skipped_from
                 self.metrics.skipped.labels(reason=SkipReason.RETENTION).inc(skipped)
@@ -295,6 +301,15 @@ class ReputService(SessionRunner):
         limit = min(IN_FLIGHT_RETRY_S * 2 ** min(self._stalls - 1, 16),
                     self.config.reput.poll_interval_ms / MS_PER_SECOND)
         self._wait_for_data(s, offset, pending=True, limit=limit)
+
+    def _dledger_truncated(self, s: Session, offset: int) -> Outcome:
+        """End the session with nothing checkpointed past the cut: the next start repairs the output
+        (`daemon.engine.dledgerfence.repair_truncation`)."""
+        s.poisoned = True
+        self._failure_reason = "DLedger entries already dispatched were cut from the log"
+        self._log.warning("dledger_truncation_found", reput_from_offset=offset,
+                          checkpoint_offset=s.checkpoint_offset, action=RESTARTING)
+        return Outcome.FAILED
 
     def _corrupt(self, s: Session, result: ReadResult) -> Outcome | None:
         """Apply onCorruption. `stop` stays at the offset (reported once, retried every poll interval in

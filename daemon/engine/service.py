@@ -12,6 +12,7 @@ import threading
 import time
 
 from daemon.config import Config
+from daemon.engine import dledgerfollow
 from daemon.engine.dledgermode import commit_log_path
 from daemon.engine.head import (
     oldest_undispatched_timestamp,
@@ -32,6 +33,7 @@ from daemon.ops.metrics import (
     ReputMetrics,
 )
 from daemon.ops.sdnotify import Notifier
+from indexcore.dledgerlog import DLedgerLog
 from indexcore.errors import SizeMismatchError, StoreLayoutError
 
 EXIT_OK, EXIT_FAILURE = 0, 1
@@ -166,13 +168,16 @@ class ServiceState:
         if s is None:
             return None
         offset = s.dispatched_offset
-        segments = segments_now(s.commit_log, offset)
-        end = written_end(s.commit_log, offset, segments)
-        behind_s = 0.0
-        if end > offset:
-            stored = oldest_undispatched_timestamp(s.commit_log, offset, segments)
-            if stored is not None:
-                behind_s = max(0.0, time.time() - stored / MS_PER_SECOND)
+        if isinstance(s.commit_log, DLedgerLog):  # against the committed position (engine/dledgerfollow.py)
+            end, behind_s = dledgerfollow.lag_end_and_age(s.commit_log, self.config.store, offset)
+        else:
+            segments = segments_now(s.commit_log, offset)
+            end = written_end(s.commit_log, offset, segments)
+            behind_s = 0.0
+            if end > offset:
+                stored = oldest_undispatched_timestamp(s.commit_log, offset, segments)
+                if stored is not None:
+                    behind_s = max(0.0, time.time() - stored / MS_PER_SECOND)
         return Lag(offset, end, s.flushed_offset, max(s.checkpoint_offset, 0),
                    s.checkpoint_written_at, behind_s, s.files("consumequeue"), s.files("index"))
 
@@ -181,8 +186,11 @@ class ServiceState:
         if s is None:
             return {}
         offset = s.dispatched_offset
-        return {"reputFromOffset": offset, "checkpointOffset": s.checkpoint_offset,
-                "commitLogMaxOffset": written_end(s.commit_log, offset, segments_now(s.commit_log, offset))}
+        if isinstance(s.commit_log, DLedgerLog):  # the committed position (engine/dledgerfollow.py)
+            end = max(offset, dledgerfollow.committed_end(s.commit_log, self.config.store))
+        else:
+            end = written_end(s.commit_log, offset, segments_now(s.commit_log, offset))
+        return {"reputFromOffset": offset, "checkpointOffset": s.checkpoint_offset, "commitLogMaxOffset": end}
 
     def _tick(self) -> None:
         """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds."""

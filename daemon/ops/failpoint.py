@@ -4,9 +4,10 @@ The crash matrix (tests/test_crash_matrix.py) sets REPUTD_FAILPOINT to `POINT` o
 the point is reached), e.g. `index.after_allocate@2`; the process then dies by SIGKILL there, leaving the
 files exactly as a kill at that instant would. The points are named in `indexcore.mappedfile.create_file`
 (`{index|consumequeue}.{before_create|after_create|after_allocate|after_header|after_fsync|after_rename}`)
-`indexcore.indexservice` (`index.after_straddling_key`) and `indexcore.retention` (`retention.after_delete`, after
-each expired file deleted). Unset, nothing is installed and every point is a
-no-op. Not for production use.
+`indexcore.indexservice` (`index.after_straddling_key`), `daemon.engine.dledgerfence`
+(`dledger.after_repair_checkpoint`, a truncation repair's checkpoint written) and `indexcore.retention`
+(`retention.after_delete`, after each expired file deleted). Unset, nothing is installed and every point is
+a no-op. Not for production use.
 """
 
 from __future__ import annotations

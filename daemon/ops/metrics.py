@@ -178,6 +178,12 @@ class ReputMetrics:
                                        ["stage"], registry=r), OutputStage)
         self.recoveries = _known(Counter("reputd_recoveries", "Start-up recoveries, by decision.", ["decision"],
                                          registry=r), RecoveryDecision)
+        self.dledger_truncations = Counter("reputd_dledger_truncations", "Starts that found entries already "
+                                           "dispatched cut from the DLedger log (a new leader's) and cut the output "
+                                           "back to the last entry both logs hold.", registry=r)
+        self.dledger_truncated_bytes = Counter("reputd_dledger_truncated_bytes", "DLedger log bytes dispatched "
+                                               "again after such a cut (from the cut to the old checkpoint).",
+                                               registry=r)
         self.up = Gauge("reputd_health", "1 for the current health state.", ["state"], registry=r)
         self.set_health(DOWN)  # Health's state until the daemon has recovered
         info = Info("reputd_build", "Build information.", registry=r)
