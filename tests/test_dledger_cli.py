@@ -46,6 +46,33 @@ def whole_store(tmp_path) -> tuple[Path, Path]:
     return root, config
 
 
+def test_a_dledger_store_read_without_the_dledger_settings_names_them(tmp_path):
+    """An operator who points reputd at a DLedger broker's store with only --store is told which settings
+    read it, not only that commitlog/ is missing: once as a command's error, once as run's warning."""
+    root = tmp_path / "store"
+    shutil.copytree(STORE.store / "dledger-n0", root / "dledger-n0")
+    rebuild = reputd("rebuild", "--store", str(root), "--out", str(tmp_path / "out"))
+    assert rebuild.returncode == 1, rebuild.stderr
+    assert "has no commitlog/ directory" in rebuild.stderr
+    assert ("it has dledger-n0/data, a DLedger CommitLog: set store.enableDLegerCommitLog: true and "
+            "store.dLegerSelfId: n0") in rebuild.stderr
+    assert not (tmp_path / "out").exists()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}, "REPUTD_METRICS_ENABLED": "false"}
+    run = subprocess.Popen([*REPUTD, "run", "--store", str(root), "--out", str(tmp_path / "run-out")],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        events = []
+        for line in run.stdout:  # its first lines: started, this warning, then the retries of the missing dir
+            events.append(json.loads(line))
+            if events[-1]["event"] in ("dledger_settings_missing", "recovery_failed"):
+                break
+    finally:
+        run.terminate()
+        run.communicate(timeout=60)
+    warning = next(e for e in events if e["event"] == "dledger_settings_missing")
+    assert "store.enableDLegerCommitLog: true and store.dLegerSelfId: n0" in warning["detail"]
+
+
 def test_rebuild_writes_the_brokers_files(workspace):
     root, config = workspace
     res = reputd("rebuild", "--config", str(config))

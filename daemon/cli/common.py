@@ -158,8 +158,10 @@ def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool
                 option = "--store" if getattr(args, "store", None) else "store.storePathRootDir"
                 raise UsageError(f"{root}: no such store root directory ({option})")
             if data:
+                from daemon.engine.dledgermode import dledger_settings_hint
+
                 raise StoreLayoutError(d, f"the store root {root} has no {COMMIT_LOG_DIR}/ directory: no CommitLog to "
-                                          "read")
+                                          f"read{dledger_settings_hint(root)}")
     if output and not os.path.isdir(config.output.dir):
         raise UsageError(f"{config.output.dir}: no such output directory ({_output_flag(args)})")
 

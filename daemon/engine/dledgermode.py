@@ -63,4 +63,20 @@ def input_problem(store: StoreConfig, root_option: str = "store.storePathRootDir
             f"under {root} locates no DLedger CommitLog")
     return f"{data}: no such directory: store.dLegerSelfId {store.d_leger_self_id!r} {held}{hint}"
 
-__all__ = ["commit_log_path", "enabled", "input_problem", "open_commit_log", "reput_offset"]
+def dledger_settings_hint(root: str) -> str:
+    """For a store read as a plain CommitLog: when its root holds a DLedger log instead, the settings that
+    read it (an operator who copied only the store block of a DLedger broker's broker.conf); else ''."""
+    try:
+        names = sorted(n for n in os.listdir(root)
+                       if n.startswith("dledger-") and os.path.isdir(os.path.join(root, n, "data")))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    ids = " or ".join(n[len("dledger-"):] for n in names)
+    return (f"; it has {', '.join(n + '/data' for n in names)}, a DLedger CommitLog: set "
+            f"store.enableDLegerCommitLog: true and store.dLegerSelfId: {ids}, as in the broker's broker.conf")
+
+
+__all__ = ["commit_log_path", "dledger_settings_hint", "enabled", "input_problem", "open_commit_log",
+           "reput_offset"]

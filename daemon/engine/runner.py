@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import os
 import threading
 import time
 
@@ -27,7 +28,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 
 from daemon.engine.cleaner import Cleaner
-from daemon.engine.dledgermode import commit_log_path
+from daemon.engine.dledgermode import commit_log_path, dledger_settings_hint
 from daemon.engine.flusher import Flusher
 from daemon.engine.service import (
     EXIT_FAILURE,
@@ -75,6 +76,11 @@ class SessionRunner(ServiceState):
         self._log.info("reputd_started", store=commit_log_path(self.config.store), output=self.config.output.dir,
                        metrics=f"{metrics_cfg.host}:{metrics_cfg.port}" if metrics_cfg.enabled else None,
                        until_caught_up=self.until_caught_up)
+        store = self.config.store
+        if not store.enable_d_leger_commit_log and not any(os.path.isdir(d) for d in store.commit_log_dirs):
+            hint = dledger_settings_hint(store.store_path_root_dir)
+            if hint:  # a DLedger broker's store read as a plain one: say so once, not only "no commitlog/"
+                self._log.warning("dledger_settings_missing", detail=hint.removeprefix("; "))
         if self.notifier.enabled:
             self._starting.set()
             threading.Thread(target=self._startup_beats, name="reputd-startup-beats", daemon=True).start()
