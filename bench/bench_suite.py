@@ -520,7 +520,7 @@ def _prime_class_archive(work: Path, config: Path) -> list[dict]:
     """The first local backfill with this Java and PySpark records the driver JVM's class archive as it ends
     (daemon/backfill/jvm.py): done here, untimed by the rows below, so that they all measure the steady case;
     its time is reported on its own."""
-    from daemon.backfill.job import LOCAL_DRIVER_JAVA_OPTIONS, check_java  # noqa: PLC0415
+    from daemon.backfill.driver import LOCAL_DRIVER_JAVA_OPTIONS, check_java  # noqa: PLC0415
     from daemon.backfill.jvm import ARCHIVE_AUTO, choose_archive  # noqa: PLC0415
 
     archive = choose_archive(ARCHIVE_AUTO, check_java(), LOCAL_DRIVER_JAVA_OPTIONS)

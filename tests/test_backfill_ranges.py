@@ -348,7 +348,9 @@ def test_a_python_worker_imports_only_what_its_tasks_need():
                                 cwd=Path(__file__).resolve().parent.parent).stdout.split())
     assert "daemon.backfill.tasks" in loaded
     assert {"daemon.backfill.ranges", "daemon.backfill.writers"} <= loaded
-    assert loaded.isdisjoint({"daemon.backfill.job", "daemon.backfill.catalog", "daemon.dispatchers",
+    assert loaded.isdisjoint({"daemon.backfill.job", "daemon.backfill.driver", "daemon.backfill.phases",
+                              "daemon.backfill.outputs", "daemon.backfill.interrupt", "daemon.backfill.catalog",
+                              "daemon.dispatchers",
                               "daemon.recovery", "daemon.metrics", "daemon.logs", "prometheus_client",
                               "structlog", "watchdog", "pyarrow.parquet", "pandas"}), sorted(loaded)
 
