@@ -117,8 +117,10 @@ def _keys(text: bytes, at: np.ndarray, length: np.ndarray) -> pa.Array:
     token_offsets = np.empty(total + 1, dtype=np.int32)
     first = np.empty(n + 1, dtype=np.int32)
     tokens = _spans.split_tokens(text, at, length, ord(KEY_SEPARATOR), data, token_offsets, first)
+    # only the bytes the tokens fill: the separators left the end of `data` unwritten, and its bytes would
+    # otherwise reach the staged streams (which then differed from one run to the next)
     values = _text(pa.Array.from_buffers(pa.binary(), tokens, [None, pa.py_buffer(token_offsets[: tokens + 1]),
-                                                               pa.py_buffer(data)]))
+                                                               pa.py_buffer(data[: token_offsets[tokens]])]))
     absent = at < 0
     validity = pa.py_buffer(np.packbits(~absent, bitorder="little")) if absent.any() else None
     return pa.Array.from_buffers(pa.list_(pa.string()), n, [validity, pa.py_buffer(first)], children=[values])
