@@ -185,8 +185,6 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
         interrupt.stopping()
         with contextlib.suppress(Exception):  # the context may be gone
             summary.spark_jobs = len(sc.statusTracker().getJobIdsForGroup(group))
-        if job is not None:
-            job.release()
         remove_tree(staging_root(out, job_id))
         if catalog is not None:
             remove_catalog_staging(catalog, s3, job_id)

@@ -4,7 +4,6 @@ the commit checks the output and links the staged files into place."""
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import os
@@ -29,7 +28,7 @@ from daemon.backfill.plan import (
 )
 from daemon.backfill.ranges import OUTCOME_DDL, DecodeSettings, RangeOutcome, RangeTask
 from daemon.backfill.source import S3Options, SegmentListing
-from daemon.backfill.tasks import CATALOG_FILES, INDEX_FILES, QUEUES, WriterSettings, decode_rows, write_rows
+from daemon.backfill.tasks import CATALOG_FILES, INDEX_FILES, QUEUES, WorkFile, WriterSettings, decode_rows, write_rows
 from daemon.backfill.writers import (
     CatalogWork,
     Fault,
@@ -48,6 +47,7 @@ if TYPE_CHECKING:
     from daemon.backfill.job import BackfillSummary
 
 RESULT_DDL = "kind string, value binary"
+WRITE_GROUPS_PER_SLOT = 2
 
 
 def balanced(weights: Mapping, parts: int) -> list[list]:
@@ -122,7 +122,7 @@ class Phases:
         self.log = log
         self.fault = fault
         self.s3 = s3
-        self.broadcasts: list = []  # the work items of each job
+        self.work_files = 0  # the work items of each job, in a file of the staging root
         self.catalog_covered: tuple[tuple[int, int], ...] = ()
         self.index_plans: list = []
         self.outcomes: dict[int, RangeOutcome] = {}
@@ -131,18 +131,19 @@ class Phases:
     def _timed(self, phase: str, t0: float) -> None:
         self.summary.phases[phase] = self.summary.phases.get(phase, 0.0) + time.perf_counter() - t0
 
-    def release(self) -> None:
-        for items in self.broadcasts:
-            with contextlib.suppress(Exception):
-                items.destroy()
+    def _work(self, items: Sequence) -> WorkFile:
+        """A job's work items, in a file every executor reads (the staging root is on the output's file
+        system, shared by the driver and the executors)."""
+        root = staging_root(self.out, self.job_id)
+        os.makedirs(root, exist_ok=True)
+        self.work_files += 1
+        return WorkFile.write(os.path.join(root, f"work-{self.work_files}.pickle"), items)
 
     def _decode_frame(self, work: Sequence) -> list[RangeOutcome]:
         # one partition per item, generated in the JVM: no Python RDD to convert (its own worker per task); each
         # task stages its range's output as files and hands back only the outcome (nothing is cached)
-        items = self.spark.sparkContext.broadcast([pickle.dumps(w) for w in work])
-        self.broadcasts.append(items)
         rows = (self.spark.range(0, len(work), 1, len(work))
-                .mapInArrow(decode_rows(self.settings, items, self.fault), OUTCOME_DDL).collect())
+                .mapInArrow(decode_rows(self.settings, self._work(work), self.fault), OUTCOME_DDL).collect())
         found = [pickle.loads(r.data) for r in rows]
         self.all_outcomes.extend(found)
         for o in found:
@@ -209,18 +210,19 @@ class Phases:
             for path in sorted({w.shared_path for w in index_tasks if w.chunk is not None}):
                 create_shared_index_file(path, store.max_hash_slot_num, store.max_index_num)
             work.extend(index_tasks)  # first: an IndexFile's tasks are the longest
+        # the queues and the catalog in twice as many groups as slots: smaller tasks after the IndexFiles' long
+        # ones fill the slots evenly, so that the job does not end on one task running alone
         if ranges and build_cq:
-            work.extend(queue_work(ranges, dirs, s.partitions))
+            work.extend(queue_work(ranges, dirs, WRITE_GROUPS_PER_SLOT * s.partitions))
         if ranges and catalog is not None:
-            work.extend(catalog_work(ranges, dirs, s.partitions, file_name(s.start_offset, s.end_offset),
-                                     self.catalog_covered))
+            work.extend(catalog_work(ranges, dirs, WRITE_GROUPS_PER_SLOT * s.partitions,
+                                     file_name(s.start_offset, s.end_offset), self.catalog_covered))
         results: dict[str, list] = {QUEUES: [], INDEX_FILES: [], CATALOG_FILES: []}
         if work:
             store = self.config.store
             settings = WriterSettings(self.out, self.job_id, store.mapped_file_size_consume_queue,
                                       store.max_hash_slot_num, store.max_index_num, catalog, self.s3)
-            items = self.spark.sparkContext.broadcast([pickle.dumps(w) for w in work])
-            self.broadcasts.append(items)
+            items = self._work(work)
             self.say(f"writing {len(work)} parts in one job")
             rows = (self.spark.range(0, len(work), 1, len(work))
                     .mapInArrow(write_rows(settings, items, self.fault), RESULT_DDL).collect())
