@@ -127,17 +127,21 @@ def serial_from_event_log(directory: Path, slots: int) -> dict:
     lo, hi = min(jobs_start), max(jobs_end)
     edges = sorted({lo, hi, *(max(lo, min(hi, t)) for a, b in tasks for t in (a, b))})
     serial = busy = 0.0
+    first_launch = min((s for s, _ in tasks), default=hi)
+    places = {"start": 0.0, "idle": 0.0, "tails": 0.0}  # before the first task, no task running, some running
     for a, b in itertools.pairwise(edges):
         mid = (a + b) / 2
         running = sum(1 for s, e in tasks if s <= mid < e)
         busy += running * (b - a)
         if running < slots:
             serial += b - a
+            places["start" if b <= first_launch else "idle" if running == 0 else "tails"] += b - a
     window = hi - lo
     parallel = window - serial
     one_slot = serial + slots * parallel  # the serial time once, the rest on every slot
     f1 = serial / one_slot if one_slot else 1.0
     return {"window_s": window / 1000, "serial_s": serial / 1000, "serial_fraction": serial / window,
+            "serial_places_s": {k: v / 1000 for k, v in places.items()},
             "jobs": len(jobs_start), "tasks": len(tasks), "task_s": busy / 1000, "one_slot_serial_fraction": f1,
             "speedup_16": 1 / (f1 + (1 - f1) / 16), "speedup_64": 1 / (f1 + (1 - f1) / 64)}
 
@@ -227,7 +231,9 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool)
          f"write {write_us:.3f}"),
         ("serial fraction (event log)", f"**{serial['serial_fraction']:.1%}**",
          f"target <= {TARGETS['serial_fraction']:.0%}; {serial['serial_s']:.2f} s of a {serial['window_s']:.2f} s "
-         f"window with fewer than {slots} tasks running; {serial['jobs']} jobs, {serial['tasks']} tasks"),
+         f"window with fewer than {slots} tasks running (before the first task "
+         f"{serial['serial_places_s']['start']:.2f} s, none running {serial['serial_places_s']['idle']:.2f} s, "
+         f"some {serial['serial_places_s']['tails']:.2f} s); {serial['jobs']} jobs, {serial['tasks']} tasks"),
         ("projected speedup (Amdahl)", f"{serial['speedup_16']:.1f}x at 16, {serial['speedup_64']:.1f}x at 64 slots",
          f"serial share of the one-slot work {serial['one_slot_serial_fraction']:.1%}"),
         ("Python <-> JVM bytes", f"{jvm_bytes:.2f} B/msg",
