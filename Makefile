@@ -9,7 +9,7 @@ CONFIG ?= config/reputd.yaml
 # otherwise compile it again in every process (felt by `reputd query`).
 INSTALL = $(BIN)/pip install --quiet -e
 COMPILE = $(BIN)/python -m compileall -q daemon indexcore
-DEPS    := pyproject.toml setup.py indexcore/_kernels.c
+DEPS    := pyproject.toml setup.py indexcore/_kernels.c indexcore/_spans.c
 
 .PHONY: run test lint docs bench clean stress
 

@@ -11,6 +11,8 @@ setup(
             ["indexcore/_kernels.c"],
             libraries=["z"],  # zlib's crc32 for short bodies and CPUs without carry-less multiply
             extra_compile_args=["-O3", "-std=c11", *WARNINGS],
-        )
+        ),
+        # byte spans of many records at once, for columnar consumers (the backfill's catalog)
+        Extension("indexcore._spans", ["indexcore/_spans.c"], extra_compile_args=["-O3", "-std=c11", *WARNINGS]),
     ]
 )

@@ -10,6 +10,8 @@ CPU-seconds of the whole process tree (the reputd driver, the Spark JVM, the Pyt
                 each slot, the stop
     marginal    (the whole backfill minus the fixed job) per message beyond the first 10,000, and its parts by
                 process (driver, JVM, Python workers) and by task kind (decode and write task time)
+    catalog     with --catalog: the same whole backfill again, writing a catalog too; its extra CPU per
+                message over the backfill without it, by process and by task kind
     serial      from Spark's event log of the whole backfill: over the jobs' window (first job submitted to
                 last job ended), the time when fewer tasks run than there are slots; the projected speedup at
                 16 and 64 slots is Amdahl's with the serial share of the one-slot work (the serial time
@@ -46,7 +48,7 @@ from bench.bench_suite import (  # noqa: E402
 )
 
 FIXED_MESSAGES = 10_000
-TARGETS = {"marginal_vs_rebuild": 2.0, "serial_fraction": 0.10, "fixed_cpu_s": 8.0}
+TARGETS = {"marginal_vs_rebuild": 2.0, "serial_fraction": 0.10, "fixed_cpu_s": 8.0, "catalog_extra_us": 1.0}
 
 
 def kind_of(pid: int, root: int) -> str:
@@ -125,17 +127,21 @@ def serial_from_event_log(directory: Path, slots: int) -> dict:
     lo, hi = min(jobs_start), max(jobs_end)
     edges = sorted({lo, hi, *(max(lo, min(hi, t)) for a, b in tasks for t in (a, b))})
     serial = busy = 0.0
+    first_launch = min((s for s, _ in tasks), default=hi)
+    places = {"start": 0.0, "idle": 0.0, "tails": 0.0}  # before the first task, no task running, some running
     for a, b in itertools.pairwise(edges):
         mid = (a + b) / 2
         running = sum(1 for s, e in tasks if s <= mid < e)
         busy += running * (b - a)
         if running < slots:
             serial += b - a
+            places["start" if b <= first_launch else "idle" if running == 0 else "tails"] += b - a
     window = hi - lo
     parallel = window - serial
     one_slot = serial + slots * parallel  # the serial time once, the rest on every slot
     f1 = serial / one_slot if one_slot else 1.0
     return {"window_s": window / 1000, "serial_s": serial / 1000, "serial_fraction": serial / window,
+            "serial_places_s": {k: v / 1000 for k, v in places.items()},
             "jobs": len(jobs_start), "tasks": len(tasks), "task_s": busy / 1000, "one_slot_serial_fraction": f1,
             "speedup_16": 1 / (f1 + (1 - f1) / 16), "speedup_64": 1 / (f1 + (1 - f1) / 64)}
 
@@ -168,7 +174,7 @@ def main() -> int:
     ap.add_argument("--data-set", default="256b-1key", choices=sorted(DATA_SETS))
     ap.add_argument("--scale", type=float, default=1.0, help="of the data set's 2,000,000 messages")
     ap.add_argument("--master", default="local[2]")
-    ap.add_argument("--catalog", action="store_true", help="write a catalog too")
+    ap.add_argument("--catalog", action="store_true", help="also measure what a catalog adds")
     args = ap.parse_args()
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -191,22 +197,18 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool)
           flush=True)
     _prime_class_archive(work, config)
     to = boundary_after(store, FIXED_MESSAGES)
-    catalog_args = []
-    extra_fixed, extra_full = [], []
-    if catalog:
-        catalog_args = ["--catalog"]
-        extra_fixed = [*catalog_args, str(work / "out" / "cost-catalog-fixed")]
-        extra_full = [*catalog_args, str(work / "out" / "cost-catalog-full")]
-        for p in (extra_fixed[1], extra_full[1]):
-            shutil.rmtree(p, ignore_errors=True)
-    fixed = backfill_run(config, work / "out" / "cost-fixed", master, ["--to", str(to), *extra_fixed])
+    fixed = backfill_run(config, work / "out" / "cost-fixed", master, ["--to", str(to)])
     shutil.rmtree(work / "out" / "cost-fixed", ignore_errors=True)
     print(f"fixed ({FIXED_MESSAGES:,} messages): {fixed['cpu']:.2f} CPU-s, {fixed['wall']:.1f} s wall", flush=True)
     events = work / "out" / "cost-events"
     t0 = time.perf_counter()
-    full = backfill_run(config, work / "out" / "cost-full", master, extra_full, events)
+    full = backfill_run(config, work / "out" / "cost-full", master, [], events)
     print(f"full ({messages:,} messages): {full['cpu']:.2f} CPU-s, {time.perf_counter() - t0:.1f} s wall", flush=True)
-    identical = True
+    identical = same_tree(reference, work / "out" / "cost-full")
+    with_catalog = catalog_row = None
+    if catalog:
+        with_catalog, catalog_row = measure_catalog(work, config, master, messages, full)
+        identical = identical and same_tree(reference, work / "out" / "cost-full-catalog")
     serial = serial_from_event_log(events, slots)
     extra_msgs = messages - FIXED_MESSAGES
     marginal_us = 1e6 * (full["cpu"] - fixed["cpu"]) / extra_msgs
@@ -229,22 +231,46 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool)
          f"write {write_us:.3f}"),
         ("serial fraction (event log)", f"**{serial['serial_fraction']:.1%}**",
          f"target <= {TARGETS['serial_fraction']:.0%}; {serial['serial_s']:.2f} s of a {serial['window_s']:.2f} s "
-         f"window with fewer than {slots} tasks running; {serial['jobs']} jobs, {serial['tasks']} tasks"),
+         f"window with fewer than {slots} tasks running (before the first task "
+         f"{serial['serial_places_s']['start']:.2f} s, none running {serial['serial_places_s']['idle']:.2f} s, "
+         f"some {serial['serial_places_s']['tails']:.2f} s); {serial['jobs']} jobs, {serial['tasks']} tasks"),
         ("projected speedup (Amdahl)", f"{serial['speedup_16']:.1f}x at 16, {serial['speedup_64']:.1f}x at 64 slots",
          f"serial share of the one-slot work {serial['one_slot_serial_fraction']:.1%}"),
         ("Python <-> JVM bytes", f"{jvm_bytes:.2f} B/msg",
          f"staged as files: {s_full.get('stagedBytes', 0) / messages:.1f} B/msg"),
     ]
-    identical = identical and same_tree(reference, work / "out" / "cost-full")
-    table = [f"| {messages:,} messages, `{master}`{', with catalog' if catalog else ''} | CPU per message | note |",
+    if catalog_row is not None:
+        rows.append(catalog_row)
+    table = [f"| {messages:,} messages, `{master}` | CPU per message | note |",
              "|---|---:|---|", *(f"| {r[0]} | {r[1]} | {r[2]} |" for r in rows), "",
              f"identical to the rebuild: {identical}"]
     result = {"scenario": "backfill-cost", "messages": messages, "master": master, "rebuild_us": rebuild_us,
               "fixed": fixed, "full": full, "serial": serial, "marginal_us": marginal_us,
               "marginal_parts_us": parts, "decode_us": decode_us, "write_us": write_us, "identical": identical,
-              "catalog": catalog, "table": table}
+              "catalog": catalog, "with_catalog": with_catalog, "table": table}
     (work / "backfill-cost.json").write_text(json.dumps(result, indent=2, default=str))
     return result
+
+
+def measure_catalog(work: Path, config: Path, master: str, messages: int, full: dict) -> tuple[dict, tuple]:
+    """The whole backfill again with `--catalog` (into a new catalog); its extra CPU per message over `full`."""
+    catalog = work / "out" / "cost-catalog"
+    shutil.rmtree(catalog, ignore_errors=True)
+    t0 = time.perf_counter()
+    run = backfill_run(config, work / "out" / "cost-full-catalog", master, ["--catalog", str(catalog)])
+    print(f"full with catalog: {run['cpu']:.2f} CPU-s, {time.perf_counter() - t0:.1f} s wall", flush=True)
+    shutil.rmtree(catalog, ignore_errors=True)
+    extra_us = 1e6 * (run["cpu"] - full["cpu"]) / messages
+    parts = {k: 1e6 * (run["kinds"].get(k, 0.0) - full["kinds"].get(k, 0.0)) / messages
+             for k in ("driver", "jvm", "python_workers")}
+    s_cat, s_full = run["summary"], full["summary"]
+    decode_us = 1e6 * (s_cat["decodeTaskSeconds"] - s_full["decodeTaskSeconds"]) / messages
+    write_us = 1e6 * (s_cat["writeTaskSeconds"] - s_full["writeTaskSeconds"]) / messages
+    row = ("catalog (`--catalog`), extra", f"**{extra_us:.3f} us**",
+           f"target <= {TARGETS['catalog_extra_us']:.0f} us; {run['cpu']:.1f} CPU-s with it, {run['wall']:.1f} s "
+           f"wall; by process: driver {parts['driver']:.3f}, JVM {parts['jvm']:.3f}, Python workers "
+           f"{parts['python_workers']:.3f}; task time: decode {decode_us:.3f}, write {write_us:.3f}")
+    return {**run, "extra_us": extra_us, "extra_parts_us": parts, "decode_us": decode_us, "write_us": write_us}, row
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
                      one-core workers, and local[2] reading the segments from an S3 server (moto)
     backfill-cost    what a backfill message costs (bench/backfill_cost.py): CPU-seconds of the process tree for
                      the rebuild, a 10,000-message job and the whole data set on local[2], the marginal cost and
-                     its parts, the serial fraction from Spark's event log and the projected speedup at 16/64
+                     its parts, the serial fraction from Spark's event log and the projected speedup at 16/64,
+                     and what a catalog (`--catalog`) adds per message
 
 Rebuilds are timed from process start to exit (`reputd rebuild` as an operator runs it, body CRCs
 checked); peak RSS is the child's own (wait4). Each is compared with a plain sequential read of the same
@@ -521,7 +522,7 @@ def _prime_class_archive(work: Path, config: Path) -> list[dict]:
     """The first local backfill with this Java and PySpark records the driver JVM's class archive as it ends
     (daemon/backfill/jvm.py): done here, untimed by the rows below, so that they all measure the steady case;
     its time is reported on its own."""
-    from daemon.backfill.job import LOCAL_DRIVER_JAVA_OPTIONS, check_java  # noqa: PLC0415
+    from daemon.backfill.driver import LOCAL_DRIVER_JAVA_OPTIONS, check_java  # noqa: PLC0415
     from daemon.backfill.jvm import ARCHIVE_AUTO, choose_archive  # noqa: PLC0415
 
     archive = choose_archive(ARCHIVE_AUTO, check_java(), LOCAL_DRIVER_JAVA_OPTIONS)
@@ -736,7 +737,7 @@ def main() -> int:
     if "backfill-cost" in wanted:
         from bench.backfill_cost import measure  # noqa: PLC0415
 
-        cost = measure(work, "256b-1key", scale, "local[2]", catalog=False)
+        cost = measure(work, "256b-1key", scale, "local[2]", catalog=True)
     lmq_ratio(results)
     print_table(results)
     if cost is not None:

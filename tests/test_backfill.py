@@ -27,7 +27,7 @@ from daemon.backfill import (
 )
 from daemon.backfill.catalog import CATALOG_QUERIES, file_name
 from daemon.backfill.commit import STAGING_DIR
-from daemon.backfill.job import spark_error_line
+from daemon.backfill.driver import spark_error_line
 from daemon.commands.query import query_key
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
@@ -131,10 +131,10 @@ def test_indexfiles_put_in_chunks_by_several_tasks_are_the_rebuilds(spark, gener
                                                                      chunk_keys):
     """An IndexFile larger than a chunk is put by one task per chunk, each with slots of its own, and its slot
     chains linked by the driver: byte for byte the file of one sequential put (49 keys a file here)."""
-    from daemon.backfill import job as job_module
+    from daemon.backfill import phases
 
     tmp, _, expected = generated
-    monkeypatch.setattr(job_module, "INDEX_CHUNK_KEYS", chunk_keys)
+    monkeypatch.setattr(phases, "INDEX_CHUNK_KEYS", chunk_keys)
     config = make_config(tmp_path, "bf", tmp / "store", backfill={"rangeBytes": 30_000})
     backfill(config, spark=spark, partitions=2)
     assert_same_files(files_under(tmp_path / "bf"), expected)
@@ -457,7 +457,7 @@ def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_
 def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, generated, tmp_path, monkeypatch):
     """The catalog writers stage under CATALOG/_reputd-staging/JOB/ with names no `*.parquet` glob takes;
     a backfill that fails after them removes that directory, and the rerun writes the catalog."""
-    from daemon.backfill import job as job_module
+    from daemon.backfill import phases
 
     tmp, results, _ = generated
     catalog = tmp_path / "catalog"
@@ -467,7 +467,7 @@ def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, generated, tmp_p
         staged.extend(str(p) for p in catalog.rglob("*") if p.is_file())
         raise BackfillError("injected failure at commit")
 
-    monkeypatch.setattr(job_module._Job, "_commit", fail)
+    monkeypatch.setattr(phases.Phases, "_commit", fail)
     with pytest.raises(BackfillError, match="injected"):
         backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(catalog))
     assert staged
@@ -612,7 +612,7 @@ def test_a_standalone_master_nothing_answers_at_fails_at_once_naming_it(generate
 def test_one_standalone_master_that_answers_is_enough():
     """A master with standbys (`spark://h1:p1,h2:p2`): one address accepting connections passes the check;
     local and cluster-manager masters are Spark's business."""
-    from daemon.backfill.job import check_master_answers
+    from daemon.backfill.driver import check_master_answers
 
     with socket.socket() as dead:
         dead.bind(("127.0.0.1", 0))

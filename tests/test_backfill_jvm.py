@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from daemon.backfill.job import check_java
+from daemon.backfill.driver import check_java
 from daemon.backfill.jvm import ARCHIVE_AUTO, ARCHIVE_OFF, ClassArchive, choose_archive, default_archive_dir
 from daemon.config import ConfigError, load_config
 

@@ -348,7 +348,9 @@ def test_a_python_worker_imports_only_what_its_tasks_need():
                                 cwd=Path(__file__).resolve().parent.parent).stdout.split())
     assert "daemon.backfill.tasks" in loaded
     assert {"daemon.backfill.ranges", "daemon.backfill.writers"} <= loaded
-    assert loaded.isdisjoint({"daemon.backfill.job", "daemon.backfill.catalog", "daemon.engine.dispatchers",
+    assert loaded.isdisjoint({"daemon.backfill.job", "daemon.backfill.driver", "daemon.backfill.phases",
+                              "daemon.backfill.outputs", "daemon.backfill.interrupt", "daemon.backfill.catalog",
+                              "daemon.engine.dispatchers",
                               "daemon.engine.recovery", "daemon.ops.metrics", "daemon.ops.logs", "prometheus_client",
                               "structlog", "watchdog", "pyarrow.parquet", "pandas"}), sorted(loaded)
 
@@ -382,20 +384,22 @@ _NAME_OR_JUNK = st.sampled_from(["TAGS", "REAL_TOPIC", "KEYS", "TAG", "ATAGS", "
                 .map(lambda props: "".join(f"{k}\x01{v}\x02" for k, v in props))
                 | st.text(alphabet="TAGS\x01\x02ab", max_size=20), max_size=8))
 def test_catalog_properties_are_found_as_the_regular_expression_found_them(records):
-    """The catalog's property columns come from array operations over a batch's properties: the same values
-    (the last occurrence at the start or after a separator, up to the next one) as the regular expression
-    over each record that they replaced, whatever the names, separators and values."""
+    """The catalog's property columns come from one C pass over a batch's properties: the same values (the
+    last occurrence at the start or after a separator, up to the next one) as the regular expression over
+    each record that they replaced, whatever the names, separators and values."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from daemon.backfill import catalog
 
     raw = [r.encode() for r in records]
-    offsets = np.zeros(len(raw) + 1, dtype=np.int32)
+    offsets = np.zeros(len(raw) + 1, dtype=np.int64)
     np.cumsum([len(r) for r in raw], out=offsets[1:])
-    data = np.frombuffer(b"".join(raw), dtype=np.uint8)
-    for name in ("TAGS", "REAL_TOPIC"):
-        found = catalog._property(data, offsets, name).to_pylist()
+    data = b"".join(raw)
+    names = ("TAGS", "REAL_TOPIC")
+    values = catalog.property_values(data, offsets[:-1], offsets[1:], tuple(n.encode() for n in names))
+    for name, column in zip(names, values, strict=True):
+        found = column.to_pylist()
         regex = rf"(?s)^(?:.*\x02)?{name}\x01(?P<v>[^\x02]*)"
         expected = pc.struct_field(pc.extract_regex(pa.array(raw, pa.binary()), regex), [0]).to_pylist()
         assert found == [None if v is None else v.decode() for v in expected]

@@ -9,7 +9,11 @@ the range size, partitions or executors; Spark only spreads the work:
     writers  job 2: ConsumeQueue, IndexFile and catalog writers fed by Spark's shuffle, staging their files
     catalog  the Parquet catalog's rows and files
     commit   staged files linked into place without clobbering (merge into blank units)
-    job      the Spark session and jobs, Java detection, Spark errors as one line
+    job      `backfill()`: the driver's run from the config to the summary
+    driver   Java detection, the Spark session, Spark's failures as one line
+    phases   the two Spark jobs (decode, write) and the commit, the writers balanced over the tasks
+    outputs  the checks of the output and the catalog before Spark starts, the catalog's staging removed
+    interrupt  SIGINT/SIGTERM: one line, exit 130, nothing left running
     tasks    what the Python workers run (the decode, the writers), importing no more than they need
 """
 
@@ -24,9 +28,9 @@ _EXPORTS = {
     "Fault": "daemon.backfill.writers",
     "InjectedFault": "daemon.backfill.writers",
     "backfill": "daemon.backfill.job",
-    "check_java": "daemon.backfill.job",
+    "check_java": "daemon.backfill.driver",
     "commit_log_dirs": "daemon.backfill.job",
-    "create_session": "daemon.backfill.job",
+    "create_session": "daemon.backfill.driver",
 }
 __all__ = ["BackfillError", "BackfillFailed", "BackfillSummary", "Fault", "InjectedFault", "backfill", "check_java",
            "commit_log_dirs", "create_session"]

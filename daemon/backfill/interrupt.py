@@ -1,0 +1,152 @@
+"""SIGINT and SIGTERM during a backfill: one line, exit 130, nothing left running (the Spark launcher,
+gateway JVM and Python workers this process started are ended)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+from daemon.backfill.jvm import end_gateway
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+GATEWAY_EXIT_TIMEOUT_S = 10.0
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (from /proc), children first."""
+    parent: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier]
+        found.extend(frontier)
+    return found
+
+
+def kill_spark_processes() -> None:
+    """Kill the processes this backfill started (the Spark launcher and gateway JVM, and under it the Python
+    workers) at once: a JVM whose driver went away prints a Java stack trace, then lingers for minutes."""
+    for pid in _descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        from pyspark import SparkContext  # noqa: PLC0415
+
+        proc = getattr(SparkContext._gateway, "proc", None)
+        if proc is not None:
+            proc.wait(GATEWAY_EXIT_TIMEOUT_S)
+
+
+def end_driver_jvm() -> None:
+    """After the session has stopped: end the gateway JVM this process launched, killing it if it does not
+    exit; the Python process may go on (a test, a caller)."""
+    end_gateway(GATEWAY_EXIT_TIMEOUT_S)
+
+
+class Interrupt:
+    """SIGINT or SIGTERM at any moment of a backfill that owns its session ends it as an interruption (the
+    caller's KeyboardInterrupt: one line, exit 130), with nothing left running:
+
+    * before Spark starts: at once;
+    * while Spark starts (`launching`): the launcher and JVM are killed, so the start fails and is reported
+      as the interruption (PySpark's own SIGINT handler, which SparkContext installs, is kept out: it raised
+      from inside a call to the JVM and left the JVM running);
+    * during the jobs (`arm`): they are cancelled from another thread and the job that fails of it ends the
+      backfill (PySpark's handler called into the JVM from the thread the signal interrupts, which is inside a
+      call to the JVM: py4j then printed three tracebacks); a second signal kills Spark's processes at once;
+    * while the session stops (`stopping`): the stop goes on.
+
+    For a caller's session, and off the main thread (where no handler can be set), it does nothing."""
+
+    def __init__(self, own: bool):
+        self.signal: int | None = None
+        self._sc = self._group = None
+        self._state = "before"
+        self._kept = {}
+        if own and threading.current_thread() is threading.main_thread():
+            self._kept = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+            for sig in self._kept:
+                signal.signal(sig, self._on_signal)
+
+    @contextlib.contextmanager
+    def launching(self):
+        """Around the session's creation: a signal kills what is starting; PySpark's SIGINT handler is kept
+        out; the start that fails of the kill, or succeeds before it, ends as the interruption."""
+        try:
+            import pyspark.core.context as pyspark_context  # noqa: PLC0415 - Spark 4
+        except ImportError:
+            import pyspark.context as pyspark_context  # noqa: PLC0415 - Spark 3.5
+
+        real = pyspark_context.signal
+        pyspark_context.signal = _SignalsKept(real, set(self._kept))
+        self._state = "launching"
+        try:
+            yield
+        except Exception:
+            if self.signal is not None:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            pyspark_context.signal = real
+            self._state = "before"
+        if self.signal is not None:
+            kill_spark_processes()
+            raise KeyboardInterrupt
+
+    def arm(self, sc, group: str) -> None:
+        self._sc, self._group = sc, group
+        self._state = "running"
+
+    def stopping(self) -> None:
+        self._state = "stopping"
+
+    def disarm(self) -> None:
+        for sig, handler in self._kept.items():
+            signal.signal(sig, handler)
+        self._kept = {}
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        first = self.signal is None
+        if first:
+            self.signal = signum
+        if self._state == "before":
+            raise KeyboardInterrupt
+        if self._state == "launching":
+            kill_spark_processes()
+        elif self._state == "running":
+            if not first:
+                kill_spark_processes()
+                raise KeyboardInterrupt
+            threading.Thread(target=self._cancel, name="reputd-backfill-cancel", daemon=True).start()
+
+    def _cancel(self) -> None:
+        with contextlib.suppress(Exception):  # the context may be stopping already
+            self._sc.cancelJobGroup(self._group)
+
+    def check(self) -> None:
+        """Raise the interruption if a signal came while the driver was not waiting for a job."""
+        if self.signal is not None:
+            raise KeyboardInterrupt
+
+
+class _SignalsKept:
+    """The `signal` module as PySpark's context sees it while it starts: handlers for the signals the backfill
+    handles itself are not replaced."""
+
+    def __init__(self, real, kept: set):
+        self._real = real
+        self._kept = kept
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def signal(self, signum, handler):
+        if signum in self._kept:
+            return self._real.getsignal(signum)
+        return self._real.signal(signum, handler)
