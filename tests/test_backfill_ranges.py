@@ -19,11 +19,12 @@ from hypothesis import strategies as st
 from daemon.backfill import ranges as ranges_module
 from daemon.backfill.plan import BackfillFailed, Reread, walk_ranges
 from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
-from daemon.backfill.source import LOCAL, SegmentDir, SegmentListing
+from daemon.backfill.source import LOCAL, S3Options, SegmentDir, SegmentListing, open_image
 from daemon.backfill.stage import QUEUE_BUCKETS, StagedRange
 from daemon.backfill.tasks import reread as _reread
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, ON_CORRUPTION_STOP
 from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
+from indexcore.errors import StoreLayoutError
 from indexcore.queuestore import consume_queue_units
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus
 from tests.backfill_stores import corrupt_record, tear_tail, write_forged_store
@@ -403,3 +404,15 @@ def test_catalog_properties_are_found_as_the_regular_expression_found_them(recor
         regex = rf"(?s)^(?:.*\x02)?{name}\x01(?P<v>[^\x02]*)"
         expected = pc.struct_field(pc.extract_regex(pa.array(raw, pa.binary()), regex), [0]).to_pylist()
         assert found == [None if v is None else v.decode() for v in expected]
+
+
+@pytest.mark.parametrize("length", [0, 4096])
+def test_a_local_segment_of_the_wrong_size_is_named_with_its_size(tmp_path, length):
+    """The operator sees the size against mappedFileSizeCommitLog, not "mmap closed" (nor, for an empty file,
+    "cannot mmap an empty file")."""
+    path = tmp_path / "00000000000000000000"
+    path.write_bytes(b"\x00" * length)
+    with pytest.raises(StoreLayoutError) as e:
+        open_image(str(path), 65536, 1 << 20, S3Options())
+    assert e.value.path == str(path)
+    assert f"segment is {length} bytes, mappedFileSizeCommitLog is 65536" in str(e.value)

@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from daemon.config import load_config
-from daemon.engine.checkpoint import read_checkpoint
+from daemon.engine.checkpoint import Checkpoint, read_checkpoint
+from daemon.engine.checkpoint import write_checkpoint as engine_write_checkpoint
 from daemon.engine.dledgerfence import DLedgerLogView, repair_truncation
 from daemon.ops.metrics import ReputMetrics
 from indexcore.commitlog import TRANSACTION_COMMIT_TYPE, TRANSACTION_NOT_TYPE, MessageRecord, transaction_type
@@ -238,4 +239,78 @@ def test_a_running_follower_sees_the_cut_at_the_head_and_repairs_it(tmp_path, fo
     text = log.read_text()
     assert len(events(text, "dledger_truncation_found")) == 1
     assert events(text, "dledger_truncation_repaired")[0]["shared_entry"] == 2949
+    assert output_files(out) == clean_rebuild(tmp_path, root)
+
+
+# --- starts without fence state: a replay marker, or no checkpoint (the output files are checked) ---------------
+
+@pytest.mark.parametrize("marker", ["below-the-cut", "above-the-cut", "no-checkpoint"])
+def test_a_cut_made_under_a_replay_marker_is_repaired_from_the_output_files(tmp_path, followed, marker):
+    """The output stopped under a replay marker (a derived start's first minute, a quarantine) or with no
+    checkpoint at all holds no fence; a new leader then cuts entries it holds: the start finds them from the
+    files, and the result is a clean rebuild of the new log."""
+    root, out, cfg = followed
+    positions = [pos for _, _, pos, _ in entries(root)]
+    if marker == "no-checkpoint":
+        (out / "reputd.checkpoint").unlink()
+    else:
+        at = positions[2800] if marker == "below-the-cut" else positions[3005]
+        engine_write_checkpoint(str(out), Checkpoint(at, {}, 0))
+    end = new_leader(root, 2990, 60)
+    res = reputd("run", "--config", str(cfg), "--until-caught-up")
+    assert res.returncode == 0, res.stderr[-2000:]
+    repaired = events(res.stdout, "dledger_truncation_repaired")
+    assert len(repaired) == 1, res.stdout[-3000:]
+    assert repaired[0]["found_by"] == "output files"
+    assert repaired[0]["dispatched_pos"] == positions[3014]
+    assert read_checkpoint(str(out)).reput_from_offset == end
+    assert output_files(out) == clean_rebuild(tmp_path, root)
+
+
+def test_a_replay_marker_over_an_unchanged_log_repairs_nothing(tmp_path, followed):
+    root, out, cfg = followed
+    engine_write_checkpoint(str(out), Checkpoint(entries(root)[2800][2], {}, 0))
+    new_leader(root, 3015, 10, term=2)
+    res = reputd("run", "--config", str(cfg), "--until-caught-up")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert events(res.stdout, "dledger_truncation_repaired") == []
+    assert output_files(out) == clean_rebuild(tmp_path, root)
+
+
+# --- plug-in dispatchers across a repair ---------------------------------------------------------------------
+
+def _with_plugins(cfg: Path, tmp_path: Path) -> tuple[Path, Path]:
+    doc = yaml.safe_load(cfg.read_text())
+    cuttable, forgetful = tmp_path / "cuttable.txt", tmp_path / "forgetful.txt"
+    doc["dispatchers"] = ["consumequeue", "index",
+                          {"name": "tests.plugins.cuttable:CuttableDispatcher", "options": {"path": str(cuttable)}},
+                          {"name": "tests.plugins.cuttable:ForgetfulDispatcher", "options": {"path": str(forgetful)}}]
+    cfg.write_text(yaml.safe_dump(doc))
+    return cuttable, forgetful
+
+
+def test_a_plugin_with_recover_is_cut_back_and_one_without_is_named(tmp_path):
+    """The repair keeps the plug-ins' checkpoint states, so recovery calls `recover(cut, state)` as after any
+    crash: the plug-in ends holding the records of the new log, each once. One without `recover` is named in
+    `dledger_truncation_plugin_not_cut` and sees the new entries from the cut."""
+    root = tmp_path / "store"
+    shutil.copytree(STORE / "dledger-n0", root / "dledger-n0")
+    out = tmp_path / "out"
+    cfg = config(tmp_path / "reputd.yaml", root, out)
+    cuttable, forgetful = _with_plugins(cfg, tmp_path)
+    res = reputd("run", "--config", str(cfg), "--until-caught-up")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "cuttable" in read_checkpoint(str(out)).dispatchers
+    new_leader(root, 2990, 60)
+    res = reputd("run", "--config", str(cfg), "--until-caught-up")
+    assert res.returncode == 0, res.stderr[-2000:]
+    repaired = events(res.stdout, "dledger_truncation_repaired")
+    assert len(repaired) == 1
+    new_log = [pos + ENTRY_HEADER_SIZE for _, _, pos, _ in entries(root)]
+    assert [int(x) for x in cuttable.read_text().split()] == new_log
+    not_cut = events(res.stdout, "dledger_truncation_plugin_not_cut")
+    assert [e["dispatcher"] for e in not_cut] == ["forgetful"]
+    assert not_cut[0]["reput_from_offset"] == repaired[0]["reput_from_offset"]
+    # it was given every new entry from the cut (it also still holds the cut ones, as the event says)
+    assert [int(x) for x in forgetful.read_text().split()][-60:] == new_log[-60:]
     assert output_files(out) == clean_rebuild(tmp_path, root)

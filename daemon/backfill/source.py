@@ -233,10 +233,10 @@ class LocalImage:
     def __init__(self, path: str, size: int):
         self.path = path
         with open(path, "rb") as f:
+            actual = os.fstat(f.fileno()).st_size  # before mapping: an empty file cannot be mapped at all
+            if actual != size:
+                raise StoreLayoutError(path, f"segment is {actual} bytes, mappedFileSizeCommitLog is {size}")
             self.buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        if len(self.buffer) != size:
-            self.close()
-            raise StoreLayoutError(path, f"segment is {len(self.buffer)} bytes, mappedFileSizeCommitLog is {size}")
 
     def ensure(self, start: int, end: int) -> None:
         """Make [start, end) readable (always, for a mapped file)."""

@@ -21,6 +21,10 @@ ConsumeQueue and IndexFile states derived from the files there; recovery then cu
 (`recovery.recover_output`) and the loop dispatches the new entries: the files a clean rebuild of the new log
 writes. A kill at any moment of the repair leaves either the old checkpoint (the repair is found again) or the
 new one (recovery cuts again, which is idempotent).
+
+A start without fence state (no checkpoint, a replay marker) checks the output files instead
+(`daemon.engine.dledgeroutput`). Plug-ins keep their checkpoint states across a repair, so recovery calls their
+`recover(cut, state)`.
 """
 
 from __future__ import annotations
@@ -255,7 +259,7 @@ class Repair:
     """What a start found and did: the entry dispatched that is gone, the last one both logs share, the new
     checkpoint offset."""
 
-    gone: Entry
+    gone: Entry | None  # None: found from the output files, without fence state
     now_there: Entry | None  # what the log holds at the gone entry's position now
     shared: Entry | None  # the last entry both logs hold (None: none known)
     reput_from_offset: int
@@ -377,10 +381,34 @@ def drop_queues_without_units_below(output_dir: str, cut: int) -> tuple[list[str
     return dropped, left
 
 
+BUILT_IN = ("consumequeue", "index", FENCE)
+
+
+def cut_states(config: Config, output_dir: str, view: DLedgerLogView, cut: int, names, log) -> dict[str, Any]:
+    """The ConsumeQueue and IndexFile states of the output cut back to store offset `cut` (an entry position)."""
+    states: dict[str, Any] = {}
+    if "consumequeue" in names:
+        dropped, queues = drop_queues_without_units_below(output_dir, cut + ENTRY_HEADER_SIZE)
+        if dropped:
+            log.info("dledger_queues_removed", queues=dropped, reput_from_offset=cut,
+                     detail="queues whose every record was cut: a rebuild of the new log has none")
+        states["consumequeue"] = {"queues": queues}
+    if "index" in names:
+        states["index"] = index_state_at(config, output_dir, view, cut + ENTRY_HEADER_SIZE)
+    return states
+
+
+def plugin_states(old: dict[str, Any]) -> dict[str, Any]:
+    """Plug-ins' states, carried into the repair's checkpoint unchanged: recovery then calls their
+    `recover(cut, state)`, which must drop what they hold at or past the cut (docs/recovery.md)."""
+    return {name: state for name, state in old.items() if name not in BUILT_IN}
+
+
 def repair_truncation(config: Config, metrics=None, log=None) -> Repair | None:
     """At a start in DLedger mode, before recovery: if the checkpoint's last entry is no longer in the log,
     write a checkpoint at the end of the last entry both logs share, with the dispatchers' states there
-    (module docstring); recovery then cuts the output back to it. None when nothing was cut."""
+    (module docstring); recovery then cuts the output back to it. None when nothing was cut or the checkpoint
+    has no fence state (`daemon.engine.dledgeroutput` checks the files then)."""
     if not config.store.enable_d_leger_commit_log:
         return None
     log = log or get_logger(component="recovery")
@@ -405,19 +433,12 @@ def repair_truncation(config: Config, metrics=None, log=None) -> Repair | None:
         return None  # retention deleted its data file: old entries are committed, none is cut
     shared = find_shared(view, gone, terms)
     cut = shared.end if shared is not None else view.first_offset()
-    states: dict[str, Any] = {}
     old = checkpoint.dispatchers
-    if "consumequeue" in old:
-        dropped, queues = drop_queues_without_units_below(out, cut + ENTRY_HEADER_SIZE)
-        if dropped:
-            log.info("dledger_queues_removed", queues=dropped, reput_from_offset=cut,
-                     detail="queues whose every record was cut: a rebuild of the new log has none")
-        states["consumequeue"] = {"queues": queues}
-    if "index" in old:
-        states["index"] = index_state_at(config, out, view, cut + ENTRY_HEADER_SIZE)
+    states = cut_states(config, out, view, cut, old, log)
     if shared is not None:
         states[FENCE] = {"index": shared.index, "term": shared.term, "pos": shared.pos, "size": shared.size,
                          "terms": [t for t in terms if t[1] <= shared.index]}
+    states.update(plugin_states(old))
     write_checkpoint(out, Checkpoint(cut, states, int(time.time() * 1000)))
     _failpoints.reached("dledger.after_repair_checkpoint")  # recovery, not done yet, cuts the files next
     repair = Repair(gone, now_there, shared, cut, checkpoint.reput_from_offset)
@@ -425,7 +446,7 @@ def repair_truncation(config: Config, metrics=None, log=None) -> Repair | None:
                 dispatched_pos=gone.pos, now_at_pos=None if now_there is None else
                 {"index": now_there.index, "term": now_there.term, "size": now_there.size},
                 shared_entry=None if shared is None else shared.index, reput_from_offset=cut,
-                old_reput_from_offset=checkpoint.reput_from_offset,
+                old_reput_from_offset=checkpoint.reput_from_offset, found_by="checkpoint",
                 detail="entries already dispatched are no longer in the DLedger log (a new leader cut them): the "
                        "output is cut back to the last entry both logs hold and the new entries dispatched")
     if metrics is not None:

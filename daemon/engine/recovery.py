@@ -59,7 +59,7 @@ from typing import Any
 from daemon.config import Config
 from daemon.engine.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.engine.dispatchers import Dispatcher, build_dispatchers
-from daemon.engine.dledgerfence import repair_truncation
+from daemon.engine.dledgeroutput import plugins_not_cut, repair_at_start
 from daemon.ops.logs import get_logger
 from daemon.ops.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
@@ -184,7 +184,8 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
     log = log or get_logger(component="recovery")
     out = config.output.dir
     os.makedirs(out, exist_ok=True)
-    repair_truncation(config, metrics=metrics, log=log)  # DLedger: entries dispatched that a new leader cut
+    # DLedger: entries dispatched that a new leader cut
+    repair = repair_at_start(config, metrics=metrics, log=log, first_offset=commit_log.min_offset)
     try:
         checkpoint = read_checkpoint(out)
     except CheckpointError as e:
@@ -203,6 +204,7 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
                         detail="the first bytes of units whose write a kill stopped; they are written again")
     if moved:
         checkpoint = read_checkpoint(out)  # the replay marker written before the first move
+    plugins_not_cut(repair, dispatchers, checkpoint, log)
     if checkpoint is not None and checkpoint.reput_from_offset > commit_log.max_offset:
         _count(metrics, "errors", kind=ErrorKind.CHECKPOINT)
         log.error("checkpoint_distrusted", reason="checkpoint is past the end of the CommitLog",
