@@ -220,18 +220,8 @@ class CommitLogWriter:
             if not self.allow_v2:
                 raise ValueError(f"topic of {len(topic_bytes)} bytes is over {MAX_TOPIC_LENGTH_V1} (4.9.3 rejects it)")
             magic = MESSAGE_MAGIC_CODE_V2
-        sys_flag = msg.sys_flag & ~(BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG)
-        sys_flag |= BORNHOST_V6_FLAG if msg.born_host.is_v6 else 0
-        sys_flag |= STOREHOSTADDRESS_V6_FLAG if self.store_host.is_v6 else 0
-        queue_offset = self._queue_offset(topic, queue_id, sys_flag)
-        store_ts = self.clock()
-        record = MessageRecord(
-            topic=topic, queue_id=queue_id, flag=msg.flag, queue_offset=queue_offset, physical_offset=0,
-            sys_flag=sys_flag, born_timestamp=msg.born_timestamp if msg.born_timestamp is not None else store_ts,
-            born_host=msg.born_host, store_timestamp=store_ts, store_host=self.store_host,
-            reconsume_times=msg.reconsume_times, prepared_transaction_offset=msg.prepared_transaction_offset,
-            body=msg.body, properties=properties, body_crc=body_crc32(msg.body), magic=magic,
-        )
+        record = self._new_record(msg, topic, queue_id, properties, magic)
+        sys_flag, queue_offset, store_ts = record.sys_flag, record.queue_offset, record.store_timestamp
         size = record.total_size
         if size > self.max_message_size:
             raise ValueError(f"message of {size} bytes exceeds maxMessageSize {self.max_message_size}")
@@ -256,6 +246,22 @@ class CommitLogWriter:
                 self._multi_table(key[0])[key] = offset + 1
         return AppendResult(phy, size, queue_offset, store_ts, create_offset_msg_id(self.store_host, phy),
                             topic, queue_id)
+
+    def _new_record(self, msg: Message, topic: str, queue_id: int, properties: str, magic: int) -> MessageRecord:
+        """The record as the store fills it in at append (host flags, queue offset, store time), its
+        PHYSICALOFFSET left 0 for the caller, which knows where it goes."""
+        sys_flag = msg.sys_flag & ~(BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG)
+        sys_flag |= BORNHOST_V6_FLAG if msg.born_host.is_v6 else 0
+        sys_flag |= STOREHOSTADDRESS_V6_FLAG if self.store_host.is_v6 else 0
+        queue_offset = self._queue_offset(topic, queue_id, sys_flag)
+        store_ts = self.clock()
+        return MessageRecord(
+            topic=topic, queue_id=queue_id, flag=msg.flag, queue_offset=queue_offset, physical_offset=0,
+            sys_flag=sys_flag, born_timestamp=msg.born_timestamp if msg.born_timestamp is not None else store_ts,
+            born_host=msg.born_host, store_timestamp=store_ts, store_host=self.store_host,
+            reconsume_times=msg.reconsume_times, prepared_transaction_offset=msg.prepared_transaction_offset,
+            body=msg.body, properties=properties, body_crc=body_crc32(msg.body), magic=magic,
+        )
 
     def flush(self) -> None:
         if self._file is not None:

@@ -12,18 +12,13 @@ import dataclasses
 import os
 
 from indexcore.commitlog import (
-    BORNHOST_V6_FLAG,
     MESSAGE_MAGIC_CODE,
-    STOREHOSTADDRESS_V6_FLAG,
     TRANSACTION_COMMIT_TYPE,
     TRANSACTION_NOT_TYPE,
-    MessageRecord,
-    body_crc32,
     encode_properties,
     transaction_type,
 )
 from indexcore.dledger import (
-    CHECKPOINT_FILE,
     ENTRY_HEADER_SIZE,
     INDEX_DIR,
     INDEX_UNIT_SIZE,
@@ -37,6 +32,7 @@ from indexcore.dledger import (
     last_entry,
 )
 from indexcore.dledgerlog import DLedgerLog
+from indexcore.dledgerwriter import write_checkpoint
 from indexcore.msgid import create_offset_msg_id
 from indexcore.reader import CommitLogReader, ReadStatus
 from indexcore.writer import AppendResult, CommitLogWriter, Message
@@ -76,18 +72,8 @@ class DLedgerWriter(CommitLogWriter):
 
     def append(self, msg: Message) -> AppendResult:
         topic, queue_id, props = self._delayed(msg)
-        sys_flag = msg.sys_flag & ~(BORNHOST_V6_FLAG | STOREHOSTADDRESS_V6_FLAG)
-        sys_flag |= BORNHOST_V6_FLAG if msg.born_host.is_v6 else 0
-        sys_flag |= STOREHOSTADDRESS_V6_FLAG if self.store_host.is_v6 else 0
-        queue_offset = self._queue_offset(topic, queue_id, sys_flag)
-        store_ts = self.clock()
-        record = MessageRecord(
-            topic=topic, queue_id=queue_id, flag=msg.flag, queue_offset=queue_offset, physical_offset=0,
-            sys_flag=sys_flag, born_timestamp=msg.born_timestamp if msg.born_timestamp is not None else store_ts,
-            born_host=msg.born_host, store_timestamp=store_ts, store_host=self.store_host,
-            reconsume_times=msg.reconsume_times, prepared_transaction_offset=msg.prepared_transaction_offset,
-            body=msg.body, properties=encode_properties(props), body_crc=body_crc32(msg.body), magic=MESSAGE_MAGIC_CODE,
-        )
+        record = self._new_record(msg, topic, queue_id, encode_properties(props), MESSAGE_MAGIC_CODE)
+        sys_flag, queue_offset, store_ts = record.sys_flag, record.queue_offset, record.store_timestamp
         entry_size = ENTRY_HEADER_SIZE + record.total_size
         if self._file is None:
             self._open(0)
@@ -113,10 +99,7 @@ class DLedgerWriter(CommitLogWriter):
     def commit(self, index: int | None = None) -> None:
         """The checkpoint DLedger persists: committedIndex (default: every entry written) and endIndex."""
         end = self.next_index - 1
-        committed = end if index is None else index
-        path = os.path.join(home_dir(self.root, self.self_id), CHECKPOINT_FILE)
-        with open(path, "w") as f:
-            f.write(f"committedIndex={committed}\nendIndex={end}\n")
+        write_checkpoint(home_dir(self.root, self.self_id), end if index is None else index, end)
 
     def close(self) -> None:
         """Flush; with `commit_on_close`, commit every entry written (a one-node group commits at once)."""
