@@ -128,25 +128,37 @@ def _last_real_unit_end(units: np.ndarray) -> int:
     return int(last["commit_log_offset"]) + int(last["msg_size"])
 
 
+def _unit_at(fd: int, i: int) -> tuple[int, int, int]:
+    return CQ_UNIT.unpack(os.pread(fd, CQ_UNIT_SIZE, i * CQ_UNIT_SIZE))
+
+
+def _written_units(fd: int) -> int:
+    lo, hi = 0, os.fstat(fd).st_size // CQ_UNIT_SIZE
+    while lo < hi:
+        mid = (lo + hi) // 2
+        phy, msg_size, _ = _unit_at(fd, mid)
+        if phy >= 0 and msg_size > 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def written_units(path: str) -> int:
+    """How many units a ConsumeQueue file holds from its start: its write position as the broker's recovery
+    finds it (the first invalid unit ends them), by bisection over a few reads."""
+    with open(path, "rb") as f:
+        return _written_units(f.fileno())
+
+
 def last_written_unit(path: str) -> tuple[int, int] | None:
-    """(commit_log_offset, msg_size) of a ConsumeQueue file's last unit, found as the broker's recovery finds
-    its write position (the first invalid unit ends them), by bisection over a few reads; None when it holds
+    """(commit_log_offset, msg_size) of a ConsumeQueue file's last unit (`written_units`); None when it holds
     no unit or ends in a pre-blank unit, which says nothing about the CommitLog."""
     with open(path, "rb") as f:
-        def unit(i: int) -> tuple[int, int, int]:
-            return CQ_UNIT.unpack(os.pread(f.fileno(), CQ_UNIT_SIZE, i * CQ_UNIT_SIZE))
-
-        lo, hi = 0, os.fstat(f.fileno()).st_size // CQ_UNIT_SIZE
-        while lo < hi:
-            mid = (lo + hi) // 2
-            phy, msg_size, _ = unit(mid)
-            if phy >= 0 and msg_size > 0:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo == 0:
+        n = _written_units(f.fileno())
+        if n == 0:
             return None
-        phy, msg_size, _ = unit(lo - 1)
+        phy, msg_size, _ = _unit_at(f.fileno(), n - 1)
     return None if msg_size == BLANK_UNIT_MSG_SIZE else (phy, msg_size)
 
 

@@ -28,7 +28,7 @@ from daemon.engine.dledgerfence import (
 from daemon.ops.logs import get_logger
 from indexcore import _failpoints
 from indexcore.commitlog import MessageRecord
-from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE
+from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CONSUME_QUEUE_DIR, CQ_UNIT, CQ_UNIT_SIZE, written_units
 from indexcore.dledger import ENTRY_HEADER_SIZE
 from indexcore.errors import StoreError
 from indexcore.indexfile import FIRST_INDEX, IndexFile
@@ -55,27 +55,13 @@ def repair_at_start(config: Config, metrics=None, log=None, first_offset: int | 
     return repair_from_output(config, checkpoint, first_offset, metrics, log)
 
 
-def _written_units(path: str) -> int:
-    """How many units a ConsumeQueue file holds from its start (the broker's write position, by bisection)."""
-    with open(path, "rb") as f:
-        lo, hi = 0, os.fstat(f.fileno()).st_size // CQ_UNIT_SIZE
-        while lo < hi:
-            mid = (lo + hi) // 2
-            phy, msg_size, _ = CQ_UNIT.unpack(os.pread(f.fileno(), CQ_UNIT_SIZE, mid * CQ_UNIT_SIZE))
-            if phy >= 0 and msg_size > 0:
-                lo = mid + 1
-            else:
-                hi = mid
-    return lo
-
-
 def _queue_units_backward(directory: str, topic: str, queue_id: int):
     """A queue's units, newest first, as (phy, size, topic, queue_id, queue_offset); read lazily in chunks so
     that only the tail a check needs is read. Pre-blank units are passed over."""
     chunk = CQ_UNIT_SIZE * 256
     for name in sorted((n for n in os.listdir(directory) if n.isdigit()), reverse=True):
         path = os.path.join(directory, name)
-        end = _written_units(path) * CQ_UNIT_SIZE
+        end = written_units(path) * CQ_UNIT_SIZE
         with open(path, "rb") as f:
             while end > 0:
                 start = max(0, end - chunk)
