@@ -19,11 +19,9 @@ import yaml
 
 from bench.spark_cluster import StandaloneCluster
 from daemon.backfill import backfill
-from daemon.backfill.plan import Reread, walk_ranges
-from daemon.backfill.ranges import DecodeSettings, decode_range, entry_at, plan_ranges
+from daemon.backfill.ranges import DecodeSettings, entry_at
 from daemon.backfill.source import LOCAL, SegmentDir, SegmentListing
-from daemon.backfill.tasks import reread as _reread
-from daemon.config import ON_CORRUPTION_STOP, load_config
+from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
 from indexcore.commitlog import encode_blank
 from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
@@ -35,7 +33,7 @@ from indexcore.reader import CommitLogReader, ReadStatus
 from indexcore.writer import CommitLogWriter, Message
 from tests import stress
 from tests.conformance import conformance_roots
-from tests.test_backfill_ranges import outcomes_of, staged_rows
+from tests.test_backfill_ranges import ranged as run_ranges
 from tests.test_backfill_s3 import BUCKET, KEYS
 from tests.test_backfill_s3 import s3_server as s3_server  # noqa: PLC0414 - the fixture, used by name
 from tests.test_daemon import clean_env
@@ -98,32 +96,7 @@ def ranged(root: Path, range_bytes: int, start: int | None = None, to: int | Non
     dledger_from = min(seg.start for seg in listing.segments if "/dledger-n0/" in seg.location)
     s = DecodeSettings(SEGMENT, True, 4 * 1024 * 1024, DEFAULT_MESSAGE_DELAY_LEVEL, 8192, 1024 * 1024, True, False,
                        False, stage_root=tempfile.mkdtemp(prefix="ranges-"), dledger_from=dledger_from)
-    start = listing.min_offset if start is None else start
-    tasks = plan_ranges(listing.segments, SEGMENT, start, to, range_bytes)
-    outcomes, rereads = {}, 0
-
-    def run(work) -> None:
-        gen = _reread(work, s) if isinstance(work, Reread) else decode_range(work, s)
-        for o in outcomes_of(gen):
-            outcomes[o.number] = o
-
-    for t in tasks:
-        run(t)
-    while True:
-        plan, again = walk_ranges(tasks, outcomes, SEGMENT, listing.missing, start, to, ON_CORRUPTION_STOP, False)
-        if plan is not None:
-            break
-        for r in again:
-            rereads += 1
-            run(r)
-    queues: dict = {}
-    keys = []
-    for n in plan.ranges:
-        range_queues, range_keys = staged_rows(outcomes[n])
-        for q, units in range_queues.items():
-            queues.setdefault(q, []).extend(units)
-        keys.extend(range_keys)
-    shutil.rmtree(s.stage_root, ignore_errors=True)
+    _, queues, keys, rereads = run_ranges(dirs_of(root), range_bytes, segment=SEGMENT, s=s, start=start, to=to)
     return queues, keys, rereads
 
 

@@ -70,11 +70,13 @@ def staged_rows(outcome) -> tuple[dict, list]:
     return queues, keys
 
 
-def ranged(commitlog: Path, range_bytes: int, on_corruption: str = ON_CORRUPTION_STOP, segment: int = SEGMENT,
-           s: DecodeSettings | None = None, start: int | None = None, to: int | None = None):
-    """Run the decode tasks and the driver's walk as the job does; (plan, units by queue, keys, rereads)."""
+def ranged(commitlog: Path | list[SegmentDir], range_bytes: int, on_corruption: str = ON_CORRUPTION_STOP,
+           segment: int = SEGMENT, s: DecodeSettings | None = None, start: int | None = None, to: int | None = None):
+    """Run the decode tasks and the driver's walk as the job does, over one CommitLog directory or a list of
+    segment directories; (plan, units by queue, keys, rereads)."""
     s = s or settings()
-    listing = SegmentListing([SegmentDir(LOCAL, str(commitlog))], segment)
+    dirs = commitlog if isinstance(commitlog, list) else [SegmentDir(LOCAL, str(commitlog))]
+    listing = SegmentListing(dirs, segment)
     start = listing.min_offset if start is None else start
     tasks = plan_ranges(listing.segments, segment, start, to, range_bytes)
     outcomes = {}
