@@ -276,31 +276,41 @@ def first_entry(path: str, start: int, segment_size: int) -> EntryHeader | None:
     return decode_entry_header(head, 0, start, path=path, bytes_left=segment_size)
 
 
+def entry_from_index(files: list[tuple[int, str]], index_path: str, index: int,
+                     segment_size: int) -> EntryHeader | None:
+    """The header of entry `index` through its unit in the index directory `index_path`, when the unit is there
+    and agrees with the entry's header in the data; else None."""
+    at = index * INDEX_UNIT_SIZE  # index files roll every INDEX_FILE_SIZE bytes, named by their start
+    try:
+        with open(os.path.join(index_path, offset_to_file_name(at - at % INDEX_FILE_SIZE)), "rb") as f:
+            unit = os.pread(f.fileno(), INDEX_UNIT_SIZE, at % INDEX_FILE_SIZE)
+    except OSError:
+        return None
+    if len(unit) < INDEX_UNIT_SIZE:
+        return None
+    magic, pos, size, idx, _term = INDEX_UNIT.unpack(unit)
+    start = pos - pos % segment_size
+    path = dict(files).get(start)
+    if magic != ENTRY_MAGIC or idx != index or path is None:
+        return None
+    with open(path, "rb") as f:
+        head = os.pread(f.fileno(), ENTRY_HEADER_SIZE, pos - start)
+    try:
+        h = decode_entry_header(head, 0, pos, path=path, bytes_left=segment_size - (pos - start))
+    except CorruptRecordError:
+        return None
+    return h if h.index == index and h.size == size else None
+
+
 def _entry_by_index(files: list[tuple[int, str]], index_path: str | None, index: int,
                     segment_size: int, hint: EntryHeader | None = None) -> EntryHeader | None:
     """The header of entry `index`: through its unit in the index directory `index_path` when it is there and
-    agrees with the data, else by a walk of the one data file that holds it (files start with increasing entry
-    indexes)."""
+    agrees with the data (`entry_from_index`), else by a walk of the one data file that holds it (files start
+    with increasing entry indexes)."""
     if index_path is not None:
-        at = index * INDEX_UNIT_SIZE  # index files roll every INDEX_FILE_SIZE bytes, named by their start
-        try:
-            with open(os.path.join(index_path, offset_to_file_name(at - at % INDEX_FILE_SIZE)), "rb") as f:
-                unit = os.pread(f.fileno(), INDEX_UNIT_SIZE, at % INDEX_FILE_SIZE)
-        except OSError:
-            unit = b""
-        if len(unit) == INDEX_UNIT_SIZE:
-            magic, pos, size, idx, _term = INDEX_UNIT.unpack(unit)
-            start = pos - pos % segment_size
-            path = dict(files).get(start)
-            if magic == ENTRY_MAGIC and idx == index and path is not None:
-                with open(path, "rb") as f:
-                    head = os.pread(f.fileno(), ENTRY_HEADER_SIZE, pos - start)
-                try:
-                    h = decode_entry_header(head, 0, pos, path=path, bytes_left=segment_size - (pos - start))
-                except CorruptRecordError:
-                    h = None
-                if h is not None and h.index == index and h.size == size:
-                    return h
+        h = entry_from_index(files, index_path, index, segment_size)
+        if h is not None:
+            return h
     holder, at = None, 0
     for start, path in files:
         try:
@@ -377,6 +387,6 @@ __all__ = [
     "ENTRY_ERRORS", "ENTRY_FIELDS", "ENTRY_HEADER", "ENTRY_HEADER_SIZE", "ENTRY_MAGIC", "INDEX_DIR", "INDEX_FILE_SIZE",
     "INDEX_UNIT", "INDEX_UNIT_SIZE", "MIN_BLANK_LENGTH", "Checkpoint", "CommittedPosition", "CorruptEntryHeaderError",
     "EntryHeader", "committed_position", "data_dir", "data_files", "decode_entry_header", "encode_blank",
-    "encode_entry", "encode_index_unit", "entry_error", "home_dir", "index_dir", "is_blank", "is_unwritten",
-    "last_entry", "read_checkpoint",
+    "encode_entry", "encode_index_unit", "entry_error", "entry_from_index", "home_dir", "index_dir", "is_blank",
+    "is_unwritten", "last_entry", "read_checkpoint",
 ]

@@ -33,13 +33,16 @@ from indexcore.dledger import (
     BLANK_MAGIC,
     ENTRY_HEADER_SIZE,
     ENTRY_MAGIC,
+    INDEX_DIR,
     INDEX_FILE_SIZE,
     INDEX_UNIT,
     INDEX_UNIT_SIZE,
     committed_position,
+    data_files,
+    entry_from_index,
 )
 from indexcore.dledgerlog import DLedgerLog
-from indexcore.errors import CorruptRecordError
+from indexcore.errors import CorruptRecordError, StoreLayoutError
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.reader import CommitLog, ReadResult, ReadStatus
 
@@ -59,44 +62,34 @@ def one_node_group(store: StoreConfig) -> bool:
 
 def last_entry_end(log: DLedgerLog) -> int | None:
     """The end (pos + size) of the last entry the DLedger index file has a unit for, checked against its data
-    header; None when there is none or it does not match (then the checkpoint's position is used)."""
-    path = os.path.join(log.home, "index", offset_to_file_name(0))
+    header (`dledger.entry_from_index`); None when there is none or it does not match (then the checkpoint's
+    position is used)."""
+    index_path = os.path.join(log.home, INDEX_DIR)
     try:
-        with open(path, "rb") as f:
+        with open(os.path.join(index_path, offset_to_file_name(0)), "rb") as f:
             fd = f.fileno()
             units = min(os.fstat(fd).st_size, INDEX_FILE_SIZE) // INDEX_UNIT_SIZE
 
-            def unit(i: int):
+            def written(i: int) -> bool:
                 data = os.pread(fd, INDEX_UNIT_SIZE, i * INDEX_UNIT_SIZE)
                 if len(data) < INDEX_UNIT_SIZE:
-                    return None
-                u = INDEX_UNIT.unpack(data)
-                return u if u[0] == ENTRY_MAGIC and u[3] == i else None
+                    return False
+                magic, _pos, _size, index, _term = INDEX_UNIT.unpack(data)
+                return magic == ENTRY_MAGIC and index == i
 
             lo, hi, found = 0, units - 1, None
             while lo <= hi:  # units are written in order from index 0 (a log's first index): the last one
                 mid = (lo + hi) // 2
-                u = unit(mid)
-                if u is not None:
-                    found, lo = u, mid + 1
+                if written(mid):
+                    found, lo = mid, mid + 1
                 else:
                     hi = mid - 1
-    except OSError:
+        if found is None:
+            return None
+        h = entry_from_index(data_files(log.data_dir, log.segment_size), index_path, found, log.segment_size)
+    except (OSError, StoreLayoutError):
         return None
-    if found is None:
-        return None
-    _, pos, size, index, _ = found
-    seg = pos - pos % log.segment_size
-    try:
-        with open(os.path.join(log.data_dir, offset_to_file_name(seg)), "rb") as f:
-            head = os.pread(f.fileno(), 24, pos - seg)
-    except OSError:
-        return None
-    if len(head) < 24 or int.from_bytes(head[:4], "big", signed=True) != ENTRY_MAGIC or \
-            int.from_bytes(head[4:8], "big", signed=True) != size or \
-            int.from_bytes(head[8:16], "big", signed=True) != index:
-        return None
-    return pos + size
+    return None if h is None else h.pos + h.size
 
 
 class OneNodeDLedgerLog(DLedgerLog):
