@@ -34,6 +34,7 @@ from indexcore.commitlog import (
     MESSAGE_MAGIC_CODE,
     MESSAGE_MAGIC_CODE_V2,
     MIN_RECORD_SIZE,
+    PHYSICAL_OFFSET,
     PHYSICAL_OFFSET_OFFSET,
     RECORD_PREFIX,
 )
@@ -41,7 +42,7 @@ from indexcore.consumequeue import CQ_UNIT_SIZE
 from indexcore.dispatch import DelayLevelTable, DispatchBatch
 from indexcore.dledger import BLANK as DLEDGER_BLANK
 from indexcore.dledger import BLANK_MAGIC as DLEDGER_BLANK_MAGIC
-from indexcore.dledger import DLEDGER_ENTRIES, ENTRY_HEADER, ENTRY_HEADER_SIZE, ENTRY_MAGIC
+from indexcore.dledger import DLEDGER_ENTRIES, ENTRY_HEADER, ENTRY_HEADER_SIZE, ENTRY_MAGIC, EntryHeader
 from indexcore.errors import CorruptRecordError, StoreError
 from indexcore.queuestore import consume_queue_units
 from indexcore.reader import ReadStatus, decode_segment, read_result
@@ -49,7 +50,6 @@ from indexcore.reader import ReadStatus, decode_segment, read_result
 ROLLED, END, LIMIT, CORRUPT, EMPTY = "rolled", "end", "limit", "corrupt", "empty"
 OUTCOME_DDL = "data binary"  # a decode task's one row per range: its pickled RangeOutcome
 NO_CREATOR = -1
-PHYSICAL_OFFSET = struct.Struct(">q")
 _MAGICS = tuple(struct.pack(">i", m) for m in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2, BLANK_MAGIC_CODE))
 _MAGIC_AT = 4  # MAGICCODE's offset in a record
 _END_CHECK_SLACK = 64
@@ -198,8 +198,8 @@ def entry_at(buf, p: int, seg_start: int, seg_size: int, max_size: int, follow: 
         return False
     if not ENTRY_HEADER_SIZE + MIN_RECORD_SIZE <= size <= min(max_size + ENTRY_HEADER_SIZE, seg_size - p):
         return False
-    fields = ENTRY_HEADER.unpack_from(buf, p)
-    if fields[4] != seg_start + p or fields[8] != size - ENTRY_HEADER_SIZE:
+    header = EntryHeader._make(ENTRY_HEADER.unpack_from(buf, p))
+    if header.pos != seg_start + p or header.body_length != size - ENTRY_HEADER_SIZE:
         return False
     if follow == 0:
         return True
