@@ -12,7 +12,7 @@ import os
 
 from daemon.config import StoreConfig
 from daemon.engine.dledgerfollow import OneNodeDLedgerLog, one_node_group
-from indexcore.dledger import data_dir, home_dir
+from indexcore.dledger import DATA_DIR, HOME_PREFIX, data_dir, home_dir
 from indexcore.dledgerlog import DLedgerLog
 from indexcore.reader import CommitLog
 
@@ -56,24 +56,28 @@ def input_problem(store: StoreConfig, root_option: str = "store.storePathRootDir
     data = data_dir(root, store.d_leger_self_id)
     if os.path.isdir(data):
         return None
-    others = sorted(n for n in os.listdir(root)
-                    if n.startswith("dledger-") and os.path.isdir(os.path.join(root, n, "data")))
+    others = _dledger_homes(root)
     hint = f"; this store has {', '.join(f'{n}/data' for n in others)}" if others else ""
     held = (f"names {home}, which holds no data/" if os.path.isdir(home) else
             f"under {root} locates no DLedger CommitLog")
     return f"{data}: no such directory: store.dLegerSelfId {store.d_leger_self_id!r} {held}{hint}"
 
+def _dledger_homes(root: str) -> list[str]:
+    """The `dledger-<id>` directories of a store root that hold a data directory."""
+    return sorted(n for n in os.listdir(root)
+                  if n.startswith(HOME_PREFIX) and os.path.isdir(os.path.join(root, n, DATA_DIR)))
+
+
 def dledger_settings_hint(root: str) -> str:
     """For a store read as a plain CommitLog: when its root holds a DLedger log instead, the settings that
     read it (an operator who copied only the store block of a DLedger broker's broker.conf); else ''."""
     try:
-        names = sorted(n for n in os.listdir(root)
-                       if n.startswith("dledger-") and os.path.isdir(os.path.join(root, n, "data")))
+        names = _dledger_homes(root)
     except OSError:
         return ""
     if not names:
         return ""
-    ids = " or ".join(n[len("dledger-"):] for n in names)
+    ids = " or ".join(n.removeprefix(HOME_PREFIX) for n in names)
     return (f"; it has {', '.join(n + '/data' for n in names)}, a DLedger CommitLog: set "
             f"store.enableDLegerCommitLog: true and store.dLegerSelfId: {ids}, as in the broker's broker.conf")
 
