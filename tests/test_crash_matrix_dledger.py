@@ -10,20 +10,29 @@ one-node group.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from daemon.engine.checkpoint import CHECKPOINT_FILE, Checkpoint, read_checkpoint, write_checkpoint
+from daemon.engine.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
 from indexcore.commitlog import MessageRecord
 from indexcore.dledgerwriter import DLedgerLogWriter, commitlog_records
 from indexcore.dledgerwriter import write_checkpoint as write_dledger_checkpoint
 from indexcore.writer import CommitLogWriter, Message
-from tests.test_crash_matrix import CASES, CQ_FILE, PHASE_1, PHASE_2, SEGMENT, append, reputd
-from tests.test_daemon import events, output_files
+from tests.test_crash_matrix import (
+    CASES,
+    CQ_FILE,
+    PHASE_1,
+    PHASE_2,
+    SEGMENT,
+    append,
+    assert_as_rebuilt,
+    kill_and_restart,
+    reputd,
+)
+from tests.test_daemon import output_files
 
 DLEDGER = {"enableDLegerCommitLog": True, "dLegerSelfId": "n0", "dLegerGroup": "broker-a",
            "dLegerPeers": "n0-127.0.0.1:40911"}
@@ -83,28 +92,11 @@ def matrix(tmp_path_factory):
     return root, config, {"with": with_state, "without": without}, reference
 
 
-def assert_as_rebuilt(out: Path, reference: dict[str, bytes], what: str) -> None:
-    actual = output_files(out)
-    differ = sorted(n for n in set(actual) | set(reference) if actual.get(n) != reference.get(n))
-    assert not differ, f"{what}: {differ} differ from a rebuild"
-
-
 @pytest.mark.parametrize("checkpoint", ["with", "without"])
 @pytest.mark.parametrize(("point", "what"), CASES, ids=[c[0] for c in CASES])
 def test_kill_at_every_step_of_a_creation(matrix, point, what, checkpoint):
-    root, config, phase1, reference = matrix
-    out = root / f"{point}-{checkpoint}"
-    shutil.copytree(phase1[checkpoint], out)
-    killed = reputd("run", config, "--until-caught-up", "--out", str(out), env={"REPUTD_FAILPOINT": point})
-    assert killed.returncode == -9, f"{point} was never reached ({what}): {killed.returncode} {killed.stderr[-500:]}"
-    restart = reputd("run", config, "--until-caught-up", "--out", str(out))
-    assert restart.returncode == 0, restart.stderr
-    log = events(restart.stdout)
-    assert [e["decision"] for e in log if e["event"] == "recovered"] == [
-        "checkpoint" if checkpoint == "with" else "replay"]
-    assert not [e for e in log if e["event"] in ("output_file_quarantined", "dledger_truncation_repaired")]
-    assert_as_rebuilt(out, reference, f"after a kill at {point} ({what}), {checkpoint} a checkpoint")
-    assert json.loads((out / CHECKPOINT_FILE).read_text())["payload"]["reputFromOffset"] > 0
+    kill_and_restart(matrix, point, what, checkpoint,
+                     unexpected=("output_file_quarantined", "dledger_truncation_repaired"))
 
 
 def new_leader_records(scratch: Path, kept: list[bytes], count: int) -> list[bytes]:
