@@ -34,6 +34,7 @@ a run that stopped there would not have made it yet.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import mmap
 import os
@@ -133,15 +134,11 @@ def _unit_at(fd: int, i: int) -> tuple[int, int, int]:
 
 
 def _written_units(fd: int) -> int:
-    lo, hi = 0, os.fstat(fd).st_size // CQ_UNIT_SIZE
-    while lo < hi:
-        mid = (lo + hi) // 2
-        phy, msg_size, _ = _unit_at(fd, mid)
-        if phy >= 0 and msg_size > 0:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
+    def invalid(i: int) -> bool:
+        phy, msg_size, _ = _unit_at(fd, i)
+        return phy < 0 or msg_size <= 0
+
+    return bisect.bisect_left(range(os.fstat(fd).st_size // CQ_UNIT_SIZE), True, key=invalid)
 
 
 def written_units(path: str) -> int:

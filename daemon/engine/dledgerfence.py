@@ -29,6 +29,7 @@ A start without fence state (no checkpoint, a replay marker) checks the output f
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import os
 import shutil
@@ -286,15 +287,8 @@ def find_shared(view: DLedgerLogView, gone: Entry, terms: list[list[int]]) -> En
         e = view.by_index(i)
         return e if e is not None and e.term == _old_term(terms, i) else None
 
-    best = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        e = same(mid)
-        if e is not None:
-            best, lo = e, mid + 1
-        else:
-            hi = mid - 1
-    return best
+    shared = bisect.bisect_left(range(lo, hi + 1), True, key=lambda i: same(i) is None)
+    return same(lo + shared - 1) if shared else None
 
 
 def _store_timestamp(config: Config, view: DLedgerLogView, phy: int) -> int:

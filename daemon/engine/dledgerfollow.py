@@ -22,6 +22,7 @@ dispatches too. Entries a new leader cut after reputd dispatched them are repair
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import os
 import time
@@ -77,14 +78,9 @@ def last_entry_end(log: DLedgerLog) -> int | None:
                 magic, _pos, _size, index, _term = INDEX_UNIT.unpack(data)
                 return magic == ENTRY_MAGIC and index == i
 
-            lo, hi, found = 0, units - 1, None
-            while lo <= hi:  # units are written in order from index 0 (a log's first index): the last one
-                mid = (lo + hi) // 2
-                if written(mid):
-                    found, lo = mid, mid + 1
-                else:
-                    hi = mid - 1
-        if found is None:
+            # units are written in order from index 0 (a log's first index): the last one ends them
+            found = bisect.bisect_left(range(units), True, key=lambda i: not written(i)) - 1
+        if found < 0:
             return None
         h = entry_from_index(data_files(log.data_dir, log.segment_size), index_path, found, log.segment_size)
     except (OSError, StoreLayoutError):
