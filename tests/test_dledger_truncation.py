@@ -314,3 +314,25 @@ def test_a_plugin_with_recover_is_cut_back_and_one_without_is_named(tmp_path):
     # it was given every new entry from the cut (it also still holds the cut ones, as the event says)
     assert [int(x) for x in forgetful.read_text().split()][-60:] == new_log[-60:]
     assert output_files(out) == clean_rebuild(tmp_path, root)
+
+
+@pytest.mark.parametrize("damaged", ["cut-queue", "other-queue", "index"])
+def test_a_cut_and_a_damaged_output_file_at_the_same_start_equal_a_clean_rebuild(tmp_path, followed, damaged):
+    """The repair's checkpoint is replaced by the quarantine's replay marker when a damaged output file is
+    moved at the same start: the entries the new leader cut must still leave no unit or key behind."""
+    root, out, cfg = followed
+    new_leader(root, 2990, 60)
+    if damaged == "index":
+        victim = sorted((out / "index").iterdir())[0]
+    else:
+        queues = sorted(d for d in (out / "consumequeue").glob("*/*") if d.is_dir())
+        cut_topic = "TopicTest" if damaged == "cut-queue" else None
+        queue = next(q for q in queues if (q.parent.name == cut_topic) == (cut_topic is not None))
+        victim = sorted(queue.iterdir())[0]
+    with open(victim, "r+b") as f:
+        f.truncate(100)
+    res = reputd("run", "--config", str(cfg), "--until-caught-up")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert [e["path"] for e in events(res.stdout, "output_file_quarantined")] == [str(victim)]
+    assert events(res.stdout, "dledger_truncation_repaired"), res.stdout[-3000:]
+    assert output_files(out) == clean_rebuild(tmp_path, root)

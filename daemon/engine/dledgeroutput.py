@@ -207,6 +207,22 @@ def repair_from_output(config: Config, checkpoint: Checkpoint | None,
     return Repair(None, None, None, offset, old_offset if old_offset is not None else offset)
 
 
+def cut_after_quarantine(config: Config, first_offset: int, log) -> None:
+    """A start that repaired a cut and then quarantined a damaged output file: the quarantine's replay marker
+    replaced the repair's checkpoint, so recovery would no longer cut the files back, and under a marker each
+    dispatcher passes over the units it holds, the cut entries' among them. The output is cut back to the
+    store's first offset instead, as a repair under a replay marker at the first offset does: everything in
+    the log is dispatched again. Plug-ins lose their states with the marker (`plugins_not_cut` names them)."""
+    names = {spec.name for spec in config.dispatchers}
+    if not config.store.message_index_enable:
+        names.discard("index")
+    states = cut_states(config, config.output.dir, DLedgerLogView(config.store), first_offset, names, log)
+    write_checkpoint(config.output.dir, Checkpoint(first_offset, states, int(time.time() * 1000)))
+    log.warning("dledger_truncation_repaired_again", reput_from_offset=first_offset,
+                detail="a damaged output file was quarantined after the repair of a cut: the output is cut back "
+                       "to the store's first offset and the whole log dispatched again")
+
+
 def plugins_not_cut(repair: Repair | None, dispatchers, checkpoint: Checkpoint | None, log) -> list[str]:
     """After a repair, the plug-ins recovery cannot cut back (no `recover`, or no state in the checkpoint to call
     it with): they may still hold results of cut entries, and the operator is told. They see the new entries

@@ -59,7 +59,7 @@ from typing import Any
 from daemon.config import Config
 from daemon.engine.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.engine.dispatchers import Dispatcher, build_dispatchers
-from daemon.engine.dledgeroutput import plugins_not_cut, repair_at_start
+from daemon.engine.dledgeroutput import cut_after_quarantine, plugins_not_cut, repair_at_start
 from daemon.ops.logs import get_logger
 from daemon.ops.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
@@ -193,6 +193,11 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
         _count(metrics, "errors", kind=ErrorKind.CHECKPOINT)
         checkpoint = None
     dispatchers, moved = _build_with_quarantine(config, out, commit_log, log, metrics, quarantine_damaged)
+    if moved and repair is not None:  # the quarantine's replay marker replaced the repair's checkpoint
+        for d in dispatchers:
+            d.close()
+        cut_after_quarantine(config, commit_log.min_offset, log)
+        dispatchers = build_dispatchers(config, out)
     for d in dispatchers:
         removed = getattr(d, "removed", None)
         if removed:
