@@ -11,9 +11,10 @@ it stopped early). The broker's consumequeue/ and index/ are deleted and replace
 the root, or the followed output handed over with the moves `handoff` prints, run as printed), with the
 broker's `checkpoint` kept or deleted.
 
-`make test` runs one scenario (killed x followed x checkpoint deleted); REPUTD_STRESS=1 runs all eight and the
-control without a handoff, with a larger workload. Skipped, saying why, without java and javac (failed under
-CI=true). STRESS_DLEDGER_HANDOFF_MESSAGES and STRESS_DLEDGER_HANDOFF_SEED override the workload.
+`make test` runs one scenario (killed x followed x checkpoint deleted); REPUTD_STRESS=1 runs all eight, the
+control without a handoff and a store upgraded from the plain CommitLog, with a larger workload. Skipped, saying
+why, without java and javac (failed under CI=true). STRESS_DLEDGER_HANDOFF_MESSAGES and
+STRESS_DLEDGER_HANDOFF_SEED override the workload.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from tests.test_realbroker_handoff import (
 MESSAGES = int(os.environ.get("STRESS_DLEDGER_HANDOFF_MESSAGES", stress.scale(600, 4000)))
 SEED = int(os.environ.get("STRESS_DLEDGER_HANDOFF_SEED", "31"))
 WRITES = stress.scale(300, 2000)
+MIXED = stress.scale(700, 2000)  # messages in each part of the upgraded store
 # the writer's sizes (dledger_live.SETTINGS), but 1,000 entries per IndexFile for reputd and the checks: the
 # store alone dispatching a whole log fills 400-entry files faster than one a millisecond and drops keys (see
 # test_realbroker_handoff.SIZES); the writer's own index/ is deleted, so its 400 does not matter
@@ -231,3 +233,32 @@ def test_without_the_handoff_the_killed_dledger_store_loses_what_reputd_built(ha
     everything = (served["units_served"] == served["units_exact"] == served["units"]
                   and served["keys_served"] == served["keys"] and served["writes_served"] == served["writes"])
     assert not everything or compared[4] or unchanged < len(handed)
+
+
+@pytest.mark.stress_only
+def test_the_real_dledger_store_takes_a_handed_off_upgraded_store(harness, tmp_path):
+    """A store upgraded from the plain CommitLog (dl.write_mixed: commitlog/, then DLedger from
+    dividedCommitlogOffset), its consumequeue/, index/ and `checkpoint` replaced by a `reputd rebuild` in the
+    root and `reputd handoff`: the store serves both parts from reputd's files and goes on writing."""
+    writer = tmp_path / "writer"
+    dl.write_mixed(writer, MIXED, MIXED, SEED, tmp_path / "writer.log")
+    store = tmp_path / "store"
+    copy_store(writer, store, "deleted")
+    conf = config(tmp_path / "reputd.yaml", store, store)
+    res = reputd("rebuild", "--config", str(conf))
+    assert res.returncode == 0, res.stderr
+    res = reputd("handoff", "--config", str(conf))
+    assert res.returncode == 0, res.stdout + res.stderr
+    handed = digests(store)
+    served, alone, compared, unchanged = serve_and_compare(harness, store, tmp_path / "reference", handed, WRITES,
+                                                           check_dledger, ("commitlog", *LOGS))
+    stress.report("realbroker-dledger-handoff-upgraded", messages=2 * MIXED, seed=SEED, handoff=res.stdout.splitlines(),
+                  files_unchanged_by_load_and_start=f"{unchanged}/{len(handed)}",
+                  records=f"{served['records_served']}/{served['records']}",
+                  units=f"{served['units_served']}/{served['units']} (exact {served['units_exact']})",
+                  keys=f"{served['keys_served']}/{served['keys']}",
+                  writes=f"continued {served['writes_continued']}, served {served['writes_served']} of "
+                         f"{served['writes']}",
+                  cq_identical=f"{compared[0]}/{compared[1]}", index_identical=f"{compared[2]}/{compared[3]}",
+                  differ=compared[4][:10], examples=served["examples"][:5])
+    assert_served_all(served, alone, compared, unchanged, handed, WRITES)
