@@ -336,3 +336,30 @@ def test_a_cut_and_a_damaged_output_file_at_the_same_start_equal_a_clean_rebuild
     assert [e["path"] for e in events(res.stdout, "output_file_quarantined")] == [str(victim)]
     assert events(res.stdout, "dledger_truncation_repaired"), res.stdout[-3000:]
     assert output_files(out) == clean_rebuild(tmp_path, root)
+
+
+@pytest.mark.parametrize("command", ["run", "rebuild"])
+def test_a_cut_and_a_queue_deleted_from_the_output_at_the_same_start_equal_a_clean_rebuild(tmp_path, followed,
+                                                                                           command):
+    """An operator deleted a queue from the output, and a new leader cut entries, before the same start: the
+    repair's checkpoint still counts the deleted queue, so recovery reads it again from the first offset."""
+    root, out, cfg = followed
+    new_leader(root, 2990, 60)
+    shutil.rmtree(out / "consumequeue" / "TopicTest" / "1")
+    args = ["--until-caught-up"] if command == "run" else []
+    res = reputd(command, "--config", str(cfg), *args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert events(res.stdout + res.stderr, "dledger_truncation_repaired"), res.stdout[-3000:]
+    assert output_files(out) == clean_rebuild(tmp_path, root)
+
+
+def test_a_queue_deleted_from_a_followed_output_is_read_again_past_the_fence(tmp_path, followed):
+    """No cut: the checkpoint counts a queue the output lacks, so `run` reads the log again from its first offset;
+    the fence passes over the entries it already dispatched instead of failing the batch."""
+    root, out, cfg = followed
+    shutil.rmtree(out / "consumequeue" / "TopicTest" / "1")
+    res = reputd("run", "--config", str(cfg), "--until-caught-up")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert events(res.stdout, "queues_missing")
+    assert not events(res.stdout, "dispatch_failed")
+    assert output_files(out) == clean_rebuild(tmp_path, root)

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from daemon.config import Config, StoreConfig
 from daemon.engine.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.ops.logs import get_logger
@@ -164,6 +166,15 @@ class DLedgerFence:
         last = self.view.at(int(phy[-1]) - ENTRY_HEADER_SIZE)
         if first is None or last is None:
             raise TruncatedError(f"the DLedger entries of the batch from {batch.start_offset} are gone")
+        if self.last is not None and first.index <= self.last.index and self.view.at(self.last.pos) == self.last:
+            # a replay from below the last entry dispatched (a queue the checkpoint counted is gone: from the
+            # first offset): the entries up to it were fenced already
+            if last.index <= self.last.index:
+                return
+            first_row = int(np.searchsorted(phy, self.last.pos + ENTRY_HEADER_SIZE, side="right"))
+            first = self.view.at(int(phy[first_row]) - ENTRY_HEADER_SIZE)
+            if first is None:
+                raise TruncatedError(f"the DLedger entry at {int(phy[first_row]) - ENTRY_HEADER_SIZE} is gone")
         if self.last is not None and (first.index != self.last.index + 1 or first.term < self.last.term):
             raise TruncatedError(f"entry {first.index} (term {first.term}) at {first.pos} does not follow the last "
                                  f"one dispatched, {self.last.index} (term {self.last.term})")
@@ -379,13 +390,19 @@ BUILT_IN = ("consumequeue", "index", FENCE)
 
 
 def cut_states(config: Config, output_dir: str, view: DLedgerLogView, cut: int, names, log) -> dict[str, Any]:
-    """The ConsumeQueue and IndexFile states of the output cut back to store offset `cut` (an entry position)."""
+    """The ConsumeQueue and IndexFile states of the output cut back to store offset `cut` (an entry position).
+    `names` are the dispatchers to derive, or the old checkpoint's states (whose queue count is kept)."""
     states: dict[str, Any] = {}
     if "consumequeue" in names:
         dropped, queues = drop_queues_without_units_below(output_dir, cut + ENTRY_HEADER_SIZE)
         if dropped:
             log.info("dledger_queues_removed", queues=dropped, reput_from_offset=cut,
                      detail="queues whose every record was cut: a rebuild of the new log has none")
+        old = names.get("consumequeue") if isinstance(names, dict) else None
+        if isinstance(old, dict) and isinstance(old.get("queues"), int):
+            # a queue the old checkpoint counted and the files lack (an operator deleted it) stays counted, so
+            # recovery reads the log again from its first offset for it (`queues_missing`)
+            queues = max(queues, old["queues"] - len(dropped))
         states["consumequeue"] = {"queues": queues}
     if "index" in names:
         states["index"] = index_state_at(config, output_dir, view, cut + ENTRY_HEADER_SIZE)
