@@ -363,3 +363,24 @@ def test_a_queue_deleted_from_a_followed_output_is_read_again_past_the_fence(tmp
     assert events(res.stdout, "queues_missing")
     assert not events(res.stdout, "dispatch_failed")
     assert output_files(out) == clean_rebuild(tmp_path, root)
+
+
+@pytest.mark.parametrize("command", ["run", "rebuild"])
+def test_a_restart_across_a_retention_gap_reads_on_from_the_first_entry(tmp_path, followed, command):
+    """reputd stopped; the log grew and retention deleted every data file up to past the last entry dispatched:
+    the next start reads on from the log's first entry (the fence takes the gap as retention, not as a cut),
+    and the output is consistent with the log."""
+    root, out, cfg = followed
+    new_leader(root, 3015, 400, term=0)
+    data = root / "dledger-n0" / "data"
+    for f in sorted(data.iterdir())[:26]:
+        f.unlink()
+    res = reputd(command, "--config", str(cfg), *(["--until-caught-up"] if command == "run" else []))
+    assert res.returncode == 0, res.stderr[-2000:]
+    logged = res.stdout + res.stderr
+    assert events(logged, "offset_below_oldest_segment")
+    assert not events(logged, "dispatch_failed") and not events(logged, "dledger_truncation_repaired")
+    first = DLedgerLogView(load_config(str(cfg)).store).first_offset()
+    assert read_checkpoint(str(out)).reput_from_offset > first
+    check = reputd("verify", "--config", str(cfg))
+    assert check.returncode == 0 and "consistent" in check.stdout, check.stdout[-2000:] + check.stderr[-2000:]

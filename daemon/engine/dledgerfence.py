@@ -175,7 +175,8 @@ class DLedgerFence:
             first = self.view.at(int(phy[first_row]) - ENTRY_HEADER_SIZE)
             if first is None:
                 raise TruncatedError(f"the DLedger entry at {int(phy[first_row]) - ENTRY_HEADER_SIZE} is gone")
-        if self.last is not None and (first.index != self.last.index + 1 or first.term < self.last.term):
+        if self.last is not None and (first.index != self.last.index + 1 or first.term < self.last.term) \
+                and not self._after_retention(first):
             raise TruncatedError(f"entry {first.index} (term {first.term}) at {first.pos} does not follow the last "
                                  f"one dispatched, {self.last.index} (term {self.last.term})")
         if not self.terms or self.terms[-1][0] != first.term:
@@ -183,6 +184,14 @@ class DLedgerFence:
         if last.term != first.term:  # new terms begin inside the batch: find where (terms never decrease)
             self._term_starts(batch, first_row, first, last)
         self.last = last
+
+    def _after_retention(self, first: Entry) -> bool:
+        """Whether `first` is the log's first entry and retention deleted the file of the last one dispatched: the
+        entries between them are gone, as the records of a plain CommitLog's deleted segments are (a restart
+        across a retention gap reads on from the first offset)."""
+        lowest = self.view.first_offset()
+        return (lowest is not None and first.pos == lowest and self.last.pos < lowest
+                and first.index > self.last.index and first.term >= self.last.term)
 
     def _term_start(self, term: int, index: int) -> None:
         self.terms.append([term, index])
