@@ -75,6 +75,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 DATA_SETS = {
     # name: (messages, body size, KEYS per message, LMQ queues, LMQ queues per message)
     "256b-1key": (2_000_000, 256, 1, 0, 0),
+    # issue 29's store: 7 segments of 1 GiB (the last part-filled), ~435-byte records (backfill-cost)
+    "256b-1key-16m": (16_000_000, 256, 1, 0, 0),
     "256b-3keys": (2_000_000, 256, 3, 0, 0),
     "4k-1key": (500_000, 4096, 1, 0, 0),
     "256b-1key-lmq3": (2_000_000, 256, 1, 1_000, 3),
@@ -90,6 +92,7 @@ REBUILDS = {
     "rebuild-lmq3": ("256b-1key-lmq3", LMQ_ENV, None),
     "rebuild-lmq100k": ("256b-1key-lmq100k", LMQ_ENV, 1),
 }
+COST_DATA_SET = "256b-1key-16m"  # backfill-cost runs on the 16M-message store of issue 29's figures
 LMQ_BASELINE = "rebuild"  # what rebuild-lmq3 is compared with (the same messages without LMQ)
 TOPICS = ",".join(f"BenchTopic{i}" for i in range(8))
 QUERY_MESSAGES = 10_000_000  # UNIQ_KEY + 1 KEY each: 20,000,000 keys, one full IndexFile
@@ -737,7 +740,7 @@ def main() -> int:
     if "backfill-cost" in wanted:
         from bench.backfill_cost import measure  # noqa: PLC0415
 
-        cost = measure(work, "256b-1key", scale, "local[2]", catalog=True)
+        cost = measure(work, COST_DATA_SET, scale, "local[2]", catalog=True)
     lmq_ratio(results)
     print_table(results)
     if cost is not None:
