@@ -27,7 +27,7 @@ from daemon.backfill import (
 )
 from daemon.backfill.catalog import CATALOG_QUERIES, file_name
 from daemon.backfill.commit import STAGING_DIR
-from daemon.backfill.driver import spark_error_line
+from daemon.backfill.driver import quiet_pyspark_servers, spark_error_line
 from daemon.commands.query import query_key
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
@@ -674,6 +674,21 @@ def test_spark_errors_become_the_task_error_line():
             "'/out/index/20231114221623169'\n\n\tat org.apache.spark.api.python.BasePythonRunner.handle(x.scala:1)\n")
     assert spark_error_line(RuntimeError(text)) == (
         "BackfillTaskError: index task 0: [Errno 28] No space left on device: '/out/index/20231114221623169'")
+
+
+def test_py4j_tracebacks_on_the_root_logger_are_kept_out(caplog):
+    """py4j's gateway logs "Exception while sending command." with its traceback through the root logger
+    (`logging.exception`) when the JVM goes away mid-call, as when a signal kills it during Spark's start:
+    the operator saw it after `reputd: interrupted`. Other root-logger records still pass."""
+    import logging
+
+    quiet_pyspark_servers()
+    code = ("try:\n    raise OSError('gone')\n"
+            "except OSError:\n    logging.exception('Exception while sending command.')\n")
+    with caplog.at_level(logging.INFO):
+        exec(compile(code, os.path.join("site-packages", "py4j", "java_gateway.py"), "exec"), {"logging": logging})
+        logging.getLogger().error("reputd's own")
+    assert [r.getMessage() for r in caplog.records] == ["reputd's own"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
