@@ -22,7 +22,8 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
                      p99 120 ms)
     backfill         `reputd backfill` on the rebuild data set: local[1], local[2], a standalone cluster of two
                      one-core workers, and local[2] reading the segments from an S3 server (moto)
-    backfill-cost    what a backfill message costs (bench/backfill_cost.py): CPU-seconds of the process tree for
+    backfill-cost    what a backfill message costs (bench/backfill_cost.py) on issue 29's store (16,000,000
+                     messages, 7 segments of 1 GiB): CPU-seconds of the process tree for
                      the rebuild, a 10,000-message job and the whole data set on local[2], the marginal cost and
                      its parts, the serial fraction from Spark's event log and the projected speedup at 16/64,
                      and what a catalog (`--catalog`) adds per message
