@@ -1,6 +1,7 @@
 """What a backfill message costs, and how much of the job runs in parallel (issue 29's table).
 
-    .venv/bin/python bench/backfill_cost.py [--workdir bench/results/suite] [--messages 2000000] [--master local[2]]
+    .venv/bin/python bench/backfill_cost.py [--workdir bench/results/suite] [--data-set 256b-1key-16m] [--scale 1]
+        [--master local[2]] [--catalog]
 
 CPU-seconds of the whole process tree (the reputd driver, the Spark JVM, the Python workers: sampled from
 /proc, so a JVM that py4j leaves to init is counted too), not wall time: the machine is shared. Rows:
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_suite import (  # noqa: E402
+    COST_DATA_SET,
     DATA_SETS,
     REPUTD,
     TreeSampler,
@@ -165,14 +167,16 @@ def backfill_run(config: Path, out: Path, master: str, extra: list[str], event_d
     finally:
         suite.TreeSampler = kept
     summary = last_json(stdout)
-    return {"wall": wall, "cpu": sampler.cpu_seconds, "kinds": sampler.by_kind(), "summary": summary}
+    return {"wall": wall, "cpu": sampler.cpu_seconds, "kinds": sampler.by_kind(), "summary": summary,
+            "peak_rss_mb": {k: round(v / 2**20) for k, v in sampler.rss.items()}}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench" / "results" / "suite")
-    ap.add_argument("--data-set", default="256b-1key", choices=sorted(DATA_SETS))
-    ap.add_argument("--scale", type=float, default=1.0, help="of the data set's 2,000,000 messages")
+    ap.add_argument("--data-set", default=COST_DATA_SET, choices=sorted(DATA_SETS),
+                    help=f"default {COST_DATA_SET}: issue 29's 16,000,000 messages in 7 segments (made once, ~10 min)")
+    ap.add_argument("--scale", type=float, default=1.0, help="of the data set's messages")
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--catalog", action="store_true", help="also measure what a catalog adds")
     args = ap.parse_args()
@@ -223,7 +227,10 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool)
         (f"backfill `{master}`, all in", f"{1e6 * full['cpu'] / messages:.3f} us "
          f"({full['cpu'] / messages * 1e6 / rebuild_us:.1f}x)", f"{full['cpu']:.1f} CPU-s, {full['wall']:.1f} s wall"),
         (f"fixed cost (a {FIXED_MESSAGES:,}-message job)", f"{fixed['cpu']:.2f} CPU-s",
-         f"target <= {TARGETS['fixed_cpu_s']:.0f}; {fixed['wall']:.1f} s wall"),
+         f"target <= {TARGETS['fixed_cpu_s']:.0f}; {fixed['wall']:.1f} s wall; by process: driver "
+         f"{fixed['kinds'].get('driver', 0.0):.2f}, JVM {fixed['kinds'].get('jvm', 0.0):.2f}, Python workers "
+         f"{fixed['kinds'].get('python_workers', 0.0):.2f}; start-up "
+         f"{s_fixed['phaseSeconds'].get('startup', 0.0):.2f} s"),
         (f"marginal ({messages:,} minus the {FIXED_MESSAGES:,} job)",
          f"**{marginal_us:.3f} us ({marginal_us / rebuild_us:.1f}x)**",
          f"target <= {TARGETS['marginal_vs_rebuild']:.0f}x; by process: driver {parts['driver']:.3f}, JVM "
@@ -266,9 +273,12 @@ def measure_catalog(work: Path, config: Path, master: str, messages: int, full: 
     s_cat, s_full = run["summary"], full["summary"]
     decode_us = 1e6 * (s_cat["decodeTaskSeconds"] - s_full["decodeTaskSeconds"]) / messages
     write_us = 1e6 * (s_cat["writeTaskSeconds"] - s_full["writeTaskSeconds"]) / messages
+    rss = run["peak_rss_mb"]
     row = ("catalog (`--catalog`), extra", f"**{extra_us:.3f} us**",
            f"target <= {TARGETS['catalog_extra_us']:.0f} us; {run['cpu']:.1f} CPU-s with it, {run['wall']:.1f} s "
-           f"wall; by process: driver {parts['driver']:.3f}, JVM {parts['jvm']:.3f}, Python workers "
+           f"wall; peak RSS MB driver {rss.get('driver')}, JVM {rss.get('jvm')} (default driver memory), Python "
+           f"worker {rss.get('python_worker')}; by process: driver {parts['driver']:.3f}, JVM {parts['jvm']:.3f}, "
+           "Python workers "
            f"{parts['python_workers']:.3f}; task time: decode {decode_us:.3f}, write {write_us:.3f}")
     return {**run, "extra_us": extra_us, "extra_parts_us": parts, "decode_us": decode_us, "write_us": write_us}, row
 

@@ -22,7 +22,8 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
                      p99 120 ms)
     backfill         `reputd backfill` on the rebuild data set: local[1], local[2], a standalone cluster of two
                      one-core workers, and local[2] reading the segments from an S3 server (moto)
-    backfill-cost    what a backfill message costs (bench/backfill_cost.py): CPU-seconds of the process tree for
+    backfill-cost    what a backfill message costs (bench/backfill_cost.py) on issue 29's store (16,000,000
+                     messages, 7 segments of 1 GiB): CPU-seconds of the process tree for
                      the rebuild, a 10,000-message job and the whole data set on local[2], the marginal cost and
                      its parts, the serial fraction from Spark's event log and the projected speedup at 16/64,
                      and what a catalog (`--catalog`) adds per message
@@ -75,6 +76,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 DATA_SETS = {
     # name: (messages, body size, KEYS per message, LMQ queues, LMQ queues per message)
     "256b-1key": (2_000_000, 256, 1, 0, 0),
+    # issue 29's store: 7 segments of 1 GiB (the last part-filled), ~435-byte records (backfill-cost)
+    "256b-1key-16m": (16_000_000, 256, 1, 0, 0),
     "256b-3keys": (2_000_000, 256, 3, 0, 0),
     "4k-1key": (500_000, 4096, 1, 0, 0),
     "256b-1key-lmq3": (2_000_000, 256, 1, 1_000, 3),
@@ -90,6 +93,7 @@ REBUILDS = {
     "rebuild-lmq3": ("256b-1key-lmq3", LMQ_ENV, None),
     "rebuild-lmq100k": ("256b-1key-lmq100k", LMQ_ENV, 1),
 }
+COST_DATA_SET = "256b-1key-16m"  # backfill-cost runs on the 16M-message store of issue 29's figures
 LMQ_BASELINE = "rebuild"  # what rebuild-lmq3 is compared with (the same messages without LMQ)
 TOPICS = ",".join(f"BenchTopic{i}" for i in range(8))
 QUERY_MESSAGES = 10_000_000  # UNIQ_KEY + 1 KEY each: 20,000,000 keys, one full IndexFile
@@ -737,7 +741,7 @@ def main() -> int:
     if "backfill-cost" in wanted:
         from bench.backfill_cost import measure  # noqa: PLC0415
 
-        cost = measure(work, "256b-1key", scale, "local[2]", catalog=True)
+        cost = measure(work, COST_DATA_SET, scale, "local[2]", catalog=True)
     lmq_ratio(results)
     print_table(results)
     if cost is not None:

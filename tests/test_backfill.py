@@ -27,7 +27,7 @@ from daemon.backfill import (
 )
 from daemon.backfill.catalog import CATALOG_QUERIES, file_name
 from daemon.backfill.commit import STAGING_DIR
-from daemon.backfill.driver import spark_error_line
+from daemon.backfill.driver import quiet_pyspark_servers, spark_error_line
 from daemon.commands.query import query_key
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
@@ -676,6 +676,21 @@ def test_spark_errors_become_the_task_error_line():
         "BackfillTaskError: index task 0: [Errno 28] No space left on device: '/out/index/20231114221623169'")
 
 
+def test_py4j_tracebacks_on_the_root_logger_are_kept_out(caplog):
+    """py4j's gateway logs "Exception while sending command." with its traceback through the root logger
+    (`logging.exception`) when the JVM goes away mid-call, as when a signal kills it during Spark's start:
+    the operator saw it after `reputd: interrupted`. Other root-logger records still pass."""
+    import logging
+
+    quiet_pyspark_servers()
+    code = ("try:\n    raise OSError('gone')\n"
+            "except OSError:\n    logging.exception('Exception while sending command.')\n")
+    with caplog.at_level(logging.INFO):
+        exec(compile(code, os.path.join("site-packages", "py4j", "java_gateway.py"), "exec"), {"logging": logging})
+        logging.getLogger().error("reputd's own")
+    assert [r.getMessage() for r in caplog.records] == ["reputd's own"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_cli_backfill_interrupted_mid_job_exits_130_cleanly(generated, tmp_path, sig):
     """Ctrl-C (or a service manager's SIGTERM) while a Spark job runs: the jobs are cancelled, the staging
@@ -722,6 +737,59 @@ def _marked_processes(marker: str) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize(("sig", "after"), [(signal.SIGTERM, 0.0), (signal.SIGINT, 0.05), (signal.SIGTERM, 0.1),
+                                            (signal.SIGINT, 0.2), (signal.SIGTERM, 0.5), (signal.SIGINT, 1.0),
+                                            (signal.SIGTERM, 2.0), (signal.SIGINT, 5.0)],
+                         ids=["term-0s", "int-0.05s", "term-0.1s", "int-0.2s", "term-0.5s", "int-1s", "term-2s",
+                              "int-5s"])
+def test_cli_backfill_signal_from_its_first_instant_is_one_line(generated, tmp_path, sig, after):
+    """A signal `after` seconds from the moment the command first handles signals (its first lines of
+    Python, while it still imports its modules): one line, exit 130, nothing left running or staged. A
+    SIGINT in the first ~0.2 s printed a KeyboardInterrupt traceback (the imports ran before any handling)
+    and a SIGTERM ended it with 143, silent. The interpreter's own start, before reputd runs a line, stays
+    the signal's: the process ends of it (a shell shows 130 for SIGINT)."""
+    tmp, _, _ = generated
+    config = config_file(tmp_path, "out", tmp / "store")
+    marker = f"BACKFILL_EARLY_SIGNAL_{os.getpid()}_{sig}_{after}".replace(".", "_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    env[marker] = "1"
+    proc = subprocess.Popen([*REPUTD, "backfill", "--config", str(config), "--master", "local[1]", "--conf",
+                             "spark.ui.enabled=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(after)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip(f"the backfill finished within {after} s")  # never seen here: start-up alone takes longer
+    assert proc.returncode == 130, err
+    for trace in ("Traceback", "KeyboardInterrupt", "Exception", "\tat ", "py4j", "ERROR"):
+        assert trace not in err, err
+    assert err.rstrip().endswith("reputd: interrupted"), err
+    assert err.count("reputd: interrupted") == 1, err
+    deadline = time.monotonic() + 30
+    while _marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _marked_processes(marker) == []
+    out = tmp_path / "out"
+    assert not (out / STAGING_DIR).exists()
+    assert not (out / "consumequeue").exists()
+    assert not (out / "index").exists()
 
 
 @pytest.mark.parametrize(("sig", "after"), [(signal.SIGINT, 0.0), (signal.SIGINT, 0.5), (signal.SIGTERM, 0.2),

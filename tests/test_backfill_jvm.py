@@ -30,6 +30,25 @@ def test_auto_records_an_archive_in_the_cache_directory_then_maps_it(tmp_path, m
     assert choose_archive(ARCHIVE_AUTO, JAVA, "-Xmx1g").path != first.path
 
 
+def test_the_same_pyspark_in_another_environment_gets_an_archive_of_its_own(tmp_path, monkeypatch):
+    """An archive records the class path: a JVM whose jars are in another directory does not map it (the JVM
+    said "Required classpath entry does not exist" only with cds logging on), so every backfill run from a
+    second virtualenv with the same PySpark and Java started without one."""
+    import pyspark
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    here = choose_archive(ARCHIVE_AUTO, JAVA, "-XX:TieredStopAtLevel=1")
+    other = tmp_path / "other-venv" / "pyspark"
+    (other / "jars").mkdir(parents=True)
+    for entry in os.scandir(os.path.join(os.path.dirname(pyspark.__file__), "jars")):
+        with open(other / "jars" / entry.name, "wb") as f:  # same names and sizes, sparse
+            f.truncate(entry.stat().st_size)
+    monkeypatch.setattr(pyspark, "__file__", str(other / "__init__.py"))
+    elsewhere = choose_archive(ARCHIVE_AUTO, JAVA, "-XX:TieredStopAtLevel=1")
+    assert elsewhere.path != here.path
+    assert os.path.dirname(elsewhere.path) == os.path.dirname(here.path)
+
+
 def test_an_empty_archive_is_recorded_again(tmp_path):
     path = tmp_path / "driver.jsa"
     path.touch()

@@ -151,9 +151,18 @@ def quiet_pyspark_servers() -> None:
     from pyspark import accumulators  # noqa: PLC0415
 
     logging.getLogger("py4j").setLevel(logging.CRITICAL)
+    # and py4j's gateway logs "Exception while sending command." with a traceback on the root logger (the
+    # module's logging.exception), e.g. when a signal kills the JVM mid-call: the error reaches the backfill
+    root = logging.getLogger()
+    if _not_py4j not in root.filters:
+        root.addFilter(_not_py4j)
     for value in vars(accumulators).values():
         if isinstance(value, type) and issubclass(value, socketserver.BaseServer):
             value.handle_error = lambda *_args: None
+
+
+def _not_py4j(record) -> bool:
+    return f"{os.sep}py4j{os.sep}" not in record.pathname
 
 
 def spark_error_line(error: BaseException) -> str:

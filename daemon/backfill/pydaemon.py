@@ -28,4 +28,10 @@ def worker(sock, authenticated):
 pyspark.daemon.worker = worker
 
 if __name__ == "__main__":
+    # what each worker imports for its first task (PySpark's worker, the task functions and with them numpy and
+    # pyarrow), imported once here before the manager forks them: every worker inherits it instead
+    import pyspark.worker
+
+    import daemon.backfill.tasks  # noqa: F401
+
     pyspark.daemon.manager()

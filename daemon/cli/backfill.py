@@ -94,8 +94,10 @@ def backfill_import_error(error: ImportError) -> str:
 def cmd_backfill(args, config: Config) -> int:
     import signal
 
-    # SIGTERM as SIGINT from here, until backfill() handles both: importing PySpark takes a second
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    from daemon.cli import command_finished
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a caller's main(argv): SIGTERM as SIGINT from here,
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # until backfill() handles both
     _backfill_checks(args, config)
     _lock_output(args, config)
     try:
@@ -114,6 +116,7 @@ def cmd_backfill(args, config: Config) -> int:
     summary = backfill(config, master=args.master, segments=args.segments, from_offset=args.from_offset,
                        to_offset=args.to_offset, partitions=args.partitions, catalog=args.catalog,
                        spark_conf=dict(args.spark_conf), progress=say)
+    command_finished()
     _print_summary(args, config, "backfilled", summary,
                    f" from {summary.segments} segments on {summary.master}")
     return EXIT_OK
