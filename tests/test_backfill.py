@@ -25,7 +25,7 @@ from daemon.backfill import (
     check_java,
     commit_log_dirs,
 )
-from daemon.backfill.catalog import CATALOG_QUERIES, file_name
+from daemon.backfill.catalog import CATALOG_QUERIES, GROUP_FIELDS, SCHEMA, file_name
 from daemon.backfill.commit import STAGING_DIR
 from daemon.backfill.driver import quiet_pyspark_servers, spark_error_line
 from daemon.commands.query import query_key
@@ -361,11 +361,11 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_documented_
                        catalog=str(catalog))
     files = sorted(str(p.relative_to(catalog)) for p in catalog.rglob("*.parquet"))
     name = file_name(0, summary.end_offset)
-    assert files == [f"topic={t}/date=2023-11-14/{name}" for t in ("Late", "SCHEDULE_TOPIC_XXXX", "TopicA", "TopicB")]
+    assert files == [f"{t}/2023-11-14/{name}" for t in ("Late", "SCHEDULE_TOPIC_XXXX", "TopicA", "TopicB")]
     assert len(files) == 4 == summary.files["catalog"]
     assert sorted(p.name for p in (catalog / "_reputd-backfills").iterdir()) == [f"{0:020d}-{summary.end_offset:020d}"]
     assert not (catalog / "_reputd-staging").exists()
-    rows = spark.read.parquet(str(catalog))
+    rows = read_catalog(spark, catalog)
     types = dict(rows.dtypes)
     assert types["storeTime"] == types["bornTime"] == "timestamp"
     assert types["keys"] == "array<string>"
@@ -392,47 +392,107 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_documented_
         assert " ".join(query.split()) in " ".join(readme.split())
 
 
-def catalog_by_reader(spark, catalog: Path) -> dict[str, tuple[list[str], list[tuple[int, str, str]]]]:
-    """What each reader makes of a catalog: its columns, and (commitLogOffset, topic, date) of every row."""
+def read_catalog(spark, catalog: Path):
+    """docs/backfill.md's reading: the directories are not `key=value`, so Spark reads below PATH only
+    with recursiveFileLookup (without it: UNABLE_TO_INFER_SCHEMA)."""
+    return spark.read.option("recursiveFileLookup", "true").parquet(str(catalog))
+
+
+# each reader's type names, as Spark's
+ARROW_TYPES = {"int64": "bigint", "int32": "int", "timestamp[ms, tz=UTC]": "timestamp", "string": "string",
+               "date32[day]": "date", "list<element: string>": "array<string>", "list<item: string>": "array<string>",
+               "binary": "binary"}
+DUCKDB_TYPES = {"BIGINT": "bigint", "INTEGER": "int", "TIMESTAMP WITH TIME ZONE": "timestamp", "VARCHAR": "string",
+                "DATE": "date", "VARCHAR[]": "array<string>", "BLOB": "binary"}
+
+
+def catalog_by_reader(spark, catalog: Path) -> dict[str, tuple[list[tuple[str, str]], list[tuple[int, str, str]]]]:
+    """What each reader, opening a catalog as docs/backfill.md says, makes of it: its columns in order with
+    their types (as Spark names them), and (commitLogOffset, topic, date) of every row."""
+    import datetime
+
     import duckdb
     import pandas
     import pyarrow.dataset as ds
 
     def triples(offsets, topics, dates) -> list[tuple[int, str, str]]:
-        return sorted(zip((int(o) for o in offsets), (str(t) for t in topics), (str(d)[:10] for d in dates),
-                          strict=True))
+        return sorted(zip((int(o) for o in offsets), topics, (d.isoformat() for d in dates), strict=True))
 
     seen = {}
-    frame = pandas.read_parquet(catalog)
-    seen["pandas"] = (sorted(frame.columns), triples(frame.commitLogOffset, frame.topic, frame.date))
+    frame = pandas.read_parquet(catalog)  # as an operator reads it, then with the Arrow types pandas keeps
+    assert frame.topic.dtype == object  # was a category
+    assert {type(t) for t in frame.topic} == {str}
+    assert frame.date.dtype == object  # was a category
+    assert {type(d) for d in frame.date} == {datetime.date}
+    typed = pandas.read_parquet(catalog, dtype_backend="pyarrow")
+    seen["pandas"] = ([(c, ARROW_TYPES[str(t.pyarrow_dtype)]) for c, t in typed.dtypes.items()],
+                      triples(frame.commitLogOffset, frame.topic, frame.date))
     table = ds.dataset(catalog, partitioning="hive").to_table()
-    seen["pyarrow"] = (sorted(table.column_names), triples(table["commitLogOffset"].to_pylist(),
-                                                           table["topic"].to_pylist(), table["date"].to_pylist()))
+    seen["pyarrow"] = ([(f.name, ARROW_TYPES[str(f.type)]) for f in table.schema],
+                       triples(table["commitLogOffset"].to_pylist(), table["topic"].to_pylist(),
+                               table["date"].to_pylist()))
     with duckdb.connect() as db:
-        result = db.execute(f"SELECT * FROM read_parquet('{catalog}/**/*.parquet', hive_partitioning = true)")
+        result = db.execute(f"SELECT * FROM read_parquet('{catalog}/**/*.parquet')")
         names = [d[0] for d in result.description]
+        types = [str(d[1]) for d in result.description]
         got = result.fetchall()
     at = {n: i for i, n in enumerate(names)}
-    seen["duckdb"] = (sorted(names), triples((r[at["commitLogOffset"]] for r in got), (r[at["topic"]] for r in got),
-                                             (r[at["date"]] for r in got)))
-    rows = spark.read.parquet(str(catalog)).collect()
-    seen["spark"] = (sorted(spark.read.parquet(str(catalog)).columns),
-                     triples((r.commitLogOffset for r in rows), (r.topic for r in rows), (r.date for r in rows)))
+    seen["duckdb"] = ([(n, DUCKDB_TYPES[t]) for n, t in zip(names, types, strict=True)],
+                      triples((r[at["commitLogOffset"]] for r in got), (r[at["topic"]] for r in got),
+                              (r[at["date"]] for r in got)))
+    frame_ = read_catalog(spark, catalog)
+    rows = frame_.collect()
+    seen["spark"] = (frame_.dtypes, triples((r.commitLogOffset for r in rows), (r.topic for r in rows),
+                                            (r.date for r in rows)))
     return seen
 
 
 def test_the_catalog_opens_in_pandas_pyarrow_duckdb_and_spark_alike(spark, generated, tmp_path):
-    """The same columns and rows in all four readers: `topic` and `date` only in the directory names (in the
-    files too, they had two types, and pandas and pyarrow's hive partitioning refused the catalog)."""
+    """The same 17 columns, in the same order with the same types, and the same rows in all four readers:
+    `topic` and `date` are stored in the files only, under directories that are not `key=value` (inferred
+    from `topic=T/date=D/` names, `date` was a string in pyarrow and `topic` a category in pandas)."""
     tmp, results, _ = generated
     catalog = tmp_path / "catalog"
     backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(catalog))
     seen = catalog_by_reader(spark, catalog)
     expected = sorted((r.phy_offset, r.topic, "2023-11-14") for r in results)
-    for reader, (columns, rows) in seen.items():
-        assert columns == seen["spark"][0], reader
+    columns = [(f.name, ARROW_TYPES[str(f.type)]) for f in [*SCHEMA, *GROUP_FIELDS]]
+    assert len(columns) == 17
+    assert columns[-2:] == [("topic", "string"), ("date", "date")]
+    for reader, (types, rows) in seen.items():
+        assert types == columns, reader
         assert rows == expected, reader
-    assert {"topic", "date", "commitLogOffset", "keys"} <= set(seen["spark"][0])
+    # without recursiveFileLookup Spark finds no file to infer a schema from (no partition directories)
+    with pytest.raises(Exception, match="UNABLE_TO_INFER_SCHEMA"):
+        spark.read.parquet(str(catalog))
+
+
+def test_topic_directories_are_path_safe_and_distinct(spark, tmp_path):
+    """A topic's directory escapes what would make readers skip it (a leading "." or "_"), read it as a
+    partition column ("=") or as a path or glob ("/", "%", "*"); the `topic` column keeps the real name,
+    so every reader gives each row its topic."""
+    import pyarrow as pa
+    from pyarrow import fs
+
+    from daemon.backfill.catalog import ParquetOut, partition_dir
+
+    topics = ["%RETRY%group", "_hidden", ".dot", "a=b", "a/b", "x*?", "标签", "", "%", "%25"]
+    day = 19675  # 2023-11-14
+    catalog = tmp_path / "catalog"
+    for i, topic in enumerate(topics):
+        rows = pa.table({"commitLogOffset": pa.array([i], pa.int64())})
+        out = ParquetOut(fs.LocalFileSystem(), f"{catalog}/{partition_dir(topic, day)}/{file_name(0, 1)}", topic, day)
+        out.write(rows)
+        out.close()
+        os.rename(out.path, out.path.removesuffix(".staged"))
+    dirs = [partition_dir(t, day).split("/")[0] for t in topics]
+    assert len(set(dirs)) == len(topics)
+    assert not any(d[0] in "._" or "=" in d or "/" in d or "*" in d for d in dirs)
+    assert sorted(p.parent.parent.name for p in catalog.rglob("*.parquet")) == sorted(dirs)
+    seen = catalog_by_reader(spark, catalog)
+    for reader, (types, rows) in seen.items():
+        assert types == [("commitLogOffset", "bigint"), ("topic", "string"), ("date", "date")], reader
+        assert rows == [(i, t, "2023-11-14") for i, t in enumerate(topics)], reader
 
 
 def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_path):
@@ -449,9 +509,24 @@ def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_
     assert again.files["catalog"] == 0
     assert sorted(p.relative_to(catalog) for p in catalog.rglob("*.parquet")) == before
     backfill(make_config(tmp_path, "d", tmp / "store"), spark=spark, catalog=str(catalog))  # overlaps [0, 2/3)
-    rows = spark.read.parquet(str(catalog)).select("commitLogOffset").collect()
+    rows = read_catalog(spark, catalog).select("commitLogOffset").collect()
     assert sorted(r.commitLogOffset for r in rows) == [r.phy_offset for r in results]
     assert not (catalog / "_reputd-staging").exists()
+
+
+def test_a_catalog_in_the_earlier_layout_is_refused_before_spark_runs(spark, generated, tmp_path):
+    """A catalog of the `topic=T/date=D/` layout (from the library, as an s3:// catalog reaches it; the CLI
+    refuses a local one with exit 2): refused before any job, naming the path, and nothing is written."""
+    tmp, _, _ = generated
+    legacy = tmp_path / "legacy"
+    (legacy / "topic=TopicA" / "date=2023-11-14").mkdir(parents=True)
+    (legacy / "_reputd-backfills").mkdir()
+    (legacy / "_reputd-backfills" / f"{0:020d}-{100:020d}").touch()
+    before = sorted(legacy.rglob("*"))
+    with pytest.raises(BackfillError, match=f"--catalog {legacy}: is in the topic=T/date=D/ layout of an earlier"):
+        backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(legacy))
+    assert sorted(legacy.rglob("*")) == before
+    assert not (tmp_path / "out" / "consumequeue").exists()
 
 
 def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, generated, tmp_path, monkeypatch):
@@ -475,7 +550,7 @@ def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, generated, tmp_p
     assert not catalog.exists() or not list(catalog.rglob("*"))
     monkeypatch.undo()
     backfill(make_config(tmp_path, "again", tmp / "store"), spark=spark, catalog=str(catalog))
-    assert spark.read.parquet(str(catalog)).count() == len(results)
+    assert read_catalog(spark, catalog).count() == len(results)
 
 
 def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):

@@ -611,6 +611,21 @@ def test_backfill_refuses_bad_arguments_before_spark_starts(tmp_path):
     assert f"--catalog {tmp_path / 'catalog'} exists and is not a reputd catalog" in res.stderr
     assert "Java" not in res.stderr
     no_traceback(res)
+    # a catalog of an earlier reputd (topic and date in `key=value` directory names only) is not extended:
+    # its files and this version's would open with different columns
+    legacy = tmp_path / "legacy"
+    (legacy / "topic=TopicA" / "date=2023-11-14").mkdir(parents=True)
+    (legacy / "topic=TopicA" / "date=2023-11-14" / f"part-{0:020d}-{100:020d}.parquet").write_bytes(b"PAR1")
+    (legacy / "_reputd-backfills").mkdir()
+    (legacy / "_reputd-backfills" / f"{0:020d}-{100:020d}").touch()
+    res = run("backfill", "--config", str(config), "--catalog", str(legacy), env=env)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"reputd: error: --catalog {legacy} is in the topic=T/date=D/ layout of an earlier reputd, which this one "
+        f"does not extend: give a new --catalog path (and backfill the ranges named in {legacy}/_reputd-backfills/ "
+        f"into it)")
+    assert "Java" not in res.stderr
+    no_traceback(res)
     res = run("backfill", "--config", str(config), "--from", "500", "--to", "100", env=env)
     assert res.returncode == 2
     assert "--from 500 is not before --to 100" in res.stderr

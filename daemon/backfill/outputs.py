@@ -65,7 +65,7 @@ def check_output_below(out: str, start: int) -> None:
 def open_catalog(catalog: str, s3: S3Options) -> tuple[tuple[int, int], ...]:
     """The CommitLog ranges a catalog holds already (none for a new one); a path that is not a catalog is
     refused before anything is written."""
-    from daemon.backfill.catalog import MARKERS, covered_ranges  # noqa: PLC0415
+    from daemon.backfill.catalog import LEGACY_PREFIX, MARKERS, covered_ranges  # noqa: PLC0415
 
     filesystem, path = catalog_filesystem(catalog, s3)
     info = filesystem.get_file_info(path)
@@ -74,7 +74,14 @@ def open_catalog(catalog: str, s3: S3Options) -> tuple[tuple[int, int], ...]:
     if info.type != fs.FileType.Directory:
         raise BackfillError(f"--catalog {catalog}: is a file, not a catalog directory")
     covered = covered_ranges(filesystem, path)
-    if not covered and filesystem.get_file_info(fs.FileSelector(path)):
+    entries = filesystem.get_file_info(fs.FileSelector(path))
+    if covered and any(e.base_name.startswith(LEGACY_PREFIX) for e in entries):
+        # its topic and date are directory names only: with this layout's files, every reader would see
+        # different columns (or refuse), so it is not extended
+        raise BackfillError(f"--catalog {catalog}: is in the topic=T/date=D/ layout of an earlier reputd, which "
+                            f"this one does not extend: give a new --catalog path (and backfill the ranges named "
+                            f"in {path.rstrip('/')}/{MARKERS}/ into it)")
+    if not covered and entries:
         raise BackfillError(f"--catalog {catalog}: exists and is not a reputd catalog (it has no {MARKERS}/); "
                             f"give a new path or an earlier backfill's catalog")
     return tuple(covered)

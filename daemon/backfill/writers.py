@@ -385,7 +385,7 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
     try:
         for topic, day in work.groups:
             relative = f"{partition_dir(topic, day)}/{work.name}"
-            writer = ParquetOut(filesystem, f"{stage}/{relative}")
+            writer = ParquetOut(filesystem, f"{stage}/{relative}", topic, day)
             rows = 0
             for r in ranges:
                 for blob in r.catalog_blobs((topic, day)):

@@ -72,6 +72,11 @@ def _backfill_checks(args, config: Config) -> None:
             or (os.listdir(args.catalog) and not os.path.isdir(os.path.join(args.catalog, "_reputd-backfills")))):
         raise UsageError(f"--catalog {args.catalog} exists and is not a reputd catalog: give a new path or an earlier "
                          "backfill's catalog (a later backfill appends to it)")
+    if local_catalog and os.path.isdir(os.path.join(args.catalog, "_reputd-backfills")) and any(
+            name.startswith("topic=") for name in os.listdir(args.catalog)):  # catalog.LEGACY_PREFIX
+        raise UsageError(f"--catalog {args.catalog} is in the topic=T/date=D/ layout of an earlier reputd, which this "
+                         f"one does not extend: give a new --catalog path (and backfill the ranges named in "
+                         f"{os.path.join(args.catalog, '_reputd-backfills')}/ into it)")
     if args.catalog and "://" not in args.catalog:
         parent = os.path.dirname(os.path.abspath(args.catalog))
         if os.path.isdir(parent) and not os.access(parent, os.W_OK):
