@@ -216,7 +216,7 @@ def test_looks_at_the_head_read_only_the_pages_they_look_at(tmp_path):
     """The frontier look and the lag gauges read a page or a record at and past the writer's head, over
     and over as the head moves. On a pre-allocated segment plain reads there soon start the device's
     readahead, which fills up to read_ahead_kb of zero pages ahead of the writer (8 MiB on the benchmark
-    machine, ~10 ms) before a read returns: the p99 of the dispatch latency (bench/results/latency.md).
+    machine, ~10 ms) before a read returns (bench/results/latency.md).
     Their descriptors are advised random: the looks bring in only the pages they read, and leave no
     descriptor open."""
     log_dir = tmp_path / "commitlog"

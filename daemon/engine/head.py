@@ -87,10 +87,10 @@ def open_head(path: str) -> int:
     """A read-only descriptor of a segment for small reads at and past the writer's head, without readahead.
 
     A page past the head of a pre-allocated segment is not in the page cache yet: a plain read of it starts
-    the device's readahead (`read_ahead_kb`, 8 MiB on the benchmark machine), which fills that many pages of
-    zeros before the read returns, ~10 ms of a 4 ms loop, once every few MiB the writer adds (the p99 of
-    the dispatch latency: bench/results/latency.md). The frontier looks and record checks read one page or
-    one record where they read; POSIX_FADV_RANDOM makes the read fetch only that."""
+    the device's readahead (`read_ahead_kb`, 8 MiB on the benchmark machine), which fills up to that many
+    pages of zeros before the read returns (~10 ms for 8 MiB) and leaves them in the page cache
+    (bench/results/latency.md). The frontier looks and record checks read one page or one record where they
+    read; POSIX_FADV_RANDOM makes the read fetch only that."""
     fd = os.open(path, os.O_RDONLY)
     with contextlib.suppress(OSError):  # advice only: a file system without it reads as before
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
