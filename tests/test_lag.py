@@ -5,11 +5,20 @@ in tests/test_realbroker_live.py."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 from pathlib import Path
 
 import pytest
 
-from daemon.engine.head import written_end
+from daemon.engine.head import (
+    HeadDescriptor,
+    oldest_undispatched_timestamp,
+    segments_now,
+    written_below,
+    written_end,
+)
 from indexcore.errors import StoreError
 from indexcore.reader import CommitLog
 from indexcore.writer import CommitLogWriter, Message
@@ -181,3 +190,62 @@ def test_lag_seconds_after_idle_is_the_age_of_the_new_data(service):
     before = store.end
     store.append(40)
     assert lag_of(service) == (store.end - before, 5.0)
+
+
+
+def _resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache now (mincore over a read-only mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    try:
+        vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(b & 1 for b in vec.raw)
+    finally:
+        libc.munmap(addr, size)
+
+
+def test_looks_at_the_head_read_only_the_pages_they_look_at(tmp_path):
+    """The frontier look and the lag gauges read a page or a record at and past the writer's head, over
+    and over as the head moves. On a pre-allocated segment plain reads there soon start the device's
+    readahead, which fills up to read_ahead_kb of zero pages ahead of the writer (8 MiB on the benchmark
+    machine, ~10 ms) before a read returns (bench/results/latency.md).
+    Their descriptors are advised random: the looks bring in only the pages they read, and leave no
+    descriptor open."""
+    log_dir = tmp_path / "commitlog"
+    size = 64 * 1024 * 1024
+    path = log_dir / f"{0:020d}"
+    fds = len(os.listdir("/proc/self/fd"))
+    head = HeadDescriptor()
+    with CommitLogWriter(str(log_dir), size) as w:
+        w.append(Message("T", 0, b"x" * 300, {"KEYS": "k"}))
+        w._file._mm.madvise(mmap.MADV_RANDOM)  # the writer's own faults bring in only the pages it writes
+        w._file._mm.flush()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # and its first fault's readaround is gone
+        finally:
+            os.close(fd)
+        log = CommitLog(str(log_dir), size, follow=True)
+        offset = 0
+        looks = 300
+        for _ in range(looks):  # a writer and a follower: a few records, a look, and so on
+            records = [w.append(Message("T", 0, b"x" * 300, {"KEYS": "k"})) for _ in range(10)]
+            end = w.max_offset
+            assert written_below(log, offset, 4 * 1024 * 1024, head) == end
+            assert written_end(log, offset) == end
+            assert oldest_undispatched_timestamp(log, offset, segments_now(log, offset)) is not None
+            assert oldest_undispatched_timestamp(log, end, segments_now(log, end)) is None
+            offset = records[5].phy_offset  # the follower a few records behind
+        head.close()
+        data_pages = -(-end // mmap.PAGESIZE)
+        # what was written, the page each look reads a horizon on, and the few it reads past the head
+        assert _resident_pages(path) <= data_pages + looks + 64
+    assert len(os.listdir("/proc/self/fd")) == fds

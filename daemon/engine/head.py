@@ -8,6 +8,7 @@ gauges use `written_end`, `segments_now` and `oldest_undispatched_timestamp`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -46,7 +47,7 @@ def _data_frontier(path: str, start: int, size: int, offset: int, horizon: int |
     on when there is one. `offset` itself on any error. With `head`, through its descriptor of `path`."""
     page = mmap.PAGESIZE
     try:
-        fd = os.open(path, os.O_RDONLY) if head is None else head.fd(path)
+        fd = open_head(path) if head is None else head.fd(path)
     except OSError:
         return offset
 
@@ -82,6 +83,20 @@ def _data_frontier(path: str, start: int, size: int, offset: int, horizon: int |
             os.close(fd)
 
 
+def open_head(path: str) -> int:
+    """A read-only descriptor of a segment for small reads at and past the writer's head, without readahead.
+
+    A page past the head of a pre-allocated segment is not in the page cache yet: a plain read of it starts
+    the device's readahead (`read_ahead_kb`, 8 MiB on the benchmark machine), which fills up to that many
+    pages of zeros before the read returns (~10 ms for 8 MiB) and leaves them in the page cache
+    (bench/results/latency.md). The frontier looks and record checks read one page or one record where they
+    read; POSIX_FADV_RANDOM makes the read fetch only that."""
+    fd = os.open(path, os.O_RDONLY)
+    with contextlib.suppress(OSError):  # advice only: a file system without it reads as before
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
 class HeadDescriptor:
     """One read-only descriptor of the segment the loop reads, kept open from read to read: the loop looks
     for the data frontier (`written_below`) before every read, several hundred times a second when
@@ -95,7 +110,7 @@ class HeadDescriptor:
     def fd(self, path: str) -> int:
         if path != self._path:
             self.close()
-            self._fd = os.open(path, os.O_RDONLY)
+            self._fd = open_head(path)
             self._path = path
         return self._fd
 
@@ -142,8 +157,11 @@ def hold_torn_tail(s: Session, offset: int, result: ReadResult, written: int) ->
     at, size = int(batch.phy_offset[n - 1]), int(batch.msg_size[n - 1])
     path = s.commit_log.find_segment(at)
     try:
-        with open(path, "rb") as f:  # before reading it again: what is complete now reads complete then
-            data = os.pread(f.fileno(), size + RECORD_PREFIX.size, at - s.commit_log.segment_start(at))
+        fd = open_head(path)  # before reading it again: what is complete now reads complete then
+        try:
+            data = os.pread(fd, size + RECORD_PREFIX.size, at - s.commit_log.segment_start(at))
+        finally:
+            os.close(fd)
         if len(data) >= size and not data[size - 1] and not any(data[size:]):
             properties = MessageRecord.decode(data[:size], check_crc=False, max_message_size=size).properties
             if b"\0" in properties:
@@ -267,8 +285,11 @@ def oldest_undispatched_timestamp(commit_log: CommitLog, offset: int, segments: 
             continue
         at = max(at, start)
         try:
-            with open(path, "rb") as f:
-                head = os.pread(f.fileno(), FIXED_PART_MAX, at - start)
+            fd = open_head(path)
+            try:
+                head = os.pread(fd, FIXED_PART_MAX, at - start)
+            finally:
+                os.close(fd)
         except OSError:
             continue  # deleted by retention since the listing: the next one
         if len(head) < RECORD_PREFIX.size:
