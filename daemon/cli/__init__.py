@@ -12,43 +12,11 @@ output directory first (daemon/ops/outlock.py); readers never do.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 
-# The commands whose SIGINT and SIGTERM mean "interrupted" (one line, exit 130) from the process's first
-# instant: the rest of this package, the command's modules and PySpark take a good part of a second to
-# import, and a signal meanwhile printed a KeyboardInterrupt traceback (SIGTERM: exit 143, silent). Until
-# the command hands them to its own handling (backfill's Interrupt, once Spark is about to start) nothing but
-# the output lock exists, so the process ends there and then: a KeyboardInterrupt raised inside an
-# extension module's import came out as an ImportError with a traceback.
-_INTERRUPTIBLE = ("backfill",)
-_INTERRUPTED_LINE = b"reputd: interrupted\n"
-_starting: dict = {}  # "args": the command line's namespace, once parsed into (its output_lock, once taken)
+from daemon.cli import startsignals
 
-
-def _interrupted_while_starting(_signum, _frame) -> None:
-    """A signal while the command starts: remove what taking the output lock created, one line, exit 130."""
-    os.write(2, _INTERRUPTED_LINE)
-    lock = getattr(_starting.get("args"), "output_lock", None)
-    if lock is not None:
-        import contextlib
-
-        with contextlib.suppress(Exception):  # ending anyway; forget() leaves everything as it is on doubt
-            lock.forget()
-    os._exit(130)
-
-
-def command_finished() -> None:
-    """Called by a command whose work is done (files written, Spark stopped): a signal from now on is
-    ignored, so the exit code and the summary say what happened rather than "interrupted"."""
-    if signal.getsignal(signal.SIGTERM) is _interrupted_while_starting:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-
-
-if sys.argv[1:2] and sys.argv[1] in _INTERRUPTIBLE:
-    for _sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(_sig, _interrupted_while_starting)
+startsignals.install()  # first of all: the rest of the start-up takes a good part of a second
 
 import argparse  # noqa: E402 - after the handlers above
 from collections.abc import Sequence  # noqa: E402
@@ -154,8 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; a writing command that failed before writing leaves no trace of its output
     directory (daemon/ops/outlock.py)."""
     args = argparse.Namespace()
-    if argv is None and signal.getsignal(signal.SIGTERM) is _interrupted_while_starting:
-        _starting["args"] = args  # this process's own command line: a signal forgets the lock it takes
+    if argv is None:
+        startsignals.starting(args)  # this process's own command line: a signal forgets the lock it takes
     code = _main(argv, args)
     lock = getattr(args, "output_lock", None)
     if code != EXIT_OK and lock is not None:

@@ -99,7 +99,7 @@ def backfill_import_error(error: ImportError) -> str:
 def cmd_backfill(args, config: Config) -> int:
     import signal
 
-    from daemon.cli import command_finished
+    from daemon.cli.startsignals import command_finished
 
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a caller's main(argv): SIGTERM as SIGINT from here,
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # until backfill() handles both
