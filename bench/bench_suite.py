@@ -63,6 +63,7 @@ from bench.latency import LatencyHistogram  # noqa: E402
 from bench.paced_writer import PacedWriter  # noqa: E402
 from daemon.commands.query import query_key  # noqa: E402
 from daemon.config import load_config  # noqa: E402
+from daemon.engine.headwarm import read_ahead_bytes  # noqa: E402
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus  # noqa: E402
 
 REPUTD = [sys.executable, "-m", "daemon.cli"]
@@ -333,7 +334,20 @@ def bench_live(work: Path, seconds: float, idle_seconds: float, rate: int = LIVE
             "messages": wrote["messages"], "dispatched": lat["count"], "seconds": wrote["seconds"],
             "latency_ms_p50": lat["p50_ms"], "latency_ms_p99": lat["p99_ms"], "latency_ms_max": lat["max_ms"],
             "daemon_cpu_busy": round(busy, 3), "daemon_cpu_idle": round(idle, 4),
-            "peak_rss_mb": round(peak_rss / MIB, 1), "writer_cpu": wrote["cpu_fraction"], "exit_code": code}
+            "peak_rss_mb": round(peak_rss / MIB, 1), "writer_cpu": wrote["cpu_fraction"], "exit_code": code,
+            "writer_stalls": wrote["stalls"], "writer_stalled_share": round(wrote["stalled_records"] /
+                                                                             max(1, wrote["messages"]), 5),
+            "writer_longest_write_ms": wrote["longest_write_ms"], "store_read_ahead_kb": read_ahead_kb(tmp)}
+
+
+def read_ahead_kb(path: Path) -> int:
+    """The kernel's readahead of the block device holding `path`: a writer's page fault past the head reads
+    around that much (zero pages of a new segment), so it sets how long the writer's own stalls are."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_ahead_bytes(fd) >> 10
+    finally:
+        os.close(fd)
 
 
 def ensure_query_store(work: Path, scale: float) -> tuple[Path, Path, int]:
@@ -685,6 +699,10 @@ def print_table(results: list[dict]) -> None:
                   f"{r['messages']:,} dispatched); append-to-dispatch latency ms p50 {r['latency_ms_p50']} "
                   f"p99 {r['latency_ms_p99']} max {r['latency_ms_max']}; daemon CPU {r['daemon_cpu_busy']:.1%} "
                   f"of a core busy, {r['daemon_cpu_idle']:.2%} idle; peak RSS {r['peak_rss_mb']:.0f} MB")
+            print(f"live: the writer's own stalls (a write over 5 ms: its page faults, each reading around "
+                  f"read_ahead_kb {r['store_read_ahead_kb']} of the store's disk): {r['writer_stalls']}, longest "
+                  f"{r['writer_longest_write_ms']} ms, holding {r['writer_stalled_share']:.2%} of the records late "
+                  f"before reputd can see them")
         if r["scenario"] == "query":
             print(f"query: {r['queries']:,} keys against IndexFiles with {r['index_entries']} entries: library "
                   f"p50 {r['library_ms_p50']} ms p99 {r['library_ms_p99']} ms; CLI `{r['cli_command']}` "

@@ -58,6 +58,9 @@ _NIBBLE_SHIFTS = np.arange(4 * (SEQ_HEX_DIGITS - 1), -1, -4, dtype=np.uint64)
 DEFAULT_SEGMENT_SIZE = 128 * 1024 * 1024
 
 
+STALL_S = 0.005  # a write() slower than this is a stall of the writer's own (`run` counts them)
+
+
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -191,6 +194,9 @@ class PacedWriter:
         figures. Each tick appends what is due, so a late tick catches up and the average rate holds."""
         max_chunk = max(1, int(rate * 0.1))  # never more than 100 ms worth in one copy
         sent0 = self.count
+        # the writer's own stalls (a page fault of its mapping): records stamped before a write that took
+        # longer than STALL_S are late by that much before any reader can see them
+        stalls, stalled_records, longest = 0, 0, 0.0
         cpu0, t0 = time.process_time(), time.monotonic()
         next_tick = t0
         while True:
@@ -200,7 +206,12 @@ class PacedWriter:
                 break
             due = int(elapsed * rate) - (self.count - sent0)
             if due > 0:
-                self.write(min(due, max_chunk))
+                n = min(due, max_chunk)
+                self.write(n)
+                took = time.monotonic() - now
+                longest = max(longest, took)
+                if took > STALL_S:
+                    stalls, stalled_records = stalls + 1, stalled_records + n
             if on_tick is not None:
                 on_tick(self)
             next_tick += tick
@@ -214,7 +225,8 @@ class PacedWriter:
         cpu = time.process_time() - cpu0
         return {"messages": sent, "seconds": round(wall, 3), "msgs_per_s": round(sent / wall) if wall else 0,
                 "cpu_seconds": round(cpu, 3), "cpu_fraction": round(cpu / wall, 4) if wall else 0.0,
-                "bytes": sent * self.record_size, "record_size": self.record_size}
+                "bytes": sent * self.record_size, "record_size": self.record_size,
+                "stalls": stalls, "stalled_records": stalled_records, "longest_write_ms": round(longest * 1000, 2)}
 
     def run_max(self, seconds: float, chunk: int = 8192) -> dict:
         """Append as fast as possible for `seconds`: the writer's ceiling."""

@@ -32,6 +32,7 @@ from daemon.engine.head import (
     hold_torn_tail,
     written_below,
 )
+from daemon.engine.headwarm import HeadWarmer
 from daemon.engine.rebuild import widen_after_dispatch
 from daemon.engine.runner import (
     Outcome,
@@ -125,9 +126,11 @@ class ReputService(SessionRunner):
             self.exit_error = str(cut_short)
             return Outcome.UNAVAILABLE
         head = HeadDescriptor()
+        self._warmer = HeadWarmer(s.commit_log)
         try:
             return self._follow_from(s, offset, head)
         finally:
+            self._warmer.close()
             head.close()
 
     def _follow_from(self, s: Session, offset: int, head: HeadDescriptor) -> Outcome:
@@ -142,6 +145,7 @@ class ReputService(SessionRunner):
             try:
                 written = written_below(s.commit_log, offset, s.reader.batch_bytes + s.reader.max_message_size,
                                        head)
+                self._warmer.note(written)
                 result = s.reader.read(offset, verify_end=verify)
                 self.metrics.reads.inc()
             except StoreLayoutError as e:  # the CommitLog directory vanished or holds a stray file
