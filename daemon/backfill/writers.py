@@ -149,13 +149,13 @@ def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: At
         for topic, queue_id in queues:
             cq = None
             for r in ranges:
-                for phy, first_qo, units in r.unit_runs((topic, queue_id)):
+                for phy, first_qo, units, streak in r.unit_runs((topic, queue_id), streaks=True):
                     if cq is None:
                         cq = store.queue(topic, queue_id)
                         staged.append(StagedQueue(topic, queue_id, cq.directory, phy))
                     count = len(units)
                     ends = units["commit_log_offset"].astype(np.int64) + units["msg_size"]
-                    put = cq.put_packed(np.arange(first_qo, first_qo + count, dtype=np.int64), units, ends)
+                    put = cq.put_packed(np.arange(first_qo, first_qo + count, dtype=np.int64), units, ends, streak)
                     stats.units += put.written
                     stats.already_built += put.already_built
                     stats.gap_blanks += put.gap_blanks
