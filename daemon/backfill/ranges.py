@@ -18,6 +18,7 @@ the next IndexFile if one filled at each key) and its catalog groups; its one Ar
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import struct
 import time
@@ -287,6 +288,7 @@ class RangeRows:
         self.settings = settings
         self.stage = stage
         self.held: np.ndarray | None = None  # the last key run, whose final creator time waits for the next record
+        self.pending: dict[tuple[str, int], list] = {}  # queue -> its QueueUnits of each window so far
 
     def add(self, batch: DispatchBatch, image) -> None:
         n = len(batch)
@@ -336,6 +338,7 @@ class RangeRows:
         if self.held is not None:
             self.stage.add_keys(self.held)
             self.held = None
+        self._stage_units()
         self.stage.close()
         o = self.outcome
         o.stage_dir = self.stage.directory
@@ -345,18 +348,45 @@ class RangeRows:
         yield outcome_batch(o)
 
     def _units(self, batch: DispatchBatch) -> None:
-        """Each run of a queue's units with consecutive queue offsets, in CommitLog order."""
+        """Each queue's units of the window, held until the range ends (`_stage_units`): a range's units are
+        a few MB, and staging them once per queue and range, not per window, makes 8x fewer runs to stage
+        and to put."""
         for q in consume_queue_units(batch):
-            n = len(q.units)
+            self.pending.setdefault((q.topic, q.queue_id), []).append(q)
+
+    def _stage_units(self) -> None:
+        """Each run of a queue's units with consecutive queue offsets, in CommitLog order; a run whose ends grow
+        too (every window's part one streak, `QueueUnits.one_streak`) is staged as a streak, which the writer
+        puts without an array operation."""
+        for (topic, queue_id), parts in self.pending.items():
+            first = parts[0]
+            if all(p.one_streak for p in parts) and all(
+                    int(b.queue_offset[0]) == int(a.queue_offset[-1]) + 1 for a, b in itertools.pairwise(parts)):
+                data = _joined_bytes(parts)
+                self.stage.add_units(topic, queue_id, int(first.units["commit_log_offset"][0]),
+                                     int(first.queue_offset[0]), len(data) // CQ_UNIT_SIZE, data, streak=True)
+                continue
+            data = _joined_bytes(parts)
+            units = data.view(first.units.dtype)
+            qo = np.concatenate([p.queue_offset for p in parts])
+            n = len(units)
             cut = np.ones(n, dtype=bool)
-            cut[1:] = np.diff(q.queue_offset) != 1
+            cut[1:] = np.diff(qo) != 1
             starts = np.flatnonzero(cut)
             ends = np.append(starts[1:], n)
-            data = q.units.view(np.uint8).reshape(-1)
-            phy = q.units["commit_log_offset"]
+            phy = units["commit_log_offset"]
             for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-                self.stage.add_units(q.topic, q.queue_id, int(phy[a]), int(q.queue_offset[a]), b - a,
+                self.stage.add_units(topic, queue_id, int(phy[a]), int(qo[a]), b - a,
                                      data[a * CQ_UNIT_SIZE : b * CQ_UNIT_SIZE])
+        self.pending.clear()
+
+
+def _joined_bytes(parts) -> np.ndarray:
+    """The parts' units as one byte array (not `np.concatenate` of the units: numpy's promotion of a structured
+    dtype makes its fields native-endian, and the file's are big-endian)."""
+    if len(parts) == 1:
+        return parts[0].units.view(np.uint8).reshape(-1)
+    return np.concatenate([p.units.view(np.uint8).reshape(-1) for p in parts])
 
 
 def outcome_batch(outcome: RangeOutcome):

@@ -5,7 +5,7 @@ Each decode attempt of a range writes into a directory of its own under the job'
 
     units.data    ConsumeQueue units (20 bytes each) in the order the decode made them
     units.meta    (topic, queue id) -> that queue's runs in put order: (physical offset of the first unit,
-                  first queue offset, count, byte offset in units.data)
+                  first queue offset, count, byte offset in units.data, whether the units' ends grow)
     keys.data     the range's IndexFile keys in `buildIndex` order, KEY_DTYPE records: hash, physical offset
                   and store time of the owning record, and the store time of the record that would create
                   the next IndexFile if one filled at this key (NO_CREATOR: the first record of the next range)
@@ -58,12 +58,14 @@ class RangeStage:
         self.units = open(os.path.join(directory, UNITS_DATA), "wb")  # noqa: SIM115 - closed by close()
         self.keys = open(os.path.join(directory, KEYS_DATA), "wb")  # noqa: SIM115
         self.catalog = open(os.path.join(directory, CATALOG_DATA), "wb") if catalog else None  # noqa: SIM115
-        self.unit_runs: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}
+        self.unit_runs: dict[tuple[str, int], list[tuple[int, int, int, int, bool]]] = {}
         self.catalog_runs: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
         self.unit_bytes = self.key_count = self.catalog_bytes = 0
 
-    def add_units(self, topic: str, queue_id: int, phy: int, first_qo: int, count: int, data) -> None:
-        self.unit_runs.setdefault((topic, queue_id), []).append((phy, first_qo, count, self.unit_bytes))
+    def add_units(self, topic: str, queue_id: int, phy: int, first_qo: int, count: int, data,
+                  streak: bool = False) -> None:
+        """A run of consecutive queue offsets; `streak`: its units' ends grow too (`QueueUnits.one_streak`)."""
+        self.unit_runs.setdefault((topic, queue_id), []).append((phy, first_qo, count, self.unit_bytes, streak))
         self.units.write(data)
         self.unit_bytes += count * CQ_UNIT_SIZE
 
@@ -134,14 +136,16 @@ class StagedRange:
         """The range's queues that fall in `buckets`."""
         return [q for q in self.meta(UNITS_META) if queue_bucket(*q) in buckets]
 
-    def unit_runs(self, queue: tuple[str, int]) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(physical offset, first queue offset, units) of each of a queue's runs."""
+    def unit_runs(self, queue: tuple[str, int], streaks: bool = False) -> Iterator[tuple]:
+        """(physical offset, first queue offset, units) of each of a queue's runs, and with `streaks` whether
+        the run is a streak (`RangeStage.add_units`)."""
         runs = self.meta(UNITS_META).get(queue)
         if not runs:
             return
         data = self._data(UNITS_DATA)
-        for phy, first_qo, count, at in runs:
-            yield phy, first_qo, np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=count, offset=at)
+        for phy, first_qo, count, at, streak in runs:
+            units = np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=count, offset=at)
+            yield (phy, first_qo, units, streak) if streaks else (phy, first_qo, units)
 
     def keys(self, lo: int, hi: int) -> np.ndarray:
         """Keys [lo, hi) of the range (KEY_DTYPE)."""

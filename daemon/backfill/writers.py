@@ -149,13 +149,13 @@ def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: At
         for topic, queue_id in queues:
             cq = None
             for r in ranges:
-                for phy, first_qo, units in r.unit_runs((topic, queue_id)):
+                for phy, first_qo, units, streak in r.unit_runs((topic, queue_id), streaks=True):
                     if cq is None:
                         cq = store.queue(topic, queue_id)
                         staged.append(StagedQueue(topic, queue_id, cq.directory, phy))
                     count = len(units)
                     ends = units["commit_log_offset"].astype(np.int64) + units["msg_size"]
-                    put = cq.put_packed(np.arange(first_qo, first_qo + count, dtype=np.int64), units, ends)
+                    put = cq.put_packed(np.arange(first_qo, first_qo + count, dtype=np.int64), units, ends, streak)
                     stats.units += put.written
                     stats.already_built += put.already_built
                     stats.gap_blanks += put.gap_blanks
@@ -265,7 +265,7 @@ class StagedIndexChunk:
     lo: int
     hi: int
     path: str  # the shared file
-    meta: str  # the chunk's chain ends (.npz)
+    meta: str  # the chunk's chain ends (`write_chain_ends`)
     begin_ts: int
     begin_phy: int
     end_ts: int
@@ -285,9 +285,9 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
     started = time.perf_counter()
     ranges = {d: StagedRange(d) for d, _, _ in work.sources}
     try:
-        keys = np.concatenate(list(_keys(work, lo, hi, ranges)) or [np.zeros(0, dtype=KEY_DTYPE)])
-        if len(keys) != hi - lo:
-            raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} got {len(keys)} of its "
+        hashes, phys, times = _key_columns(_keys(work, lo, hi, ranges), hi - lo)
+        if len(hashes) != hi - lo:
+            raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} got {len(hashes)} of its "
                                 f"keys [{lo}, {hi})")
         creator = plan.creator_ts
         if lo == plan.key_start:  # the file's first chunk: seeded by the key before it, as the file is
@@ -305,11 +305,10 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
             begin_ts, begin_phy = int(first["ts"][0]), int(first["phy"][0])
         first_entry = FIRST_INDEX + lo - plan.key_start
         entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
-        buf = bytearray(entries_at + INDEX_ENTRY_SIZE * len(keys))
+        buf = bytearray(entries_at + INDEX_ENTRY_SIZE * len(hashes))
         _, _, begin_ts, begin_phy = _kernels.put_keys(
-            buf, entries_at, hash_slot_num, first_entry, index_num, begin_ts, begin_phy,
-            np.ascontiguousarray(keys["hash"], dtype=np.int64), np.ascontiguousarray(keys["phy"], dtype=np.int64),
-            np.ascontiguousarray(keys["ts"], dtype=np.int64), first_entry)
+            buf, entries_at, hash_slot_num, first_entry, index_num, begin_ts, begin_phy, hashes, phys, times,
+            first_entry)
         fd = os.open(work.shared_path, os.O_WRONLY)
         try:
             os.pwrite(fd, memoryview(buf)[entries_at:], entries_at + INDEX_ENTRY_SIZE * first_entry)
@@ -320,20 +319,62 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
         entries = np.frombuffer(buf, dtype=ENTRY_DTYPE, offset=entries_at)
         firsts = np.flatnonzero(entries["prev"] == 0)
         os.makedirs(stage_dir, exist_ok=True)
-        meta = os.path.join(stage_dir, f"index-{plan.number:010d}-{lo}.npz")
-        with open(meta, "wb") as f:
-            np.savez(f, first_entry=(first_entry + firsts).astype(np.int64),
-                     first_slot=(entries["hash"][firsts].astype(np.int64) % hash_slot_num),
-                     last_slot=last_slot.astype(np.int64), last_entry=slots[last_slot].astype(np.int64))
+        meta = os.path.join(stage_dir, f"index-{plan.number:010d}-{lo}.ends")
+        write_chain_ends(meta, first_entry + firsts, hashes[firsts] % hash_slot_num, last_slot, slots[last_slot])
     finally:
         for r in ranges.values():
             r.close()
-    stats.keys = len(keys)
+    stats.keys = len(hashes)
     stats.seconds = time.perf_counter() - started
     if fault is not None:
         fault.check("index", "staged", attempt.attempt_number)
     return stats, [StagedIndexChunk(plan.number, lo, hi, work.shared_path, meta, begin_ts, begin_phy,
-                                    int(keys["ts"][-1]), int(keys["phy"][-1]), creator)]
+                                    int(times[-1]), int(phys[-1]), creator)]
+
+
+def _key_columns(runs, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The hash, physical offset and store time of the keys of `runs` (KEY_DTYPE), as the int64 columns the
+    kernel takes: each field copied once from the staged files (not the records concatenated, then each field
+    copied again)."""
+    columns = tuple(np.empty(count, dtype=np.int64) for _ in range(3))
+    at = 0
+    for run in runs:
+        n = min(len(run), count - at)
+        for column, name in zip(columns, ("hash", "phy", "ts"), strict=True):
+            column[at : at + n] = run[name][:n]
+        at += n
+    return tuple(c[:at] for c in columns)
+
+
+_CHAIN_ENDS = ("first_entry", "first_slot", "last_slot", "last_entry")
+
+
+def write_chain_ends(path: str, *columns: np.ndarray) -> None:
+    """A chunk's chain ends (`_CHAIN_ENDS`, each int32: entries and slots are below 2**31) in one write: their
+    lengths, then the columns."""
+    arrays = [np.ascontiguousarray(c, dtype="<i4") for c in columns]
+    head = np.array([len(a) for a in arrays], dtype="<i8")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        data = [head.tobytes(), *(memoryview(a).cast("B") for a in arrays)]
+        total = sum(len(d) for d in data)
+        written = os.writev(fd, data)
+        if written != total:
+            os.pwrite(fd, b"".join(data)[written:], written)
+    finally:
+        os.close(fd)
+
+
+def read_chain_ends(path: str) -> dict[str, np.ndarray]:
+    """What `write_chain_ends` wrote, as int64 columns."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    lengths = np.frombuffer(raw, dtype="<i8", count=len(_CHAIN_ENDS)).tolist()
+    out, at = {}, 8 * len(_CHAIN_ENDS)
+    for name, n in zip(_CHAIN_ENDS, lengths, strict=True):
+        out[name] = np.frombuffer(raw, dtype="<i4", count=n, offset=at).astype(np.int64)
+        at += 4 * n
+    return out
 
 
 def create_shared_index_file(path: str, hash_slot_num: int, index_num: int) -> None:
@@ -354,12 +395,12 @@ def assemble_index_file(chunks: list[StagedIndexChunk], hash_slot_num: int, inde
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
         entries = np.ndarray((index_num,), dtype=ENTRY_DTYPE, buffer=mm, offset=entries_at)
         for c in chunks:
-            with np.load(c.meta) as d:
-                if c.lo != key_start:
-                    prev = last[d["first_slot"]]
-                    linked = prev != 0
-                    entries["prev"][d["first_entry"][linked]] = prev[linked]
-                last[d["last_slot"]] = d["last_entry"]
+            d = read_chain_ends(c.meta)
+            if c.lo != key_start:
+                prev = last[d["first_slot"]]
+                linked = prev != 0
+                entries["prev"][d["first_entry"][linked]] = prev[linked]
+            last[d["last_slot"]] = d["last_entry"]
         slots = np.ndarray((hash_slot_num,), dtype=">i4", buffer=mm, offset=INDEX_HEADER_SIZE)
         slots[:] = last
         keys = chunks[-1].hi - key_start
