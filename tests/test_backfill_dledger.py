@@ -19,7 +19,8 @@ import yaml
 
 from bench.spark_cluster import StandaloneCluster
 from daemon.backfill import backfill
-from daemon.backfill.ranges import DecodeSettings, entry_at
+from daemon.backfill.boundaries import entry_at
+from daemon.backfill.ranges import DecodeSettings
 from daemon.backfill.source import LOCAL, SegmentDir, SegmentListing
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild

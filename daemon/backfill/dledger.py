@@ -4,7 +4,7 @@ The segments are the DLedger data files of `dledger-<selfId>/data`, after the ol
 from the plain CommitLog (as `reputd rebuild` reads them, indexcore/dledgerlog.py). With `--segments`, the last
 directory listed is the DLedger data directory and any before it the old CommitLog's. Ranges are cut in bytes as
 for a plain CommitLog; a range that starts inside a data file finds its first entry by a header that validates
-itself (`ranges.entry_at`: magic 1, bodyLen = size - 48 and the pos field naming its own offset), and each task
+itself (`boundaries.entry_at`: magic 1, bodyLen = size - 48 and the pos field naming its own offset), and each task
 decodes whole entries (reput offsets are entry positions, store offsets entry pos + 48). `--from` and `--to` are
 entry positions. Without `--to`, the backfill stops at the committed position of the local store's DLedger
 checkpoint, where `reputd rebuild` stops (daemon/dledgerfollow.py), as the broker dispatches only committed

@@ -20,30 +20,22 @@ from __future__ import annotations
 
 import itertools
 import pickle
-import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from daemon.backfill.boundaries import first_entry_in, first_header_in, unwritten
 from daemon.backfill.source import S3Options, open_image
 from daemon.backfill.stage import KEY_DTYPE, RangeStage, range_dir
 from indexcore.batchdecode import DecodeScratch
 from indexcore.commitlog import (
-    BLANK_MAGIC_CODE,
-    MESSAGE_MAGIC_CODE,
-    MESSAGE_MAGIC_CODE_V2,
-    MIN_RECORD_SIZE,
-    PHYSICAL_OFFSET,
-    PHYSICAL_OFFSET_OFFSET,
     RECORD_PREFIX,
 )
 from indexcore.consumequeue import CQ_UNIT_SIZE
 from indexcore.dispatch import DelayLevelTable, DispatchBatch
-from indexcore.dledger import BLANK as DLEDGER_BLANK
-from indexcore.dledger import BLANK_MAGIC as DLEDGER_BLANK_MAGIC
-from indexcore.dledger import DLEDGER_ENTRIES, ENTRY_HEADER, ENTRY_HEADER_SIZE, ENTRY_MAGIC, EntryHeader
+from indexcore.dledger import DLEDGER_ENTRIES
 from indexcore.errors import CorruptRecordError, StoreError
 from indexcore.queuestore import consume_queue_units
 from indexcore.reader import ReadStatus, decode_segment, read_result
@@ -51,17 +43,17 @@ from indexcore.reader import ReadStatus, decode_segment, read_result
 ROLLED, END, LIMIT, CORRUPT, EMPTY = "rolled", "end", "limit", "corrupt", "empty"
 OUTCOME_DDL = "data binary"  # a decode task's one row per range: its pickled RangeOutcome
 NO_CREATOR = -1
-_MAGICS = tuple(struct.pack(">i", m) for m in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2, BLANK_MAGIC_CODE))
-_MAGIC_AT = 4  # MAGICCODE's offset in a record
+
+
 _END_CHECK_SLACK = 64
 BINARY_MAX_BYTES = 2**31 - 1  # an Arrow binary column's int32 offsets
 MAX_LOGGED_MISMATCHES = 1000  # per range: a hostile CommitLog could have one in every record
-_ZERO_PROBE = 1 << 20
+
 REMOTE_TAIL_BYTES = 64 * 1024  # read past a remote range's end before the whole look-ahead
 # the search for a range's first record looks this far at a time: a magic absent from the data (the v2 one
 # in a v1 CommitLog, BLANK's before a segment's end) would otherwise be searched for through a whole read
 _FIND_STEP = 64 * 1024
-_ENTRY_MAGIC_BYTES = struct.pack(">i", ENTRY_MAGIC)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,73 +155,14 @@ def plan_ranges(segments, segment_size: int, from_offset: int, to_offset: int | 
 
 # --- finding the first record of a range ----------------------------------------------------------------
 
-def header_at(buf, p: int, seg_start: int, seg_size: int, max_size: int, follow: int = 1) -> bool:
-    """Whether a record (or BLANK) that validates itself starts at p, and, `follow` deep, the one after."""
-    if p + RECORD_PREFIX.size > seg_size:
-        return False
-    total, magic = RECORD_PREFIX.unpack_from(buf, p)
-    if magic == BLANK_MAGIC_CODE:
-        return total == seg_size - p
-    if magic not in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2):
-        return False
-    if not MIN_RECORD_SIZE <= total <= min(max_size, seg_size - p):
-        return False
-    if PHYSICAL_OFFSET.unpack_from(buf, p + PHYSICAL_OFFSET_OFFSET)[0] != seg_start + p:
-        return False
-    if follow == 0:
-        return True
-    nxt = p + total
-    if nxt + RECORD_PREFIX.size > seg_size:
-        return False
-    if RECORD_PREFIX.unpack_from(buf, nxt)[0] == 0:
-        return True  # the end of the written data
-    return header_at(buf, nxt, seg_start, seg_size, max_size, follow - 1)
-
-
-def entry_at(buf, p: int, seg_start: int, seg_size: int, max_size: int, follow: int = 1) -> bool:
-    """Whether a DLedger entry (or DLedger BLANK) that validates itself starts at p: magic 1, a size within
-    bounds, bodyLen = size - 48 and its pos field equal to its own offset (which DLedger writes in every entry,
-    so a forged one inside a body must also name its place); `follow` deep, the one after too."""
-    if p + DLEDGER_BLANK.size > seg_size:
-        return False
-    magic, size = DLEDGER_BLANK.unpack_from(buf, p)
-    if magic == DLEDGER_BLANK_MAGIC:
-        return size == seg_size - p
-    if magic != ENTRY_MAGIC or p + ENTRY_HEADER_SIZE > seg_size:
-        return False
-    if not ENTRY_HEADER_SIZE + MIN_RECORD_SIZE <= size <= min(max_size + ENTRY_HEADER_SIZE, seg_size - p):
-        return False
-    header = EntryHeader._make(ENTRY_HEADER.unpack_from(buf, p))
-    if header.pos != seg_start + p or header.body_length != size - ENTRY_HEADER_SIZE:
-        return False
-    if follow == 0:
-        return True
-    nxt = p + size
-    if nxt + DLEDGER_BLANK.size > seg_size:
-        return False
-    if DLEDGER_BLANK.unpack_from(buf, nxt) == (0, 0):
-        return True  # the end of the written data
-    return entry_at(buf, nxt, seg_start, seg_size, max_size, follow - 1)
-
-
-def _first_entry_in(buf, lo: int, hi: int, seg_start: int, seg_size: int, max_size: int) -> int | None:
-    """The first position in [lo, hi) where a self-validating DLedger entry starts, found by its magic."""
-    at = buf.find(_ENTRY_MAGIC_BYTES, lo, hi + len(_ENTRY_MAGIC_BYTES) - 1)
-    while 0 <= at < hi:
-        if entry_at(buf, at, seg_start, seg_size, max_size):
-            return at
-        at = buf.find(_ENTRY_MAGIC_BYTES, at + 1, hi + len(_ENTRY_MAGIC_BYTES) - 1)
-    return None
-
-
 def find_first_record(image, task: RangeTask, settings: DecodeSettings) -> int | None:
     """The in-segment position of the first self-validating header (a DLedger entry's in a DLedger data file)
     in [begin, end), or None."""
     size, max_size = settings.segment_size, settings.max_message_size
-    first_in = _first_entry_in if settings.flags(task.seg_start) & DLEDGER_ENTRIES else _first_header_in
+    first_in = first_entry_in if settings.flags(task.seg_start) & DLEDGER_ENTRIES else first_header_in
     pos = task.begin
     while pos < task.end:
-        if _unwritten(image, pos, min(size, pos + settings.lookahead)):
+        if unwritten(image, pos, min(size, pos + settings.lookahead)):
             # zeros this long cannot lie inside a record: the sequential reader stops (end of the written data,
             # or corruption) at the record boundary within their first maximal message, so nothing from here
             # on is ever dispatched
@@ -244,35 +177,6 @@ def find_first_record(image, task: RangeTask, settings: DecodeSettings) -> int |
         pos = hi
     return None
 
-
-def _first_header_in(buf, lo: int, hi: int, seg_start: int, seg_size: int, max_size: int) -> int | None:
-    """The first position p in [lo, hi) where a self-validating header starts, found by its MAGICCODE at
-    p + 4 (each magic's search may end 4 bytes past hi, so that no p below hi is missed)."""
-    end = {m: hi + _MAGIC_AT + len(m) - 1 for m in _MAGICS}
-    upcoming = {m: buf.find(m, lo + _MAGIC_AT, end[m]) for m in _MAGICS}
-    while True:
-        live = [at for at in upcoming.values() if at >= 0]
-        if not live:
-            return None
-        at = min(live)
-        p = at - _MAGIC_AT
-        if header_at(buf, p, seg_start, seg_size, max_size):
-            return p
-        for m, found in upcoming.items():
-            if found == at:
-                upcoming[m] = buf.find(m, at + 1, end[m])
-
-
-def _unwritten(image, start: int, end: int) -> bool:
-    """Whether [start, end) holds only zeros (a hole, by SEEK_DATA, or read a MiB at a time)."""
-    if image.next_data(start) >= end:
-        return True
-    image.ensure(start, end)
-    view = np.frombuffer(image.buffer, dtype=np.uint8, count=end - start, offset=start)
-    return not any(np.count_nonzero(view[i : i + _ZERO_PROBE]) for i in range(0, len(view), _ZERO_PROBE))
-
-
-# --- the decode ------------------------------------------------------------------------------------------
 
 class RangeRows:
     """Stages the decoded windows of one range (`stage.RangeStage`); its only row is the outcome."""
