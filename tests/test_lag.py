@@ -5,7 +5,6 @@ in tests/test_realbroker_live.py."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from pathlib import Path
@@ -23,6 +22,7 @@ from indexcore.errors import StoreError
 from indexcore.reader import CommitLog
 from indexcore.writer import CommitLogWriter, Message
 from tests.test_daemon import SEGMENT, START_MS, Store, stop, wait_for
+from tests.test_headwarm import resident
 
 
 def precreate(directory: Path, end: int, ahead: int = 2) -> list[Path]:
@@ -194,22 +194,8 @@ def test_lag_seconds_after_idle_is_the_age_of_the_new_data(service):
 
 
 def _resident_pages(path: Path) -> int:
-    """How many of the file's pages are in the page cache now (mincore over a read-only mapping of it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
-    assert addr not in (None, ctypes.c_void_p(-1).value)
-    try:
-        vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
-        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-        return sum(b & 1 for b in vec.raw)
-    finally:
-        libc.munmap(addr, size)
+    """How many of the file's pages are in the page cache now."""
+    return sum(resident(path))
 
 
 def test_looks_at_the_head_read_only_the_pages_they_look_at(tmp_path):

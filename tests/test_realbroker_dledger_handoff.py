@@ -36,9 +36,8 @@ from tests.test_realbroker_handoff import (
     REPUTD,
     assert_served_all,
     digests,
-    printed_commands,
+    hand_off,
     reputd,
-    run_printed,
     scenario_params,
     serve_and_compare,
 )
@@ -149,38 +148,7 @@ def test_the_real_dledger_store_takes_the_handed_off_files(harness, written, tmp
     store = tmp_path / "store"
     copy_store(writer_store, store, checkpoint)
     assert (store / "abort").exists() == (broker == "killed")
-    printed: list[str] = []
-    if source == "rebuilt":
-        conf = config(tmp_path / "reputd.yaml", store, store)
-        res = reputd("rebuild", "--config", str(conf))
-        assert res.returncode == 0, res.stderr
-        if broker == "killed":  # the warning: the broker would discard this index without a handoff
-            warnings = [line for line in res.stderr.splitlines() if line.startswith("reputd: warning:")]
-            assert len(warnings) == 1, res.stderr
-            assert f"{store / 'abort'} exists" in warnings[0]
-        res = reputd("handoff", "--config", str(conf))
-        assert res.returncode == 0, res.stdout + res.stderr
-        printed = res.stdout.splitlines()
-    else:
-        out = tmp_path / "out"
-        subprocess.run(["cp", "-r", str(followed), str(out)], check=True, timeout=300)
-        conf = config(tmp_path / "reputd.yaml", store, out)
-        if checkpoint == "kept":  # the broker-file part now, the moves after
-            res = reputd("handoff", "--config", str(conf), "--broker-files")
-            assert res.returncode == 0, res.stdout + res.stderr
-            printed = res.stdout.splitlines()
-            printed += run_printed(printed_commands(res.stdout, "before the broker starts, move"))
-        else:  # the moves, then `reputd handoff` in the store root, as printed
-            res = reputd("handoff", "--config", str(conf))
-            assert res.returncode == 0, res.stdout + res.stderr
-            printed = res.stdout.splitlines()
-            commands = printed_commands(res.stdout, f"to hand {out} to the broker")
-            assert commands[-1].startswith("reputd handoff"), commands
-            printed += run_printed(commands)
-        assert not (out / "consumequeue").exists()
-        assert not (out / "index").exists()
-    assert not (store / "abort").exists()
-    assert not (store / "reputd.checkpoint").exists()
+    printed = hand_off(store, followed, tmp_path, broker, source, checkpoint, config)
     handed = digests(store)
     assert handed
 

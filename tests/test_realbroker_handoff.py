@@ -199,19 +199,15 @@ def serve_and_compare(harness, store: Path, reference: Path, handed: dict[str, s
     unchanged = sum(1 for name, digest in served["digests"].items() if handed.get(name) == digest)
     return served, alone, same_files(reference, store), unchanged
 
-@pytest.mark.parametrize(("broker", "source", "checkpoint"), list(scenario_params()))
-def test_the_real_broker_takes_the_handed_off_files(harness, written, tmp_path, broker, source, checkpoint):
-    writer_store, followed, facts = written(broker)
-    store = tmp_path / "store"
-    shutil.copytree(writer_store, store, symlinks=True)
-    shutil.rmtree(store / "consumequeue")  # the broker's own: reputd's take their place
-    shutil.rmtree(store / "index")
-    if checkpoint == "deleted":
-        (store / "checkpoint").unlink()
-    assert (store / "abort").exists() == (broker == "killed")
+def hand_off(store: Path, followed: Path, tmp_path: Path, broker: str, source: str, checkpoint: str,
+             write_conf) -> list[str]:
+    """reputd's files into the stopped broker's store root as an operator does it: `rebuild` in place then
+    `handoff`, or a followed `run` output handed off with the moves it prints (`--broker-files` first when
+    the broker's checkpoint is kept); returns what reputd printed. `write_conf(path, root, out)` writes the
+    config."""
     printed: list[str] = []
     if source == "rebuilt":
-        config = write_config(tmp_path / "reputd.yaml", store, store)
+        config = write_conf(tmp_path / "reputd.yaml", store, store)
         res = reputd("rebuild", "--config", str(config))
         assert res.returncode == 0, res.stderr
         if broker == "killed":  # the warning: the broker would discard this index without a handoff
@@ -224,8 +220,8 @@ def test_the_real_broker_takes_the_handed_off_files(harness, written, tmp_path, 
         printed = res.stdout.splitlines()
     else:
         out = tmp_path / "out"
-        shutil.copytree(followed, out, symlinks=True)
-        config = write_config(tmp_path / "reputd.yaml", store, out)
+        subprocess.run(["cp", "-r", "--sparse=always", str(followed), str(out)], check=True, timeout=300)
+        config = write_conf(tmp_path / "reputd.yaml", store, out)
         if checkpoint == "kept":  # the broker-file part now, the moves after
             res = reputd("handoff", "--config", str(config), "--broker-files")
             assert res.returncode == 0, res.stdout + res.stderr
@@ -242,6 +238,20 @@ def test_the_real_broker_takes_the_handed_off_files(harness, written, tmp_path, 
         assert not (out / "index").exists()
     assert not (store / "abort").exists()
     assert not (store / "reputd.checkpoint").exists()
+    return printed
+
+
+@pytest.mark.parametrize(("broker", "source", "checkpoint"), list(scenario_params()))
+def test_the_real_broker_takes_the_handed_off_files(harness, written, tmp_path, broker, source, checkpoint):
+    writer_store, followed, facts = written(broker)
+    store = tmp_path / "store"
+    shutil.copytree(writer_store, store, symlinks=True)
+    shutil.rmtree(store / "consumequeue")  # the broker's own: reputd's take their place
+    shutil.rmtree(store / "index")
+    if checkpoint == "deleted":
+        (store / "checkpoint").unlink()
+    assert (store / "abort").exists() == (broker == "killed")
+    printed = hand_off(store, followed, tmp_path, broker, source, checkpoint, write_config)
     handed = digests(store)
     assert handed
 
