@@ -8,6 +8,7 @@ gauges use `written_end`, `segments_now` and `oldest_undispatched_timestamp`.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import mmap
@@ -66,12 +67,8 @@ def _data_frontier(path: str, start: int, size: int, offset: int, horizon: int |
         while hi < pages and not zero(hi):
             lo, step = hi, step * 2
             hi = min(lo + step, pages)
-        while hi - lo > 1:  # page lo: data or offset's page; page hi: zero (or the end)
-            mid = (lo + hi) // 2
-            if zero(mid):
-                hi = mid
-            else:
-                lo = mid
+        # page lo: data or offset's page; page hi: zero (or the end); the first zero page between them
+        lo += bisect.bisect_left(range(lo + 1, hi), True, key=zero)
         tail = os.pread(fd, page, lo * page).rstrip(b"\0")
         return start + lo * page + len(tail)
     except OSError:
