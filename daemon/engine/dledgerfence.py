@@ -398,20 +398,20 @@ def drop_queues_without_units_below(output_dir: str, cut: int) -> tuple[list[str
 BUILT_IN = ("consumequeue", "index", FENCE)
 
 
-def cut_states(config: Config, output_dir: str, view: DLedgerLogView, cut: int, names, log) -> dict[str, Any]:
-    """The ConsumeQueue and IndexFile states of the output cut back to store offset `cut` (an entry position).
-    `names` are the dispatchers to derive, or the old checkpoint's states (whose queue count is kept)."""
+def cut_states(config: Config, output_dir: str, view: DLedgerLogView, cut: int, names, log,
+               old_queues: int | None = None) -> dict[str, Any]:
+    """The ConsumeQueue and IndexFile states of the output cut back to store offset `cut` (an entry position),
+    for the dispatchers `names`. `old_queues`: the queue count of the checkpoint being cut back, if it had one."""
     states: dict[str, Any] = {}
     if "consumequeue" in names:
         dropped, queues = drop_queues_without_units_below(output_dir, cut + ENTRY_HEADER_SIZE)
         if dropped:
             log.info("dledger_queues_removed", queues=dropped, reput_from_offset=cut,
                      detail="queues whose every record was cut: a rebuild of the new log has none")
-        old = names.get("consumequeue") if isinstance(names, dict) else None
-        if isinstance(old, dict) and isinstance(old.get("queues"), int):
+        if old_queues is not None:
             # a queue the old checkpoint counted and the files lack (an operator deleted it) stays counted, so
             # recovery reads the log again from its first offset for it (`queues_missing`)
-            queues = max(queues, old["queues"] - len(dropped))
+            queues = max(queues, old_queues - len(dropped))
         states["consumequeue"] = {"queues": queues}
     if "index" in names:
         states["index"] = index_state_at(config, output_dir, view, cut + ENTRY_HEADER_SIZE)
@@ -454,7 +454,9 @@ def repair_truncation(config: Config, metrics=None, log=None) -> Repair | None:
     shared = find_shared(view, gone, terms)
     cut = shared.end if shared is not None else view.first_offset()
     old = checkpoint.dispatchers
-    states = cut_states(config, out, view, cut, old, log)
+    cq_state = old.get("consumequeue")
+    old_queues = cq_state.get("queues") if isinstance(cq_state, dict) else None
+    states = cut_states(config, out, view, cut, old, log, old_queues if isinstance(old_queues, int) else None)
     if shared is not None:
         states[FENCE] = {"index": shared.index, "term": shared.term, "pos": shared.pos, "size": shared.size,
                          "terms": [t for t in terms if t[1] <= shared.index]}
