@@ -37,6 +37,7 @@ from tests.test_realbroker_handoff import (
     assert_served_all,
     digests,
     hand_off,
+    report_control,
     reputd,
     scenario_params,
     serve_and_compare,
@@ -188,19 +189,8 @@ def test_without_the_handoff_the_killed_dledger_store_loses_what_reputd_built(ha
     handed = digests(store)
     served, alone, compared, unchanged = serve_and_compare(harness, store, tmp_path / "reference", handed, WRITES,
                                                            check_dledger, LOGS)
-    stress.report("realbroker-dledger-handoff-control", scenario=f"killed/{source}/checkpoint {checkpoint}/no handoff",
-                  files_unchanged_by_load_and_start=f"{unchanged}/{len(handed)}",
-                  units=f"{served['units_served']}/{served['units']} (exact {served['units_exact']})",
-                  keys=f"{served['keys_served']}/{served['keys']}",
-                  writes=f"continued {served['writes_continued']}, served {served['writes_served']} of "
-                         f"{served['writes']}",
-                  store_alone=f"records {alone['records']}, units {alone['units']}, keys {alone['keys']}",
-                  cq_identical=f"{compared[0]}/{compared[1]}", index_identical=f"{compared[2]}/{compared[3]}",
-                  examples=served["examples"][:3])
-    assert served["abort_before_load"] is True
-    everything = (served["units_served"] == served["units_exact"] == served["units"]
-                  and served["keys_served"] == served["keys"] and served["writes_served"] == served["writes"])
-    assert not everything or compared[4] or unchanged < len(handed)
+    report_control("realbroker-dledger-handoff-control", f"killed/{source}/checkpoint {checkpoint}/no handoff",
+                   served, alone, compared, unchanged, handed)
 
 
 @pytest.mark.stress_only

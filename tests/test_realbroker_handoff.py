@@ -296,6 +296,27 @@ def assert_served_all(served: dict, alone: dict, compared: tuple, unchanged: int
     assert (cq_same, ix_same) == (cq_total, ix_total)
 
 
+def report_control(name: str, scenario: str, served: dict, alone: dict, compared: tuple, unchanged: int,
+                   handed: dict[str, str]) -> None:
+    """A control run (the files handed over without `reputd handoff`): its figures reported, and the proof that
+    the handoff checks would catch it: `abort` was there at load, and something was not served, or the
+    files differ from the store alone's, or its load and start changed handed files."""
+    cq_same, cq_total, ix_same, ix_total, differ = compared
+    stress.report(name, scenario=scenario, files_unchanged_by_load_and_start=f"{unchanged}/{len(handed)}",
+                  records=f"{served['records_served']}/{served['records']}",
+                  units=f"{served['units_served']}/{served['units']} (exact {served['units_exact']})",
+                  keys=f"{served['keys_served']}/{served['keys']}",
+                  writes=f"continued {served['writes_continued']}, served {served['writes_served']} of "
+                         f"{served['writes']}",
+                  store_alone=f"records {alone['records']}, units {alone['units']}, keys {alone['keys']}",
+                  cq_identical=f"{cq_same}/{cq_total}", index_identical=f"{ix_same}/{ix_total}",
+                  examples=served["examples"][:3])
+    assert served["abort_before_load"] is True
+    everything = (served["units_served"] == served["units_exact"] == served["units"]
+                  and served["keys_served"] == served["keys"] and served["writes_served"] == served["writes"])
+    assert not everything or differ or unchanged < len(handed)
+
+
 @pytest.mark.stress_only
 @pytest.mark.parametrize(("source", "checkpoint"), [("followed", "kept"), ("rebuilt", "deleted")])
 def test_without_the_handoff_the_killed_broker_loses_what_reputd_built(harness, written, tmp_path, source,
@@ -318,19 +339,6 @@ def test_without_the_handoff_the_killed_broker_loses_what_reputd_built(harness, 
         for sub in ("consumequeue", "index"):
             shutil.copytree(followed / sub, store / sub)
     handed = digests(store)
-    served, alone, (cq_same, cq_total, ix_same, ix_total, differ), unchanged = serve_and_compare(
-        harness, store, tmp_path / "reference", handed)
-    stress.report("realbroker-handoff-control", scenario=f"killed/{source}/checkpoint {checkpoint}/no handoff",
-                  files_unchanged_by_load_and_start=f"{unchanged}/{len(handed)}",
-                  records=f"{served['records_served']}/{served['records']}",
-                  units=f"{served['units_served']}/{served['units']} (exact {served['units_exact']})",
-                  keys=f"{served['keys_served']}/{served['keys']}",
-                  writes=f"continued {served['writes_continued']}, served {served['writes_served']} of "
-                         f"{served['writes']}",
-                  store_alone=f"records {alone['records']}, units {alone['units']}, keys {alone['keys']}",
-                  cq_identical=f"{cq_same}/{cq_total}", index_identical=f"{ix_same}/{ix_total}",
-                  examples=served["examples"][:3])
-    assert served["abort_before_load"] is True
-    everything = (served["units_served"] == served["units_exact"] == served["units"]
-                  and served["keys_served"] == served["keys"] and served["writes_served"] == served["writes"])
-    assert not everything or differ or unchanged < len(handed)
+    served, alone, compared, unchanged = serve_and_compare(harness, store, tmp_path / "reference", handed)
+    report_control("realbroker-handoff-control", f"killed/{source}/checkpoint {checkpoint}/no handoff", served,
+                   alone, compared, unchanged, handed)
