@@ -824,6 +824,40 @@ def _catches(pid: int, sig: int) -> bool:
     return bool(mask >> (sig - 1) & 1)
 
 
+def _marked_backfill(generated, tmp_path, tag: str, sig, after: float) -> tuple[subprocess.Popen, str]:
+    """`reputd backfill` of the generated store into tmp_path/out on local[1], its process tree marked by an
+    environment variable named after `tag` (`_marked_processes` finds what is left of it)."""
+    tmp, _, _ = generated
+    config = config_file(tmp_path, "out", tmp / "store")
+    marker = f"{tag}_{os.getpid()}_{sig}_{after}".replace(".", "_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    env[marker] = "1"
+    proc = subprocess.Popen([*REPUTD, "backfill", "--config", str(config), "--master", "local[1]", "--conf",
+                             "spark.ui.enabled=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    return proc, marker
+
+
+def _interrupted_leaving_nothing(proc: subprocess.Popen, marker: str, sig, after: float, traces) -> str:
+    """`sig` to the backfill `after` seconds from now: exit 130, none of `traces` in stderr, which ends with
+    the one line, and no process of its tree left. Returns stderr."""
+    time.sleep(after)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip(f"the backfill finished within {after} s")  # never seen here: start-up alone takes longer
+    assert proc.returncode == 130, err
+    for trace in traces:
+        assert trace not in err, err
+    assert err.rstrip().endswith("reputd: interrupted"), err
+    deadline = time.monotonic() + 30
+    while _marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _marked_processes(marker) == []
+    return err
+
+
 @pytest.mark.parametrize(("sig", "after"), [(signal.SIGTERM, 0.0), (signal.SIGINT, 0.05), (signal.SIGTERM, 0.1),
                                             (signal.SIGINT, 0.2), (signal.SIGTERM, 0.5), (signal.SIGINT, 1.0),
                                             (signal.SIGTERM, 2.0), (signal.SIGINT, 5.0)],
@@ -835,32 +869,13 @@ def test_cli_backfill_signal_from_its_first_instant_is_one_line(generated, tmp_p
     SIGINT in the first ~0.2 s printed a KeyboardInterrupt traceback (the imports ran before any handling)
     and a SIGTERM ended it with 143, silent. The interpreter's own start, before reputd runs a line, stays
     the signal's: the process ends of it (a shell shows 130 for SIGINT)."""
-    tmp, _, _ = generated
-    config = config_file(tmp_path, "out", tmp / "store")
-    marker = f"BACKFILL_EARLY_SIGNAL_{os.getpid()}_{sig}_{after}".replace(".", "_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
-    env[marker] = "1"
-    proc = subprocess.Popen([*REPUTD, "backfill", "--config", str(config), "--master", "local[1]", "--conf",
-                             "spark.ui.enabled=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    proc, marker = _marked_backfill(generated, tmp_path, "BACKFILL_EARLY_SIGNAL", sig, after)
     deadline = time.monotonic() + 60
     while proc.poll() is None and not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
         time.sleep(0.001)
-    time.sleep(after)
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip(f"the backfill finished within {after} s")  # never seen here: start-up alone takes longer
-    assert proc.returncode == 130, err
-    for trace in ("Traceback", "KeyboardInterrupt", "Exception", "\tat ", "py4j", "ERROR"):
-        assert trace not in err, err
-    assert err.rstrip().endswith("reputd: interrupted"), err
+    err = _interrupted_leaving_nothing(proc, marker, sig, after,
+                                       ("Traceback", "KeyboardInterrupt", "Exception", "\tat ", "py4j", "ERROR"))
     assert err.count("reputd: interrupted") == 1, err
-    deadline = time.monotonic() + 30
-    while _marked_processes(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _marked_processes(marker) == []
     out = tmp_path / "out"
     assert not (out / STAGING_DIR).exists()
     assert not (out / "consumequeue").exists()
@@ -874,29 +889,9 @@ def test_cli_backfill_interrupted_during_start_up_leaves_nothing_running(generat
     """A signal at any moment of Spark's start-up (`after` seconds once its launcher runs): one line, exit
     130, and no process left (the gateway JVM outlived reputd for minutes and printed a Java stack trace;
     SIGTERM exited 143 saying nothing; later, py4j printed its tracebacks)."""
-    tmp, _, _ = generated
-    config = config_file(tmp_path, "out", tmp / "store")
-    marker = f"BACKFILL_SIGNAL_TEST_{os.getpid()}_{sig}_{after}".replace(".", "_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
-    env[marker] = "1"
-    proc = subprocess.Popen([*REPUTD, "backfill", "--config", str(config), "--master", "local[1]", "--conf",
-                             "spark.ui.enabled=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    proc, marker = _marked_backfill(generated, tmp_path, "BACKFILL_SIGNAL_TEST", sig, after)
     deadline = time.monotonic() + 120
     while proc.poll() is None and len(_marked_processes(marker)) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)  # until Spark's launcher has started (a process below reputd)
-    time.sleep(after)
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip(f"the backfill finished within {after} s")  # never seen here: start-up alone takes longer
-    assert proc.returncode == 130, err
-    for trace in ("Traceback", "Exception", "\tat ", "py4j", "ERROR"):
-        assert trace not in err, err
-    assert err.rstrip().endswith("reputd: interrupted"), err
-    deadline = time.monotonic() + 30
-    while _marked_processes(marker) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _marked_processes(marker) == []
+    _interrupted_leaving_nothing(proc, marker, sig, after, ("Traceback", "Exception", "\tat ", "py4j", "ERROR"))
     assert not (tmp_path / "out" / STAGING_DIR).exists()
