@@ -215,12 +215,8 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool)
         identical = identical and same_tree(reference, work / "out" / "cost-full-catalog")
     serial = serial_from_event_log(events, slots)
     extra_msgs = messages - FIXED_MESSAGES
-    marginal_us = 1e6 * (full["cpu"] - fixed["cpu"]) / extra_msgs
-    parts = {k: 1e6 * (full["kinds"].get(k, 0.0) - fixed["kinds"].get(k, 0.0)) / extra_msgs
-             for k in ("driver", "jvm", "python_workers")}
+    marginal_us, parts, decode_us, write_us = per_message(full, fixed, extra_msgs)
     s_full, s_fixed = full["summary"], fixed["summary"]
-    decode_us = 1e6 * (s_full["decodeTaskSeconds"] - s_fixed["decodeTaskSeconds"]) / extra_msgs
-    write_us = 1e6 * (s_full["writeTaskSeconds"] - s_fixed["writeTaskSeconds"]) / extra_msgs
     jvm_bytes = (s_full["arrowBytesToJvm"] + s_full["arrowBytesFromJvm"]) / messages
     rows = [
         ("`reputd rebuild`", f"{rebuild_us:.3f} us", "one process"),
@@ -259,6 +255,18 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool)
     return result
 
 
+def per_message(run: dict, base: dict, messages: int) -> tuple[float, dict, float, float]:
+    """What `run` cost beyond `base` per message, in us: CPU of the whole tree, by process kind, and the
+    decode and write task time."""
+    def us(a: float, b: float) -> float:
+        return 1e6 * (a - b) / messages
+
+    parts = {k: us(run["kinds"].get(k, 0.0), base["kinds"].get(k, 0.0)) for k in ("driver", "jvm", "python_workers")}
+    return (us(run["cpu"], base["cpu"]), parts,
+            us(run["summary"]["decodeTaskSeconds"], base["summary"]["decodeTaskSeconds"]),
+            us(run["summary"]["writeTaskSeconds"], base["summary"]["writeTaskSeconds"]))
+
+
 def measure_catalog(work: Path, config: Path, master: str, messages: int, full: dict) -> tuple[dict, tuple]:
     """The whole backfill again with `--catalog` (into a new catalog); its extra CPU per message over `full`."""
     catalog = work / "out" / "cost-catalog"
@@ -267,12 +275,7 @@ def measure_catalog(work: Path, config: Path, master: str, messages: int, full: 
     run = backfill_run(config, work / "out" / "cost-full-catalog", master, ["--catalog", str(catalog)])
     print(f"full with catalog: {run['cpu']:.2f} CPU-s, {time.perf_counter() - t0:.1f} s wall", flush=True)
     shutil.rmtree(catalog, ignore_errors=True)
-    extra_us = 1e6 * (run["cpu"] - full["cpu"]) / messages
-    parts = {k: 1e6 * (run["kinds"].get(k, 0.0) - full["kinds"].get(k, 0.0)) / messages
-             for k in ("driver", "jvm", "python_workers")}
-    s_cat, s_full = run["summary"], full["summary"]
-    decode_us = 1e6 * (s_cat["decodeTaskSeconds"] - s_full["decodeTaskSeconds"]) / messages
-    write_us = 1e6 * (s_cat["writeTaskSeconds"] - s_full["writeTaskSeconds"]) / messages
+    extra_us, parts, decode_us, write_us = per_message(run, full, messages)
     rss = run["peak_rss_mb"]
     row = ("catalog (`--catalog`), extra", f"**{extra_us:.3f} us**",
            f"target <= {TARGETS['catalog_extra_us']:.0f} us; {run['cpu']:.1f} CPU-s with it, {run['wall']:.1f} s "
