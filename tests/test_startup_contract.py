@@ -16,6 +16,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -23,10 +25,8 @@ import time
 import pytest
 import yaml
 
-from daemon.config import load_config
 from daemon.engine import reput
-from tests.plugins.gated import GatedDispatcher
-from tests.test_daemon import SEGMENT, Store, events, stop, wait_for
+from tests.test_daemon import SEGMENT, Store, clean_env, events, stop, wait_for
 
 
 class Listener:
@@ -192,25 +192,30 @@ def test_stopping_is_sent_when_stopping_starts(store, listener, tmp_path):
 
 @pytest.mark.parametrize(("option", "extended"), [("startup_cpu_seconds", True), ("startup_sleep_seconds", False)],
                          ids=["working", "hanging"])
-def test_long_recovery_extends_the_start_timeout_only_while_it_works(store, listener, monkeypatch, option, extended):
+def test_long_recovery_extends_the_start_timeout_only_while_it_works(store, listener, option, extended):
     """EXTEND_TIMEOUT_USEC before READY=1 while recovery uses CPU (here a plug-in's construction); a
-    recovery that hangs sends none, so TimeoutStartSec= still ends it."""
-    monkeypatch.setattr(reput, "STARTUP_BEAT_S", 0.2)
-    if extended:  # a loaded test machine gives the working recovery little CPU per (shortened) beat
-        monkeypatch.setattr(reput, "STARTUP_PROGRESS_CPU_S", 0.002)
+    recovery that hangs sends none, so TimeoutStartSec= still ends it. The daemon runs in its own process
+    (beats every 0.2 s), as under systemd: the beats measure that process's work."""
+    beat = 0.2
+    times = store.tmp / "gated-startup"
     cfg = yaml.safe_load(store.config.read_text())
     cfg["dispatchers"] = ["consumequeue", "index",
-                          {"name": "tests.plugins.gated:GatedDispatcher", "options": {option: 2.0}}]
+                          {"name": "tests.plugins.gated:GatedDispatcher",
+                           "options": {option: 2.0, "startup_times_file": str(times)}}]
     cfg["metrics"] = {"enabled": False}
     store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
     store.append(100)
-    monkeypatch.setenv("NOTIFY_SOCKET", listener.path)
-    service = reput.ReputService(load_config(store.config, env={}), until_caught_up=True)
-    assert service.run() == 0
-    began, ended = (t - listener.started for t in GatedDispatcher.startup)
+    # a loaded test machine gives the working recovery little CPU per (shortened) beat
+    progress_cpu = 0.002 if extended else reput.STARTUP_PROGRESS_CPU_S
+    res = subprocess.run([sys.executable, "-m", "tests.plugins.beats", str(beat), str(progress_cpu),
+                          "run", "--config", str(store.config), "--until-caught-up"],
+                         env=clean_env({"NOTIFY_SOCKET": listener.path}), capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    began, ended = (float(t) - listener.started for t in times.read_text().split())
     # beats inside the plug-in's construction, after the first one (which may still count the work before it)
     extends = [t for t, m in listener.messages
-               if m.startswith("EXTEND_TIMEOUT_USEC=") and began + reput.STARTUP_BEAT_S * 1.5 <= t <= ended]
+               if m.startswith("EXTEND_TIMEOUT_USEC=") and began + beat * 1.5 <= t <= ended]
     if extended:
         assert len(extends) >= 2, listener.timeline()
         assert all(m.split("\n")[0] == f"EXTEND_TIMEOUT_USEC={int(reput.STARTUP_EXTEND_S * 1_000_000)}"
