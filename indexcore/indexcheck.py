@@ -27,10 +27,10 @@ from indexcore.verify import (
     _INDEX_FILE_NAME,
     _TIME_DIFF,
     INDEX_FILE_SIZE,
-    STRAY_FILE,
     TAIL_SCAN_UNITS,
     Findings,
     MappedFiles,
+    list_store_files,
     same_bytes,
 )
 
@@ -63,15 +63,8 @@ class IndexCheck(IndexComparison, IndexService):
     def _scan_actual(self) -> None:
         if not os.path.isdir(self.directory):
             return
-        names = sorted(os.listdir(self.directory))
-        for name in names:
-            path = os.path.join(self.directory, name)
-            if not _INDEX_FILE_NAME.fullmatch(name) or not os.path.isfile(path):
-                self.findings.add(STRAY_FILE, f"{INDEX_DIR}/{name}", None)
-                continue
-            size = os.path.getsize(path)
-            if self.live and size != self.file_size and name == names[-1]:
-                continue  # being created by the broker: past the frontier
+        for name, path, size in list_store_files(self.directory, _INDEX_FILE_NAME, self.file_size, self.live,
+                                                 self.findings, INDEX_DIR):
             if size != self.file_size:
                 self.findings.add(INDEX_FILE_SIZE, f"{INDEX_DIR}/{name}", size, expectedSize=self.file_size,
                                   actualSize=size)

@@ -40,6 +40,7 @@ from indexcore.verify import (
     RecordLocator,
     _nonzero_rows,
     _unit_json,
+    list_store_files,
     queue_mappings_limit,
     same_bytes,
 )
@@ -121,15 +122,8 @@ class ConsumeQueueCheck:
     def _list_files(self, q: _Queue) -> None:
         if not q.exists:
             return
-        names = sorted(os.listdir(q.directory))
-        for name in names:
-            path = os.path.join(q.directory, name)
-            if not _QUEUE_FILE_NAME.fullmatch(name) or not os.path.isfile(path):
-                self.findings.add(STRAY_FILE, f"{q.rel}/{name}", None)
-                continue
-            size = os.path.getsize(path)
-            if self.live and size != self.file_size and name == names[-1]:
-                continue  # a file the broker is creating (it maps it, which sets its size): past the frontier
+        for name, path, size in list_store_files(q.directory, _QUEUE_FILE_NAME, self.file_size, self.live,
+                                                 self.findings, q.rel):
             q.files[int(name)] = (path, size)
             if size != self.file_size:
                 self.findings.add(CQ_FILE_SIZE, f"{q.rel}/{name}", size, expectedSize=self.file_size,

@@ -35,6 +35,7 @@ the in-memory files of indexcore/indeximage.py).
 from __future__ import annotations
 
 import mmap
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -259,3 +260,21 @@ def _nonzero_rows(data: np.ndarray, width: int) -> np.ndarray:
 
 
 __all__ = ["KINDS", "Finding", "Findings", "MappedFiles", "RecordLocator"]
+
+
+def list_store_files(directory: str, name_pattern: re.Pattern[str], file_size: int, live: bool,
+                     findings: Findings, rel: str) -> Iterator[tuple[str, str, int]]:
+    """A store directory's files as (name, path, size), in name order. An entry not named as the format names
+    its files is a STRAY_FILE finding; on a live store the last file, when it has another size than
+    file_size, is left out: the broker is creating it (its mapping sets the size), past the frontier."""
+    names = sorted(os.listdir(directory))
+    for name in names:
+        path = os.path.join(directory, name)
+        if not name_pattern.fullmatch(name) or not os.path.isfile(path):
+            findings.add(STRAY_FILE, f"{rel}/{name}", None)
+            continue
+        size = os.path.getsize(path)
+        if live and size != file_size and name == names[-1]:
+            continue
+        yield name, path, size
+
