@@ -156,6 +156,7 @@ class DLedgerFence:
         self.last: Entry | None = None
         self.terms: list[list[int]] = []  # [term, first index], ascending
         self._checked = 0.0
+        self._replay_from: Entry | None = None  # the last entry fenced, found in the log when a replay began
 
     def dispatch(self, batch) -> None:
         phy = batch.phy_offset
@@ -166,7 +167,7 @@ class DLedgerFence:
         last = self.view.at(int(phy[-1]) - ENTRY_HEADER_SIZE)
         if first is None or last is None:
             raise TruncatedError(f"the DLedger entries of the batch from {batch.start_offset} are gone")
-        if self.last is not None and first.index <= self.last.index and self.view.at(self.last.pos) == self.last:
+        if self.last is not None and first.index <= self.last.index and self._replaying():
             # a replay from below the last entry dispatched (a queue the checkpoint counted is gone: from the
             # first offset): the entries up to it were fenced already
             if last.index <= self.last.index:
@@ -184,6 +185,15 @@ class DLedgerFence:
         if last.term != first.term:  # new terms begin inside the batch: find where (terms never decrease)
             self._term_starts(batch, first_row, first, last)
         self.last = last
+
+    def _replaying(self) -> bool:
+        """Whether the last entry fenced is still in the log, looked at once a replay (not once a batch): while
+        it lasts, `still_there` keeps looking every CHECK_INTERVAL_S."""
+        if self._replay_from is not self.last:
+            if self.view.at(self.last.pos) != self.last:
+                return False
+            self._replay_from = self.last
+        return True
 
     def _after_retention(self, first: Entry) -> bool:
         """Whether `first` is the log's first entry and retention deleted the file of the last one dispatched: the
