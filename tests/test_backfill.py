@@ -476,7 +476,9 @@ def test_topic_directories_are_path_safe_and_distinct(spark, tmp_path):
 
     from daemon.backfill.catalog import ParquetOut, partition_dir
 
-    topics = ["%RETRY%group", "_hidden", ".dot", "a=b", "a/b", "x*?", "标签", "", "%", "%25"]
+    topics = ["%RETRY%group", "_hidden", ".dot", "a=b", "a/b", "x*?", "标签", "", "%", "%25",
+              # over 255 bytes once escaped (ENAMETOOLONG as they are): shortened, each still its own
+              "%" * 127, "%" * 126 + "a", "订" * 90 + "a", "订" * 90 + "b", "a" * 200 + "/" * 27]
     day = 19675  # 2023-11-14
     catalog = tmp_path / "catalog"
     for i, topic in enumerate(topics):
@@ -488,6 +490,7 @@ def test_topic_directories_are_path_safe_and_distinct(spark, tmp_path):
     dirs = [partition_dir(t, day).split("/")[0] for t in topics]
     assert len(set(dirs)) == len(topics)
     assert not any(d[0] in "._" or "=" in d or "/" in d or "*" in d for d in dirs)
+    assert max(len(d.encode()) for d in dirs) <= 255
     assert sorted(p.parent.parent.name for p in catalog.rglob("*.parquet")) == sorted(dirs)
     seen = catalog_by_reader(spark, catalog)
     for reader, (types, rows) in seen.items():

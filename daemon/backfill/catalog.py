@@ -26,6 +26,7 @@ groups of up to ROW_GROUP_ROWS rows.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from collections.abc import Iterator
@@ -246,13 +247,27 @@ _HIDDEN = frozenset("._")
 LEGACY_PREFIX = "topic="  # the directories of the earlier layout, PATH/topic=T/date=D/
 
 
+NAME_MAX = 255  # bytes in one directory name (ext4, xfs and most others: a longer one is ENAMETOOLONG)
+_DIGEST_CHARS = 32  # hex digits of the SHA-256 of the topic that end a shortened name
+
+
 def topic_dir(topic: str) -> str:
     """A topic's directory name: %XX for the characters above, so that distinct topics never share one (the
-    real name is the `topic` column); "%" alone for an empty name, which no escaping produces."""
+    real name is the `topic` column); "%" alone for an empty name, which no escaping produces. A name over
+    NAME_MAX bytes (a long topic of escaped or non-ASCII characters: a CommitLog holds up to 127 bytes, v2
+    records more) keeps its first characters, up to a whole escape, then "%~" and a digest of the topic:
+    escaping never writes "%~" (a "%" is always "%25"), so no other topic's name is the same."""
     if not topic:
         return "%"
     name = "".join(f"%{ord(c):02X}" if c in _ESCAPED else c for c in topic)
-    return f"%{ord(name[0]):02X}{name[1:]}" if name[0] in _HIDDEN else name
+    if name[0] in _HIDDEN:
+        name = f"%{ord(name[0]):02X}{name[1:]}"
+    if len(name.encode("utf-8", "surrogatepass")) <= NAME_MAX:
+        return name
+    digest = hashlib.sha256(topic.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_CHARS]
+    keep = name.encode("utf-8", "surrogatepass")[:NAME_MAX - 2 - _DIGEST_CHARS].decode("utf-8", "ignore")
+    cut = keep.rfind("%", len(keep) - 2)  # an escape cut short: leave it out whole
+    return f"{keep[:cut] if cut >= 0 else keep}%~{digest}"
 
 
 def partition_dir(topic: str, day: int) -> str:
