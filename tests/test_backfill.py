@@ -619,6 +619,24 @@ def test_cli_corrupt_store_exits_1_with_one_line(tmp_path):
     assert not (tmp_path / "out" / "consumequeue").exists()
 
 
+def test_cli_backfill_with_its_output_pipe_closed_runs_to_the_end(generated, tmp_path):
+    """`reputd backfill ... 2>&1 | head -5`: stdout and stderr one pipe whose reader is gone at once. Exit 0 and
+    the same files as the rebuild (it exited 1 halfway: consumequeue/ written, no index/)."""
+    tmp, _, expected = generated
+    config = config_file(tmp_path, "out", tmp / "store")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        res = subprocess.run([*REPUTD, "backfill", "--config", str(config), "--master", "local[1]", "--conf",
+                              "spark.ui.enabled=false"], stdout=write, stderr=write,
+                             env={**env, "REPUTD_LOGGING_LEVEL": "info"}, timeout=300, check=False)
+    finally:
+        os.close(write)
+    assert res.returncode == 0
+    assert_same_files(outputs(tmp_path / "out"), expected)
+
+
 def test_missing_java_is_a_clear_error(tmp_path):
     """Without JAVA_HOME or `java` on PATH: exit 1 and a message saying to install Java 17."""
     write_store(tmp_path / "store", n=10)

@@ -317,6 +317,40 @@ def test_an_interrupted_rebuilds_summary_says_interrupted(tmp_path, as_json):
         assert line.startswith("interrupted: rebuilt "), line
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize("command", ["rebuild", "verify", "query"])
+@pytest.mark.parametrize(("sig", "after"), [(signal.SIGINT, 0.0), (signal.SIGTERM, 0.0), (signal.SIGINT, 0.03)],
+                         ids=["int-0s", "term-0s", "int-0.03s"])
+def test_a_signal_while_a_command_starts_is_one_line_and_130(tmp_path, command, sig, after):
+    """SIGINT or SIGTERM once reputd's first lines run, while it still imports its modules (numpy alone takes
+    longer than `after`): the one line `reputd: interrupted`, exit 130, no output directory. A SIGINT printed
+    a KeyboardInterrupt traceback and the process died of the signal; a SIGTERM ended it silently (143)."""
+    make_store(tmp_path, n=200)
+    config = write_config(tmp_path)
+    args = {"rebuild": ["rebuild", "--config", str(config), "--out", str(tmp_path / "out")],
+            "verify": ["verify", "--config", str(config)],
+            "query": ["query", "key", "TopicA", "k1", "--config", str(config)]}[command]
+    proc = subprocess.Popen([*REPUTD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(after)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err == "reputd: interrupted\n", err
+    assert not (tmp_path / "out").exists()
+
+
 # --- 33.8: compressed bodies --------------------------------------------------------------------------
 
 TEXT = "compressed body, 压缩的消息 " * 20

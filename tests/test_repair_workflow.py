@@ -390,3 +390,37 @@ def test_the_plan_for_reputds_output_removes_its_checkpoint_only_when_there_is_o
     assert res.returncode == 1
     assert "cqUnitWrong: 1 finding" in res.stdout
     assert not [line for line in res.stdout.splitlines() if line.startswith("  remove ")]
+
+
+def closed_output(*args: str) -> int:
+    """Run reputd with stdout and stderr one pipe whose reader is gone at once (`2>&1 | true`): the exit code."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([*REPUTD, *args], stdout=write, stderr=write, env=_env(), timeout=300,
+                              check=False).returncode
+    finally:
+        os.close(write)
+
+
+def broker_files(root: Path) -> tuple[dict[str, bytes], list[bytes]]:
+    """ConsumeQueue files by path, IndexFiles' contents in name order (their names are clock readings)."""
+    queues = {str(p.relative_to(root)): p.read_bytes() for p in (root / "consumequeue").rglob("*") if p.is_file()}
+    return queues, [p.read_bytes() for p in sorted((root / "index").iterdir())]
+
+
+def test_a_closed_log_pipe_ends_no_command_halfway(tmp_path, store, rebuilt):
+    """`2>&1 | head`: the log lines meet a closed pipe as the result does; each command still runs to its end
+    and exits with its own code (a rebuild exited 1 at its first log line, leaving a checkpoint, no files)."""
+    root, _ = store
+    reference, _ = rebuilt
+    config = tmp_path / "info.yaml"
+    config.write_text(yaml.safe_dump({"store": {"storePathRootDir": str(root), **STORE.store_settings()},
+                                      "logging": {"level": "info"}}))
+    assert closed_output("rebuild", "--config", str(config), "--out", str(tmp_path / "r")) == 0
+    assert broker_files(tmp_path / "r") == broker_files(reference)
+    assert closed_output("run", "--until-caught-up", "--config", str(config)) == 0
+    assert reputd("verify", "--config", str(config)).returncode == 0
+    damage_last_index_entry(tmp_path / "r" / "index")
+    assert closed_output("verify", "--config", str(config), "--out", str(tmp_path / "r")) == 1
+    assert closed_output("verify", "--config", str(tmp_path / "missing.yaml")) == 2

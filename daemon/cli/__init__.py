@@ -36,6 +36,7 @@ from daemon.cli.common import (  # noqa: E402
     _HelpFormatter,
     _quiet_stdout,
     _size_setting,
+    quiet,
 )
 
 __all__ = ["EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "OWN_PACKAGES", "build_parser", "main"]
@@ -147,7 +148,11 @@ def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
     args.config_file, args.config_origin = None, ""
     if sys.stdout is None:  # started with stdout closed (`>&-`): what it would print goes nowhere
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stdout for the rest of the process
-    guard = sys.stdout = _StdoutGuard(sys.stdout)
+    if sys.stderr is None:  # the same for stderr (`2>&-`), or print(file=sys.stderr) would go to stdout
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - stderr for the rest of the process
+    guard = sys.stdout = _PipeGuard(sys.stdout)
+    # stderr too (`2>&1 | head`): a log line meeting a closed pipe must not end a rebuild or the daemon halfway
+    err_guard = sys.stderr = _PipeGuard(sys.stderr)
     try:
         config = _config(args)
         return args.handler(args, config)
@@ -185,13 +190,16 @@ def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
         return EXIT_FAILURE
     finally:
         guard.flush()
+        err_guard.flush()
         sys.stdout = guard.stream
+        sys.stderr = err_guard.stream
 
 
-class _StdoutGuard:
-    """sys.stdout while a command runs. When the reader closes the pipe (`| head -1`, `| true`), the write
-    or flush that meets it sends the rest of stdout to /dev/null instead of raising, so the command goes
-    on to its own result: the exit code says what happened, whatever happened to stdout."""
+class _PipeGuard:
+    """sys.stdout (or sys.stderr) while a command runs. When the reader closes the pipe (`| head -1`,
+    `| true`, `2>&1 | head`), the write or flush that meets it sends the rest of the stream to /dev/null
+    instead of raising, so the command goes on to its own result: the exit code says what happened,
+    whatever happened to its output."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -200,14 +208,14 @@ class _StdoutGuard:
         try:
             return self.stream.write(text)
         except BrokenPipeError:
-            _quiet_stdout()
+            quiet(self.stream)
             return len(text)
 
     def flush(self) -> None:
         try:
             self.stream.flush()
         except BrokenPipeError:
-            _quiet_stdout()
+            quiet(self.stream)
             self.stream.flush()  # what was buffered goes to /dev/null
 
     def __getattr__(self, name: str):

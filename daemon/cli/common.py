@@ -335,6 +335,12 @@ def _check_record_boundaries(config: Config, offsets: dict[str, int | None]) -> 
 def _quiet_stdout() -> None:
     """After a reader closed the pipe (`| head`), send what is left to /dev/null, so the interpreter's
     final flush raises nothing."""
+    quiet(sys.stdout)
+
+
+def quiet(stream) -> None:
+    """Point the stream's descriptor at /dev/null (its reader is gone): later writes, the child processes'
+    that share it included, and the final flush go nowhere instead of failing."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, stream.fileno())
     os.close(devnull)

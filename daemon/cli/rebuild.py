@@ -7,6 +7,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from daemon.cli import startsignals
 from daemon.cli.common import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -85,6 +86,7 @@ def cmd_rebuild(args, config: Config) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        startsignals.command_finished()  # the files are as the summary will say: a signal now changes nothing
     if bar is not None:
         bar.finish()
     _print_summary(args, config, "rebuilt", summary)

@@ -7,12 +7,15 @@ import signal
 import sys
 
 # The commands whose SIGINT and SIGTERM mean "interrupted" (one line, exit 130) from the process's first
-# instant: the rest of this package, the command's modules and PySpark take a good part of a second to
+# instant: the rest of this package, the command's modules, numpy and PySpark take a good part of a second to
 # import, and a signal meanwhile printed a KeyboardInterrupt traceback (SIGTERM: exit 143, silent). Until
-# the command hands them to its own handling (backfill's Interrupt, once Spark is about to start) nothing but
-# the output lock exists, so the process ends there and then: a KeyboardInterrupt raised inside an
-# extension module's import came out as an ImportError with a traceback.
-_INTERRUPTIBLE = ("backfill",)
+# the command hands them to its own handling (backfill's Interrupt, once Spark is about to start; rebuild's
+# stop at a batch boundary, once it starts reading) nothing but the output lock exists, so the process ends
+# there and then: a KeyboardInterrupt raised inside an extension module's import came out as an ImportError
+# with a traceback. The readers (verify, query, inspect) write nothing, and keep this handling to the end.
+# Not `run` (SIGTERM is its normal stop, handled once it runs), `produce` or `handoff` (they change a store:
+# their own handling decides where they may stop).
+_INTERRUPTIBLE = ("backfill", "rebuild", "verify", "query", "inspect")
 _INTERRUPTED_LINE = b"reputd: interrupted\n"
 _starting: dict = {}  # "args": the command line's namespace, once parsed into (its output_lock, once taken)
 
