@@ -22,11 +22,12 @@ _starting: dict = {}  # "args": the command line's namespace, once parsed into (
 
 def _interrupted_while_starting(_signum, _frame) -> None:
     """A signal while the command starts: remove what taking the output lock created, one line, exit 130."""
-    os.write(2, _INTERRUPTED_LINE)
+    import contextlib
+
+    with contextlib.suppress(OSError):  # stderr a pipe whose reader is gone: the exit code still says it
+        os.write(2, _INTERRUPTED_LINE)
     lock = getattr(_starting.get("args"), "output_lock", None)
     if lock is not None:
-        import contextlib
-
         with contextlib.suppress(Exception):  # ending anyway; forget() leaves everything as it is on doubt
             lock.forget()
     os._exit(130)
