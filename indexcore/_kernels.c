@@ -837,6 +837,9 @@ static inline int64_t le64(const uint8_t *b) {
     for (int i = 7; i >= 0; i--) v = (v << 8) | b[i];
     return (int64_t)v;
 }
+static inline uint32_t key_record_hash(const uint8_t *rec) {
+    return (uint32_t)rec[0] | (uint32_t)rec[1] << 8 | (uint32_t)rec[2] << 16 | (uint32_t)rec[3] << 24;
+}
 static inline void put_le(uint8_t *b, uint64_t v, int size) {
     for (int i = 0; i < size; i++, v >>= 8) b[i] = (uint8_t)v;
 }
@@ -909,7 +912,8 @@ static PyObject *py_put_key_records(PyObject *self, PyObject *args) {
     for (; got < 5; got++)
         if (get_buffer(objs[got], &v[got], got != 2, sizes[got], names[got]) < 0) goto fail;
     Py_ssize_t slot_num = v[0].len / 4, k = v[2].len / KEY_RECORD_SIZE;
-    if (slot_num <= 0 || index_count < FIRST_INDEX || index_count + k > index_num || index_num > INT32_MAX
+    if (slot_num <= 0 || slot_num > INT32_MAX || index_count < FIRST_INDEX || index_count + k > index_num
+        || index_num > INT32_MAX
         || v[1].len < INDEX_ENTRY_SIZE * k || firsts < 0 || v[3].len != v[4].len || v[3].len / 4 < firsts + k) {
         PyErr_SetString(PyExc_ValueError, "put_key_records: keys do not fit the IndexFile or the outputs");
         goto fail;
@@ -924,20 +928,26 @@ static PyObject *py_put_key_records(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
+    /* each key's slot is computed once, PUT_KEYS_PREFETCH keys ahead, where it is prefetched (32-bit modulo:
+     * hashes are int32 >= 0) */
+    uint32_t ahead[PUT_KEYS_PREFETCH];
+    for (Py_ssize_t i = 0; i < k && i < PUT_KEYS_PREFETCH; i++)
+        ahead[i] = key_record_hash(rec + KEY_RECORD_SIZE * i) % (uint32_t)slot_num;
     for (Py_ssize_t i = 0; i < k; i++, rec += KEY_RECORD_SIZE, entry += INDEX_ENTRY_SIZE) {
+        uint32_t slot_no = ahead[i % PUT_KEYS_PREFETCH];
         if (i + PUT_KEYS_PREFETCH < k) {
-            const uint8_t *ahead = rec + KEY_RECORD_SIZE * PUT_KEYS_PREFETCH;
-            int64_t h = ahead[0] | ahead[1] << 8 | ahead[2] << 16 | (int64_t)ahead[3] << 24;
-            __builtin_prefetch(slots + h % slot_num, 1);
+            uint32_t next = key_record_hash(rec + KEY_RECORD_SIZE * PUT_KEYS_PREFETCH) % (uint32_t)slot_num;
+            ahead[i % PUT_KEYS_PREFETCH] = next;
+            __builtin_prefetch(slots + next, 1);
         }
-        int64_t hash = rec[0] | rec[1] << 8 | rec[2] << 16 | (int64_t)rec[3] << 24;
+        int64_t hash = key_record_hash(rec);
         int64_t phy = le64(rec + KEY_RECORD_PHY), ts = le64(rec + KEY_RECORD_TS);
-        int32_t *slot = slots + hash % slot_num;
+        int32_t *slot = slots + slot_no;
         int64_t prev = *slot;
         if (prev <= INVALID_INDEX || prev > index_count) {
             prev = INVALID_INDEX;
             first_entry[firsts] = (int32_t)index_count;
-            first_slot[firsts++] = (int32_t)(hash % slot_num);
+            first_slot[firsts++] = (int32_t)slot_no;
         }
         int64_t diff = 0;  /* as put_keys */
         if (begin_ts > 0 && ts > begin_ts) {
