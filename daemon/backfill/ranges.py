@@ -386,9 +386,15 @@ def _decided_within(result, seg_start: int, filled: int, lookahead: int) -> bool
     return result.next_offset - seg_start + RECORD_PREFIX.size <= filled
 
 
+# The kernel's buffers, one set per process: a worker decodes one window at a time and a batch takes copies of
+# what it needs, so the buffers the first range grew (keys, text) and faulted in (the records table) serve every
+# range after it. Made anew for each range, they cost 0.3-0.35 instead of 0.26-0.28 us a message in-process.
+_SCRATCH = DecodeScratch()
+
+
 def _decode_from(pos: int, task: RangeTask, settings: DecodeSettings, image, rows: RangeRows,
                  outcome: RangeOutcome) -> None:
-    scratch = DecodeScratch()
+    scratch = _SCRATCH
     names: dict[bytes, str] = {}
     delay_table = DelayLevelTable(settings.message_delay_level)
     size = settings.segment_size
