@@ -7,6 +7,9 @@
  *                INNER_MULTI_QUEUE_OFFSET (multidispatch.py states the rules), one row per target.
  * put_keys       the broker's IndexFile.putKey loop, straight into the mapped file (or, for `reputd verify`,
  *                into the slots and a window of entries held in memory).
+ * key_records, put_key_records, link_chains
+ *                the backfill's IndexFile keys: staged as records by a decode task, put by a chunk's task
+ *                into slots of its own, its chains linked to the chunks' before it.
  * group_units    the ConsumeQueue units of a batch, queue by queue in put order (consume_queue_units).
  * create_files   mappedfile.create_file for many sparse files at once (the first files of the hundreds of
  *                queues an LMQ batch meets), its steps in its order, with the GIL released throughout:
@@ -821,6 +824,200 @@ fail:
     return NULL;
 }
 
+/* The backfill's staged IndexFile keys (daemon/backfill/stage.py KEY_DTYPE): packed little-endian records of
+ * hash (int32), physical offset, store time and creator time (int64 each). */
+#define KEY_RECORD_SIZE 28
+#define KEY_RECORD_PHY 4
+#define KEY_RECORD_TS 12
+#define KEY_RECORD_CREATOR 20
+#define NO_CREATOR (-1)
+
+static inline int64_t le64(const uint8_t *b) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | b[i];
+    return (int64_t)v;
+}
+static inline uint32_t key_record_hash(const uint8_t *rec) {
+    return (uint32_t)rec[0] | (uint32_t)rec[1] << 8 | (uint32_t)rec[2] << 16 | (uint32_t)rec[3] << 24;
+}
+static inline void put_le(uint8_t *b, uint64_t v, int size) {
+    for (int i = 0; i < size; i++, v >>= 8) b[i] = (uint8_t)v;
+}
+
+/* key_records: a window's IndexFile keys as staged records, in dispatch order: the keys of the records that
+ * `selected` keeps, each with its record's physical offset and store time, and as creator time the store time
+ * of the record after its owner when it is its owner's last key (the next IndexFile would be created by that
+ * record), else its owner's. The last key of the window's last record gets NO_CREATOR (the next window's first
+ * record decides it). Returns (keys written, whether the last key's owner is the last record). */
+static PyObject *py_key_records(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5])) return NULL;
+    Py_buffer v[6];
+    const Py_ssize_t sizes[6] = {KEY_RECORD_SIZE, 8, 8, 1, 8, 8};
+    const char *names[6] = {"out", "key_hash", "key_owner", "selected", "phy_offset", "store_timestamp"};
+    int got = 0;
+    for (; got < 6; got++)
+        if (get_buffer(objs[got], &v[got], got == 0, sizes[got], names[got]) < 0) goto fail;
+    Py_ssize_t k = v[1].len / 8, n = v[3].len;
+    if (v[2].len / 8 != k || v[4].len / 8 != n || v[5].len / 8 != n || v[0].len / KEY_RECORD_SIZE < k) {
+        PyErr_SetString(PyExc_ValueError, "key_records: columns differ in length or out is too small");
+        goto fail;
+    }
+    const int64_t *hash = v[1].buf, *owner = v[2].buf, *phy = v[4].buf, *ts = v[5].buf;
+    const uint8_t *selected = v[3].buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (owner[i] < 0 || owner[i] >= n) {
+            PyErr_Format(PyExc_ValueError, "key_records: key %zd's owner %lld is not a record", i, (long long)owner[i]);
+            goto fail;
+        }
+    }
+    uint8_t *out = v[0].buf;
+    Py_ssize_t w = 0;
+    int64_t last_owner = -1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t r = owner[i];
+        if (!selected[r]) continue;
+        int last_of_owner = i + 1 == k || owner[i + 1] != r;
+        int64_t creator = !last_of_owner ? ts[r] : r + 1 < n ? ts[r + 1] : NO_CREATOR;
+        uint8_t *rec = out + KEY_RECORD_SIZE * w++;
+        put_le(rec, (uint64_t)hash[i], 4);
+        put_le(rec + KEY_RECORD_PHY, (uint64_t)phy[r], 8);
+        put_le(rec + KEY_RECORD_TS, (uint64_t)ts[r], 8);
+        put_le(rec + KEY_RECORD_CREATOR, (uint64_t)creator, 8);
+        last_owner = r;
+    }
+    for (int i = 0; i < 6; i++) PyBuffer_Release(&v[i]);
+    return Py_BuildValue("(nO)", w, last_owner == n - 1 ? Py_True : Py_False);
+fail:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return NULL;
+}
+
+/* put_key_records: put_keys for a chunk of an IndexFile's keys (the backfill's, writers.py): the keys come as
+ * staged records, the slots are the chunk's own table (native int32, empty at the chunk's start) apart from the
+ * entries, and entry n is written at entries + 20 * (n - index_count at the call) for the caller to write
+ * into the file. Each key whose slot was empty in the chunk's table (its entry's previous one, if any, lies in
+ * an earlier chunk) is recorded: its entry in first_entry[m], its slot in first_slot[m], m from `firsts` on.
+ * Returns (index_count, firsts, begin_timestamp, begin_phy_offset). */
+static PyObject *py_put_key_records(PyObject *self, PyObject *args) {
+    PyObject *objs[5];
+    long long index_count, index_num, begin_ts, begin_phy, firsts;
+    if (!PyArg_ParseTuple(args, "OOOLLLLOOL", &objs[0], &objs[1], &objs[2], &index_count, &index_num, &begin_ts,
+                          &begin_phy, &objs[3], &objs[4], &firsts))
+        return NULL;
+    Py_buffer v[5];
+    const Py_ssize_t sizes[5] = {4, 1, KEY_RECORD_SIZE, 4, 4};
+    const char *names[5] = {"slots", "entries", "records", "first_entry", "first_slot"};
+    int got = 0;
+    for (; got < 5; got++)
+        if (get_buffer(objs[got], &v[got], got != 2, sizes[got], names[got]) < 0) goto fail;
+    Py_ssize_t slot_num = v[0].len / 4, k = v[2].len / KEY_RECORD_SIZE;
+    if (slot_num <= 0 || slot_num > INT32_MAX || index_count < FIRST_INDEX || index_count + k > index_num
+        || index_num > INT32_MAX
+        || v[1].len < INDEX_ENTRY_SIZE * k || firsts < 0 || v[3].len != v[4].len || v[3].len / 4 < firsts + k) {
+        PyErr_SetString(PyExc_ValueError, "put_key_records: keys do not fit the IndexFile or the outputs");
+        goto fail;
+    }
+    int32_t *slots = v[0].buf, *first_entry = v[3].buf, *first_slot = v[4].buf;
+    const uint8_t *rec = v[2].buf;
+    uint8_t *entry = v[1].buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (rec[KEY_RECORD_SIZE * i + 3] & 0x80) {  /* the int32 hash's sign bit */
+            PyErr_Format(PyExc_ValueError, "put_key_records: negative key hash in record %zd", i);
+            goto fail;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    /* each key's slot is computed once, PUT_KEYS_PREFETCH keys ahead, where it is prefetched (32-bit modulo:
+     * hashes are int32 >= 0) */
+    uint32_t ahead[PUT_KEYS_PREFETCH];
+    for (Py_ssize_t i = 0; i < k && i < PUT_KEYS_PREFETCH; i++)
+        ahead[i] = key_record_hash(rec + KEY_RECORD_SIZE * i) % (uint32_t)slot_num;
+    for (Py_ssize_t i = 0; i < k; i++, rec += KEY_RECORD_SIZE, entry += INDEX_ENTRY_SIZE) {
+        uint32_t slot_no = ahead[i % PUT_KEYS_PREFETCH];
+        if (i + PUT_KEYS_PREFETCH < k) {
+            uint32_t next = key_record_hash(rec + KEY_RECORD_SIZE * PUT_KEYS_PREFETCH) % (uint32_t)slot_num;
+            ahead[i % PUT_KEYS_PREFETCH] = next;
+            __builtin_prefetch(slots + next, 1);
+        }
+        int64_t hash = key_record_hash(rec);
+        int64_t phy = le64(rec + KEY_RECORD_PHY), ts = le64(rec + KEY_RECORD_TS);
+        int32_t *slot = slots + slot_no;
+        int64_t prev = *slot;
+        if (prev <= INVALID_INDEX || prev > index_count) {
+            prev = INVALID_INDEX;
+            first_entry[firsts] = (int32_t)index_count;
+            first_slot[firsts++] = (int32_t)slot_no;
+        }
+        int64_t diff = 0;  /* as put_keys */
+        if (begin_ts > 0 && ts > begin_ts) {
+            diff = (int64_t)(((uint64_t)ts - (uint64_t)begin_ts) / MS_PER_SECOND);
+            if (diff > MAX_TIME_DIFF) diff = MAX_TIME_DIFF;
+        }
+        put_be(entry, (uint64_t)hash, 4);
+        put_be(entry + 4, (uint64_t)phy, 8);
+        put_be(entry + 12, (uint64_t)diff, 4);
+        put_be(entry + 16, (uint64_t)prev, 4);
+        *slot = (int32_t)index_count;
+        if (index_count <= FIRST_INDEX) {
+            begin_phy = phy;
+            begin_ts = ts;
+        }
+        index_count++;
+    }
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 5; i++) PyBuffer_Release(&v[i]);
+    return Py_BuildValue("(LLLL)", index_count, firsts, begin_ts, begin_phy);
+fail:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return NULL;
+}
+
+/* link_chains: a chunk's part in assembling an IndexFile from chunks (writers.assemble_index_file). `last`
+ * holds, per slot, the last entry of the chunks before it (native int32, 0: none). For each slot the chunk
+ * used, its first entry there gets that as its previous entry (big-endian, in the mapped file at entries_at),
+ * then `last` takes the chunk's last entry there. */
+static PyObject *py_link_chains(PyObject *self, PyObject *args) {
+    PyObject *objs[5];
+    long long entries_at, index_num;
+    if (!PyArg_ParseTuple(args, "OLLOOOO", &objs[0], &entries_at, &index_num, &objs[1], &objs[2], &objs[3],
+                          &objs[4]))
+        return NULL;
+    Py_buffer v[5];
+    const Py_ssize_t sizes[5] = {1, 4, 4, 4, 4};
+    const char *names[5] = {"file", "last", "first_entry", "slot", "last_entry"};
+    int got = 0;
+    for (; got < 5; got++)
+        if (get_buffer(objs[got], &v[got], got < 2, sizes[got], names[got]) < 0) goto fail;
+    Py_ssize_t slot_num = v[1].len / 4, n = v[2].len / 4;
+    const int32_t *first = v[2].buf, *slot = v[3].buf, *end = v[4].buf;
+    if (v[3].len != v[2].len || v[4].len != v[2].len || entries_at < 0
+        || v[0].len < entries_at + INDEX_ENTRY_SIZE * index_num) {
+        PyErr_SetString(PyExc_ValueError, "link_chains: columns differ in length or the file is too small");
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (first[i] < FIRST_INDEX || first[i] >= index_num || slot[i] < 0 || slot[i] >= slot_num) {
+            PyErr_Format(PyExc_ValueError, "link_chains: chain %zd (entry %d, slot %d) out of bounds", i, first[i],
+                         slot[i]);
+            goto fail;
+        }
+    uint8_t *entries = (uint8_t *)v[0].buf + entries_at;
+    int32_t *last = v[1].buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (last[slot[i]] != INVALID_INDEX)
+            put_be(entries + INDEX_ENTRY_SIZE * (int64_t)first[i] + 16, (uint64_t)last[slot[i]], 4);
+        last[slot[i]] = end[i];
+    }
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < 5; i++) PyBuffer_Release(&v[i]);
+    Py_RETURN_NONE;
+fail:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+    return NULL;
+}
+
 /* group_units: the units of a batch queue by queue, by a counting sort over dense queue keys (0 <= key < K).
  * Record r, when take[r], puts its own unit (key rkey[r], queue offset rqo[r]) and then its targets, the
  * multi rows j with owner[j] == r in order (key mkey[j], queue offset mqo[j]); the sort keeps that order
@@ -1168,6 +1365,13 @@ static PyMethodDef methods[] = {
      "put_keys(file, entries_at, hash_slot_num, index_count, index_num, begin_timestamp, begin_phy_offset, "
      "key_hash, phy_offset, store_timestamp, entry_base=0) -> (index_count, chains_started, begin_timestamp, "
      "begin_phy_offset); with entry_base, entry n is written at entries_at + 20 * (n - entry_base)"},
+    {"key_records", py_key_records, METH_VARARGS,
+     "key_records(out, key_hash, key_owner, selected, phy_offset, store_timestamp) -> (keys, last_owner_is_last)"},
+    {"put_key_records", py_put_key_records, METH_VARARGS,
+     "put_key_records(slots, entries, records, index_count, index_num, begin_timestamp, begin_phy_offset, "
+     "first_entry, first_slot, firsts) -> (index_count, firsts, begin_timestamp, begin_phy_offset)"},
+    {"link_chains", py_link_chains, METH_VARARGS,
+     "link_chains(file, entries_at, index_num, last, first_entry, slot, last_entry) -> None"},
     {"group_units", py_group_units, METH_VARARGS,
      "group_units(take, rkey, rqo, phy, size, tags, owner, mkey, mqo, units, qo, ends, counts, state, cursor) "
      "-> units"},

@@ -9,6 +9,7 @@ worker ends the same way (exit status 1, Spark starts another one) without it. E
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pyspark.daemon
@@ -34,4 +35,8 @@ if __name__ == "__main__":
 
     import daemon.backfill.tasks  # noqa: F401
 
+    # and moved out of the collector's reach: a worker's full collections otherwise walk every object of those
+    # imports again and again (2 of the workers' 12 CPU-s on the 16M store went to the collector), writing
+    # into each object's header and so copying the daemon's pages into the worker
+    gc.freeze()
     pyspark.daemon.manager()

@@ -70,7 +70,7 @@ class RangeStage:
         self.unit_bytes += count * CQ_UNIT_SIZE
 
     def add_keys(self, records: np.ndarray) -> None:
-        self.keys.write(records.tobytes())
+        self.keys.write(memoryview(records.view(np.uint8)))  # not tobytes(): no copy
         self.key_count += len(records)
 
     def add_catalog(self, topic: str, day: int, blob: bytes, rows: int) -> None:

@@ -256,7 +256,7 @@ def write_index_files(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
 # chunk) and ends. The driver links the chains (`assemble_index_file`): a chunk's first entry of a slot gets
 # the last entry of that slot in the chunks before it, and the slots and header take the final values.
 
-ENTRY_DTYPE = np.dtype([("hash", ">i4"), ("phy", ">i8"), ("time_diff", ">i4"), ("prev", ">i4")])
+PUT_PIECE_KEYS = 1 << 18  # keys a chunk's put writes into the file at a time (5 MiB of entries, reused)
 
 
 @dataclass(slots=True)
@@ -276,7 +276,9 @@ class StagedIndexChunk:
 def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, index_num: int,
                       attempt: Attempt, fault: Fault | None = None) -> tuple[WriteStats, list[StagedIndexChunk]]:
     """Put keys [lo, hi) of an IndexFile into its shared file (`work.shared_path`), as entries
-    FIRST_INDEX + lo - key_start on, with slots of the chunk's own."""
+    FIRST_INDEX + lo - key_start on, with slots of the chunk's own. The staged key records go to the kernel as
+    they lie in the staged files, its entries into the file a piece at a time, and it records the chains'
+    first entries as it puts them."""
     from indexcore import _kernels  # noqa: PLC0415
 
     stats = WriteStats()
@@ -285,10 +287,6 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
     started = time.perf_counter()
     ranges = {d: StagedRange(d) for d, _, _ in work.sources}
     try:
-        hashes, phys, times = _key_columns(_keys(work, lo, hi, ranges), hi - lo)
-        if len(hashes) != hi - lo:
-            raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} got {len(hashes)} of its "
-                                f"keys [{lo}, {hi})")
         creator = plan.creator_ts
         if lo == plan.key_start:  # the file's first chunk: seeded by the key before it, as the file is
             begin_ts = begin_phy = 0
@@ -303,50 +301,53 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
         else:  # after the first put, the file's begin values are its first key's
             first = np.concatenate(list(_keys(work, plan.key_start, plan.key_start + 1, ranges)))
             begin_ts, begin_phy = int(first["ts"][0]), int(first["phy"][0])
-        first_entry = FIRST_INDEX + lo - plan.key_start
         entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
-        buf = bytearray(entries_at + INDEX_ENTRY_SIZE * len(hashes))
-        _, _, begin_ts, begin_phy = _kernels.put_keys(
-            buf, entries_at, hash_slot_num, first_entry, index_num, begin_ts, begin_phy, hashes, phys, times,
-            first_entry)
+        slots = np.zeros(hash_slot_num, dtype=np.int32)  # the chunk's own: entry numbers, native
+        first_entry, first_slot = np.empty(hi - lo, dtype=np.int32), np.empty(hi - lo, dtype=np.int32)
+        entries = np.empty(INDEX_ENTRY_SIZE * min(hi - lo, PUT_PIECE_KEYS), dtype=np.uint8)
+        count = FIRST_INDEX + lo - plan.key_start
+        firsts = 0
+        last = None
         fd = os.open(work.shared_path, os.O_WRONLY)
         try:
-            os.pwrite(fd, memoryview(buf)[entries_at:], entries_at + INDEX_ENTRY_SIZE * first_entry)
+            for run in _keys(work, lo, hi, ranges):
+                for at in range(0, len(run), PUT_PIECE_KEYS):
+                    piece = run[at : at + PUT_PIECE_KEYS]
+                    was = count
+                    count, firsts, begin_ts, begin_phy = _kernels.put_key_records(
+                        slots, entries, piece, count, index_num, begin_ts, begin_phy, first_entry, first_slot, firsts)
+                    _pwrite_all(fd, memoryview(entries)[: INDEX_ENTRY_SIZE * len(piece)],
+                                entries_at + INDEX_ENTRY_SIZE * was)
+                    last = piece[-1]
         finally:
             os.close(fd)
-        slots = np.frombuffer(buf, dtype=">i4", count=hash_slot_num, offset=INDEX_HEADER_SIZE)
-        last_slot = np.flatnonzero(slots)
-        entries = np.frombuffer(buf, dtype=ENTRY_DTYPE, offset=entries_at)
-        firsts = np.flatnonzero(entries["prev"] == 0)
+        put = count - (FIRST_INDEX + lo - plan.key_start)
+        if put != hi - lo:
+            raise BackfillError(f"index task {attempt.partition}: IndexFile {plan.number} got {put} of its "
+                                f"keys [{lo}, {hi})")
         os.makedirs(stage_dir, exist_ok=True)
         meta = os.path.join(stage_dir, f"index-{plan.number:010d}-{lo}.ends")
-        write_chain_ends(meta, first_entry + firsts, hashes[firsts] % hash_slot_num, last_slot, slots[last_slot])
+        used = first_slot[:firsts]  # every slot the chunk used, once (where its chain in the chunk starts)
+        write_chain_ends(meta, first_entry[:firsts], used, slots[used])
     finally:
         for r in ranges.values():
             r.close()
-    stats.keys = len(hashes)
+    stats.keys = put
     stats.seconds = time.perf_counter() - started
     if fault is not None:
         fault.check("index", "staged", attempt.attempt_number)
     return stats, [StagedIndexChunk(plan.number, lo, hi, work.shared_path, meta, begin_ts, begin_phy,
-                                    int(times[-1]), int(phys[-1]), creator)]
+                                    int(last["ts"]), int(last["phy"]), creator)]
 
 
-def _key_columns(runs, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The hash, physical offset and store time of the keys of `runs` (KEY_DTYPE), as the int64 columns the
-    kernel takes: each field copied once from the staged files (not the records concatenated, then each field
-    copied again)."""
-    columns = tuple(np.empty(count, dtype=np.int64) for _ in range(3))
-    at = 0
-    for run in runs:
-        n = min(len(run), count - at)
-        for column, name in zip(columns, ("hash", "phy", "ts"), strict=True):
-            column[at : at + n] = run[name][:n]
-        at += n
-    return tuple(c[:at] for c in columns)
+def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
+    while len(data):
+        written = os.pwrite(fd, data, position)
+        data, position = data[written:], position + written
 
 
-_CHAIN_ENDS = ("first_entry", "first_slot", "last_slot", "last_entry")
+# per slot the chunk used: the entry where its chain in the chunk starts, the slot, the entry where it ends
+_CHAIN_ENDS = ("first_entry", "slot", "last_entry")
 
 
 def write_chain_ends(path: str, *columns: np.ndarray) -> None:
@@ -366,13 +367,13 @@ def write_chain_ends(path: str, *columns: np.ndarray) -> None:
 
 
 def read_chain_ends(path: str) -> dict[str, np.ndarray]:
-    """What `write_chain_ends` wrote, as int64 columns."""
+    """What `write_chain_ends` wrote, as native int32 columns."""
     with open(path, "rb") as f:
         raw = f.read()
     lengths = np.frombuffer(raw, dtype="<i8", count=len(_CHAIN_ENDS)).tolist()
     out, at = {}, 8 * len(_CHAIN_ENDS)
     for name, n in zip(_CHAIN_ENDS, lengths, strict=True):
-        out[name] = np.frombuffer(raw, dtype="<i4", count=n, offset=at).astype(np.int64)
+        out[name] = np.frombuffer(raw, dtype="<i4", count=n, offset=at).astype(np.int32)
         at += 4 * n
     return out
 
@@ -386,28 +387,25 @@ def create_shared_index_file(path: str, hash_slot_num: int, index_num: int) -> N
 
 def assemble_index_file(chunks: list[StagedIndexChunk], hash_slot_num: int, index_num: int,
                         key_start: int) -> StagedIndexFile:
-    """Link the chunks' slot chains in key order and write the slots and the header: the file one put of all
-    its keys makes."""
+    """Link the chunks' slot chains in key order (`_kernels.link_chains`) and write the slots and the header:
+    the file one put of all its keys makes."""
+    from indexcore import _kernels  # noqa: PLC0415
+
     chunks = sorted(chunks, key=lambda c: c.lo)
     path = chunks[0].path
     entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
-    last = np.zeros(hash_slot_num, dtype=np.int64)
+    last = np.zeros(hash_slot_num, dtype=np.int32)  # per slot, the last entry of the chunks so far
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-        entries = np.ndarray((index_num,), dtype=ENTRY_DTYPE, buffer=mm, offset=entries_at)
         for c in chunks:
             d = read_chain_ends(c.meta)
-            if c.lo != key_start:
-                prev = last[d["first_slot"]]
-                linked = prev != 0
-                entries["prev"][d["first_entry"][linked]] = prev[linked]
-            last[d["last_slot"]] = d["last_entry"]
+            _kernels.link_chains(mm, entries_at, index_num, last, d["first_entry"], d["slot"], d["last_entry"])
         slots = np.ndarray((hash_slot_num,), dtype=">i4", buffer=mm, offset=INDEX_HEADER_SIZE)
         slots[:] = last
         keys = chunks[-1].hi - key_start
         header = IndexHeader(chunks[0].begin_ts, chunks[-1].end_ts, chunks[0].begin_phy, chunks[-1].end_phy,
                              int(np.count_nonzero(last)), FIRST_INDEX + keys)
         mm[:INDEX_HEADER_SIZE] = header.encode()
-        del entries, slots
+        del slots
         mm.flush()
     return StagedIndexFile(chunks[0].number, path, chunks[0].creator_ts, keys)
 
