@@ -9,6 +9,7 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 from hypothesis import given
 from hypothesis import settings as settings_
@@ -185,3 +186,17 @@ def test_catalog_properties_are_found_as_the_regular_expression_found_them(recor
         found = [m and m.group("v").decode() for m in map(regex.match, raw)]
         expected = [java_int(v) for v in found] if column == "realQueueId" else found
         assert table.column(column).to_pylist() == expected
+
+
+@settings_(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-30_000, 30_000) | st.integers(19_000, 19_003)),
+                min_size=1, max_size=50))
+def test_group_keys_order_the_rows_by_topic_then_day(rows):
+    """The catalog's (topic, day) group numbers, small (uint16) when the batch's groups fit and int64 when
+    its days span more: the same order and the same groups as (topic, day) itself."""
+    topic = np.array([t for t, _ in rows], dtype=np.int32)
+    day = np.array([d for _, d in rows], dtype=np.int64)
+    key = catalog._group_keys(topic, day, 4)
+    order = np.argsort(key, kind="stable")
+    assert [rows[i] for i in order] == sorted(rows)
+    assert len(set(key.tolist())) == len(set(rows))

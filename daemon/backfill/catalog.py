@@ -138,12 +138,27 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool,
     return pa.Table.from_arrays(columns, schema=schema)
 
 
+GROUP_KEYS_SMALL = 1 << 16
+
+
+def _group_keys(topic_id: np.ndarray, day: np.ndarray, topics: int) -> np.ndarray:
+    """Each row's (topic, day) group as a number in (topic, day) order: uint16 when every group of the batch
+    fits, which numpy's stable argsort sorts by radix (the int64 key took 50-57 ns a row, this 20-22)."""
+    if not len(day):
+        return day
+    first = int(day.min())
+    days = int(day.max()) - first + 1
+    if topics * days <= GROUP_KEYS_SMALL:
+        return (topic_id.astype(np.int64) * days + (day - first)).astype(np.uint16)
+    return topic_id.astype(np.int64) * (1 << 40) + day
+
+
 def catalog_groups(batch: DispatchBatch, buf, seg_start: int,
                    with_body: bool) -> Iterator[tuple[str, int, pa.Buffer, int]]:
     """(topic, UTC day, Arrow IPC stream, rows) of each (topic, day) of the batch, in CommitLog order. The
     rows are built already grouped (a stable sort of the records by group), so each group is a slice."""
     day = (batch.store_timestamp // MS_PER_DAY).astype(np.int64)
-    key = batch.topic_id.astype(np.int64) * (1 << 40) + day
+    key = _group_keys(batch.topic_id, day, len(batch.topics))
     order = None
     if len(key) and (key != key[0]).any():
         order = np.argsort(key, kind="stable")
