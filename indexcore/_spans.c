@@ -1,19 +1,17 @@
-/* indexcore._spans: byte spans of many records at once, for columnar consumers (the backfill's catalog).
+/* indexcore._spans: the backfill catalog's columns of many records at once (daemon/backfill/catalog.py).
  *
- * gather          the spans [at, at + length) of a buffer, concatenated, with their int32 offsets (an Arrow
- *                 binary column's two buffers); at < 0: an empty value.
- * property_spans  where each record's value of one or more properties lies, as the broker's properties
- *                 map keeps it: the last "name" 0x01 that starts the properties or follows a 0x02, its value
- *                 up to the next 0x02 or the end of the record's properties; at = -1 when absent.
- * offset_msg_ids  each record's offset msgId (MessageDecoder.createMessageId): the store host address and
- *                 port, then the CommitLog offset, big-endian, in upper-case hex.
- * read_be         big-endian signed integers of 4 or 8 bytes at many positions.
- * split_tokens    each value's non-empty tokens between separator bytes (KEYS split on " "), concatenated,
- *                 with the tokens' offsets and each value's first token (an Arrow list<binary>).
+ * catalog_columns  one visit of each record of a decoded batch, in the order the catalog groups them, that
+ *                  fills every per-record column's Arrow buffers: the header fields, the last TAGS,
+ *                  REAL_TOPIC and REAL_QID (a "name" 0x01 that starts the properties or follows a 0x02, its
+ *                  value up to the next 0x02 or the end of the properties; REAL_QID as Integer.parseInt
+ *                  reads an optional sign and 1 to 10 ASCII digits within int32), the offset msgId
+ *                  (MessageDecoder.createMessageId: the store host address and port, then the CommitLog
+ *                  offset, upper-case hex), KEYS' non-empty tokens between spaces and UNIQ_KEY (from the
+ *                  batch's text, where the decode copied them), the body.
  *
- * The per-byte work numpy did with an index array per byte (8 bytes of index for each byte moved) is a
- * memcpy or a memchr here. The caller owns every output buffer and sizes it; nothing here allocates, and
- * the GIL is released while copying.
+ * Six passes over the batch, one per step (a span search, a gather, big-endian reads), each read every
+ * record again from memory; one pass reads it once, with the next records prefetched. The caller owns every
+ * output buffer and sizes it; nothing here allocates, and the GIL is released while copying.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,7 +20,6 @@
 
 #define PROPERTY_SEPARATOR 2
 #define NAME_VALUE_SEPARATOR 1
-#define MAX_NAMES 8
 
 static int get(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
@@ -38,306 +35,256 @@ static void release(Py_buffer *v, int n) {
     for (int i = 0; i < n; i++) PyBuffer_Release(&v[i]);
 }
 
-/* gather(source, at int64[n], length int64[n], out uint8[sum], offsets int32[n + 1]) -> bytes written */
-static PyObject *py_gather(PyObject *self, PyObject *args) {
-    PyObject *o[5];
-    if (!PyArg_ParseTuple(args, "OOOOO", &o[0], &o[1], &o[2], &o[3], &o[4])) return NULL;
-    Py_buffer v[5];
-    const Py_ssize_t sizes[5] = {1, 8, 8, 1, 4};
-    const char *names[5] = {"source", "at", "length", "out", "offsets"};
-    int got = 0;
-    for (; got < 5; got++)
-        if (get(o[got], &v[got], got >= 3, sizes[got], names[got]) < 0) goto fail;
-    Py_ssize_t n = v[1].len / 8;
-    if (v[2].len / 8 != n || v[4].len / 4 < n + 1) {
-        PyErr_SetString(PyExc_ValueError, "gather: at, length and offsets disagree in length");
-        goto fail;
-    }
-    const uint8_t *src = v[0].buf;
-    const int64_t *at = v[1].buf, *len = v[2].buf;
-    uint8_t *out = v[3].buf;
-    int32_t *offsets = v[4].buf;
-    int64_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (at[i] < 0) continue;
-        if (len[i] < 0 || at[i] + len[i] > v[0].len) {
-            PyErr_Format(PyExc_ValueError, "gather: span [%lld, +%lld) outside a %zd-byte buffer", (long long)at[i],
-                         (long long)len[i], v[0].len);
-            goto fail;
-        }
-        total += len[i];
-    }
-    if (total > v[3].len || total > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "gather: %lld bytes do not fit the output (%zd) or int32 offsets",
-                     (long long)total, v[3].len);
-        goto fail;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    int64_t pos = 0;
-    offsets[0] = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (at[i] >= 0 && len[i] > 0) {
-            memcpy(out + pos, src + at[i], (size_t)len[i]);
-            pos += len[i];
-        }
-        offsets[i + 1] = (int32_t)pos;
-    }
-    Py_END_ALLOW_THREADS
-    release(v, 5);
-    return PyLong_FromLongLong(total);
-fail:
-    release(v, got);
-    return NULL;
+/* --- catalog_columns ------------------------------------------------------------------------------------- */
+
+/* record layout (indexcore/commitlog.py) */
+#define MAGIC_CODE_OFFSET 4
+#define QUEUE_ID_OFFSET 12
+#define QUEUE_OFFSET_OFFSET 20
+#define SYS_FLAG_OFFSET 36
+#define BORN_TIMESTAMP_OFFSET 40
+#define BORN_HOST_OFFSET 48
+#define HOST_V4_LENGTH 8
+#define HOST_V6_LENGTH 20
+#define STORE_TIMESTAMP_SIZE 8
+#define BODY_LENGTH_AFTER_STORE_HOST 12
+#define BODY_AFTER_STORE_HOST 16
+#define MESSAGE_MAGIC_CODE ((int32_t)0xDAA320A7)
+#define BORNHOST_V6_FLAG 0x10
+#define STOREHOSTADDRESS_V6_FLAG 0x20
+#define PROPERTIES_LENGTH_SIZE 2
+#define RECORD_PREFETCH 16
+#define KEYS_SEPARATOR ' '
+static const char HEX[] = "0123456789ABCDEF";
+
+/* the columns, in the order of the out64, out32, offsets and bitmap rows and of the data buffers */
+enum { C_OFFSET, C_QUEUE_OFFSET, C_STORE_TIME, C_BORN_TIME, C_TAGS_CODE, C64 };
+enum { C_SIZE, C_QUEUE_ID, C_SYS_FLAG, C_BODY_SIZE, C_REAL_QID, C32 };
+enum { S_TAGS, S_KEYS, S_UNIQ, S_MSGID, S_REAL_TOPIC, S_BODY, S_TOKENS, SDATA };  /* S_KEYS: each record's first token */
+enum { V_TAGS, V_KEYS, V_UNIQ, V_REAL_TOPIC, V_REAL_QID, NVALID };
+
+static inline int64_t rd32(const uint8_t *b) {
+    return (int32_t)(((uint32_t)b[0] << 24) | ((uint32_t)b[1] << 16) | ((uint32_t)b[2] << 8) | b[3]);
+}
+static inline int64_t rd64(const uint8_t *b) {
+    uint64_t x = 0;
+    for (int i = 0; i < 8; i++) x = (x << 8) | b[i];
+    return (int64_t)x;
 }
 
-/* property_spans(source, props_at int64[n], props_end int64[n], names tuple[bytes], spans int64[2 * k * n]):
- * spans[(2j) * n + i] = where name j's value of record i starts (-1: absent), spans[(2j + 1) * n + i] its length */
-static PyObject *py_property_spans(PyObject *self, PyObject *args) {
-    PyObject *o[3], *names_obj, *spans_obj;
-    if (!PyArg_ParseTuple(args, "OOOO!O", &o[0], &o[1], &o[2], &PyTuple_Type, &names_obj, &spans_obj)) return NULL;
-    Py_ssize_t k = PyTuple_GET_SIZE(names_obj);
-    if (k < 1 || k > MAX_NAMES) {
-        PyErr_Format(PyExc_ValueError, "property_spans: 1 to %d names", MAX_NAMES);
+/* Integer.parseInt as the catalog reads REAL_QID: an optional sign, 1 to 10 ASCII digits, within int32 */
+static int java_int(const uint8_t *b, int64_t n, int32_t *out) {
+    int64_t i = 0, neg = 0, v = 0;
+    if (n > 0 && (b[0] == '+' || b[0] == '-')) neg = b[i++] == '-';
+    if (n - i < 1 || n - i > 10) return 0;
+    for (; i < n; i++) {
+        if (b[i] < '0' || b[i] > '9') return 0;
+        v = 10 * v + (b[i] - '0');
+    }
+    v = neg ? -v : v;
+    if (v < INT32_MIN || v > INT32_MAX) return 0;
+    *out = (int32_t)v;
+    return 1;
+}
+
+typedef struct {
+    uint8_t *data;
+    int64_t cap, len;
+    uint8_t high;  /* OR of every byte copied: bit 7 set when a value is not ASCII */
+} Sink;
+
+static inline int sink_put(Sink *s, const uint8_t *b, int64_t n, int text) {
+    if (n > s->cap - s->len) return -1;
+    memcpy(s->data + s->len, b, (size_t)n);
+    if (text)
+        for (int64_t i = 0; i < n; i++) s->high |= b[i];
+    s->len += n;
+    return 0;
+}
+
+/* catalog_columns(source, seg_start, order int64[n], phy int64[N], size int32[N], tags_code int64[N], text,
+ *                 keys_at int64[N], keys_len int64[N], uniq_at int64[N], uniq_len int64[N], with_body,
+ *                 out64 int64[C64 * n], out32 int32[C32 * n], offsets int32[(S_TOKENS) * (n + 1)],
+ *                 token_offsets int32[], valid uint8[NVALID * ceil(n / 8)], data_0 .. data_(SDATA - 2) uint8[])
+ * -> (bytes used in each data buffer, tokens, nulls of each V_ column, non-ASCII bit per S_ column)
+ * Row i of every output is batch row order[i]; the record is found at phy - seg_start in source. */
+static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
+    enum { SRC, ORDER, PHY, SIZE, TCODE, TEXT, KAT, KLEN, UAT, ULEN, O64, O32, OFFS, TOKS, VALID, DATA0,
+           NB = DATA0 + SDATA - 1 };
+    PyObject *o[NB];
+    long long seg_start;
+    int with_body;
+    if (!PyArg_ParseTuple(args, "OLOOOOOOOOOpOOOOOOOOOOO", &o[SRC], &seg_start, &o[ORDER], &o[PHY], &o[SIZE],
+                          &o[TCODE], &o[TEXT], &o[KAT], &o[KLEN], &o[UAT], &o[ULEN], &with_body, &o[O64], &o[O32],
+                          &o[OFFS], &o[TOKS], &o[VALID], &o[DATA0], &o[DATA0 + 1], &o[DATA0 + 2], &o[DATA0 + 3],
+                          &o[DATA0 + 4], &o[DATA0 + 5]))
         return NULL;
-    }
-    const char *name[MAX_NAMES];
-    Py_ssize_t name_len[MAX_NAMES];
-    for (Py_ssize_t j = 0; j < k; j++) {
-        PyObject *item = PyTuple_GET_ITEM(names_obj, j);
-        if (!PyBytes_Check(item) || PyBytes_GET_SIZE(item) == 0) {
-            PyErr_SetString(PyExc_TypeError, "property_spans: names are non-empty bytes");
-            return NULL;
-        }
-        name[j] = PyBytes_AS_STRING(item);
-        name_len[j] = PyBytes_GET_SIZE(item);
-    }
-    Py_buffer v[4];
-    PyObject *objs[4] = {o[0], o[1], o[2], spans_obj};
-    const Py_ssize_t sizes[4] = {1, 8, 8, 8};
-    const char *what[4] = {"source", "props_at", "props_end", "spans"};
+    static const Py_ssize_t sizes[NB] = {1, 8, 8, 4, 8, 1, 8, 8, 8, 8, 8, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1};
+    static const char *names[NB] = {"source", "order", "phy", "size", "tags_code", "text", "keys_at", "keys_len",
+                                    "uniq_at", "uniq_len", "out64", "out32", "offsets", "token_offsets", "valid",
+                                    "tags", "keys", "uniq", "msg_ids", "real_topic", "body"};
+    Py_buffer v[NB];
     int got = 0;
-    for (; got < 4; got++)
-        if (get(objs[got], &v[got], got == 3, sizes[got], what[got]) < 0) goto fail;
-    Py_ssize_t n = v[1].len / 8;
-    if (v[2].len / 8 != n || v[3].len / 8 < 2 * k * n) {
-        PyErr_SetString(PyExc_ValueError, "property_spans: props_at, props_end and spans disagree in length");
+    for (; got < NB; got++)
+        if (get(o[got], &v[got], got >= O64, sizes[got], names[got]) < 0) goto fail;
+    Py_ssize_t n = v[ORDER].len / 8, rows = v[PHY].len / 8, nb = (n + 7) / 8;
+    if (v[SIZE].len / 4 != rows || v[TCODE].len / 8 != rows || v[KAT].len / 8 != rows || v[KLEN].len / 8 != rows
+        || v[UAT].len / 8 != rows || v[ULEN].len / 8 != rows || v[O64].len / 8 < C64 * n || v[O32].len / 4 < C32 * n
+        || v[OFFS].len / 4 < S_TOKENS * (n + 1) || v[VALID].len < NVALID * nb || v[TOKS].len / 4 < 1) {
+        PyErr_SetString(PyExc_ValueError, "catalog_columns: columns disagree in length");
         goto fail;
     }
-    const uint8_t *src = v[0].buf;
-    const int64_t *pat = v[1].buf, *pend = v[2].buf;
-    int64_t *spans = v[3].buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (pat[i] < 0 || pend[i] < pat[i] || pend[i] > v[0].len) {
-            PyErr_Format(PyExc_ValueError, "property_spans: properties [%lld, %lld) outside a %zd-byte buffer",
-                         (long long)pat[i], (long long)pend[i], v[0].len);
-            goto fail;
-        }
+    const uint8_t *src = v[SRC].buf, *text = v[TEXT].buf;
+    const int64_t *order = v[ORDER].buf, *phy = v[PHY].buf, *tcode = v[TCODE].buf;
+    const int64_t *kat = v[KAT].buf, *klen = v[KLEN].buf, *uat = v[UAT].buf, *ulen = v[ULEN].buf;
+    const int32_t *size = v[SIZE].buf;
+    int64_t *o64 = v[O64].buf;
+    int32_t *o32 = v[O32].buf, *offs = v[OFFS].buf, *toks = v[TOKS].buf;
+    uint8_t *valid = v[VALID].buf;
+    Sink sink[SDATA - 1];
+    for (int c = 0; c < SDATA - 1; c++) sink[c] = (Sink){v[DATA0 + c].buf, v[DATA0 + c].len, 0, 0};
+    int64_t cap_tokens = v[TOKS].len / 4 - 1, tokens = 0, nulls[NVALID] = {0};
+    const char *bad = NULL;
+    int64_t bad_at = 0;
+    /* every record lies in the source, whole, and its text spans in `text`: checked before anything is read */
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+        int64_t r = order[i];
+        if (r < 0 || r >= rows) { bad = "row"; bad_at = r; break; }
+        int64_t rel = phy[r] - seg_start;
+        if (rel < 0 || size[r] < BORN_HOST_OFFSET || rel + size[r] > v[SRC].len) { bad = "record"; bad_at = phy[r]; }
+        else if (kat[r] >= 0 && (klen[r] < 0 || kat[r] + klen[r] > v[TEXT].len)) { bad = "KEYS span"; bad_at = phy[r]; }
+        else if (uat[r] >= 0 && (ulen[r] < 0 || uat[r] + ulen[r] > v[TEXT].len)) { bad = "UNIQ_KEY span"; bad_at = phy[r]; }
     }
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "catalog_columns: %s at %lld outside the buffers", bad, (long long)bad_at);
+        goto fail;
+    }
+    memset(valid, 0, (size_t)(NVALID * nb));
     Py_BEGIN_ALLOW_THREADS
+    for (int c = 0; c < S_TOKENS; c++) offs[c * (n + 1)] = 0;
+    toks[0] = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        for (Py_ssize_t j = 0; j < k; j++) {
-            spans[2 * j * n + i] = -1;
-            spans[(2 * j + 1) * n + i] = 0;
+        if (i + RECORD_PREFETCH < n) {
+            int64_t q = order[i + RECORD_PREFETCH], at = phy[q] - seg_start;
+            __builtin_prefetch(src + at);
+            __builtin_prefetch(src + at + 64);
+            __builtin_prefetch(src + at + size[q] - 1);
+            __builtin_prefetch(src + at + size[q] - 65);
         }
-        int64_t end = pend[i];
-        for (int64_t s = pat[i]; s < end;) {  /* s: the start of a name=value pair */
+        int64_t r = order[i], rel = phy[r] - seg_start, end = rel + size[r];
+        const uint8_t *rec = src + rel;
+        int64_t flags = rd32(rec + SYS_FLAG_OFFSET);
+        int64_t store_ts_at = BORN_HOST_OFFSET + ((flags & BORNHOST_V6_FLAG) ? HOST_V6_LENGTH : HOST_V4_LENGTH);
+        int64_t host_at = store_ts_at + STORE_TIMESTAMP_SIZE;
+        int64_t host_len = (flags & STOREHOSTADDRESS_V6_FLAG) ? HOST_V6_LENGTH : HOST_V4_LENGTH;
+        int64_t body_len_at = host_at + host_len + BODY_LENGTH_AFTER_STORE_HOST;
+        if (rel + body_len_at + 4 > end) { bad = "record"; bad_at = phy[r]; break; }
+        int64_t body_len = rd32(rec + body_len_at);
+        int64_t body_at = rel + host_at + host_len + BODY_AFTER_STORE_HOST;
+        int v1 = rd32(rec + MAGIC_CODE_OFFSET) == MESSAGE_MAGIC_CODE;
+        int64_t t = body_at + body_len;
+        if (body_len < 0 || t + (v1 ? 1 : 2) > end) { bad = "record"; bad_at = phy[r]; break; }
+        int64_t topic_len = v1 ? src[t] : ((int64_t)src[t] << 8 | src[t + 1]);
+        int64_t p = t + (v1 ? 1 : 2) + topic_len + PROPERTIES_LENGTH_SIZE;
+        if (p > end) { bad = "record"; bad_at = phy[r]; break; }
+
+        o64[C_OFFSET * n + i] = phy[r];
+        o64[C_QUEUE_OFFSET * n + i] = rd64(rec + QUEUE_OFFSET_OFFSET);
+        o64[C_STORE_TIME * n + i] = rd64(rec + store_ts_at);
+        o64[C_BORN_TIME * n + i] = rd64(rec + BORN_TIMESTAMP_OFFSET);
+        o64[C_TAGS_CODE * n + i] = tcode[r];
+        o32[C_SIZE * n + i] = size[r];
+        o32[C_QUEUE_ID * n + i] = (int32_t)rd32(rec + QUEUE_ID_OFFSET);
+        o32[C_SYS_FLAG * n + i] = (int32_t)flags;
+        o32[C_BODY_SIZE * n + i] = (int32_t)body_len;
+
+        /* properties: the last "name" 0x01 starting a pair, its value up to the next 0x02 */
+        int64_t tags_at = -1, tags_len = 0, topic_at = -1, rt_len = 0, qid_at = -1, qid_len = 0;
+        for (int64_t s = p; s < end;) {
             const uint8_t *sep = memchr(src + s, PROPERTY_SEPARATOR, (size_t)(end - s));
-            int64_t e = sep ? sep - src : end;
-            for (Py_ssize_t j = 0; j < k; j++) {
-                int64_t w = name_len[j];
-                if (e - s >= w + 1 && src[s + w] == NAME_VALUE_SEPARATOR && memcmp(src + s, name[j], (size_t)w) == 0) {
-                    spans[2 * j * n + i] = s + w + 1;
-                    spans[(2 * j + 1) * n + i] = e - (s + w + 1);
-                }
+            int64_t e = sep ? sep - src : end, w = e - s;
+            if (w >= 5 && src[s + 4] == NAME_VALUE_SEPARATOR && memcmp(src + s, "TAGS", 4) == 0) {
+                tags_at = s + 5;
+                tags_len = w - 5;
+            } else if (w >= 11 && src[s + 10] == NAME_VALUE_SEPARATOR && memcmp(src + s, "REAL_TOPIC", 10) == 0) {
+                topic_at = s + 11;
+                rt_len = w - 11;
+            } else if (w >= 9 && src[s + 8] == NAME_VALUE_SEPARATOR && memcmp(src + s, "REAL_QID", 8) == 0) {
+                qid_at = s + 9;
+                qid_len = w - 9;
             }
             s = e + 1;
         }
-    }
-    Py_END_ALLOW_THREADS
-    release(v, 4);
-    Py_RETURN_NONE;
-fail:
-    release(v, got);
-    return NULL;
-}
-
-/* offset_msg_ids(source, host_at int64[n], host_len int64[n], phy int64[n], out uint8[], offsets int32[n + 1]) */
-static PyObject *py_offset_msg_ids(PyObject *self, PyObject *args) {
-    PyObject *o[6];
-    if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5])) return NULL;
-    Py_buffer v[6];
-    const Py_ssize_t sizes[6] = {1, 8, 8, 8, 1, 4};
-    const char *names[6] = {"source", "host_at", "host_len", "phy", "out", "offsets"};
-    int got = 0;
-    for (; got < 6; got++)
-        if (get(o[got], &v[got], got >= 4, sizes[got], names[got]) < 0) goto fail;
-    Py_ssize_t n = v[1].len / 8;
-    if (v[2].len / 8 != n || v[3].len / 8 != n || v[5].len / 4 < n + 1) {
-        PyErr_SetString(PyExc_ValueError, "offset_msg_ids: columns disagree in length");
-        goto fail;
-    }
-    const uint8_t *src = v[0].buf;
-    const int64_t *at = v[1].buf, *len = v[2].buf, *phy = v[3].buf;
-    int64_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (at[i] < 0 || len[i] < 0 || at[i] + len[i] > v[0].len) {
-            PyErr_Format(PyExc_ValueError, "offset_msg_ids: host [%lld, +%lld) outside a %zd-byte buffer",
-                         (long long)at[i], (long long)len[i], v[0].len);
-            goto fail;
+        int32_t qid = 0;
+        int present[NVALID] = {tags_at >= 0, kat[r] >= 0, uat[r] >= 0, topic_at >= 0,
+                               qid_at >= 0 && java_int(src + qid_at, qid_len, &qid)};
+        o32[C_REAL_QID * n + i] = qid;
+        for (int c = 0; c < NVALID; c++) {
+            if (present[c]) valid[c * nb + i / 8] |= (uint8_t)(1u << (i % 8));
+            else nulls[c]++;
         }
-        total += 2 * (len[i] + 8);
-    }
-    if (total > v[4].len || total > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "offset_msg_ids: the output is too small");
-        goto fail;
-    }
-    static const char hex[] = "0123456789ABCDEF";
-    uint8_t *out = v[4].buf;
-    int32_t *offsets = v[5].buf;
-    Py_BEGIN_ALLOW_THREADS
-    int64_t pos = 0;
-    offsets[0] = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *h = src + at[i];
-        for (int64_t b = 0; b < len[i]; b++) {
-            out[pos++] = (uint8_t)hex[h[b] >> 4];
-            out[pos++] = (uint8_t)hex[h[b] & 15];
+        if ((tags_at >= 0 && sink_put(&sink[S_TAGS], src + tags_at, tags_len, 1) < 0)
+            || (topic_at >= 0 && sink_put(&sink[S_REAL_TOPIC], src + topic_at, rt_len, 1) < 0)
+            || (uat[r] >= 0 && sink_put(&sink[S_UNIQ], text + uat[r], ulen[r], 1) < 0)
+            || (with_body && sink_put(&sink[S_BODY], src + body_at, body_len, 0) < 0)) {
+            bad = "output";
+            break;
         }
-        uint64_t p = (uint64_t)phy[i];
-        for (int b = 7; b >= 0; b--) {
-            uint8_t byte = (uint8_t)(p >> (8 * b));
-            out[pos++] = (uint8_t)hex[byte >> 4];
-            out[pos++] = (uint8_t)hex[byte & 15];
-        }
-        offsets[i + 1] = (int32_t)pos;
-    }
-    Py_END_ALLOW_THREADS
-    release(v, 6);
-    return PyLong_FromLongLong(total);
-fail:
-    release(v, got);
-    return NULL;
-}
-
-/* read_be(source, at int64[n], width 4 or 8, out int64[n]): the big-endian signed integers at `at` */
-static PyObject *py_read_be(PyObject *self, PyObject *args) {
-    PyObject *o[3];
-    int width;
-    if (!PyArg_ParseTuple(args, "OOiO", &o[0], &o[1], &width, &o[2])) return NULL;
-    if (width != 4 && width != 8) {
-        PyErr_SetString(PyExc_ValueError, "read_be: width is 4 or 8");
-        return NULL;
-    }
-    Py_buffer v[3];
-    const Py_ssize_t sizes[3] = {1, 8, 8};
-    const char *names[3] = {"source", "at", "out"};
-    int got = 0;
-    for (; got < 3; got++)
-        if (get(o[got], &v[got], got == 2, sizes[got], names[got]) < 0) goto fail;
-    Py_ssize_t n = v[1].len / 8;
-    if (v[2].len / 8 != n) {
-        PyErr_SetString(PyExc_ValueError, "read_be: at and out disagree in length");
-        goto fail;
-    }
-    const uint8_t *src = v[0].buf;
-    const int64_t *at = v[1].buf;
-    int64_t *out = v[2].buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (at[i] < 0 || at[i] + width > v[0].len) {
-            PyErr_Format(PyExc_ValueError, "read_be: [%lld, +%d) outside a %zd-byte buffer", (long long)at[i], width,
-                         v[0].len);
-            goto fail;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *p = src + at[i];
-        uint64_t x = 0;
-        for (int b = 0; b < width; b++) x = (x << 8) | p[b];
-        out[i] = width == 4 ? (int64_t)(int32_t)(uint32_t)x : (int64_t)x;
-    }
-    release(v, 3);
-    Py_RETURN_NONE;
-fail:
-    release(v, got);
-    return NULL;
-}
-
-/* split_tokens(source, at int64[n], length int64[n], separator, out uint8[sum length], token_offsets
- * int32[sum length + 1], value_first int32[n + 1]) -> tokens; at < 0: no tokens */
-static PyObject *py_split_tokens(PyObject *self, PyObject *args) {
-    PyObject *o[6];
-    int separator;
-    if (!PyArg_ParseTuple(args, "OOOiOOO", &o[0], &o[1], &o[2], &separator, &o[3], &o[4], &o[5])) return NULL;
-    Py_buffer v[6];
-    const Py_ssize_t sizes[6] = {1, 8, 8, 1, 4, 4};
-    const char *names[6] = {"source", "at", "length", "out", "token_offsets", "value_first"};
-    int got = 0;
-    for (; got < 6; got++)
-        if (get(o[got], &v[got], got >= 3, sizes[got], names[got]) < 0) goto fail;
-    Py_ssize_t n = v[1].len / 8;
-    if (v[2].len / 8 != n || v[5].len / 4 < n + 1) {
-        PyErr_SetString(PyExc_ValueError, "split_tokens: columns disagree in length");
-        goto fail;
-    }
-    const uint8_t *src = v[0].buf;
-    const int64_t *at = v[1].buf, *len = v[2].buf;
-    int64_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (at[i] < 0) continue;
-        if (len[i] < 0 || at[i] + len[i] > v[0].len) {
-            PyErr_Format(PyExc_ValueError, "split_tokens: span [%lld, +%lld) outside a %zd-byte buffer",
-                         (long long)at[i], (long long)len[i], v[0].len);
-            goto fail;
-        }
-        total += len[i];
-    }
-    /* a token is at least one byte: at most `total` of them */
-    if (total > v[3].len || total + 1 > v[4].len / 4 || total > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "split_tokens: the outputs are too small");
-        goto fail;
-    }
-    uint8_t *out = v[3].buf;
-    int32_t *tok = v[4].buf, *first = v[5].buf;
-    int64_t tokens = 0;
-    Py_BEGIN_ALLOW_THREADS
-    int64_t pos = 0;
-    tok[0] = 0;
-    first[0] = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (at[i] >= 0) {
-            int64_t end = at[i] + len[i];
-            for (int64_t t = at[i]; t < end;) {
-                const uint8_t *sp = memchr(src + t, separator, (size_t)(end - t));
-                int64_t e = sp ? sp - src : end;
-                if (e > t) {
-                    memcpy(out + pos, src + t, (size_t)(e - t));
-                    pos += e - t;
-                    tok[++tokens] = (int32_t)pos;
+        /* KEYS: its non-empty tokens between spaces */
+        if (kat[r] >= 0) {
+            for (int64_t a = kat[r], kend = kat[r] + klen[r]; a < kend;) {
+                const uint8_t *sp = memchr(text + a, KEYS_SEPARATOR, (size_t)(kend - a));
+                int64_t e = sp ? sp - text : kend;
+                if (e > a) {
+                    if (tokens == cap_tokens || sink_put(&sink[S_KEYS], text + a, e - a, 1) < 0) { bad = "output"; break; }
+                    toks[++tokens] = (int32_t)sink[S_KEYS].len;
                 }
-                t = e + 1;
+                a = e + 1;
             }
+            if (bad) break;
         }
-        first[i + 1] = (int32_t)tokens;
+        /* msgId: the store host's address and port, then the CommitLog offset, in upper-case hex */
+        Sink *id = &sink[S_MSGID];
+        if (2 * (host_len + 8) > id->cap - id->len) { bad = "output"; break; }
+        for (int64_t b = 0; b < host_len; b++) {
+            id->data[id->len++] = (uint8_t)HEX[rec[host_at + b] >> 4];
+            id->data[id->len++] = (uint8_t)HEX[rec[host_at + b] & 15];
+        }
+        for (int b = 7; b >= 0; b--) {
+            uint8_t byte = (uint8_t)((uint64_t)phy[r] >> (8 * b));
+            id->data[id->len++] = (uint8_t)HEX[byte >> 4];
+            id->data[id->len++] = (uint8_t)HEX[byte & 15];
+        }
+        offs[S_TAGS * (n + 1) + i + 1] = (int32_t)sink[S_TAGS].len;
+        offs[S_KEYS * (n + 1) + i + 1] = (int32_t)tokens;
+        offs[S_UNIQ * (n + 1) + i + 1] = (int32_t)sink[S_UNIQ].len;
+        offs[S_MSGID * (n + 1) + i + 1] = (int32_t)id->len;
+        offs[S_REAL_TOPIC * (n + 1) + i + 1] = (int32_t)sink[S_REAL_TOPIC].len;
+        offs[S_BODY * (n + 1) + i + 1] = (int32_t)sink[S_BODY].len;
     }
     Py_END_ALLOW_THREADS
-    release(v, 6);
-    return PyLong_FromLongLong(tokens);
+    if (bad) {
+        if (bad[0] == 'o') PyErr_SetString(PyExc_ValueError, "catalog_columns: an output buffer is too small");
+        else PyErr_Format(PyExc_ValueError, "catalog_columns: the %s at %lld does not decode", bad, (long long)bad_at);
+        goto fail;
+    }
+    int high = 0;
+    for (int c = 0; c < SDATA - 1; c++) high |= (sink[c].high & 0x80) ? 1 << c : 0;
+    PyObject *result = Py_BuildValue("((LLLLLL)L(LLLLL)i)", (long long)sink[0].len, (long long)sink[1].len,
+                                     (long long)sink[2].len, (long long)sink[3].len, (long long)sink[4].len,
+                                     (long long)sink[5].len, (long long)tokens, (long long)nulls[0],
+                                     (long long)nulls[1], (long long)nulls[2], (long long)nulls[3],
+                                     (long long)nulls[4], high);
+    release(v, NB);
+    return result;
 fail:
     release(v, got);
     return NULL;
 }
 
 static PyMethodDef methods[] = {
-    {"gather", py_gather, METH_VARARGS,
-     "gather(source, at, length, out, offsets) -> bytes: spans of source concatenated into out"},
-    {"property_spans", py_property_spans, METH_VARARGS,
-     "property_spans(source, props_at, props_end, names, spans): each record's last value span of each name"},
-    {"offset_msg_ids", py_offset_msg_ids, METH_VARARGS,
-     "offset_msg_ids(source, host_at, host_len, phy, out, offsets) -> bytes: upper-case hex offset msgIds"},
-    {"read_be", py_read_be, METH_VARARGS,
-     "read_be(source, at, width, out): big-endian signed integers of width 4 or 8 bytes at positions at"},
-    {"split_tokens", py_split_tokens, METH_VARARGS,
-     "split_tokens(source, at, length, separator, out, token_offsets, value_first) -> tokens: non-empty tokens"},
+    {"catalog_columns", py_catalog_columns, METH_VARARGS,
+     "catalog_columns(...) -> (bytes, tokens, nulls, non_ascii): every per-record catalog column in one pass"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -345,4 +292,23 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "indexcore._spans", .m_size = -1, .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__spans(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__spans(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    static const struct { const char *name; long value; } constants[] = {
+        {"C_OFFSET", C_OFFSET}, {"C_QUEUE_OFFSET", C_QUEUE_OFFSET}, {"C_STORE_TIME", C_STORE_TIME},
+        {"C_BORN_TIME", C_BORN_TIME}, {"C_TAGS_CODE", C_TAGS_CODE}, {"C64", C64},
+        {"C_SIZE", C_SIZE}, {"C_QUEUE_ID", C_QUEUE_ID}, {"C_SYS_FLAG", C_SYS_FLAG}, {"C_BODY_SIZE", C_BODY_SIZE},
+        {"C_REAL_QID", C_REAL_QID}, {"C32", C32},
+        {"S_TAGS", S_TAGS}, {"S_KEYS", S_KEYS}, {"S_UNIQ", S_UNIQ}, {"S_MSGID", S_MSGID},
+        {"S_REAL_TOPIC", S_REAL_TOPIC}, {"S_BODY", S_BODY}, {"S_TOKENS", S_TOKENS},
+        {"V_TAGS", V_TAGS}, {"V_KEYS", V_KEYS}, {"V_UNIQ", V_UNIQ}, {"V_REAL_TOPIC", V_REAL_TOPIC},
+        {"V_REAL_QID", V_REAL_QID}, {"NVALID", NVALID},
+    };
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
+        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    return m;
+}

@@ -399,35 +399,6 @@ def test_python_workers_start_with_the_daemons_imports_frozen(spark):
     assert min(r.frozen for r in rows) > 10_000, rows
 
 
-_NAME_OR_JUNK = st.sampled_from(["TAGS", "REAL_TOPIC", "KEYS", "TAG", "ATAGS", "TAGS\x01", "x"])
-
-
-@settings_(max_examples=300, deadline=None)
-@given(st.lists(st.lists(st.tuples(_NAME_OR_JUNK, st.text(alphabet="ab\x01\x02 标", max_size=6)), max_size=5)
-                .map(lambda props: "".join(f"{k}\x01{v}\x02" for k, v in props))
-                | st.text(alphabet="TAGS\x01\x02ab", max_size=20), max_size=8))
-def test_catalog_properties_are_found_as_the_regular_expression_found_them(records):
-    """The catalog's property columns come from one C pass over a batch's properties: the same values (the
-    last occurrence at the start or after a separator, up to the next one) as the regular expression over
-    each record that they replaced, whatever the names, separators and values."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from daemon.backfill import catalog
-
-    raw = [r.encode() for r in records]
-    offsets = np.zeros(len(raw) + 1, dtype=np.int64)
-    np.cumsum([len(r) for r in raw], out=offsets[1:])
-    data = b"".join(raw)
-    names = ("TAGS", "REAL_TOPIC")
-    values = catalog.property_values(data, offsets[:-1], offsets[1:], tuple(n.encode() for n in names))
-    for name, column in zip(names, values, strict=True):
-        found = column.to_pylist()
-        regex = rf"(?s)^(?:.*\x02)?{name}\x01(?P<v>[^\x02]*)"
-        expected = pc.struct_field(pc.extract_regex(pa.array(raw, pa.binary()), regex), [0]).to_pylist()
-        assert found == [None if v is None else v.decode() for v in expected]
-
-
 @pytest.mark.parametrize("length", [0, 4096])
 def test_a_local_segment_of_the_wrong_size_is_named_with_its_size(tmp_path, length):
     """The operator sees the size against mappedFileSizeCommitLog, not "mmap closed" (nor, for an empty file,

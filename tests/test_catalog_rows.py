@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from daemon.backfill import catalog
 from indexcore.commitlog import Host, MessageRecord, find_properties
 from indexcore.msgid import create_offset_msg_id
-from indexcore.reader import CommitLog, CommitLogReader
+from indexcore.reader import CommitLog, CommitLogReader, decode_segment
 from indexcore.writer import CommitLogWriter, Message
 
 SEGMENT = 1 << 20
@@ -135,16 +135,25 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
     assert rows == records == 3000
 
 
+def catalog_of(properties: list[bytes], with_body: bool = False) -> pa.Table:
+    """The catalog rows of records with these raw properties (anything but 0x02 inside a value), decoded as
+    the backfill decodes a window."""
+    image = bytearray()
+    for i, props in enumerate(properties):
+        image += MessageRecord("T", 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
+                               1_700_000_000_000, Host(bytes([10, 0, 0, 1]), 10911), 0, 0, b"", props, 0).encode()
+    image += bytes(64)  # then a zero TOTALSIZE: the end of the data
+    decoded = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image))
+    assert len(decoded.batch) == len(properties)
+    return catalog.catalog_table(decoded.batch, bytes(image), 0, with_body)
+
+
 @settings_(max_examples=300, deadline=None)
-@given(st.lists(st.none() | st.binary(max_size=12).map(lambda b: b.replace(b"\x02", b" ")), max_size=8))
+@given(st.lists(st.none() | st.binary(min_size=1, max_size=12).map(lambda b: b.replace(b"\x02", b" ")), max_size=8))
 def test_keys_are_the_non_empty_tokens_of_the_decoded_value(values):
     """KEYS is split on spaces before it is decoded: the same tokens as decoding the whole value (malformed
     bytes replaced) and splitting it, since a space never lies inside a malformed sequence."""
-    text_bytes = b"".join(v for v in values if v is not None)
-    length = np.array([0 if v is None else len(v) for v in values], dtype=np.int64)
-    at = np.cumsum(length) - length
-    at[[i for i, v in enumerate(values) if v is None]] = -1
-    got = catalog._keys(text_bytes, at, length)
+    got = catalog_of([b"" if v is None else b"KEYS\x01" + v for v in values]).column("keys").combine_chunks()
     assert got.type == pa.list_(pa.string())
     assert got.to_pylist() == [None if v is None else [t for t in v.decode("utf-8", "replace").split(" ") if t]
                                for v in values]
@@ -154,10 +163,40 @@ def test_the_staged_keys_hold_no_byte_past_the_last_token():
     """The separators are not copied, so the token buffer is shorter than the values: only the bytes the
     tokens fill are handed on, or the unwritten rest reached the staged streams (different on every run)."""
     values = [b"k1 k2", b"  k3 ", None, b"k4"]
-    text = b"".join(v for v in values if v is not None)
-    length = np.array([0 if v is None else len(v) for v in values], dtype=np.int64)
-    at = np.cumsum(length) - length
-    at[2] = -1
-    tokens = catalog._keys(text, at, length).values
-    assert tokens.to_pylist() == ["k1", "k2", "k3", "k4"]
-    assert tokens.buffers()[2].size == len(b"k1k2k3k4")
+    keys = catalog_of([b"" if v is None else b"KEYS\x01" + v for v in values]).column("keys").chunk(0)
+    assert keys.values.to_pylist() == ["k1", "k2", "k3", "k4"]
+    assert keys.values.buffers()[2].size == len(b"k1k2k3k4")
+
+
+_NAME_OR_JUNK = st.sampled_from(["TAGS", "REAL_TOPIC", "REAL_QID", "KEYS", "TAG", "ATAGS", "TAGS\x01", "x"])
+
+
+@settings_(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.tuples(_NAME_OR_JUNK, st.text(alphabet="ab\x01\x02 标+-0123456789", max_size=6)),
+                         max_size=5).map(lambda props: "".join(f"{k}\x01{v}\x02" for k, v in props))
+                | st.text(alphabet="TAGS\x01\x02ab", max_size=20), max_size=8))
+def test_catalog_properties_are_found_as_the_regular_expression_found_them(records):
+    """TAGS, REAL_TOPIC and REAL_QID come from the one C pass: the same values (the last occurrence at the
+    start or after a separator, up to the next one; REAL_QID as Integer.parseInt of ASCII digits) as a
+    regular expression over each record's properties, whatever the names, separators and values."""
+    raw = [r.encode() for r in records]
+    table = catalog_of(raw)
+    for name, column in (("TAGS", "tags"), ("REAL_TOPIC", "realTopic"), ("REAL_QID", "realQueueId")):
+        regex = re.compile(rb"(?s)^(?:.*\x02)?" + name.encode() + rb"\x01(?P<v>[^\x02]*)")
+        found = [m and m.group("v").decode() for m in map(regex.match, raw)]
+        expected = [java_int(v) for v in found] if column == "realQueueId" else found
+        assert table.column(column).to_pylist() == expected
+
+
+@settings_(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(-30_000, 30_000) | st.integers(19_000, 19_003)),
+                min_size=1, max_size=50))
+def test_group_keys_order_the_rows_by_topic_then_day(rows):
+    """The catalog's (topic, day) group numbers, small (uint16) when the batch's groups fit and int64 when
+    its days span more: the same order and the same groups as (topic, day) itself."""
+    topic = np.array([t for t, _ in rows], dtype=np.int32)
+    day = np.array([d for _, d in rows], dtype=np.int64)
+    key = catalog._group_keys(topic, day, 4)
+    order = np.argsort(key, kind="stable")
+    assert [rows[i] for i in order] == sorted(rows)
+    assert len(set(key.tolist())) == len(set(rows))
