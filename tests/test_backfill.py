@@ -38,6 +38,7 @@ from indexcore.errors import StoreError
 from indexcore.writer import CommitLogWriter, Message
 from tests.backfill_stores import write_forged_store
 from tests.conformance import discover, files_under
+from tests.tools import catches
 
 SEGMENT = 64 * 1024
 STORE = {"mappedFileSizeCommitLog": SEGMENT, "mappedFileSizeConsumeQueue": 400, "maxHashSlotNum": 31,
@@ -835,16 +836,6 @@ def _marked_processes(marker: str) -> list[int]:
     return found
 
 
-def _catches(pid: int, sig: int) -> bool:
-    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(mask >> (sig - 1) & 1)
-
-
 def _marked_backfill(generated, tmp_path, tag: str, sig, after: float) -> tuple[subprocess.Popen, str]:
     """`reputd backfill` of the generated store into tmp_path/out on local[1], its process tree marked by an
     environment variable named after `tag` (`_marked_processes` finds what is left of it)."""
@@ -892,7 +883,7 @@ def test_cli_backfill_signal_from_its_first_instant_is_one_line(generated, tmp_p
     the signal's: the process ends of it (a shell shows 130 for SIGINT)."""
     proc, marker = _marked_backfill(generated, tmp_path, "BACKFILL_EARLY_SIGNAL", sig, after)
     deadline = time.monotonic() + 60
-    while proc.poll() is None and not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+    while proc.poll() is None and not catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
         time.sleep(0.001)
     err = _interrupted_leaving_nothing(proc, marker, sig, after,
                                        ("Traceback", "KeyboardInterrupt", "Exception", "\tat ", "py4j", "ERROR"))

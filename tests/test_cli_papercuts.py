@@ -24,7 +24,7 @@ from indexcore.msgid import create_offset_msg_id
 from indexcore.writer import CommitLogWriter, Message
 from tests.conformance import discover
 from tests.test_cli import REPUTD, SEGMENT, json_lines, make_store, run, write_config
-from tests.tools import require_tool
+from tests.tools import catches, require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -317,16 +317,6 @@ def test_an_interrupted_rebuilds_summary_says_interrupted(tmp_path, as_json):
         assert line.startswith("interrupted: rebuilt "), line
 
 
-def _catches(pid: int, sig: int) -> bool:
-    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
-    return bool(mask >> (sig - 1) & 1)
-
-
 @pytest.mark.parametrize("command", ["rebuild", "verify", "query"])
 @pytest.mark.parametrize(("sig", "after"), [(signal.SIGINT, 0.0), (signal.SIGTERM, 0.0), (signal.SIGINT, 0.03)],
                          ids=["int-0s", "term-0s", "int-0.03s"])
@@ -341,7 +331,7 @@ def test_a_signal_while_a_command_starts_is_one_line_and_130(tmp_path, command, 
             "query": ["query", "key", "TopicA", "k1", "--config", str(config)]}[command]
     proc = subprocess.Popen([*REPUTD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     deadline = time.monotonic() + 60
-    while proc.poll() is None and not _catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+    while proc.poll() is None and not catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
         time.sleep(0.001)
     time.sleep(after)
     proc.send_signal(sig)
