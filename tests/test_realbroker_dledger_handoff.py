@@ -20,9 +20,7 @@ STRESS_DLEDGER_HANDOFF_SEED override the workload.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -30,17 +28,19 @@ import pytest
 from daemon.engine.checkpoint import read_checkpoint
 from tests import dledger_live as dl
 from tests import stress
-from tests.test_daemon import clean_env
 from tests.test_realbroker_handoff import (
     HARNESS,
-    REPUTD,
     assert_served_all,
+    copy_store,
     digests,
     hand_off,
+    kill_left,
     report_control,
     reputd,
     scenario_params,
     serve_and_compare,
+    start_follower,
+    stop_follower,
 )
 
 MESSAGES = int(os.environ.get("STRESS_DLEDGER_HANDOFF_MESSAGES", stress.scale(600, 4000)))
@@ -105,42 +105,22 @@ def written(harness, tmp_path_factory):
         writer = dl.start_writer(store, MESSAGES, SEED, log)
         follower = None
         try:
-            follower = subprocess.Popen([*REPUTD, "run", "--config", str(follow)], env=clean_env(),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            deadline = time.monotonic() + 120
-            while not (out / "reputd.checkpoint").exists():  # the follower is up (its replay marker)
-                assert follower.poll() is None, follower.communicate()[1]
-                assert time.monotonic() < deadline, "reputd run wrote no checkpoint"
-                time.sleep(0.05)
+            follower = start_follower(follow, out)
             dl.wait_puts(writer, puts(FOLLOW_STOP))
-            follower.send_signal(signal.SIGTERM)
-            _, follow_err = follower.communicate(timeout=120)
-            assert follower.returncode == 0, follow_err
+            stop_follower(follower)
             if broker == "killed":
                 dl.wait_puts(writer, puts(KILL_AT))
                 dl.kill_writer(writer)
             else:
                 dl.finish(writer)
         finally:
-            for p in (writer, follower):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait()
+            kill_left(writer, follower)
         facts = {"abort": (store / "abort").exists(), "followed_to": read_checkpoint(str(out)).reput_from_offset,
                  "data_bytes": sum(p.stat().st_size for p in (store / LOGS[0] / "data").iterdir())}
         made[broker] = (store, out, facts)
         return made[broker]
 
     return make
-
-
-def copy_store(writer_store: Path, store: Path, checkpoint: str) -> None:
-    """The stopped broker's store with its consumequeue/ and index/ gone (and its `checkpoint` if asked)."""
-    subprocess.run(["cp", "-r", "--sparse=always", str(writer_store), str(store)], check=True, timeout=300)
-    for sub in ("consumequeue", "index"):
-        subprocess.run(["rm", "-r", str(store / sub)], check=True, timeout=60)
-    if checkpoint == "deleted":
-        (store / "checkpoint").unlink()
 
 
 @pytest.mark.parametrize(("broker", "source", "checkpoint"), list(scenario_params()))

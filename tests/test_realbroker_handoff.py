@@ -113,17 +113,9 @@ def written(harness, tmp_path_factory):
         try:
             assert writer.stdout.readline().startswith("STARTED"), log.read_text()[-2000:]
             started = time.monotonic()
-            follower = subprocess.Popen([*REPUTD, "run", "--config", str(config)], env=clean_env(),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            deadline = time.monotonic() + 120
-            while not (out / "reputd.checkpoint").exists():  # the follower is up (its replay marker)
-                assert follower.poll() is None, follower.communicate()[1]
-                assert time.monotonic() < deadline, "reputd run wrote no checkpoint"
-                time.sleep(0.05)
+            follower = start_follower(config, out)
             wait_into_run(writer, log, started, FOLLOW_STOP)
-            follower.send_signal(signal.SIGTERM)
-            _, follow_err = follower.communicate(timeout=120)
-            assert follower.returncode == 0, follow_err
+            stop_follower(follower)
             if broker == "killed":
                 wait_into_run(writer, log, started, KILL_AT)
                 writer.send_signal(signal.SIGKILL)
@@ -131,10 +123,7 @@ def written(harness, tmp_path_factory):
             else:
                 assert writer.wait(timeout=900) == 0, log.read_text(errors="replace")[-2000:]
         finally:
-            for p in (writer, follower):
-                if p is not None and p.poll() is None:
-                    p.kill()
-                    p.wait()
+            kill_left(writer, follower)
         checkpoint = StoreCheckpoint.decode((store / "checkpoint").read_bytes())
         facts = {"abort": (store / "abort").exists(), "checkpoint": checkpoint._asdict(),
                  "followed_to": read_checkpoint(str(out)).reput_from_offset,
@@ -143,6 +132,43 @@ def written(harness, tmp_path_factory):
         return made[broker]
 
     return make
+
+
+def start_follower(config: Path, out: Path) -> subprocess.Popen:
+    """`reputd run` following a writer's store, once it is up (its replay marker written)."""
+    follower = subprocess.Popen([*REPUTD, "run", "--config", str(config)], env=clean_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "reputd.checkpoint").exists():
+        assert follower.poll() is None, follower.communicate()[1]
+        assert time.monotonic() < deadline, "reputd run wrote no checkpoint"
+        time.sleep(0.05)
+    return follower
+
+
+def stop_follower(follower: subprocess.Popen) -> None:
+    """SIGTERM: the follower stops early, exit 0."""
+    follower.send_signal(signal.SIGTERM)
+    _, err = follower.communicate(timeout=120)
+    assert follower.returncode == 0, err
+
+
+def kill_left(*processes: subprocess.Popen | None) -> None:
+    """Whatever a failed fixture left running."""
+    for p in processes:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def copy_store(writer_store: Path, store: Path, checkpoint: str) -> None:
+    """The stopped broker's store (sparse files kept sparse) with its consumequeue/ and index/ gone (and its
+    `checkpoint` if asked)."""
+    subprocess.run(["cp", "-r", "--sparse=always", str(writer_store), str(store)], check=True, timeout=300)
+    for sub in ("consumequeue", "index"):
+        subprocess.run(["rm", "-r", str(store / sub)], check=True, timeout=60)
+    if checkpoint == "deleted":
+        (store / "checkpoint").unlink()
 
 
 def digests(root: Path) -> dict[str, str]:
@@ -245,11 +271,7 @@ def hand_off(store: Path, followed: Path, tmp_path: Path, broker: str, source: s
 def test_the_real_broker_takes_the_handed_off_files(harness, written, tmp_path, broker, source, checkpoint):
     writer_store, followed, facts = written(broker)
     store = tmp_path / "store"
-    shutil.copytree(writer_store, store, symlinks=True)
-    shutil.rmtree(store / "consumequeue")  # the broker's own: reputd's take their place
-    shutil.rmtree(store / "index")
-    if checkpoint == "deleted":
-        (store / "checkpoint").unlink()
+    copy_store(writer_store, store, checkpoint)  # the broker's own files gone: reputd's take their place
     assert (store / "abort").exists() == (broker == "killed")
     printed = hand_off(store, followed, tmp_path, broker, source, checkpoint, write_config)
     handed = digests(store)
@@ -327,11 +349,7 @@ def test_without_the_handoff_the_killed_broker_loses_what_reputd_built(harness, 
     found: the scenarios above would catch a handoff that did nothing."""
     writer_store, followed, _ = written("killed")
     store = tmp_path / "store"
-    shutil.copytree(writer_store, store, symlinks=True)
-    shutil.rmtree(store / "consumequeue")
-    shutil.rmtree(store / "index")
-    if checkpoint == "deleted":
-        (store / "checkpoint").unlink()
+    copy_store(writer_store, store, checkpoint)
     if source == "rebuilt":
         res = reputd("rebuild", "--config", str(write_config(tmp_path / "reputd.yaml", store, store)))
         assert res.returncode == 0, res.stderr
