@@ -22,6 +22,7 @@ import yaml
 from indexcore.indexfile import HASH_SLOT_SIZE, INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE
 from indexcore.mappedfile import offset_to_file_name
 from tests.conformance import discover
+from tests.dledger_live import broker_files
 
 REPUTD = [sys.executable, "-m", "daemon.cli"]
 STORE = next((s for s in discover() if s.name == "visible"), None)
@@ -401,12 +402,6 @@ def closed_output(*args: str) -> int:
                               check=False).returncode
     finally:
         os.close(write)
-
-
-def broker_files(root: Path) -> tuple[dict[str, bytes], list[bytes]]:
-    """ConsumeQueue files by path, IndexFiles' contents in name order (their names are clock readings)."""
-    queues = {str(p.relative_to(root)): p.read_bytes() for p in (root / "consumequeue").rglob("*") if p.is_file()}
-    return queues, [p.read_bytes() for p in sorted((root / "index").iterdir())]
 
 
 def test_a_closed_log_pipe_ends_no_command_halfway(tmp_path, store, rebuilt):
