@@ -24,7 +24,6 @@ from indexcore.dledger import ENTRY_HEADER, ENTRY_HEADER_SIZE, ENTRY_MAGIC, Entr
 
 _MAGICS = tuple(struct.pack(">i", m) for m in (MESSAGE_MAGIC_CODE, MESSAGE_MAGIC_CODE_V2, BLANK_MAGIC_CODE))
 _MAGIC_AT = 4  # MAGICCODE's offset in a record
-_END_CHECK_SLACK = 64
 _ZERO_PROBE = 1 << 20
 _ENTRY_MAGIC_BYTES = struct.pack(">i", ENTRY_MAGIC)
 

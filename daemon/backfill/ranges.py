@@ -31,9 +31,7 @@ from daemon.backfill.source import S3Options, open_image
 from daemon.backfill.stage import KEY_DTYPE, RangeStage, range_dir
 from indexcore import _kernels
 from indexcore.batchdecode import DecodeScratch
-from indexcore.commitlog import (
-    RECORD_PREFIX,
-)
+from indexcore.commitlog import RECORD_PREFIX
 from indexcore.consumequeue import CQ_UNIT_SIZE
 from indexcore.dispatch import DelayLevelTable, DispatchBatch
 from indexcore.dledger import DLEDGER_ENTRIES
@@ -43,18 +41,14 @@ from indexcore.reader import ReadStatus, decode_segment, read_result
 
 ROLLED, END, LIMIT, CORRUPT, EMPTY = "rolled", "end", "limit", "corrupt", "empty"
 OUTCOME_DDL = "data binary"  # a decode task's one row per range: its pickled RangeOutcome
-NO_CREATOR = -1
-
-
+NO_CREATOR = -1  # the creator time of a key whose record ends its range (as _kernels.c writes it)
 _END_CHECK_SLACK = 64
 BINARY_MAX_BYTES = 2**31 - 1  # an Arrow binary column's int32 offsets
 MAX_LOGGED_MISMATCHES = 1000  # per range: a hostile CommitLog could have one in every record
-
 REMOTE_TAIL_BYTES = 64 * 1024  # read past a remote range's end before the whole look-ahead
 # the search for a range's first record looks this far at a time: a magic absent from the data (the v2 one
 # in a v1 CommitLog, BLANK's before a segment's end) would otherwise be searched for through a whole read
 _FIND_STEP = 64 * 1024
-
 
 
 @dataclass(frozen=True, slots=True)
