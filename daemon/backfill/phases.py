@@ -259,7 +259,7 @@ class Phases:
             self.log.warning("queue_offsets_blanked", blanks=stats.gap_blanks,
                              detail="units of records the CommitLog no longer holds, blank at their queue offsets")
         s.arrow_bytes_from_jvm = stats.arrow_bytes
-        s.write_task_seconds = stats.seconds
+        s.write_task_seconds = stats.seconds + sum(seconds for _, seconds in results[CATALOG_FILES])
         counts = file_counts()
         for q in queues:
             for k, v in commit_queue_dir(q.directory, os.path.join(self.out, CONSUME_QUEUE_DIR, q.topic,
@@ -278,7 +278,7 @@ class Phases:
             filesystem, base = catalog_filesystem(catalog, self.s3)
             rows = 0
             base = base.rstrip("/")
-            for written in results[CATALOG_FILES]:
+            for written, _ in results[CATALOG_FILES]:
                 for staged, relative, n in written:
                     final = f"{base}/{relative}"
                     filesystem.create_dir(final.rsplit("/", 1)[0], recursive=True)
@@ -288,7 +288,7 @@ class Phases:
                     rows += n
             filesystem.create_dir(base, recursive=True)
             write_marker(filesystem, base, s.start_offset, s.end_offset)
-            s.files["catalog"] = sum(len(w) for w in results[CATALOG_FILES])
+            s.files["catalog"] = sum(len(w) for w, _ in results[CATALOG_FILES])
             self.log.info("catalog_written", path=catalog, files=s.files["catalog"], rows=rows)
 
     def _check_existing_queues(self, queues) -> None:
