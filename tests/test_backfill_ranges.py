@@ -399,6 +399,57 @@ def test_python_workers_start_with_the_daemons_imports_frozen(spark):
     assert min(r.frozen for r in rows) > 10_000, rows
 
 
+def test_python_workers_run_the_installed_pyspark_not_its_zip(spark):
+    """Spark puts its zipped PySpark first on the workers' path, and Python compiles a zip's sources again in
+    every process (1.4-1.6 CPU-s of each backfill's start); the daemon imports the installed PySpark, the same
+    code, instead."""
+    import pyspark
+
+    def origin(batches):
+        import py4j
+        import pyarrow as pa
+        import pyspark as worker_pyspark
+
+        for _ in batches:
+            yield pa.RecordBatch.from_arrays([pa.array([worker_pyspark.__file__]), pa.array([py4j.__file__])],
+                                             names=["pyspark", "py4j"])
+
+    rows = spark.range(0, 2, 1, 2).mapInArrow(origin, "pyspark string, py4j string").collect()
+    assert {r.pyspark for r in rows} == {pyspark.__file__}
+    assert all(".zip" not in r.py4j for r in rows), rows
+
+
+def _spark_home(root: Path, py4j: str) -> Path:
+    lib = root / "pyspark" / "python" / "lib"
+    lib.mkdir(parents=True)
+    (root / "pyspark" / "__init__.py").write_text("")
+    for name in ("pyspark.zip", f"py4j-{py4j}-src.zip"):
+        (lib / name).write_bytes(b"")
+    (root / "py4j").mkdir()
+    (root / "py4j" / "__init__.py").write_text("")
+    (root / "py4j" / "version.py").write_text('__version__ = "0.10.9.9"\n')
+    return lib
+
+
+@pytest.mark.parametrize(("py4j", "moved"), [("0.10.9.9", 2), ("0.10.9.7", 1)])
+def test_the_workers_path_keeps_zips_the_install_does_not_match(tmp_path, py4j, moved):
+    """Only a pip-installed PySpark's own pyspark.zip, and its py4j zip when that py4j version is installed,
+    go last; a Spark installation's zips elsewhere (a cluster's SPARK_HOME) keep their place."""
+    from daemon.backfill.pydaemon import prefer_installed_pyspark
+
+    lib = _spark_home(tmp_path / "site", py4j)
+    other = tmp_path / "spark-home" / "python" / "lib" / "pyspark.zip"
+    zips = [str(lib / "pyspark.zip"), str(lib / f"py4j-{py4j}-src.zip")]
+    path = [str(other), *zips, "/usr/lib/python311.zip", str(tmp_path / "site")]
+    out = prefer_installed_pyspark(path)
+    assert sorted(out) == sorted(path)
+    assert out[0] == str(other)
+    assert out[-moved:] == zips[:moved]
+    if moved == 1:
+        assert out.index(zips[1]) < out.index(str(tmp_path / "site"))
+    assert prefer_installed_pyspark([str(other), str(tmp_path / "nothing")]) == [str(other), str(tmp_path / "nothing")]
+
+
 @pytest.mark.parametrize("length", [0, 4096])
 def test_a_local_segment_of_the_wrong_size_is_named_with_its_size(tmp_path, length):
     """The operator sees the size against mappedFileSizeCommitLog, not "mmap closed" (nor, for an empty file,
