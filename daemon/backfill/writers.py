@@ -46,6 +46,7 @@ from indexcore.indexfile import (
     index_file_size,
 )
 from indexcore.indexservice import INDEX_DIR
+from indexcore.mappedfile import pwrite_all
 from indexcore.queuestore import ConsumeQueueStore
 
 
@@ -316,8 +317,8 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
                     was = count
                     count, firsts, begin_ts, begin_phy = _kernels.put_key_records(
                         slots, entries, piece, count, index_num, begin_ts, begin_phy, first_entry, first_slot, firsts)
-                    _pwrite_all(fd, memoryview(entries)[: INDEX_ENTRY_SIZE * len(piece)],
-                                entries_at + INDEX_ENTRY_SIZE * was)
+                    pwrite_all(fd, memoryview(entries)[: INDEX_ENTRY_SIZE * len(piece)],
+                               entries_at + INDEX_ENTRY_SIZE * was, work.shared_path)
                     last = piece[-1]
         finally:
             os.close(fd)
@@ -340,28 +341,21 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
                                     int(last["ts"]), int(last["phy"]), creator)]
 
 
-def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, position)
-        data, position = data[written:], position + written
-
-
 # per slot the chunk used: the entry where its chain in the chunk starts, the slot, the entry where it ends
 _CHAIN_ENDS = ("first_entry", "slot", "last_entry")
 
 
 def write_chain_ends(path: str, *columns: np.ndarray) -> None:
-    """A chunk's chain ends (`_CHAIN_ENDS`, each int32: entries and slots are below 2**31) in one write: their
-    lengths, then the columns."""
+    """A chunk's chain ends (`_CHAIN_ENDS`, each int32: entries and slots are below 2**31): their lengths,
+    then the columns."""
     arrays = [np.ascontiguousarray(c, dtype="<i4") for c in columns]
     head = np.array([len(a) for a in arrays], dtype="<i8")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        data = [head.tobytes(), *(memoryview(a).cast("B") for a in arrays)]
-        total = sum(len(d) for d in data)
-        written = os.writev(fd, data)
-        if written != total:
-            os.pwrite(fd, b"".join(data)[written:], written)
+        position = 0
+        for data in (head, *arrays):
+            pwrite_all(fd, data, position, path)
+            position += data.nbytes
     finally:
         os.close(fd)
 
