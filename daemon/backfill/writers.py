@@ -150,7 +150,7 @@ def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: At
         for topic, queue_id in queues:
             cq = None
             for r in ranges:
-                for phy, first_qo, units, streak in r.unit_runs((topic, queue_id), streaks=True):
+                for phy, first_qo, units, streak in r.unit_runs((topic, queue_id)):
                     if cq is None:
                         cq = store.queue(topic, queue_id)
                         staged.append(StagedQueue(topic, queue_id, cq.directory, phy))
