@@ -304,7 +304,9 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
             begin_ts, begin_phy = int(first["ts"][0]), int(first["phy"][0])
         entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
         slots = np.zeros(hash_slot_num, dtype=np.int32)  # the chunk's own: entry numbers, native
-        first_entry, first_slot = np.empty(hi - lo, dtype=np.int32), np.empty(hi - lo, dtype=np.int32)
+        # where each slot's chain in the chunk starts: one per slot the chunk uses, so at most one per key or slot
+        firsts_room = min(hi - lo, hash_slot_num)
+        first_entry, first_slot = np.empty(firsts_room, dtype=np.int32), np.empty(firsts_room, dtype=np.int32)
         entries = np.empty(INDEX_ENTRY_SIZE * min(hi - lo, PUT_PIECE_KEYS), dtype=np.uint8)
         count = FIRST_INDEX + lo - plan.key_start
         firsts = 0
