@@ -898,6 +898,8 @@ fail:
  * entries, and entry n is written at entries + 20 * (n - index_count at the call) for the caller to write
  * into the file. Each key whose slot was empty in the chunk's table (its entry's previous one, if any, lies in
  * an earlier chunk) is recorded: its entry in first_entry[m], its slot in first_slot[m], m from `firsts` on.
+ * A slot is recorded once (its table entry then holds an entry of the chunk), so the chunk needs room for
+ * min(its keys, slot_num) of them; `firsts` is the number its table holds already.
  * Returns (index_count, firsts, begin_timestamp, begin_phy_offset). */
 static PyObject *py_put_key_records(PyObject *self, PyObject *args) {
     PyObject *objs[5];
@@ -914,11 +916,14 @@ static PyObject *py_put_key_records(PyObject *self, PyObject *args) {
     Py_ssize_t slot_num = v[0].len / 4, k = v[2].len / KEY_RECORD_SIZE;
     if (slot_num <= 0 || slot_num > INT32_MAX || index_count < FIRST_INDEX || index_count + k > index_num
         || index_num > INT32_MAX
-        || v[1].len < INDEX_ENTRY_SIZE * k || firsts < 0 || v[3].len != v[4].len || v[3].len / 4 < firsts + k) {
+        || v[1].len < INDEX_ENTRY_SIZE * k || firsts < 0 || firsts > slot_num || v[3].len != v[4].len
+        || v[3].len / 4 < firsts + (k < slot_num - firsts ? k : slot_num - firsts)) {
         PyErr_SetString(PyExc_ValueError, "put_key_records: keys do not fit the IndexFile or the outputs");
         goto fail;
     }
     int32_t *slots = v[0].buf, *first_entry = v[3].buf, *first_slot = v[4].buf;
+    const Py_ssize_t firsts_room = v[3].len / 4;
+    int overflow = 0;  /* more empty slots than `firsts` said: a table that does not match it */
     const uint8_t *rec = v[2].buf;
     uint8_t *entry = v[1].buf;
     for (Py_ssize_t i = 0; i < k; i++) {
@@ -945,6 +950,10 @@ static PyObject *py_put_key_records(PyObject *self, PyObject *args) {
         int32_t *slot = slots + slot_no;
         int64_t prev = *slot;
         if (prev <= INVALID_INDEX || prev > index_count) {
+            if (firsts == firsts_room) {
+                overflow = 1;
+                break;
+            }
             prev = INVALID_INDEX;
             first_entry[firsts] = (int32_t)index_count;
             first_slot[firsts++] = (int32_t)slot_no;
@@ -967,6 +976,10 @@ static PyObject *py_put_key_records(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     for (int i = 0; i < 5; i++) PyBuffer_Release(&v[i]);
+    if (overflow) {
+        PyErr_SetString(PyExc_ValueError, "put_key_records: more slots empty than `firsts` says; first_entry is full");
+        return NULL;
+    }
     return Py_BuildValue("(LLLL)", index_count, firsts, begin_ts, begin_phy);
 fail:
     for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);

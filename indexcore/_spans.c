@@ -198,18 +198,20 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
         o32[C_SYS_FLAG * n + i] = (int32_t)flags;
         o32[C_BODY_SIZE * n + i] = (int32_t)body_len;
 
-        /* properties: the last "name" 0x01 starting a pair, its value up to the next 0x02 */
+        /* properties, as the broker reads them (MessageDecoder.string2messageProperties): the last "name" 0x01
+         * starting a pair with a non-empty value, up to the next 0x02; a pair with an empty value is not a
+         * property, so it neither sets one nor replaces an earlier one */
         int64_t tags_at = -1, tags_len = 0, topic_at = -1, rt_len = 0, qid_at = -1, qid_len = 0;
         for (int64_t s = p; s < end;) {
             const uint8_t *sep = memchr(src + s, PROPERTY_SEPARATOR, (size_t)(end - s));
             int64_t e = sep ? sep - src : end, w = e - s;
-            if (w >= 5 && src[s + 4] == NAME_VALUE_SEPARATOR && memcmp(src + s, "TAGS", 4) == 0) {
+            if (w > 5 && src[s + 4] == NAME_VALUE_SEPARATOR && memcmp(src + s, "TAGS", 4) == 0) {
                 tags_at = s + 5;
                 tags_len = w - 5;
-            } else if (w >= 11 && src[s + 10] == NAME_VALUE_SEPARATOR && memcmp(src + s, "REAL_TOPIC", 10) == 0) {
+            } else if (w > 11 && src[s + 10] == NAME_VALUE_SEPARATOR && memcmp(src + s, "REAL_TOPIC", 10) == 0) {
                 topic_at = s + 11;
                 rt_len = w - 11;
-            } else if (w >= 9 && src[s + 8] == NAME_VALUE_SEPARATOR && memcmp(src + s, "REAL_QID", 8) == 0) {
+            } else if (w > 9 && src[s + 8] == NAME_VALUE_SEPARATOR && memcmp(src + s, "REAL_QID", 8) == 0) {
                 qid_at = s + 9;
                 qid_len = w - 9;
             }

@@ -199,6 +199,21 @@ def _preallocate(fd: int, path: str, size: int) -> None:
         os.ftruncate(fd, size)
 
 
+def pwrite_all(fd: int, data, position: int, path: str | None = None) -> None:
+    """pwrite all of `data` (any contiguous buffer) at `position`: a write the kernel cuts short goes on from
+    the byte it stopped at; a failure, or a write of nothing, is an OSError naming `path` (the bytes before it
+    are written)."""
+    view = memoryview(data).cast("B")
+    try:
+        while view:
+            written = os.pwrite(fd, view, position)
+            if written == 0:
+                raise OSError(errno.EIO, "the kernel wrote nothing")
+            view, position = view[written:], position + written
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {len(view)} bytes at {position} ({e.strerror})", path) from None
+
+
 class OpenFiles:
     """Read-write descriptors of at most `limit` files, the least recently used closed first.
 
@@ -263,14 +278,7 @@ class OpenFiles:
     def write(self, path: str, data: bytes, position: int) -> None:
         """pwrite all of `data`; no room (or any other failure) is an OSError naming `path`."""
         self.flush_writes()
-        fd = self.fd(path)
-        view = memoryview(data)
-        try:
-            while view:
-                written = os.pwrite(fd, view, position)
-                view, position = view[written:], position + written
-        except OSError as e:
-            raise OSError(e.errno, f"cannot write {len(view)} bytes at {position} ({e.strerror})", path) from None
+        pwrite_all(self.fd(path), data, position, path)
 
     def adopt(self, path: str, fd: int) -> None:
         """Take in a descriptor opened elsewhere (read-write), as `fd` would have opened it."""

@@ -127,11 +127,12 @@ def test_backfill_is_byte_identical_to_rebuild(spark, generated):
     assert_same_files(files_under(tmp / "bf"), expected)
 
 
-@pytest.mark.parametrize("chunk_keys", [1, 7, 30])
+@pytest.mark.parametrize("chunk_keys", [1, 7, 30, 40])
 def test_indexfiles_put_in_chunks_by_several_tasks_are_the_rebuilds(spark, generated, tmp_path, monkeypatch,
                                                                      chunk_keys):
     """An IndexFile larger than a chunk is put by one task per chunk, each with slots of its own, and its slot
-    chains linked by the driver: byte for byte the file of one sequential put (49 keys a file here)."""
+    chains linked by the driver: byte for byte the file of one sequential put (49 keys a file here; 40 keys
+    a chunk are more than its 31 slots, which bound the chains the chunk starts)."""
     from daemon.backfill import phases
 
     tmp, _, expected = generated

@@ -89,13 +89,13 @@ def files(draw):
     records["ts"] = np.cumsum(draw(st.lists(st.integers(0, 3_000_000), min_size=k, max_size=k))) + 10**12
     cuts = sorted(set(draw(st.lists(st.integers(1, k - 1), max_size=5)) if k > 1 else []))
     seeded = draw(st.booleans())
-    return slot_num, records, [0, *cuts, k], seeded
+    return slot_num, records, [0, *cuts, k], seeded, draw(st.integers(1, 8))
 
 
 @settings(max_examples=300, deadline=None)
 @given(files())
 def test_chunks_put_from_records_and_linked_are_one_sequential_put(case) -> None:
-    slot_num, records, cuts, seeded = case
+    slot_num, records, cuts, seeded, piece = case
     index_num = len(records) + 3
     begin = (10**12 - 5000, 17) if seeded else (0, 0)
     expected, (count, _, begin_ts, begin_phy) = sequential_file(records, slot_num, index_num, 0, *begin)
@@ -105,14 +105,20 @@ def test_chunks_put_from_records_and_linked_are_one_sequential_put(case) -> None
     file_begin = begin
     for lo, hi in itertools.pairwise(cuts):
         slots = np.zeros(slot_num, dtype=np.int32)
-        first_entry, first_slot = np.zeros(hi - lo, np.int32), np.zeros(hi - lo, np.int32)
+        # as write_index_chunk: room for one chain start per slot the chunk uses, the keys put a piece at a time
+        room = min(hi - lo, slot_num)
+        first_entry, first_slot = np.zeros(room, np.int32), np.zeros(room, np.int32)
         entries = np.zeros(INDEX_ENTRY_SIZE * (hi - lo), np.uint8)
         chunk_begin = file_begin if lo == 0 else (int(records["ts"][0]), int(records["phy"][0]))
-        end, firsts, b_ts, b_phy = _kernels.put_key_records(
-            slots, entries, records[lo:hi], FIRST_INDEX + lo, index_num, *chunk_begin, first_entry, first_slot, 0)
+        end, firsts = FIRST_INDEX + lo, 0
+        for at in range(lo, hi, piece):
+            part = records[at : min(at + piece, hi)]
+            end, firsts, *chunk_begin = _kernels.put_key_records(
+                slots, entries[INDEX_ENTRY_SIZE * (at - lo) :], part, end, index_num, *chunk_begin,
+                first_entry, first_slot, firsts)
         assert end == FIRST_INDEX + hi
         if lo == 0:
-            file_begin = (b_ts, b_phy)
+            file_begin = tuple(chunk_begin)
         at = entries_at + INDEX_ENTRY_SIZE * (FIRST_INDEX + lo)
         file[at : at + len(entries)] = entries.tobytes()
         used = first_slot[:firsts]
@@ -137,6 +143,18 @@ def test_put_key_records_refuses_a_negative_hash_and_keys_past_the_file() -> Non
         _kernels.put_key_records(slots, entries, records, 1, 10, 0, 0, first_entry, first_slot, 1)
     assert not slots.any()
     assert not entries.any()
+
+
+def test_put_key_records_refuses_a_table_with_more_empty_slots_than_firsts_says() -> None:
+    """The room for the chains' first entries is min(keys, slots) of the chunk: a call whose `firsts` does not
+    count its table's used slots is stopped at the room's end, never written past it."""
+    slots, first_entry, first_slot = np.zeros(4, np.int32), np.zeros(4, np.int32), np.zeros(4, np.int32)
+    records = np.zeros(2, dtype=KEY_DTYPE)
+    records["hash"] = [1, 2]
+    entries = np.zeros(2 * INDEX_ENTRY_SIZE, np.uint8)
+    with pytest.raises(ValueError, match="first_entry is full"):
+        _kernels.put_key_records(slots, entries, records, 1, 10, 0, 0, first_entry, first_slot, 3)
+    assert first_entry.tolist() == [0, 0, 0, 1]
 
 
 def test_link_chains_refuses_an_entry_or_slot_outside_the_file() -> None:

@@ -61,7 +61,7 @@ def staged_rows(outcome) -> tuple[dict, list]:
     staged = StagedRange(outcome.stage_dir)
     queues = {}
     for q in staged.queues(range(QUEUE_BUCKETS)):
-        for _, first_qo, units in staged.unit_runs(q):
+        for _, first_qo, units, _ in staged.unit_runs(q):
             queues.setdefault(q, []).extend(zip(range(first_qo, first_qo + len(units)),
                                                 units.astype(">i8,>i4,>i8").tolist(), strict=True))
     k = staged.keys(0, outcome.keys)

@@ -55,13 +55,8 @@ def write_varied_store(root: Path, seed: int, n: int = 1500) -> None:
         path.write_bytes(data)
 
 
-def last_value(properties: bytes, name: bytes) -> bytes | None:
-    """The catalog's rule: the last `name` 0x01 starting a name=value pair, its value up to the next 0x02."""
-    found = None
-    for pair in properties.split(b"\x02"):
-        if pair.startswith(name + b"\x01"):
-            found = pair[len(name) + 1 :]
-    return found
+# the properties the catalog reads, as the broker reads them (`find_properties`: the last non-empty value)
+PROPERTIES = {b"TAGS": 0, b"KEYS": 1, b"UNIQ_KEY": 2, b"REAL_TOPIC": 3, b"REAL_QID": 4}
 
 
 def text(raw: bytes | None) -> str | None:
@@ -77,15 +72,14 @@ def java_int(value: str | None) -> int | None:
 
 
 def expected_row(record: MessageRecord, tags_code: int) -> dict:
-    keys, uniq = find_properties(record.properties, {b"KEYS": 0, b"UNIQ_KEY": 1})
+    tags, keys, uniq, real_topic, real_qid = find_properties(record.properties, PROPERTIES)
     return {
         "commitLogOffset": record.physical_offset, "msgSize": record.total_size, "queueId": record.queue_id,
         "queueOffset": record.queue_offset, "storeTime": record.store_timestamp, "bornTime": record.born_timestamp,
-        "tags": text(last_value(record.properties, b"TAGS")), "tagsCode": tags_code, "sysFlag": record.sys_flag,
+        "tags": text(tags), "tagsCode": tags_code, "sysFlag": record.sys_flag,
         "keys": None if keys is None else [k for k in text(keys).split(" ") if k], "uniqKey": text(uniq),
         "msgId": create_offset_msg_id(record.store_host, record.physical_offset),
-        "realTopic": text(last_value(record.properties, b"REAL_TOPIC")),
-        "realQueueId": java_int(text(last_value(record.properties, b"REAL_QID"))),
+        "realTopic": text(real_topic), "realQueueId": java_int(text(real_qid)),
         "bodySize": len(record.body), "body": record.body,
     }
 
@@ -168,6 +162,23 @@ def test_the_staged_keys_hold_no_byte_past_the_last_token():
     assert keys.values.buffers()[2].size == len(b"k1k2k3k4")
 
 
+def test_a_property_with_an_empty_value_is_no_property():
+    """As the broker reads properties (`MessageDecoder.string2messageProperties` keeps a pair only with a
+    non-empty name and value): an empty TAGS, KEYS, UNIQ_KEY, REAL_TOPIC or REAL_QID is null in the catalog,
+    as when it is absent, and does not replace an earlier non-empty value of the same name."""
+    table = catalog_of([
+        b"TAGS\x01\x02KEYS\x01\x02UNIQ_KEY\x01\x02REAL_TOPIC\x01\x02REAL_QID\x01\x02",
+        b"TAGS\x01a\x02TAGS\x01\x02REAL_TOPIC\x01t\x02REAL_TOPIC\x01\x02REAL_QID\x013\x02REAL_QID\x01",
+        b"x\x01y",
+    ])
+    columns = ["tags", "tagsCode", "keys", "uniqKey", "realTopic", "realQueueId"]
+    assert [tuple(row.values()) for row in table.select(columns).to_pylist()] == [
+        (None, 0, None, None, None, None),
+        ("a", 97, None, None, "t", 3),  # "a".hashCode() == 97: tags and tagsCode agree
+        (None, 0, None, None, None, None),
+    ]
+
+
 _NAME_OR_JUNK = st.sampled_from(["TAGS", "REAL_TOPIC", "REAL_QID", "KEYS", "TAG", "ATAGS", "TAGS\x01", "x"])
 
 
@@ -177,12 +188,13 @@ _NAME_OR_JUNK = st.sampled_from(["TAGS", "REAL_TOPIC", "REAL_QID", "KEYS", "TAG"
                 | st.text(alphabet="TAGS\x01\x02ab", max_size=20), max_size=8))
 def test_catalog_properties_are_found_as_the_regular_expression_found_them(records):
     """TAGS, REAL_TOPIC and REAL_QID come from the one C pass: the same values (the last occurrence at the
-    start or after a separator, up to the next one; REAL_QID as Integer.parseInt of ASCII digits) as a
-    regular expression over each record's properties, whatever the names, separators and values."""
+    start or after a separator with a non-empty value, up to the next one; REAL_QID as Integer.parseInt of
+    ASCII digits) as a regular expression over each record's properties, whatever the names, separators and
+    values."""
     raw = [r.encode() for r in records]
     table = catalog_of(raw)
     for name, column in (("TAGS", "tags"), ("REAL_TOPIC", "realTopic"), ("REAL_QID", "realQueueId")):
-        regex = re.compile(rb"(?s)^(?:.*\x02)?" + name.encode() + rb"\x01(?P<v>[^\x02]*)")
+        regex = re.compile(rb"(?s)^(?:.*\x02)?" + name.encode() + rb"\x01(?P<v>[^\x02]+)")
         found = [m and m.group("v").decode() for m in map(regex.match, raw)]
         expected = [java_int(v) for v in found] if column == "realQueueId" else found
         assert table.column(column).to_pylist() == expected

@@ -27,7 +27,7 @@ import numpy as np
 
 from daemon.backfill.plan import BackfillError
 from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT_SIZE
-from indexcore.mappedfile import list_queue_files
+from indexcore.mappedfile import list_queue_files, pwrite_all
 
 STAGING_DIR = ".reputd-backfill"
 _COMPARE_BYTES = 1 << 22
@@ -109,7 +109,7 @@ def commit_queue_file(staged: str, final: str) -> str:
         runs = np.split(write, np.flatnonzero(np.diff(write) != 1) + 1)
         for run in runs:
             lo, hi = int(run[0]), int(run[-1]) + 1
-            os.pwrite(fd, ours[lo:hi].tobytes(), lo * CQ_UNIT_SIZE)
+            pwrite_all(fd, ours[lo:hi].tobytes(), lo * CQ_UNIT_SIZE, final)
         os.fsync(fd)
     finally:
         os.close(fd)

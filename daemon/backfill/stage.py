@@ -136,16 +136,16 @@ class StagedRange:
         """The range's queues that fall in `buckets`."""
         return [q for q in self.meta(UNITS_META) if queue_bucket(*q) in buckets]
 
-    def unit_runs(self, queue: tuple[str, int], streaks: bool = False) -> Iterator[tuple]:
-        """(physical offset, first queue offset, units) of each of a queue's runs, and with `streaks` whether
-        the run is a streak (`RangeStage.add_units`)."""
+    def unit_runs(self, queue: tuple[str, int]) -> Iterator[tuple[int, int, np.ndarray, bool]]:
+        """(physical offset, first queue offset, units, whether the run is a streak (`RangeStage.add_units`))
+        of each of a queue's runs."""
         runs = self.meta(UNITS_META).get(queue)
         if not runs:
             return
         data = self._data(UNITS_DATA)
         for phy, first_qo, count, at, streak in runs:
             units = np.frombuffer(data, dtype=CQ_UNIT_DTYPE, count=count, offset=at)
-            yield (phy, first_qo, units, streak) if streaks else (phy, first_qo, units)
+            yield phy, first_qo, units, streak
 
     def keys(self, lo: int, hi: int) -> np.ndarray:
         """Keys [lo, hi) of the range (KEY_DTYPE)."""

@@ -46,6 +46,7 @@ from indexcore.indexfile import (
     index_file_size,
 )
 from indexcore.indexservice import INDEX_DIR
+from indexcore.mappedfile import pwrite_all
 from indexcore.queuestore import ConsumeQueueStore
 
 
@@ -149,7 +150,7 @@ def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: At
         for topic, queue_id in queues:
             cq = None
             for r in ranges:
-                for phy, first_qo, units, streak in r.unit_runs((topic, queue_id), streaks=True):
+                for phy, first_qo, units, streak in r.unit_runs((topic, queue_id)):
                     if cq is None:
                         cq = store.queue(topic, queue_id)
                         staged.append(StagedQueue(topic, queue_id, cq.directory, phy))
@@ -303,7 +304,9 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
             begin_ts, begin_phy = int(first["ts"][0]), int(first["phy"][0])
         entries_at = INDEX_HEADER_SIZE + HASH_SLOT_SIZE * hash_slot_num
         slots = np.zeros(hash_slot_num, dtype=np.int32)  # the chunk's own: entry numbers, native
-        first_entry, first_slot = np.empty(hi - lo, dtype=np.int32), np.empty(hi - lo, dtype=np.int32)
+        # where each slot's chain in the chunk starts: one per slot the chunk uses, so at most one per key or slot
+        firsts_room = min(hi - lo, hash_slot_num)
+        first_entry, first_slot = np.empty(firsts_room, dtype=np.int32), np.empty(firsts_room, dtype=np.int32)
         entries = np.empty(INDEX_ENTRY_SIZE * min(hi - lo, PUT_PIECE_KEYS), dtype=np.uint8)
         count = FIRST_INDEX + lo - plan.key_start
         firsts = 0
@@ -316,8 +319,8 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
                     was = count
                     count, firsts, begin_ts, begin_phy = _kernels.put_key_records(
                         slots, entries, piece, count, index_num, begin_ts, begin_phy, first_entry, first_slot, firsts)
-                    _pwrite_all(fd, memoryview(entries)[: INDEX_ENTRY_SIZE * len(piece)],
-                                entries_at + INDEX_ENTRY_SIZE * was)
+                    pwrite_all(fd, memoryview(entries)[: INDEX_ENTRY_SIZE * len(piece)],
+                               entries_at + INDEX_ENTRY_SIZE * was, work.shared_path)
                     last = piece[-1]
         finally:
             os.close(fd)
@@ -340,28 +343,21 @@ def write_index_chunk(work: IndexWork, *, stage_dir: str, hash_slot_num: int, in
                                     int(last["ts"]), int(last["phy"]), creator)]
 
 
-def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, position)
-        data, position = data[written:], position + written
-
-
 # per slot the chunk used: the entry where its chain in the chunk starts, the slot, the entry where it ends
 _CHAIN_ENDS = ("first_entry", "slot", "last_entry")
 
 
 def write_chain_ends(path: str, *columns: np.ndarray) -> None:
-    """A chunk's chain ends (`_CHAIN_ENDS`, each int32: entries and slots are below 2**31) in one write: their
-    lengths, then the columns."""
+    """A chunk's chain ends (`_CHAIN_ENDS`, each int32: entries and slots are below 2**31): their lengths,
+    then the columns."""
     arrays = [np.ascontiguousarray(c, dtype="<i4") for c in columns]
     head = np.array([len(a) for a in arrays], dtype="<i8")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        data = [head.tobytes(), *(memoryview(a).cast("B") for a in arrays)]
-        total = sum(len(d) for d in data)
-        written = os.writev(fd, data)
-        if written != total:
-            os.pwrite(fd, b"".join(data)[written:], written)
+        position = 0
+        for data in (head, *arrays):
+            pwrite_all(fd, data, position, path)
+            position += data.nbytes
     finally:
         os.close(fd)
 
