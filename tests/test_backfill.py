@@ -654,6 +654,21 @@ def test_missing_java_is_a_clear_error(tmp_path):
         check_java({"JAVA_HOME": str(tmp_path), "PATH": ""})
 
 
+@pytest.mark.parametrize(("conf", "ui"), [({}, False), ({"spark.ui.enabled": "true"}, True)])
+def test_a_local_session_has_no_web_ui_unless_asked(conf, ui):
+    """A local backfill starts no web UI (about 1 CPU-s of a short job's driver JVM); `--conf
+    spark.ui.enabled=true` brings it back. A fresh interpreter: the tests' shared session is made already."""
+    code = ("import sys, json; from daemon.backfill.driver import create_session; "
+            f"s = create_session('local[1]', json.loads({json.dumps(json.dumps(conf))})); "
+            "print(s.sparkContext.uiWebUrl); s.stop()")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    url = res.stdout.strip().splitlines()[-1]
+    assert (url != "None") is ui, url
+    if ui:
+        assert url.startswith("http://")
+
+
 def test_segments_take_paths_and_file_s3_hdfs_uris(tmp_path):
     """--segments: plain paths and file://, s3:// and hdfs:// URIs; other schemes are refused (exit 2)."""
     config = make_config(tmp_path, "out", tmp_path / "store")
