@@ -448,6 +448,25 @@ def catalog_by_reader(spark, catalog: Path) -> dict[str, tuple[list[tuple[str, s
     return seen
 
 
+def test_a_catalog_with_bodies_holds_each_messages_body(spark, generated, tmp_path):
+    """`backfill.catalogBody: true`: the writers read the staged rows with the body column and every row's
+    `body` is its message's."""
+    import pyarrow.parquet as pq
+
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    config = make_config(tmp_path, "out", tmp / "store", backfill={"rangeBytes": 20_000, "catalogBody": True})
+    summary = backfill(config, spark=spark, catalog=str(catalog))
+    assert summary.files["catalog"] == 4
+    table = pq.ParquetDataset(sorted(str(p) for p in catalog.rglob("*.parquet"))).read()
+    assert table.column_names[-3:] == ["body", "topic", "date"]
+    number = {r.phy_offset: i for i, r in enumerate(results)}
+    rows = table.select(["commitLogOffset", "body"]).to_pylist()
+    assert len(rows) > len(results) // 2
+    assert [r["body"] for r in rows] == [bytes([number[r["commitLogOffset"]] % 251])
+                                         * (number[r["commitLogOffset"]] * 37 % 400) for r in rows]
+
+
 def test_the_catalog_opens_in_pandas_pyarrow_duckdb_and_spark_alike(spark, generated, tmp_path):
     """The same 17 columns, in the same order with the same types, and the same rows in all four readers:
     `topic` and `date` are stored in the files only, under directories that are not `key=value` (inferred
