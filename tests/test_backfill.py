@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -686,6 +687,15 @@ def test_a_local_session_has_no_web_ui_unless_asked(conf, ui):
     assert (url != "None") is ui, url
     if ui:
         assert url.startswith("http://")
+
+
+def test_workers_keep_freed_memory_where_the_c_library_is_glibc():
+    """The Python daemon sets the workers' allocator thresholds where the C library is glibc (mallopt says it
+    took both) and leaves any other alone; in a fresh interpreter, as the daemon does."""
+    code = "from daemon.backfill.pydaemon import keep_freed_memory; print(keep_freed_memory())"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(platform.libc_ver()[0] == "glibc")
 
 
 def test_segments_take_paths_and_file_s3_hdfs_uris(tmp_path):
