@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -465,6 +466,25 @@ def catalog_by_reader(spark, catalog: Path) -> dict[str, tuple[list[tuple[str, s
     return seen
 
 
+def test_a_catalog_with_bodies_holds_each_messages_body(spark, generated, tmp_path):
+    """`backfill.catalogBody: true`: the writers read the staged rows with the body column and every row's
+    `body` is its message's."""
+    import pyarrow.parquet as pq
+
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    config = make_config(tmp_path, "out", tmp / "store", backfill={"rangeBytes": 20_000, "catalogBody": True})
+    summary = backfill(config, spark=spark, catalog=str(catalog))
+    assert summary.files["catalog"] == 4
+    table = pq.ParquetDataset(sorted(str(p) for p in catalog.rglob("*.parquet"))).read()
+    assert table.column_names[-3:] == ["body", "topic", "date"]
+    number = {r.phy_offset: i for i, r in enumerate(results)}
+    rows = table.select(["commitLogOffset", "body"]).to_pylist()
+    assert len(rows) > len(results) // 2
+    assert [r["body"] for r in rows] == [bytes([number[r["commitLogOffset"]] % 251])
+                                         * (number[r["commitLogOffset"]] * 37 % 400) for r in rows]
+
+
 def test_the_catalog_opens_in_pandas_pyarrow_duckdb_and_spark_alike(spark, generated, tmp_path):
     """The same 17 columns, in the same order with the same types, and the same rows in all four readers:
     `topic` and `date` are stored in the files only, under directories that are not `key=value` (inferred
@@ -669,6 +689,30 @@ def test_missing_java_is_a_clear_error(tmp_path):
     assert "Java 17" in res.stderr
     with pytest.raises(BackfillError, match="JAVA_HOME"):
         check_java({"JAVA_HOME": str(tmp_path), "PATH": ""})
+
+
+@pytest.mark.parametrize(("conf", "ui"), [({}, False), ({"spark.ui.enabled": "true"}, True)])
+def test_a_local_session_has_no_web_ui_unless_asked(conf, ui):
+    """A local backfill starts no web UI (about 1 CPU-s of a short job's driver JVM); `--conf
+    spark.ui.enabled=true` brings it back. A fresh interpreter: the tests' shared session is made already."""
+    code = ("import sys, json; from daemon.backfill.driver import create_session; "
+            f"s = create_session('local[1]', json.loads({json.dumps(json.dumps(conf))})); "
+            "print(s.sparkContext.uiWebUrl); s.stop()")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    url = res.stdout.strip().splitlines()[-1]
+    assert (url != "None") is ui, url
+    if ui:
+        assert url.startswith("http://")
+
+
+def test_workers_keep_freed_memory_where_the_c_library_is_glibc():
+    """The Python daemon sets the workers' allocator thresholds where the C library is glibc (mallopt says it
+    took both) and leaves any other alone; in a fresh interpreter, as the daemon does."""
+    code = "from daemon.backfill.pydaemon import keep_freed_memory; print(keep_freed_memory())"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(platform.libc_ver()[0] == "glibc")
 
 
 def test_segments_take_paths_and_file_s3_hdfs_uris(tmp_path):

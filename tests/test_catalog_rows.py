@@ -108,7 +108,7 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
                 groups = list(catalog.catalog_groups(batch, image, seg_start, with_body=True))
                 got = {}
                 for topic, day, blob, count in groups:
-                    table = catalog.read_group(blob)
+                    table = catalog.read_group(blob, with_body=True)
                     assert table.num_rows == count
                     assert table.schema == catalog.SCHEMA.append(catalog.BODY_FIELD)
                     offsets = table.column("commitLogOffset").to_pylist()

@@ -98,13 +98,13 @@ def index_work(ranges: Sequence[RangeOutcome], layout: IndexLayout, shared_dir: 
 
 
 def catalog_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int, name: str,
-                 covered: tuple[tuple[int, int], ...]) -> list[CatalogWork]:
+                 covered: tuple[tuple[int, int], ...], body: bool = False) -> list[CatalogWork]:
     """(topic, day) partitions in `parts` groups balanced by rows."""
     rows: dict[tuple[str, int], int] = {}
     for o in ranges:
         for g, n in o.catalog_rows.items():
             rows[g] = rows.get(g, 0) + n
-    return [CatalogWork(dirs, tuple(sorted(g)), name, covered) for g in balanced(rows, parts)]
+    return [CatalogWork(dirs, tuple(sorted(g)), name, covered, body) for g in balanced(rows, parts)]
 
 
 class Phases:
@@ -216,7 +216,8 @@ class Phases:
             work.extend(queue_work(ranges, dirs, WRITE_GROUPS_PER_SLOT * s.partitions))
         if ranges and catalog is not None:
             work.extend(catalog_work(ranges, dirs, WRITE_GROUPS_PER_SLOT * s.partitions,
-                                     file_name(s.start_offset, s.end_offset), self.catalog_covered))
+                                     file_name(s.start_offset, s.end_offset), self.catalog_covered,
+                                     self.settings.catalog_body))
         results: dict[str, list] = {QUEUES: [], INDEX_FILES: [], CATALOG_FILES: []}
         if work:
             store = self.config.store

@@ -9,7 +9,7 @@ Each decode attempt of a range writes into a directory of its own under the job'
     keys.data     the range's IndexFile keys in `buildIndex` order, KEY_DTYPE records: hash, physical offset
                   and store time of the owning record, and the store time of the record that would create
                   the next IndexFile if one filled at this key (NO_CREATOR: the first record of the next range)
-    catalog.data  Arrow IPC streams of catalog rows
+    catalog.data  Arrow IPC record batch messages of catalog rows (their schema is `catalog.read_group`'s)
     catalog.meta  (topic, UTC day) -> that group's streams in CommitLog order: (byte offset, length, rows)
 
 The task returns only its `RangeOutcome` (a few hundred bytes, with the units per queue bucket and the rows

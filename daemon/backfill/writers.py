@@ -127,6 +127,7 @@ class CatalogWork:
     groups: tuple[tuple[str, int], ...]  # (topic, UTC day)
     name: str  # the file name each partition's file gets
     covered: tuple[tuple[int, int], ...] = ()  # CommitLog ranges the catalog holds already: rows there are left out
+    body: bool = False  # the rows carry the body column (`backfill.catalogBody`)
 
 
 @dataclass(slots=True)
@@ -424,7 +425,7 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
             rows = 0
             for r in ranges:
                 for blob in r.catalog_blobs((topic, day)):
-                    table = read_group(blob)
+                    table = read_group(blob, work.body)
                     if work.covered:
                         table = table.filter(pa.array(uncovered(table, work.covered)))
                     if table.num_rows:
