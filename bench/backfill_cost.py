@@ -1,7 +1,7 @@
 """What a backfill message costs, and how much of the job runs in parallel (issue 29's table).
 
     .venv/bin/python bench/backfill_cost.py [--workdir bench/results/suite] [--data-set 256b-1key-16m] [--scale 1]
-        [--master local[2]] [--catalog]
+        [--master local[2]] [--catalog] [--rounds 3]
 
 CPU-seconds of the whole process tree (the reputd driver, the Spark JVM, the Python workers: sampled from
 /proc, so a JVM that py4j leaves to init is counted too), not wall time: the machine is shared. Rows:
@@ -18,6 +18,8 @@ CPU-seconds of the whole process tree (the reputd driver, the Spark JVM, the Pyt
                 16 and 64 slots is Amdahl's with the serial share of the one-slot work (the serial time
                 counted once, the rest once per slot busy)
 
+Every run is repeated in --rounds interleaved rounds (a round: the rebuild, the fixed job, the whole backfill,
+the catalog backfill); the table gives each figure's median and range, and how many rounds met each target.
 Every backfill's files are compared with the rebuild's (byte for byte).
 """
 
