@@ -1,7 +1,7 @@
 """What a backfill message costs, and how much of the job runs in parallel (issue 29's table).
 
     .venv/bin/python bench/backfill_cost.py [--workdir bench/results/suite] [--data-set 256b-1key-16m] [--scale 1]
-        [--master local[2]] [--catalog]
+        [--master local[2]] [--catalog] [--rounds 3]
 
 CPU-seconds of the whole process tree (the reputd driver, the Spark JVM, the Python workers: sampled from
 /proc, so a JVM that py4j leaves to init is counted too), not wall time: the machine is shared. Rows:
@@ -18,6 +18,10 @@ CPU-seconds of the whole process tree (the reputd driver, the Spark JVM, the Pyt
                 16 and 64 slots is Amdahl's with the serial share of the one-slot work (the serial time
                 counted once, the rest once per slot busy)
 
+Every backfill writes Spark's event log (the serial fraction reads the whole backfill's), so that the runs
+subtracted from one another differ in their work only. Every run is repeated in --rounds interleaved rounds
+(a round: the rebuild, the fixed job, the whole backfill, the catalog backfill); the table gives each figure's
+median and range, and how many rounds met each target.
 Every backfill's files are compared with the rebuild's (byte for byte).
 """
 
@@ -234,7 +238,10 @@ def one_round(work: Path, config: Path, reference: Path, messages: int, master: 
     rebuild_cpu = max(cpu, sampler.cpu_seconds)
     rebuild_us = 1e6 * rebuild_cpu / messages
     print(f"rebuild: {messages:,} messages, {rebuild_cpu:.2f} CPU-s, {rebuild_us:.3f} us/msg", flush=True)
-    fixed = backfill_run(config, work / "out" / "cost-fixed", master, ["--to", str(to)])
+    # every backfill writes Spark's event log, which the serial fraction needs from the whole one: the runs that
+    # are subtracted from each other then differ only in their work (the log costs the JVM per task)
+    fixed = backfill_run(config, work / "out" / "cost-fixed", master, ["--to", str(to)],
+                         work / "out" / "cost-events-fixed")
     shutil.rmtree(work / "out" / "cost-fixed", ignore_errors=True)
     print(f"fixed ({FIXED_MESSAGES:,} messages): {fixed['cpu']:.2f} CPU-s, {fixed['wall']:.1f} s wall", flush=True)
     events = work / "out" / "cost-events"
@@ -372,7 +379,8 @@ def measure_catalog(work: Path, config: Path, master: str, messages: int, full: 
     """The whole backfill again with `--catalog` (into a new catalog); its extra CPU per message over `full`."""
     catalog = work / "out" / "cost-catalog"
     shutil.rmtree(catalog, ignore_errors=True)
-    run = backfill_run(config, work / "out" / "cost-full-catalog", master, ["--catalog", str(catalog)])
+    run = backfill_run(config, work / "out" / "cost-full-catalog", master, ["--catalog", str(catalog)],
+                       work / "out" / "cost-events-catalog")
     print(f"full with catalog: {run['cpu']:.2f} CPU-s, {run['wall']:.1f} s wall", flush=True)
     shutil.rmtree(catalog, ignore_errors=True)
     extra_us, parts, decode_us, write_us = per_message(run, full, messages)
