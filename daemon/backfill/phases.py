@@ -98,13 +98,13 @@ def index_work(ranges: Sequence[RangeOutcome], layout: IndexLayout, shared_dir: 
 
 
 def catalog_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int, name: str,
-                 covered: tuple[tuple[int, int], ...], body: bool = False) -> list[CatalogWork]:
+                 covered: tuple[tuple[int, int], ...]) -> list[CatalogWork]:
     """(topic, day) partitions in `parts` groups balanced by rows."""
     rows: dict[tuple[str, int], int] = {}
     for o in ranges:
         for g, n in o.catalog_rows.items():
             rows[g] = rows.get(g, 0) + n
-    return [CatalogWork(dirs, tuple(sorted(g)), name, covered, body) for g in balanced(rows, parts)]
+    return [CatalogWork(dirs, tuple(sorted(g)), name, covered) for g in balanced(rows, parts)]
 
 
 class Phases:
@@ -216,13 +216,13 @@ class Phases:
             work.extend(queue_work(ranges, dirs, WRITE_GROUPS_PER_SLOT * s.partitions))
         if ranges and catalog is not None:
             work.extend(catalog_work(ranges, dirs, WRITE_GROUPS_PER_SLOT * s.partitions,
-                                     file_name(s.start_offset, s.end_offset), self.catalog_covered,
-                                     self.settings.catalog_body))
+                                     file_name(s.start_offset, s.end_offset), self.catalog_covered))
         results: dict[str, list] = {QUEUES: [], INDEX_FILES: [], CATALOG_FILES: []}
         if work:
             store = self.config.store
             settings = WriterSettings(self.out, self.job_id, store.mapped_file_size_consume_queue,
-                                      store.max_hash_slot_num, store.max_index_num, catalog, self.s3)
+                                      store.max_hash_slot_num, store.max_index_num, catalog, self.s3,
+                                      self.settings.catalog_body)
             items = self._work(work)
             self.say(f"writing {len(work)} parts in one job")
             rows = (self.spark.range(0, len(work), 1, len(work))

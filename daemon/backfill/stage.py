@@ -10,7 +10,7 @@ Each decode attempt of a range writes into a directory of its own under the job'
                   and store time of the owning record, and the store time of the record that would create
                   the next IndexFile if one filled at this key (NO_CREATOR: the first record of the next range)
     catalog.data  Arrow IPC record batch messages of catalog rows (their schema is `catalog.read_group`'s)
-    catalog.meta  (topic, UTC day) -> that group's streams in CommitLog order: (byte offset, length, rows)
+    catalog.meta  (topic, UTC day) -> that group's messages in CommitLog order: (byte offset, length, rows)
 
 The task returns only its `RangeOutcome` (a few hundred bytes, with the units per queue bucket and the rows
 per catalog group the driver balances the writers with: buckets, not queues, so that a CommitLog with

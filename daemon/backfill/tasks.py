@@ -119,6 +119,7 @@ class WriterSettings:
     index_num: int
     catalog: str | None = None
     s3: object = None
+    catalog_body: bool = False  # the catalog's rows carry the body column (`backfill.catalogBody`)
 
 
 def write_rows(settings: WriterSettings, work, fault: Fault | None):
@@ -165,7 +166,8 @@ def _write_catalog(settings: WriterSettings, item: CatalogWork, attempt: Attempt
     stage = f"{base.rstrip('/')}/{STAGING}/{settings.job_id}/a{attempt.attempt_id}"
     started = time.perf_counter()
     try:
-        written = write_catalog(item, stage=stage, filesystem=filesystem, attempt=attempt)
+        written = write_catalog(item, stage=stage, filesystem=filesystem, attempt=attempt,
+                                with_body=settings.catalog_body)
     except Exception as e:
         with contextlib.suppress(Exception):
             filesystem.delete_dir(stage)

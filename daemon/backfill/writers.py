@@ -127,7 +127,6 @@ class CatalogWork:
     groups: tuple[tuple[str, int], ...]  # (topic, UTC day)
     name: str  # the file name each partition's file gets
     covered: tuple[tuple[int, int], ...] = ()  # CommitLog ranges the catalog holds already: rows there are left out
-    body: bool = False  # the rows carry the body column (`backfill.catalogBody`)
 
 
 @dataclass(slots=True)
@@ -409,7 +408,8 @@ def assemble_index_file(chunks: list[StagedIndexChunk], hash_slot_num: int, inde
 
 # --- catalog ------------------------------------------------------------------------------------------
 
-def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt) -> list[tuple[str, str, int]]:
+def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt,
+                  with_body: bool = False) -> list[tuple[str, str, int]]:
     """One Parquet file per (topic, day) of `work`, under `stage` (the catalog's staging path), its rows in
     CommitLog order; (staged path, path relative to the catalog, rows) of each."""
     import pyarrow as pa  # noqa: PLC0415
@@ -425,7 +425,7 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
             rows = 0
             for r in ranges:
                 for blob in r.catalog_blobs((topic, day)):
-                    table = read_group(blob, work.body)
+                    table = read_group(blob, with_body)
                     if work.covered:
                         table = table.filter(pa.array(uncovered(table, work.covered)))
                     if table.num_rows:
