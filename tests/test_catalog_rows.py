@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import given
 from hypothesis import settings as settings_
 from hypothesis import strategies as st
@@ -203,12 +204,41 @@ def test_catalog_properties_are_found_as_the_regular_expression_found_them(recor
 @settings_(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(-30_000, 30_000) | st.integers(19_000, 19_003)),
                 min_size=1, max_size=50))
-def test_group_keys_order_the_rows_by_topic_then_day(rows):
-    """The catalog's (topic, day) group numbers, small (uint16) when the batch's groups fit and int64 when
-    its days span more: the same order and the same groups as (topic, day) itself."""
+def test_groups_number_the_rows_by_topic_then_day(rows):
+    """The catalog's (topic, day) groups, counted when the batch's pairs are few and found by numpy's unique
+    when its days span more: numbered in (topic, day) order, each with its topic, day and rows."""
     topic = np.array([t for t, _ in rows], dtype=np.int32)
     day = np.array([d for _, d in rows], dtype=np.int64)
-    key = catalog._group_keys(topic, day, 4)
-    order = np.argsort(key, kind="stable")
-    assert [rows[i] for i in order] == sorted(rows)
-    assert len(set(key.tolist())) == len(set(rows))
+    group, topics, days, counts = catalog._groups(topic, day, 4)
+    pairs = sorted(set(rows))
+    assert list(zip(topics.tolist(), days.tolist(), strict=True)) == pairs
+    assert counts.tolist() == [rows.count(p) for p in pairs]
+    assert [pairs[g] for g in group.tolist()] == rows
+
+
+@pytest.fixture(scope="module")
+def varied_window(tmp_path_factory):
+    """One decoded window of a varied store (4 topics, v1 and v2 records, IPv4 and IPv6 hosts, bodies)."""
+    root = tmp_path_factory.mktemp("varied")
+    write_varied_store(root, 3, n=300)
+    image = (root / f"{0:020d}").read_bytes()
+    decoded = decode_segment(image, 0, segment_offset=0, segment_size=SEGMENT, max_bytes=len(image))
+    assert len(decoded.batch) > 250
+    return decoded.batch, image
+
+
+@settings_(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_rows_built_in_groups_are_the_commitlog_order_rows_taken_group_by_group(varied_window, data):
+    """The C pass reads the records in CommitLog order and puts each row in its group's place, each group's
+    strings in a region of their own closed up at the end: the same table as all rows in CommitLog order
+    then a stable sort by group, whatever the groups (empty ones too), for every column and the bodies."""
+    batch, image = varied_window
+    n = len(batch)
+    groups = data.draw(st.integers(1, 12), label="groups")
+    runs = data.draw(st.lists(st.tuples(st.integers(0, groups - 1), st.integers(1, 60)), min_size=1), label="runs")
+    group = np.array([g for g, length in runs for _ in range(length)][:n], dtype=np.int32)
+    group = np.resize(group, n)  # the runs repeated to the batch's length
+    whole = catalog.catalog_table(batch, image, 0, with_body=True)
+    grouped = catalog.catalog_table(batch, image, 0, True, group, groups)
+    assert grouped.equals(whole.take(np.argsort(group, kind="stable")))

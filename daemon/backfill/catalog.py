@@ -17,17 +17,15 @@ row groups, and a glob over the directories reads only some topics or days. A la
 leaves out the rows of the ranges the markers name, so a rerun adds nothing and a later range extends each
 day's directory with a file. A catalog in the earlier `topic=T/date=D/` layout is refused (LEGACY_PREFIX).
 
-The decode task builds the rows of each window straight from the segment image, already ordered by (topic,
-day): the fixed-offset fields with numpy, every per-byte step (properties, msgIds, KEYS tokens, strings and
-bodies) in one C pass each over the batch (`indexcore._spans`), and ships each group as an Arrow IPC record
-batch message; the writer task of a (topic, day) partition concatenates its groups in CommitLog order into
-one file, in row groups of up to ROW_GROUP_ROWS rows.
+The decode task builds the rows of each window straight from the segment image, grouped by (topic, day):
+one C pass over the records in CommitLog order (`indexcore._spans`) fills every column's buffers, and each
+group goes out as an Arrow IPC record batch message; the writer task of a (topic, day) partition
+concatenates its groups in CommitLog order into one file, in row groups of up to ROW_GROUP_ROWS rows.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from collections.abc import Iterator
 
@@ -38,11 +36,8 @@ from pyarrow import fs
 
 from daemon.backfill.source import LOCAL, S3Options, parse_segment_dirs, remote_filesystem
 from indexcore import _spans
-from indexcore.commitlog import HOST_V6_LENGTH
 from indexcore.dispatch import DispatchBatch
 
-PHYSICAL_OFFSET_SIZE = 8
-MSG_ID_MAX_CHARS = 2 * (HOST_V6_LENGTH + PHYSICAL_OFFSET_SIZE)
 MS_PER_DAY = 86_400_000
 _UTC_MS = pa.timestamp("ms", tz="UTC")
 
@@ -75,16 +70,17 @@ def _text(values: pa.Array) -> pa.Array:
                         pa.string())
 
 
-def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool,
-                  order: np.ndarray | None = None) -> pa.Table:
-    """The catalog rows of a decoded batch, from the segment image it was decoded from; `order`: the
-    batch's rows to take, in that order (all, in CommitLog order, by default). One C pass visits each record
-    once (`_spans.catalog_columns`: its header fields, properties, msgId, KEYS tokens, strings and body)
-    and fills every column's Arrow buffers; a string column is checked as UTF-8 only when it is not ASCII.
-    (Six passes over the batch, one per step, each reading every record again, cost 0.45 us a message.)"""
+def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool, group: np.ndarray | None = None,
+                  groups: int = 1) -> pa.Table:
+    """The catalog rows of a decoded batch, from the segment image it was decoded from; `group`: each batch
+    row's group (0 <= group < groups), the rows coming out group by group, each group's in CommitLog order
+    (all in one group by default). One C pass visits each record once, in CommitLog order
+    (`_spans.catalog_columns`: its header fields, properties, msgId, KEYS tokens, strings and body), and fills
+    every column's Arrow buffers; a string column is checked as UTF-8 only when it is not ASCII. (Six passes
+    over the batch, one per step, each reading every record again, cost 0.45 us a message.)"""
     S = _spans  # the C pass's column numbers
     n = len(batch)
-    order = np.arange(n, dtype=np.int64) if order is None else np.ascontiguousarray(order, dtype=np.int64)
+    group = np.zeros(n, dtype=np.int32) if group is None else np.ascontiguousarray(group, dtype=np.int32)
     text, keys_at, keys_len = batch.keys.arrays()
     uniq_text, uniq_at, uniq_len = batch.uniq_key.arrays()
     if uniq_text is not text and len(uniq_text):  # two buffers (a batch made from strings): one for the pass
@@ -100,10 +96,10 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool,
     token_offsets = np.empty(keys_bytes + 1, dtype=np.int32)  # a token is at least a byte
     valid = np.empty((S.NVALID, (n + 7) // 8), dtype=np.uint8)
     data = [np.empty(size, dtype=np.uint8) for size in (
-        record_bytes, keys_bytes, int(np.where(spans[2] < 0, 0, spans[3]).sum()), n * MSG_ID_MAX_CHARS,
+        record_bytes, keys_bytes, int(np.where(spans[2] < 0, 0, spans[3]).sum()), n * S.MSG_ID_MAX_CHARS,
         record_bytes, record_bytes if with_body else 0)]  # S_TAGS, S_KEYS, S_UNIQ, S_MSGID, S_REAL_TOPIC, S_BODY
     used, tokens, nulls, non_ascii = S.catalog_columns(
-        buf, seg_start, order, np.ascontiguousarray(batch.phy_offset, dtype=np.int64), msg_size,
+        buf, seg_start, group, groups, np.ascontiguousarray(batch.phy_offset, dtype=np.int64), msg_size,
         np.ascontiguousarray(batch.tags_code, dtype=np.int64), text, *spans, with_body, out64, out32, offsets,
         token_offsets, valid, *data)
 
@@ -139,42 +135,44 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool,
     return pa.Table.from_arrays(columns, schema=schema)
 
 
-GROUP_KEYS_SMALL = 1 << 16
+GROUP_KEYS_SMALL = 1 << 16  # (topic, day) pairs a batch's groups are counted over rather than sorted
 
 
-def _group_keys(topic_id: np.ndarray, day: np.ndarray, topics: int) -> np.ndarray:
-    """Each row's (topic, day) group as a number in (topic, day) order: uint16 when every group of the batch
-    fits, which numpy's stable argsort sorts by radix (the int64 key took 50-57 ns a row, this 20-22)."""
-    if not len(day):
-        return day
+def _groups(topic_id: np.ndarray, day: np.ndarray,
+            topics: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's (topic, day) group, the groups numbered in (topic, day) order, and each group's topic id,
+    day and rows. Counted, not sorted, when the batch's (topic, day) pairs are few (a stable argsort of the
+    rows cost 20-57 ns a row); numpy's unique otherwise (days far apart, thousands of topics)."""
     first = int(day.min())
     days = int(day.max()) - first + 1
     if topics * days <= GROUP_KEYS_SMALL:
-        return (topic_id.astype(np.int64) * days + (day - first)).astype(np.uint16)
-    return topic_id.astype(np.int64) * (1 << 40) + day
+        key = topic_id.astype(np.int64) * days + (day - first)
+        counts = np.bincount(key)
+        present = np.flatnonzero(counts)
+        number = np.zeros(len(counts), dtype=np.int32)
+        number[present] = np.arange(len(present), dtype=np.int32)
+        return number[key], present // days, present % days + first, counts[present]
+    key = topic_id.astype(np.int64) * (1 << 40) + day  # |day| < 2**37: a day of an int64 ms time
+    _, index, group, counts = np.unique(key, return_index=True, return_inverse=True, return_counts=True)
+    return group.astype(np.int32), topic_id[index], day[index], counts
 
 
 def catalog_groups(batch: DispatchBatch, buf, seg_start: int,
                    with_body: bool) -> Iterator[tuple[str, int, pa.Buffer, int]]:
     """(topic, UTC day, Arrow IPC record batch message, rows) of each (topic, day) of the batch, in CommitLog
-    order. The rows are built already grouped (a stable sort of the records by group), so each group is a
-    slice. A message without its schema (the reader knows it, `read_group`): a stream of its own per group,
-    its schema and writer made anew, cost 0.047 us a row against 0.035, and read back 0.067 against 0.044."""
+    order. The rows are built already grouped (`catalog_table`), so each group is a slice. A message without
+    its schema (the reader knows it, `read_group`): a stream of its own per group, its schema and writer made
+    anew, cost 0.047 us a row against 0.035, and read back 0.067 against 0.044."""
     if not len(batch):
         return
     day = (batch.store_timestamp // MS_PER_DAY).astype(np.int64)
-    key = _group_keys(batch.topic_id, day, len(batch.topics))
-    order = None
-    if len(key) and (key != key[0]).any():
-        order = np.argsort(key, kind="stable")
-        key, day, topic_id = key[order], day[order], batch.topic_id[order]
-    else:
-        topic_id = batch.topic_id
-    rows = catalog_table(batch, buf, seg_start, with_body, order).to_batches()[0]  # one chunk: made from arrays
-    cuts = [0, *(np.flatnonzero(np.diff(key)) + 1).tolist(), len(key)]
-    for a, b in itertools.pairwise(cuts):
+    group, topic_ids, days, counts = _groups(batch.topic_id, day, len(batch.topics))
+    rows = catalog_table(batch, buf, seg_start, with_body, group, len(counts)).to_batches()[0]  # one chunk
+    at = 0
+    for topic_id, day_, count in zip(topic_ids.tolist(), days.tolist(), counts.tolist(), strict=True):
         # a pa.Buffer: not copied to bytes
-        yield batch.topics[int(topic_id[a])], int(day[a]), rows.slice(a, b - a).serialize(), b - a
+        yield batch.topics[topic_id], day_, rows.slice(at, count).serialize(), count
+        at += count
 
 
 # --- writing ---------------------------------------------------------------------------------------------
