@@ -46,15 +46,21 @@ MSG_ID_MAX_CHARS = 2 * (HOST_V6_LENGTH + PHYSICAL_OFFSET_SIZE)
 MS_PER_DAY = 86_400_000
 _UTC_MS = pa.timestamp("ms", tz="UTC")
 
-SCHEMA = pa.schema([
+# The columns a message may lack (a property it does not carry); every other column is never null, and
+# non-nullable here: Parquet stores it `required`, with no definition levels to write (with data pages v2,
+# write_catalog on 2.49M rows of the 16M store: 0.579 -> 0.527 us a row, medians of 5 interleaved, each
+# pair 0.041-0.053 less; 3.354 -> 3.349 B a row). The four readers take files of either kind in one
+# catalog, in any order: one written before (every column `optional`, pages v1) and extended later reads alike.
+NULLABLE = frozenset({"tags", "keys", "uniqKey", "realTopic", "realQueueId"})
+SCHEMA = pa.schema([pa.field(name, type_, name in NULLABLE) for name, type_ in [
     ("commitLogOffset", pa.int64()), ("msgSize", pa.int32()), ("queueId", pa.int32()),
     ("queueOffset", pa.int64()), ("storeTime", _UTC_MS), ("bornTime", _UTC_MS), ("tags", pa.string()),
     ("tagsCode", pa.int64()), ("sysFlag", pa.int32()), ("keys", pa.list_(pa.string())), ("uniqKey", pa.string()),
     ("msgId", pa.string()), ("realTopic", pa.string()), ("realQueueId", pa.int32()), ("bodySize", pa.int32()),
-])
-BODY_FIELD = pa.field("body", pa.binary())
+]])
+BODY_FIELD = pa.field("body", pa.binary(), nullable=False)
 # the last two columns of every file, constant in it: added by the writer, not staged with each window's rows
-GROUP_FIELDS = [pa.field("topic", pa.string()), pa.field("date", pa.date32())]
+GROUP_FIELDS = [pa.field("topic", pa.string(), nullable=False), pa.field("date", pa.date32(), nullable=False)]
 
 # docs/backfill.md's examples, over `spark.read.option("recursiveFileLookup", "true").parquet(PATH)
 # .createOrReplaceTempView("catalog")`.
@@ -299,7 +305,8 @@ class ParquetOut:
                 self.filesystem.create_dir(os.path.dirname(self.path), recursive=True)
                 self._writer = pq.ParquetWriter(self.path, part.schema, filesystem=self.filesystem,
                                                 compression="zstd", use_dictionary=DICTIONARY_COLUMNS,
-                                                column_encoding=DELTA_COLUMNS, write_statistics=[
+                                                column_encoding=DELTA_COLUMNS, data_page_version="2.0",
+                                                write_statistics=[
                                                     n for n in part.schema.names if n not in NO_STATISTICS])
             self._writer.write_table(part, row_group_size=ROW_GROUP_ROWS)
 
