@@ -278,8 +278,10 @@ class ParquetOut:
         self._held.append(table)
         self._held_rows += table.num_rows
         self._held_bytes += table.nbytes
-        if self._held_rows >= ROW_GROUP_ROWS or self._held_bytes >= ROW_GROUP_BYTES:
+        if self._held_bytes >= ROW_GROUP_BYTES:
             self._flush()
+        elif self._held_rows >= ROW_GROUP_ROWS:
+            self._flush(rest=False)
 
     def _constant_columns(self, n: int) -> list[pa.Array]:
         """`topic` and `date` for n rows, built once for the largest row group and sliced (pa.repeat: 0.5 s
@@ -291,11 +293,17 @@ class ParquetOut:
             self._constants = [topic, date]
         return [c.slice(0, n) for c in self._constants]
 
-    def _flush(self) -> None:
+    def _flush(self, rest: bool = True) -> None:
+        """Write the held rows in row groups of ROW_GROUP_ROWS; without `rest`, the rows past the last whole
+        one stay held for the next (written, they made a row group of their own: 131072, 201, 131072, 2304,
+        46074 rows in a file of 310723)."""
         if not self._held:
             return
         table = pa.concat_tables(self._held)
-        self._held, self._held_rows, self._held_bytes = [], 0, 0
+        tail = 0 if rest else table.num_rows % ROW_GROUP_ROWS
+        self._held = [table.slice(table.num_rows - tail)] if tail else []
+        self._held_rows, self._held_bytes = tail, self._held[0].nbytes if tail else 0
+        table = table.slice(0, table.num_rows - tail)
         step = min(table.num_rows, self._constant_rows())
         for at in range(0, table.num_rows, step):
             part = table.slice(at, step)
