@@ -536,6 +536,28 @@ def test_topic_directories_are_path_safe_and_distinct(spark, tmp_path):
         assert rows == [(i, t, "2023-11-14") for i, t in enumerate(topics)], reader
 
 
+def test_catalog_files_hold_whole_row_groups(tmp_path, monkeypatch):
+    """A partition's rows go out in row groups of ROW_GROUP_ROWS, the rows past the last whole one held for
+    the next (written at once, they made a small row group after each: 131072, 201, 131072, 2304, ...)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pyarrow import fs
+
+    from daemon.backfill import catalog
+    from daemon.backfill.catalog import ParquetOut
+
+    monkeypatch.setattr(catalog, "ROW_GROUP_ROWS", 100)
+    out = ParquetOut(fs.LocalFileSystem(), f"{tmp_path}/T/2023-11-14/{file_name(0, 1)}", "T", 19675)
+    for at in range(0, 1020, 30):  # a window's group at a time, as write_catalog gives them
+        out.write(pa.table({"commitLogOffset": pa.array(range(at, at + 30), pa.int64())}))
+    out.close()
+    meta = pq.ParquetFile(out.path).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [100] * 10 + [20]
+    table = pq.read_table(out.path)
+    assert table.column("commitLogOffset").to_pylist() == list(range(1020))
+    assert set(table.column("topic").to_pylist()) == {"T"}
+
+
 def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_path):
     """A second backfill over later segments appends to the catalog's day partitions; one over a range it
     holds in part adds only the rest; a rerun of the same range adds nothing."""
