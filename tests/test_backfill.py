@@ -536,6 +536,28 @@ def test_topic_directories_are_path_safe_and_distinct(spark, tmp_path):
         assert rows == [(i, t, "2023-11-14") for i, t in enumerate(topics)], reader
 
 
+def test_catalog_files_hold_whole_row_groups(tmp_path, monkeypatch):
+    """A partition's rows go out in row groups of ROW_GROUP_ROWS, the rows past the last whole one held for
+    the next (written at once, they made a small row group after each: 131072, 201, 131072, 2304, ...)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pyarrow import fs
+
+    from daemon.backfill import catalog
+    from daemon.backfill.catalog import ParquetOut
+
+    monkeypatch.setattr(catalog, "ROW_GROUP_ROWS", 100)
+    out = ParquetOut(fs.LocalFileSystem(), f"{tmp_path}/T/2023-11-14/{file_name(0, 1)}", "T", 19675)
+    for at in range(0, 1020, 30):  # a window's group at a time, as write_catalog gives them
+        out.write(pa.table({"commitLogOffset": pa.array(range(at, at + 30), pa.int64())}))
+    out.close()
+    meta = pq.ParquetFile(out.path).metadata
+    assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [100] * 10 + [20]
+    table = pq.read_table(out.path)
+    assert table.column("commitLogOffset").to_pylist() == list(range(1020))
+    assert set(table.column("topic").to_pylist()) == {"T"}
+
+
 def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_path):
     """A second backfill over later segments appends to the catalog's day partitions; one over a range it
     holds in part adds only the rest; a rerun of the same range adds nothing."""
@@ -553,6 +575,62 @@ def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_
     rows = read_catalog(spark, catalog).select("commitLogOffset").collect()
     assert sorted(r.commitLogOffset for r in rows) == [r.phy_offset for r in results]
     assert not (catalog / "_reputd-staging").exists()
+
+
+def as_written_before_required_columns(catalog: Path) -> None:
+    """Rewrite a catalog's files as reputd wrote them before its never-null columns were `required`: every
+    column `optional` (with definition levels), data pages v1, the other options the same."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from daemon.backfill.catalog import DELTA_COLUMNS, DICTIONARY_COLUMNS, NO_STATISTICS
+
+    for path in catalog.rglob("*.parquet"):
+        table = pq.read_table(path)
+        assert not table.schema.field("msgId").nullable  # as this reputd writes it
+        table = table.cast(pa.schema([f.with_nullable(True) for f in table.schema]))
+        pq.write_table(table, path, compression="zstd", use_dictionary=DICTIONARY_COLUMNS,
+                       column_encoding=DELTA_COLUMNS, data_page_version="1.0",
+                       write_statistics=[n for n in table.schema.names if n not in NO_STATISTICS])
+
+
+@pytest.mark.parametrize("earlier_first", [True, False])
+def test_a_catalog_written_before_required_columns_reads_alike_once_extended(spark, generated, tmp_path,
+                                                                            earlier_first):
+    """A catalog whose files hold every column `optional` (reputd before the never-null columns were
+    `required`, data pages v1), extended by this reputd (`required` columns, data pages v2): all four
+    readers give the same 17 columns and every row, whether the earlier file of a day sorts first (the
+    earlier backfill was of the earlier range) or last, and the documented Spark queries still answer."""
+    import pyarrow.parquet as pq
+
+    tmp, results, _ = generated
+    catalog = tmp_path / "catalog"
+    third = results[len(results) // 3].phy_offset
+    earlier, later = ({"to_offset": third}, {"from_offset": third}) if earlier_first else \
+        ({"from_offset": third}, {"to_offset": third})
+    backfill(make_config(tmp_path, "a", tmp / "store"), spark=spark, catalog=str(catalog), **earlier)
+    as_written_before_required_columns(catalog)
+    old = set(catalog.rglob("*.parquet"))
+    backfill(make_config(tmp_path, "b", tmp / "store"), spark=spark, catalog=str(catalog), **later)
+    new = set(catalog.rglob("*.parquet")) - old
+    assert len(old | new) == 7  # `Late` is in the last third only
+    assert len({p.parent for p in old} & {p.parent for p in new}) == 3  # three topics' days hold both kinds
+    for path in old | new:
+        assert pq.ParquetFile(path).schema_arrow.field("msgId").nullable == (path in old)
+    for day in {p.parent for p in old} & {p.parent for p in new}:  # the file a reader lists first there
+        assert (min(day.glob("*.parquet")) in old) == earlier_first
+    seen = catalog_by_reader(spark, catalog)
+    expected = sorted((r.phy_offset, r.topic, "2023-11-14") for r in results)
+    columns = [(f.name, ARROW_TYPES[str(f.type)]) for f in [*SCHEMA, *GROUP_FIELDS]]
+    for reader, (types, rows) in seen.items():
+        assert types == columns, reader
+        assert rows == expected, reader
+    read_catalog(spark, catalog).createOrReplaceTempView("catalog")
+    key_hits = spark.sql(CATALOG_QUERIES["key"].format(topic="TopicB", key="k7-2😀", start="2023-11-01",
+                                                       end="2023-12-01")).collect()
+    assert [r.commitLogOffset for r in key_hits] == [results[7].phy_offset]
+    per_day = {(r.topic, str(r.date)): r.messages for r in spark.sql(CATALOG_QUERIES["per_day"]).collect()}
+    assert per_day == {(t, "2023-11-14"): sum(1 for r in results if r.topic == t) for t in {r.topic for r in results}}
 
 
 def test_a_catalog_in_the_earlier_layout_is_refused_before_spark_runs(spark, generated, tmp_path):

@@ -5,6 +5,7 @@ several days."""
 
 from __future__ import annotations
 
+import collections
 import random
 import re
 from pathlib import Path
@@ -93,6 +94,7 @@ def as_plain(row: dict) -> dict:
 
 def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path):
     rows = records = 0
+    nulls = collections.Counter()
     for seed in (1, 2):
         root = tmp_path / f"store{seed}"
         write_varied_store(root, seed)
@@ -112,6 +114,10 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
                     table = catalog.read_group(blob, with_body=True)
                     assert table.num_rows == count
                     assert table.schema == catalog.SCHEMA.append(catalog.BODY_FIELD)
+                    for field, column in zip(table.schema, table.columns, strict=True):  # Parquet: `required`
+                        assert field.nullable == (field.name in catalog.NULLABLE)
+                        assert field.nullable or column.null_count == 0, field.name
+                        nulls[field.name] += column.null_count
                     offsets = table.column("commitLogOffset").to_pylist()
                     assert offsets == sorted(offsets)  # CommitLog order within a group
                     for row in table.to_pylist():
@@ -128,6 +134,7 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
         finally:
             reader.close()
     assert rows == records == 3000
+    assert {n for n, count in nulls.items() if count} == catalog.NULLABLE  # each may be null, and is in some row
 
 
 def catalog_of(properties: list[bytes], with_body: bool = False) -> pa.Table:

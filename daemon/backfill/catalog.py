@@ -41,15 +41,21 @@ from indexcore.dispatch import DispatchBatch
 MS_PER_DAY = 86_400_000
 _UTC_MS = pa.timestamp("ms", tz="UTC")
 
-SCHEMA = pa.schema([
+# The columns a message may lack (a property it does not carry); every other column is never null, and
+# non-nullable here: Parquet stores it `required`, with no definition levels to write (with data pages v2,
+# write_catalog on 2.49M rows of the 16M store: 0.579 -> 0.527 us a row, medians of 5 interleaved, each
+# pair 0.041-0.053 less; 3.354 -> 3.349 B a row). The four readers take files of either kind in one
+# catalog, in any order: one written before (every column `optional`, pages v1) and extended later reads alike.
+NULLABLE = frozenset({"tags", "keys", "uniqKey", "realTopic", "realQueueId"})
+SCHEMA = pa.schema([pa.field(name, type_, name in NULLABLE) for name, type_ in [
     ("commitLogOffset", pa.int64()), ("msgSize", pa.int32()), ("queueId", pa.int32()),
     ("queueOffset", pa.int64()), ("storeTime", _UTC_MS), ("bornTime", _UTC_MS), ("tags", pa.string()),
     ("tagsCode", pa.int64()), ("sysFlag", pa.int32()), ("keys", pa.list_(pa.string())), ("uniqKey", pa.string()),
     ("msgId", pa.string()), ("realTopic", pa.string()), ("realQueueId", pa.int32()), ("bodySize", pa.int32()),
-])
-BODY_FIELD = pa.field("body", pa.binary())
+]])
+BODY_FIELD = pa.field("body", pa.binary(), nullable=False)
 # the last two columns of every file, constant in it: added by the writer, not staged with each window's rows
-GROUP_FIELDS = [pa.field("topic", pa.string()), pa.field("date", pa.date32())]
+GROUP_FIELDS = [pa.field("topic", pa.string(), nullable=False), pa.field("date", pa.date32(), nullable=False)]
 
 # docs/backfill.md's examples, over `spark.read.option("recursiveFileLookup", "true").parquet(PATH)
 # .createOrReplaceTempView("catalog")`.
@@ -269,9 +275,11 @@ class ParquetOut:
     def write(self, table: pa.Table) -> None:
         self._held.append(table)
         self._held_rows += table.num_rows
-        self._held_bytes += table.nbytes
-        if self._held_rows >= ROW_GROUP_ROWS or self._held_bytes >= ROW_GROUP_BYTES:
+        self._held_bytes += table.get_total_buffer_size()  # nbytes: 46 us a call (a window's group, 2440 rows)
+        if self._held_bytes >= ROW_GROUP_BYTES:
             self._flush()
+        elif self._held_rows >= ROW_GROUP_ROWS:
+            self._flush(rest=False)
 
     def _constant_columns(self, n: int) -> list[pa.Array]:
         """`topic` and `date` for n rows, built once for the largest row group and sliced (pa.repeat: 0.5 s
@@ -283,11 +291,17 @@ class ParquetOut:
             self._constants = [topic, date]
         return [c.slice(0, n) for c in self._constants]
 
-    def _flush(self) -> None:
+    def _flush(self, rest: bool = True) -> None:
+        """Write the held rows in row groups of ROW_GROUP_ROWS; without `rest`, the rows past the last whole
+        one stay held for the next (written, they made a row group of their own: 131072, 201, 131072, 2304,
+        46074 rows in a file of 310723)."""
         if not self._held:
             return
         table = pa.concat_tables(self._held)
-        self._held, self._held_rows, self._held_bytes = [], 0, 0
+        tail = 0 if rest else table.num_rows % ROW_GROUP_ROWS
+        self._held = [table.slice(table.num_rows - tail)] if tail else []
+        self._held_rows, self._held_bytes = tail, self._held[0].nbytes if tail else 0
+        table = table.slice(0, table.num_rows - tail)
         step = min(table.num_rows, self._constant_rows())
         for at in range(0, table.num_rows, step):
             part = table.slice(at, step)
@@ -297,7 +311,8 @@ class ParquetOut:
                 self.filesystem.create_dir(os.path.dirname(self.path), recursive=True)
                 self._writer = pq.ParquetWriter(self.path, part.schema, filesystem=self.filesystem,
                                                 compression="zstd", use_dictionary=DICTIONARY_COLUMNS,
-                                                column_encoding=DELTA_COLUMNS, write_statistics=[
+                                                column_encoding=DELTA_COLUMNS, data_page_version="2.0",
+                                                write_statistics=[
                                                     n for n in part.schema.names if n not in NO_STATISTICS])
             self._writer.write_table(part, row_group_size=ROW_GROUP_ROWS)
 

@@ -426,8 +426,10 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
             for r in ranges:
                 for blob in r.catalog_blobs((topic, day)):
                     table = read_group(blob, with_body)
-                    if work.covered:
-                        table = table.filter(pa.array(uncovered(table, work.covered)))
+                    if work.covered:  # a group wholly outside the ranges the catalog holds is taken as it is
+                        keep = uncovered(table, work.covered)
+                        if not keep.all():
+                            table = table.filter(pa.array(keep)) if keep.any() else table.slice(0, 0)
                     if table.num_rows:
                         writer.write(table)
                         rows += table.num_rows
