@@ -1,7 +1,7 @@
 """What a backfill message costs, and how much of the job runs in parallel (issue 29's table).
 
     .venv/bin/python bench/backfill_cost.py [--workdir bench/results/suite] [--data-set 256b-1key-16m] [--scale 1]
-        [--master local[2]] [--catalog] [--rounds 3]
+        [--master local[2]] [--catalog] [--rounds 5]
 
 CPU-seconds of the whole process tree (the reputd driver, the Spark JVM, the Python workers: sampled from
 /proc, so a JVM that py4j leaves to init is counted too), not wall time: the machine is shared. Rows:
@@ -54,7 +54,7 @@ from bench.bench_suite import (  # noqa: E402
 )
 
 FIXED_MESSAGES = 10_000
-DEFAULT_ROUNDS = 3
+DEFAULT_ROUNDS = 5
 KINDS = ("driver", "jvm", "python_workers")
 TARGETS = {"marginal_vs_rebuild": 2.0, "serial_fraction": 0.10, "fixed_cpu_s": 8.0, "catalog_extra_us": 1.0}
 
@@ -205,7 +205,11 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool,
     (with `catalog`) the whole backfill with a catalog, one after the other: a round's ratios compare runs
     made within a minute of each other, and the table gives each figure's median over the rounds with the
     rounds' range beside it. On this shared 2-core machine one run of the same backfill moved by 20% between
-    two hours; the median of interleaved rounds is what a second `make bench` repeats."""
+    two hours, and consecutive runs by as much: the virtual machine hands memory that stayed free for a
+    while back to its host (`page_reporting` on the kernel's command line), and touching it again costs
+    several times more (1 GiB written into new page-cache pages: 0.75-1.25 s of system time, against 0.24
+    for pages freed a moment before), so a run's cost depends on what ran before it. The median of five
+    interleaved rounds is what a second `make bench` repeats."""
     slots = int(master.split("[")[1].split("]", maxsplit=1)[0].split(",", maxsplit=1)[0]) if "[" in master else 2
     store, messages = ensure_data_set(work, data_set, scale)
     reference = work / "out" / "cost-reference"

@@ -759,7 +759,7 @@ def main() -> int:
     if "backfill-cost" in wanted:
         from bench.backfill_cost import measure  # noqa: PLC0415
 
-        cost = measure(work, COST_DATA_SET, scale, "local[2]", catalog=True, rounds=1 if args.quick else 3)
+        cost = measure(work, COST_DATA_SET, scale, "local[2]", catalog=True, rounds=1 if args.quick else 5)
     lmq_ratio(results)
     print_table(results)
     if cost is not None:
