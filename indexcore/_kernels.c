@@ -1019,6 +1019,8 @@ static PyObject *py_link_chains(PyObject *self, PyObject *args) {
     int32_t *last = v[1].buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PUT_KEYS_PREFETCH < n)  /* `last` is a random read in a table of megabytes, as a put's slots */
+            __builtin_prefetch(last + slot[i + PUT_KEYS_PREFETCH], 1);
         if (last[slot[i]] != INVALID_INDEX)
             put_be(entries + INDEX_ENTRY_SIZE * (int64_t)first[i] + 16, (uint64_t)last[slot[i]], 4);
         last[slot[i]] = end[i];

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from daemon.backfill.ranges import NO_CREATOR
 from daemon.backfill.stage import KEY_DTYPE
+from daemon.backfill.writers import read_chain_ends, write_chain_ends
 from indexcore import _kernels
 from indexcore.indexfile import FIRST_INDEX, HASH_SLOT_SIZE, INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE, index_file_size
 
@@ -166,3 +167,21 @@ def test_link_chains_refuses_an_entry_or_slot_outside_the_file() -> None:
                                  np.array([slot], np.int32), np.array([1], np.int32))
     assert not any(file)
     assert not last.any()
+
+
+@pytest.mark.parametrize("n", [0, 1, 1000])
+def test_chain_ends_read_back_as_written(tmp_path, n):
+    rng = np.random.default_rng(n)
+    columns = [rng.integers(0, 2**31 - 1, n, dtype=np.int64) for _ in range(3)]
+    path = str(tmp_path / "chunk.ends")
+    write_chain_ends(path, *columns)
+    got = read_chain_ends(path)
+    assert list(got) == ["first_entry", "slot", "last_entry"]
+    for column, want in zip(got.values(), columns, strict=True):
+        assert column.dtype == np.int32
+        assert column.tolist() == want.tolist()
+    if n:
+        with open(path, "r+b") as f:
+            f.truncate(24 + 4 * (3 * n - 1))
+        with pytest.raises(ValueError, match=f"{path}: {3 * n - 1} of {3 * n} chain ends"):
+            read_chain_ends(path)

@@ -363,14 +363,17 @@ def write_chain_ends(path: str, *columns: np.ndarray) -> None:
 
 
 def read_chain_ends(path: str) -> dict[str, np.ndarray]:
-    """What `write_chain_ends` wrote, as native int32 columns."""
+    """What `write_chain_ends` wrote, as native int32 columns: read once into one array whose parts they are (not
+    read into bytes and copied again per column: the driver reads some 10 bytes a key this way)."""
     with open(path, "rb") as f:
-        raw = f.read()
-    lengths = np.frombuffer(raw, dtype="<i8", count=len(_CHAIN_ENDS)).tolist()
-    out, at = {}, 8 * len(_CHAIN_ENDS)
+        lengths = np.fromfile(f, dtype="<i8", count=len(_CHAIN_ENDS)).tolist()
+        data = np.fromfile(f, dtype="<i4", count=sum(lengths)).astype(np.int32, copy=False)
+    if len(data) != sum(lengths):
+        raise ValueError(f"{path}: {len(data)} of {sum(lengths)} chain ends")
+    out, at = {}, 0
     for name, n in zip(_CHAIN_ENDS, lengths, strict=True):
-        out[name] = np.frombuffer(raw, dtype="<i4", count=n, offset=at).astype(np.int32)
-        at += 4 * n
+        out[name] = data[at : at + n]
+        at += n
     return out
 
 
