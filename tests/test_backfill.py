@@ -968,3 +968,38 @@ def test_cli_backfill_interrupted_during_start_up_leaves_nothing_running(generat
         time.sleep(0.02)  # until Spark's launcher has started (a process below reputd)
     _interrupted_leaving_nothing(proc, marker, sig, after, ("Traceback", "Exception", "\tat ", "py4j", "ERROR"))
     assert not (tmp_path / "out" / STAGING_DIR).exists()
+
+
+def test_a_signal_during_the_write_job_stops_the_commit_and_one_during_the_commit_lets_it_end():
+    """The cancel can reach Spark before the write job starts, which then runs whole: the signal is checked
+    again as the commit begins (it had linked the files into place, then said "reputd: interrupted" with
+    exit 130). A signal once the commit began lets it and the backfill end as done (no half-committed
+    output)."""
+    from daemon.backfill.interrupt import Interrupt
+
+    cancelled = []
+
+    class Context:
+        def cancelJobGroup(self, group):  # PySpark's name
+            cancelled.append(group)
+
+    for committing_first in (False, True):
+        interrupt = Interrupt(own=True)
+        try:
+            interrupt.arm(Context(), "g")
+            if committing_first:
+                interrupt.committing()
+                os.kill(os.getpid(), signal.SIGINT)
+                assert interrupt.committed()
+                assert interrupt.signal == signal.SIGINT
+            else:
+                os.kill(os.getpid(), signal.SIGINT)
+                with pytest.raises(KeyboardInterrupt):
+                    interrupt.committing()
+                assert not interrupt.committed()
+        finally:
+            interrupt.disarm()
+    deadline = time.monotonic() + 10
+    while not cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cancelled == ["g"]
