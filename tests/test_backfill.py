@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import platform
@@ -931,30 +933,11 @@ def test_py4j_tracebacks_on_the_root_logger_are_kept_out(caplog):
 def test_cli_backfill_interrupted_mid_job_exits_130_cleanly(generated, tmp_path, sig):
     """Ctrl-C (or a service manager's SIGTERM) while a Spark job runs: the jobs are cancelled, the staging
     directory removed, nothing written, exit 130 with one line. PySpark's own SIGINT handler called into
-    the JVM from inside a JVM call: py4j printed three tracebacks; SIGTERM killed the command outright."""
-    tmp, _, _ = generated
-    config = config_file(tmp_path, "out", tmp / "store")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
-    proc = subprocess.Popen([*REPUTD, "backfill", "--config", str(config), "--master", "local[1]", "--conf",
-                             "spark.ui.enabled=false"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
-    seen: list[str] = []
-
-    def read_stderr() -> None:
-        seen.extend(proc.stderr)
-
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 120
-    while not any("decoding" in line for line in seen) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, "".join(seen)
-    proc.send_signal(sig)
-    proc.wait(timeout=120)
-    reader.join(timeout=10)
-    err = "".join(seen)
-    assert proc.returncode == 130, err
-    assert "Traceback" not in err
+    the JVM from inside a JVM call: py4j printed three tracebacks; SIGTERM killed the command outright.
+    The signal goes while the decode job's first task runs, its tree held until then (it cannot end first)."""
+    proc, marker = _marked_backfill(generated, tmp_path, "BACKFILL_MID_JOB", sig, None)
+    err = _interrupted_leaving_nothing(proc, marker, sig, None, ("Traceback",),
+                                       task=tmp_path / "out" / STAGING_DIR / "*" / "r*-a*")  # a range's decode
     assert err.rstrip().endswith("reputd: interrupted"), err[-2000:]
     out = tmp_path / "out"
     assert not (out / STAGING_DIR).exists()
@@ -989,15 +972,95 @@ def _marked_backfill(generated, tmp_path, tag: str, sig, after: float) -> tuple[
     return proc, marker
 
 
-def _interrupted_leaving_nothing(proc: subprocess.Popen, marker: str, sig, after: float, traces) -> str:
-    """`sig` to the backfill `after` seconds from now: exit 130, none of `traces` in stderr, which ends with
-    the one line, and no process of its tree left. Returns stderr."""
-    time.sleep(after)
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip(f"the backfill finished within {after} s")  # never seen here: start-up alone takes longer
+def _hold_tree(proc: subprocess.Popen, marker: str) -> list[int]:
+    """SIGSTOP the backfill, then every process of its tree (the Spark launcher, the JVM, its Python workers):
+    nothing of it runs until `_release`. The backfill first, at once: stopped, it can neither start a job
+    nor take a finished one's result."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    held = [proc.pid]
+    for pid in _marked_processes(marker):
+        if pid != proc.pid:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                held.append(pid)
+            except ProcessLookupError:
+                continue
+    return held
+
+
+def _release(held: list[int]) -> None:
+    for pid in reversed(held):  # the backfill last, its pending signal then handled at once
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            continue
+
+
+def _interrupted_leaving_nothing(proc: subprocess.Popen, marker: str, sig, after: float | None, traces,
+                                 task: Path | None = None) -> str:
+    """`sig` to the backfill `after` seconds from now, or (`after` None) the moment a task of a Spark job runs,
+    the first path matching the glob `task` (a task's staging directory): exit 130, none of `traces` in
+    stderr, which ends with the one line, and no process of its tree left. Returns stderr.
+
+    The backfill cannot end before its signal, however fast the machine: at the moment `after` None waits
+    for, or else as it prints "decoding" (before its first job) with its signal not yet sent, its whole tree
+    is stopped (SIGSTOP) until the signal is sent, then continued (SIGCONT): a signal late for start-up lands
+    during the jobs, never after the end. (A fixed delay let a faster backfill exit 0 first.)"""
+    lines: list[str] = []
+    lock = threading.Lock()
+    held: list[int] = []
+    holding = threading.Event()
+    sent = False
+
+    def hold() -> None:
+        with lock:
+            if not sent and not holding.is_set():
+                held.extend(_hold_tree(proc, marker))
+                holding.set()
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if task is None and "decoding " in line:
+                hold()
+
+    def watch_tasks() -> None:
+        while not holding.is_set() and proc.poll() is None:
+            if glob.glob(str(task)):
+                hold()
+            time.sleep(0.002)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    if task is not None:
+        threading.Thread(target=watch_tasks, daemon=True).start()
+    drain = threading.Thread(target=proc.stdout.read, daemon=True)  # a full pipe must not stall the backfill
+    drain.start()
+    try:
+        if after is None:
+            deadline = time.monotonic() + 120
+            while not holding.wait(0.01) and proc.poll() is None and time.monotonic() < deadline:
+                pass
+            assert holding.is_set(), f"no task {task} seen before the backfill ended ({proc.poll()}): {''.join(lines)}"
+        else:
+            time.sleep(after)
+        with lock:
+            ended = proc.poll()
+            assert ended is None, f"the backfill ended (exit {ended}) before its signal: {''.join(lines)}"
+            proc.send_signal(sig)
+            sent = True
+            _release(held)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:  # a failed assertion: nothing of it is left stopped or running
+            _release(held)
+            for pid in [proc.pid, *_marked_processes(marker)]:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        reader.join(timeout=10)
+        drain.join(timeout=10)
+    err = "".join(lines)
     assert proc.returncode == 130, err
     for trace in traces:
         assert trace not in err, err
@@ -1011,21 +1074,24 @@ def _interrupted_leaving_nothing(proc: subprocess.Popen, marker: str, sig, after
 
 @pytest.mark.parametrize(("sig", "after"), [(signal.SIGTERM, 0.0), (signal.SIGINT, 0.05), (signal.SIGTERM, 0.1),
                                             (signal.SIGINT, 0.2), (signal.SIGTERM, 0.5), (signal.SIGINT, 1.0),
-                                            (signal.SIGTERM, 2.0), (signal.SIGINT, 5.0)],
+                                            (signal.SIGTERM, 2.0), (signal.SIGINT, None)],
                          ids=["term-0s", "int-0.05s", "term-0.1s", "int-0.2s", "term-0.5s", "int-1s", "term-2s",
-                              "int-5s"])
+                              "int-writing"])
 def test_cli_backfill_signal_from_its_first_instant_is_one_line(generated, tmp_path, sig, after):
     """A signal `after` seconds from the moment the command first handles signals (its first lines of
     Python, while it still imports its modules): one line, exit 130, nothing left running or staged. A
     SIGINT in the first ~0.2 s printed a KeyboardInterrupt traceback (the imports ran before any handling)
     and a SIGTERM ended it with 143, silent. The interpreter's own start, before reputd runs a line, stays
-    the signal's: the process ends of it (a shell shows 130 for SIGINT)."""
+    the signal's: the process ends of it (a shell shows 130 for SIGINT). `after` None: while a task of its
+    last job, the writers', runs (a fixed 5 s let a faster backfill end first)."""
     proc, marker = _marked_backfill(generated, tmp_path, "BACKFILL_EARLY_SIGNAL", sig, after)
+    writing = tmp_path / "out" / STAGING_DIR / "*" / "index-p*"  # a task of the write job (its IndexFiles first)
     deadline = time.monotonic() + 60
     while proc.poll() is None and not catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
         time.sleep(0.001)
     err = _interrupted_leaving_nothing(proc, marker, sig, after,
-                                       ("Traceback", "KeyboardInterrupt", "Exception", "\tat ", "py4j", "ERROR"))
+                                       ("Traceback", "KeyboardInterrupt", "Exception", "\tat ", "py4j", "ERROR"),
+                                       task=None if after is not None else writing)
     assert err.count("reputd: interrupted") == 1, err
     out = tmp_path / "out"
     assert not (out / STAGING_DIR).exists()
@@ -1046,3 +1112,38 @@ def test_cli_backfill_interrupted_during_start_up_leaves_nothing_running(generat
         time.sleep(0.02)  # until Spark's launcher has started (a process below reputd)
     _interrupted_leaving_nothing(proc, marker, sig, after, ("Traceback", "Exception", "\tat ", "py4j", "ERROR"))
     assert not (tmp_path / "out" / STAGING_DIR).exists()
+
+
+def test_a_signal_during_the_write_job_stops_the_commit_and_one_during_the_commit_lets_it_end():
+    """The cancel can reach Spark before the write job starts, which then runs whole: the signal is checked
+    again as the commit begins (it had linked the files into place, then said "reputd: interrupted" with
+    exit 130). A signal once the commit began lets it and the backfill end as done (no half-committed
+    output)."""
+    from daemon.backfill.interrupt import Interrupt
+
+    cancelled = []
+
+    class Context:
+        def cancelJobGroup(self, group):  # PySpark's name
+            cancelled.append(group)
+
+    for committing_first in (False, True):
+        interrupt = Interrupt(own=True)
+        try:
+            interrupt.arm(Context(), "g")
+            if committing_first:
+                interrupt.committing()
+                os.kill(os.getpid(), signal.SIGINT)
+                assert interrupt.committed()
+                assert interrupt.signal == signal.SIGINT
+            else:
+                os.kill(os.getpid(), signal.SIGINT)
+                with pytest.raises(KeyboardInterrupt):
+                    interrupt.committing()
+                assert not interrupt.committed()
+        finally:
+            interrupt.disarm()
+    deadline = time.monotonic() + 10
+    while not cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cancelled == ["g"]

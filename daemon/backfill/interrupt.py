@@ -60,6 +60,9 @@ class Interrupt:
     * during the jobs (`arm`): they are cancelled from another thread and the job that fails of it ends the
       backfill (PySpark's handler called into the JVM from the thread the signal interrupts, which is inside a
       call to the JVM: py4j then printed three tracebacks); a second signal kills Spark's processes at once;
+    * once the commit begins (`committing`, which first raises a signal that came during the write job: the
+      cancel can reach Spark before that job starts, which then runs whole): the commit and the stop go on
+      and the backfill ends as done (a signal then had made it say "interrupted" over a committed output);
     * while the session stops (`stopping`): the stop goes on.
 
     For a caller's session, and off the main thread (where no handler can be set), it does nothing."""
@@ -102,6 +105,13 @@ class Interrupt:
     def arm(self, sc, group: str) -> None:
         self._sc, self._group = sc, group
         self._state = "running"
+
+    def committing(self) -> None:
+        self.check()
+        self._state = "committing"
+
+    def committed(self) -> bool:
+        return self._state == "committing"
 
     def stopping(self) -> None:
         self._state = "stopping"

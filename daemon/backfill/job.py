@@ -134,13 +134,13 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
                                   staging_root(out, job_id), dledger_from)
         job = Phases(config, spark, out, job_id, summary, settings, say, log, fault, s3)
         job.catalog_covered = catalog_covered
+        job.before_commit = interrupt.committing
         if tasks:
             plan = job.decode(tasks, listing, start, to_offset, from_offset is not None)
             interrupt.check()
             job.write(plan, build_cq, build_index, catalog)
-            interrupt.check()
     except Exception as e:
-        if interrupt.signal is not None:
+        if interrupt.signal is not None and not interrupt.committed():
             raise KeyboardInterrupt from None  # the jobs failed because the signal cancelled them
         if isinstance(e, StoreError | ValueError | OSError):
             raise

@@ -9,7 +9,7 @@ import itertools
 import os
 import pickle
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pyarrow import fs
@@ -121,6 +121,7 @@ class Phases:
         self.say = say
         self.log = log
         self.fault = fault
+        self.before_commit: Callable[[], None] = lambda: None  # the last moment a signal still stops the backfill
         self.s3 = s3
         self.work_files = 0  # the work items of each job, in a file of the staging root
         self.catalog_covered: tuple[tuple[int, int], ...] = ()
@@ -230,6 +231,7 @@ class Phases:
             for row in rows:
                 results[row.kind].append(pickle.loads(row.value))
         self._timed("write", t0)
+        self.before_commit()
         t0 = time.perf_counter()
         self._commit(results, build_cq, build_index, catalog)
         self._timed("commit", t0)
