@@ -1134,13 +1134,13 @@ def test_a_signal_during_the_write_job_stops_the_commit_and_one_during_the_commi
             if committing_first:
                 interrupt.committing()
                 os.kill(os.getpid(), signal.SIGINT)
-                assert interrupt.committed()
+                assert interrupt.commit_began()
                 assert interrupt.signal == signal.SIGINT
             else:
                 os.kill(os.getpid(), signal.SIGINT)
                 with pytest.raises(KeyboardInterrupt):
                     interrupt.committing()
-                assert not interrupt.committed()
+                assert not interrupt.commit_began()
         finally:
             interrupt.disarm()
     deadline = time.monotonic() + 10

@@ -300,6 +300,7 @@ class ParquetOut:
         table = pa.concat_tables(self._held)
         tail = 0 if rest else table.num_rows % ROW_GROUP_ROWS
         self._held = [table.slice(table.num_rows - tail)] if tail else []
+        # nbytes: a slice's own bytes (get_total_buffer_size counts the whole buffers it shares), once a flush
         self._held_rows, self._held_bytes = tail, self._held[0].nbytes if tail else 0
         table = table.slice(0, table.num_rows - tail)
         step = min(table.num_rows, self._constant_rows())

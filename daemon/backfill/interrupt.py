@@ -107,10 +107,11 @@ class Interrupt:
         self._state = "running"
 
     def committing(self) -> None:
+        """The last moment a signal stops the backfill: from here on the commit and the stop go on."""
         self.check()
         self._state = "committing"
 
-    def committed(self) -> bool:
+    def commit_began(self) -> bool:
         return self._state == "committing"
 
     def stopping(self) -> None:

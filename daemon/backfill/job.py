@@ -140,7 +140,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
             interrupt.check()
             job.write(plan, build_cq, build_index, catalog)
     except Exception as e:
-        if interrupt.signal is not None and not interrupt.committed():
+        if interrupt.signal is not None and not interrupt.commit_began():
             raise KeyboardInterrupt from None  # the jobs failed because the signal cancelled them
         if isinstance(e, StoreError | ValueError | OSError):
             raise
