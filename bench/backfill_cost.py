@@ -207,9 +207,9 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool,
     rounds' range beside it. On this shared 2-core machine one run of the same backfill moved by 20% between
     two hours, and consecutive runs by as much: the virtual machine hands memory that stayed free for a
     while back to its host (`page_reporting` on the kernel's command line), and touching it again costs
-    several times more (1 GiB written into new page-cache pages: 0.75-1.25 s of system time, against 0.24
-    for pages freed a moment before), so a run's cost depends on what ran before it. The median of five
-    interleaved rounds is what a second `make bench` repeats."""
+    several times more (1 GiB written into page-cache pages: 1.06-1.20 s of system time after 10-30 s idle,
+    against 0.23-0.27 right after the last GiB was freed), so a run's cost depends on what ran before it.
+    The median of five interleaved rounds is what a second `make bench` repeats."""
     slots = int(master.split("[")[1].split("]", maxsplit=1)[0].split(",", maxsplit=1)[0]) if "[" in master else 2
     store, messages = ensure_data_set(work, data_set, scale)
     reference = work / "out" / "cost-reference"

@@ -431,8 +431,10 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
                     table = read_group(blob, with_body)
                     if work.covered:  # a group wholly outside the ranges the catalog holds is taken as it is
                         keep = uncovered(table, work.covered)
+                        if not keep.any():
+                            continue
                         if not keep.all():
-                            table = table.filter(pa.array(keep)) if keep.any() else table.slice(0, 0)
+                            table = table.filter(pa.array(keep))
                     if table.num_rows:
                         writer.write(table)
                         rows += table.num_rows
