@@ -284,8 +284,7 @@ def _figures(runs: list[dict], catalog: bool) -> dict[str, list[float]]:
         "marginal_ratio": each(lambda r: r["marginal_us"] / r["rebuild_us"]),
         "decode_us": each(lambda r: r["decode_us"]),
         "write_us": each(lambda r: r["write_us"]),
-        "jvm_bytes": each(lambda r: (r["full"]["summary"]["arrowBytesToJvm"]
-                                     + r["full"]["summary"]["arrowBytesFromJvm"]) / r["full"]["summary"]["messages"]),
+        "jvm_bytes": each(lambda r: r["full"]["summary"]["bytesToJvm"] / r["full"]["summary"]["messages"]),
         "staged_bytes": each(lambda r: r["full"]["summary"].get("stagedBytes", 0) / r["full"]["summary"]["messages"]),
     }
     for kind in KINDS:

@@ -20,14 +20,24 @@ _OUTCOMES: dict[str, dict[str, list[str]]] = {}
 
 @pytest.fixture(scope="session")
 def spark():
-    """One local Spark for every backfill test: 2 cores, 3 attempts per task (so a failed attempt is retried)."""
-    from daemon.backfill import create_session
+    """One local Spark context for every backfill test, as the backfill makes it: 2 cores, 3 attempts per task
+    (so a failed attempt is retried)."""
+    from daemon.backfill import create_context
 
-    session = create_session("local[2,3]", {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
-                                            "spark.driver.memory": "512m", "spark.default.parallelism": "2",
-                                            "spark.sql.shuffle.partitions": "2"})
-    yield session
-    session.stop()
+    sc = create_context("local[2,3]", {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
+                                       "spark.driver.memory": "512m", "spark.default.parallelism": "2",
+                                       "spark.sql.shuffle.partitions": "2"})
+    yield sc
+    sc.stop()
+
+
+@pytest.fixture
+def spark_sql(spark):
+    """A SparkSession on the tests' context, for what reads the catalog as an operator's Spark does (the
+    backfill itself runs RDD jobs and needs none)."""
+    from pyspark.sql import SparkSession
+
+    return SparkSession.builder.getOrCreate()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

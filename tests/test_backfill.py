@@ -373,7 +373,8 @@ def test_write_task_seconds_count_the_catalog_writers(spark, generated, tmp_path
     assert config.store.message_index_enable is False
 
 
-def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_documented_queries(spark, generated, tmp_path):
+def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_documented_queries(spark, spark_sql, generated,
+                                                                                           tmp_path):
     """--catalog: one Parquet row per dispatched message with typed camelCase columns, one file per (topic,
     day), and docs/backfill.md's two Spark SQL queries give the answers the store holds."""
     tmp, results, _ = generated
@@ -386,7 +387,7 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_documented_
     assert len(files) == 4 == summary.files["catalog"]
     assert sorted(p.name for p in (catalog / "_reputd-backfills").iterdir()) == [f"{0:020d}-{summary.end_offset:020d}"]
     assert not (catalog / "_reputd-staging").exists()
-    rows = read_catalog(spark, catalog)
+    rows = read_catalog(spark_sql, catalog)
     types = dict(rows.dtypes)
     assert types["storeTime"] == types["bornTime"] == "timestamp"
     assert types["keys"] == "array<string>"
@@ -403,20 +404,20 @@ def test_catalog_is_typed_one_file_per_topic_and_day_and_answers_the_documented_
     assert (delayed.realTopic, delayed.realQueueId) == ("TopicA", 2)
     assert rows.filter("realTopic IS NOT NULL AND topic != 'SCHEDULE_TOPIC_XXXX'").count() == 0
     rows.createOrReplaceTempView("catalog")
-    key_hits = spark.sql(CATALOG_QUERIES["key"].format(topic="TopicB", key="k7-2😀", start="2023-11-01",
+    key_hits = spark_sql.sql(CATALOG_QUERIES["key"].format(topic="TopicB", key="k7-2😀", start="2023-11-01",
                                                        end="2023-12-01")).collect()
     assert [r.commitLogOffset for r in key_hits] == [results[7].phy_offset]
-    per_day = {(r.topic, str(r.date)): r.messages for r in spark.sql(CATALOG_QUERIES["per_day"]).collect()}
+    per_day = {(r.topic, str(r.date)): r.messages for r in spark_sql.sql(CATALOG_QUERIES["per_day"]).collect()}
     assert per_day == {(t, "2023-11-14"): sum(1 for r in results if r.topic == t) for t in {r.topic for r in results}}
     readme = (Path(__file__).resolve().parents[1] / "docs" / "backfill.md").read_text()
     for query in CATALOG_QUERIES.values():
         assert " ".join(query.split()) in " ".join(readme.split())
 
 
-def read_catalog(spark, catalog: Path):
+def read_catalog(spark_sql, catalog: Path):
     """docs/backfill.md's reading: the directories are not `key=value`, so Spark reads below PATH only
     with recursiveFileLookup (without it: UNABLE_TO_INFER_SCHEMA)."""
-    return spark.read.option("recursiveFileLookup", "true").parquet(str(catalog))
+    return spark_sql.read.option("recursiveFileLookup", "true").parquet(str(catalog))
 
 
 # each reader's type names, as Spark's
@@ -427,7 +428,7 @@ DUCKDB_TYPES = {"BIGINT": "bigint", "INTEGER": "int", "TIMESTAMP WITH TIME ZONE"
                 "DATE": "date", "VARCHAR[]": "array<string>", "BLOB": "binary"}
 
 
-def catalog_by_reader(spark, catalog: Path) -> dict[str, tuple[list[tuple[str, str]], list[tuple[int, str, str]]]]:
+def catalog_by_reader(spark_sql, catalog: Path) -> dict[str, tuple[list[tuple[str, str]], list[tuple[int, str, str]]]]:
     """What each reader, opening a catalog as docs/backfill.md says, makes of it: its columns in order with
     their types (as Spark names them), and (commitLogOffset, topic, date) of every row."""
     import datetime
@@ -461,7 +462,7 @@ def catalog_by_reader(spark, catalog: Path) -> dict[str, tuple[list[tuple[str, s
     seen["duckdb"] = ([(n, DUCKDB_TYPES[t]) for n, t in zip(names, types, strict=True)],
                       triples((r[at["commitLogOffset"]] for r in got), (r[at["topic"]] for r in got),
                               (r[at["date"]] for r in got)))
-    frame_ = read_catalog(spark, catalog)
+    frame_ = read_catalog(spark_sql, catalog)
     rows = frame_.collect()
     seen["spark"] = (frame_.dtypes, triples((r.commitLogOffset for r in rows), (r.topic for r in rows),
                                             (r.date for r in rows)))
@@ -487,14 +488,14 @@ def test_a_catalog_with_bodies_holds_each_messages_body(spark, generated, tmp_pa
                                          * (number[r["commitLogOffset"]] * 37 % 400) for r in rows]
 
 
-def test_the_catalog_opens_in_pandas_pyarrow_duckdb_and_spark_alike(spark, generated, tmp_path):
+def test_the_catalog_opens_in_pandas_pyarrow_duckdb_and_spark_alike(spark, spark_sql, generated, tmp_path):
     """The same 17 columns, in the same order with the same types, and the same rows in all four readers:
     `topic` and `date` are stored in the files only, under directories that are not `key=value` (inferred
     from `topic=T/date=D/` names, `date` was a string in pyarrow and `topic` a category in pandas)."""
     tmp, results, _ = generated
     catalog = tmp_path / "catalog"
     backfill(make_config(tmp_path, "out", tmp / "store"), spark=spark, catalog=str(catalog))
-    seen = catalog_by_reader(spark, catalog)
+    seen = catalog_by_reader(spark_sql, catalog)
     expected = sorted((r.phy_offset, r.topic, "2023-11-14") for r in results)
     columns = [(f.name, ARROW_TYPES[str(f.type)]) for f in [*SCHEMA, *GROUP_FIELDS]]
     assert len(columns) == 17
@@ -504,10 +505,10 @@ def test_the_catalog_opens_in_pandas_pyarrow_duckdb_and_spark_alike(spark, gener
         assert rows == expected, reader
     # without recursiveFileLookup Spark finds no file to infer a schema from (no partition directories)
     with pytest.raises(Exception, match="UNABLE_TO_INFER_SCHEMA"):
-        spark.read.parquet(str(catalog))
+        spark_sql.read.parquet(str(catalog))
 
 
-def test_topic_directories_are_path_safe_and_distinct(spark, tmp_path):
+def test_topic_directories_are_path_safe_and_distinct(spark, spark_sql, tmp_path):
     """A topic's directory escapes what would make readers skip it (a leading "." or "_"), read it as a
     partition column ("=") or as a path or glob ("/", "%", "*"); the `topic` column keeps the real name,
     so every reader gives each row its topic."""
@@ -532,7 +533,7 @@ def test_topic_directories_are_path_safe_and_distinct(spark, tmp_path):
     assert not any(d[0] in "._" or "=" in d or "/" in d or "*" in d for d in dirs)
     assert max(len(d.encode()) for d in dirs) <= 255
     assert sorted(p.parent.parent.name for p in catalog.rglob("*.parquet")) == sorted(dirs)
-    seen = catalog_by_reader(spark, catalog)
+    seen = catalog_by_reader(spark_sql, catalog)
     for reader, (types, rows) in seen.items():
         assert types == [("commitLogOffset", "bigint"), ("topic", "string"), ("date", "date")], reader
         assert rows == [(i, t, "2023-11-14") for i, t in enumerate(topics)], reader
@@ -560,7 +561,7 @@ def test_catalog_files_hold_whole_row_groups(tmp_path, monkeypatch):
     assert set(table.column("topic").to_pylist()) == {"T"}
 
 
-def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_path):
+def test_a_catalog_is_extended_exactly_by_later_backfills(spark, spark_sql, generated, tmp_path):
     """A second backfill over later segments appends to the catalog's day partitions; one over a range it
     holds in part adds only the rest; a rerun of the same range adds nothing."""
     tmp, results, _ = generated
@@ -574,7 +575,7 @@ def test_a_catalog_is_extended_exactly_by_later_backfills(spark, generated, tmp_
     assert again.files["catalog"] == 0
     assert sorted(p.relative_to(catalog) for p in catalog.rglob("*.parquet")) == before
     backfill(make_config(tmp_path, "d", tmp / "store"), spark=spark, catalog=str(catalog))  # overlaps [0, 2/3)
-    rows = read_catalog(spark, catalog).select("commitLogOffset").collect()
+    rows = read_catalog(spark_sql, catalog).select("commitLogOffset").collect()
     assert sorted(r.commitLogOffset for r in rows) == [r.phy_offset for r in results]
     assert not (catalog / "_reputd-staging").exists()
 
@@ -597,7 +598,7 @@ def as_written_before_required_columns(catalog: Path) -> None:
 
 
 @pytest.mark.parametrize("earlier_first", [True, False])
-def test_a_catalog_written_before_required_columns_reads_alike_once_extended(spark, generated, tmp_path,
+def test_a_catalog_written_before_required_columns_reads_alike_once_extended(spark, spark_sql, generated, tmp_path,
                                                                             earlier_first):
     """A catalog whose files hold every column `optional` (reputd before the never-null columns were
     `required`, data pages v1), extended by this reputd (`required` columns, data pages v2): all four
@@ -621,17 +622,17 @@ def test_a_catalog_written_before_required_columns_reads_alike_once_extended(spa
         assert pq.ParquetFile(path).schema_arrow.field("msgId").nullable == (path in old)
     for day in {p.parent for p in old} & {p.parent for p in new}:  # the file a reader lists first there
         assert (min(day.glob("*.parquet")) in old) == earlier_first
-    seen = catalog_by_reader(spark, catalog)
+    seen = catalog_by_reader(spark_sql, catalog)
     expected = sorted((r.phy_offset, r.topic, "2023-11-14") for r in results)
     columns = [(f.name, ARROW_TYPES[str(f.type)]) for f in [*SCHEMA, *GROUP_FIELDS]]
     for reader, (types, rows) in seen.items():
         assert types == columns, reader
         assert rows == expected, reader
-    read_catalog(spark, catalog).createOrReplaceTempView("catalog")
-    key_hits = spark.sql(CATALOG_QUERIES["key"].format(topic="TopicB", key="k7-2😀", start="2023-11-01",
+    read_catalog(spark_sql, catalog).createOrReplaceTempView("catalog")
+    key_hits = spark_sql.sql(CATALOG_QUERIES["key"].format(topic="TopicB", key="k7-2😀", start="2023-11-01",
                                                        end="2023-12-01")).collect()
     assert [r.commitLogOffset for r in key_hits] == [results[7].phy_offset]
-    per_day = {(r.topic, str(r.date)): r.messages for r in spark.sql(CATALOG_QUERIES["per_day"]).collect()}
+    per_day = {(r.topic, str(r.date)): r.messages for r in spark_sql.sql(CATALOG_QUERIES["per_day"]).collect()}
     assert per_day == {(t, "2023-11-14"): sum(1 for r in results if r.topic == t) for t in {r.topic for r in results}}
 
 
@@ -650,7 +651,7 @@ def test_a_catalog_in_the_earlier_layout_is_refused_before_spark_runs(spark, gen
     assert not (tmp_path / "out" / "consumequeue").exists()
 
 
-def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, generated, tmp_path, monkeypatch):
+def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, spark_sql, generated, tmp_path, monkeypatch):
     """The catalog writers stage under CATALOG/_reputd-staging/JOB/ with names no `*.parquet` glob takes;
     a backfill that fails after them removes that directory, and the rerun writes the catalog."""
     from daemon.backfill import phases
@@ -671,7 +672,7 @@ def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, generated, tmp_p
     assert not catalog.exists() or not list(catalog.rglob("*"))
     monkeypatch.undo()
     backfill(make_config(tmp_path, "again", tmp / "store"), spark=spark, catalog=str(catalog))
-    assert read_catalog(spark, catalog).count() == len(results)
+    assert read_catalog(spark_sql, catalog).count() == len(results)
 
 
 def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
@@ -772,12 +773,12 @@ def test_missing_java_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize(("conf", "ui"), [({}, False), ({"spark.ui.enabled": "true"}, True)])
-def test_a_local_session_has_no_web_ui_unless_asked(conf, ui):
+def test_a_local_context_has_no_web_ui_unless_asked(conf, ui):
     """A local backfill starts no web UI (about 1 CPU-s of a short job's driver JVM); `--conf
-    spark.ui.enabled=true` brings it back. A fresh interpreter: the tests' shared session is made already."""
-    code = ("import sys, json; from daemon.backfill.driver import create_session; "
-            f"s = create_session('local[1]', json.loads({json.dumps(json.dumps(conf))})); "
-            "print(s.sparkContext.uiWebUrl); s.stop()")
+    spark.ui.enabled=true` brings it back. A fresh interpreter: the tests' shared context is made already."""
+    code = ("import sys, json; from daemon.backfill.driver import create_context; "
+            f"s = create_context('local[1]', json.loads({json.dumps(json.dumps(conf))})); "
+            "print(s.uiWebUrl); s.stop()")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     url = res.stdout.strip().splitlines()[-1]

@@ -10,11 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import settings as settings_
-from hypothesis import strategies as st
 
 from daemon.backfill import ranges as ranges_module
 from daemon.backfill.plan import BackfillFailed, Reread, walk_ranges
@@ -52,8 +48,8 @@ def settings(index: bool = True) -> DecodeSettings:
 
 
 def outcomes_of(gen) -> list:
-    """The outcomes a decode generator yields (one row each)."""
-    return [pickle.loads(row["data"]) for rb in gen for row in rb.to_pylist()]
+    """The outcomes a decode generator yields (each pickled, as a task hands it to the JVM)."""
+    return [pickle.loads(data) for data in gen]
 
 
 def staged_rows(outcome) -> tuple[dict, list]:
@@ -313,38 +309,16 @@ def test_a_decoded_range_keeps_none_of_its_unit_arrays(forged, monkeypatch):
     assert [r for r in grouped if r() is not None] == []
 
 
-@settings_(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1))),
-       st.lists(st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1))),
-       st.lists(st.one_of(st.none(), st.text())), st.lists(st.one_of(st.none(), st.binary())))
-def test_arrow_columns_equal_what_pa_array_makes(ints, longs, texts, blobs):
-    """The rows' columns are built from buffers; they are the arrays `pa.array` makes of the same values."""
-    import pyarrow as pa
-
-    for values, arrow_type in ((ints, pa.int32()), (ints, pa.int64()), (longs, pa.int64()), (texts, pa.string()),
-                               (blobs, pa.binary())):
-        column = ranges_module.arrow_column(values, arrow_type)
-        column.validate(full=True)
-        assert column.equals(pa.array(values, arrow_type))
-
-
-def test_arrow_binary_columns_take_numpy_slices():
-    base = np.arange(100, dtype=np.uint8)
-    pieces = [base[0:20], b"", None, b"abc", base[40:100], b"\x00" * 7]
-    column = ranges_module.arrow_column(pieces, __import__("pyarrow").binary())
-    assert column.to_pylist() == [None if p is None else bytes(p) for p in pieces]
-
-
 def test_a_python_worker_imports_only_what_its_tasks_need():
     """Every Python worker of every backfill imports the task functions (`tasks`): neither the driver's
-    session and planning code (`job`), the catalog's Parquet stack, the daemon's dispatchers, metrics and
+    Spark and planning code (`job`), the catalog's Parquet stack, the daemon's dispatchers, metrics and
     logging, nor pandas (which `pa.array` imports) come with them: 0.34 s of imports here, against 0.65 s
     and then 0.26 s for pandas in a worker's first task."""
     import subprocess
     import sys
 
     code = ("import sys, daemon.backfill.tasks, daemon.backfill.writers as w\n"
-            "list(w.result_rows('queues', 1))\n"
+            "list(w.result_bytes('queues', 1))\n"
             "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('daemon', 'prometheus_client', 'structlog', 'watchdog', 'pandas') or m.startswith('pyarrow.parquet'))))")
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -384,19 +358,15 @@ def test_python_workers_start_with_the_daemons_imports_frozen(spark):
     workers, so a worker's full collections do not walk those objects again and again (2 of the workers' 12
     CPU-s on the 16M store): every worker sees them in the permanent generation."""
 
-    def frozen(batches):
+    def frozen(numbers):
         import gc
 
-        import numpy as np
-        import pyarrow as pa
+        for _ in numbers:
+            yield gc.get_freeze_count()
 
-        for _ in batches:
-            yield pa.RecordBatch.from_arrays([pa.array(np.array([gc.get_freeze_count()], dtype=np.int64))],
-                                             names=["frozen"])
-
-    rows = spark.range(0, 2, 1, 2).mapInArrow(frozen, "frozen long").collect()
-    assert len(rows) == 2
-    assert min(r.frozen for r in rows) > 10_000, rows
+    counts = spark.parallelize(range(2), 2).mapPartitions(frozen).collect()
+    assert len(counts) == 2
+    assert min(counts) > 10_000, counts
 
 
 def test_python_workers_run_the_installed_pyspark_not_its_zip(spark):
@@ -405,18 +375,16 @@ def test_python_workers_run_the_installed_pyspark_not_its_zip(spark):
     code, instead."""
     import pyspark
 
-    def origin(batches):
+    def origin(numbers):
         import py4j
-        import pyarrow as pa
         import pyspark as worker_pyspark
 
-        for _ in batches:
-            yield pa.RecordBatch.from_arrays([pa.array([worker_pyspark.__file__]), pa.array([py4j.__file__])],
-                                             names=["pyspark", "py4j"])
+        for _ in numbers:
+            yield worker_pyspark.__file__, py4j.__file__
 
-    rows = spark.range(0, 2, 1, 2).mapInArrow(origin, "pyspark string, py4j string").collect()
-    assert {r.pyspark for r in rows} == {pyspark.__file__}
-    assert all(".zip" not in r.py4j for r in rows), rows
+    rows = spark.parallelize(range(2), 2).mapPartitions(origin).collect()
+    assert {p for p, _ in rows} == {pyspark.__file__}
+    assert all(".zip" not in j for _, j in rows), rows
 
 
 def _spark_home(root: Path, py4j: str) -> Path:

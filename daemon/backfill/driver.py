@@ -1,5 +1,5 @@
-"""Java and the Spark session of a backfill: which `java` Spark launches, whether a standalone master
-answers, the session's settings, and Spark's failures as one line (a memory limit names the setting to
+"""Java and the Spark context of a backfill: which `java` Spark launches, whether a standalone master
+answers, the context's settings, and Spark's failures as one line (a memory limit names the setting to
 raise)."""
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import socket
 import sys
 from collections.abc import Mapping
 
-from pyspark.sql import SparkSession
-
 from daemon.backfill.jvm import ClassArchive, java_version_text
 from daemon.backfill.plan import BackfillError
 
@@ -22,7 +20,6 @@ MIN_JAVA = 17
 JAVA_INSTALL_HINT = (f"Spark needs a Java {MIN_JAVA} (or later) runtime: install one (Debian/Ubuntu: apt-get "
                      f"install openjdk-{MIN_JAVA}-jre-headless; RHEL: dnf install java-{MIN_JAVA}-openjdk-headless) "
                      f"or set JAVA_HOME to it")
-ARROW_BATCH_BYTES = 4 * 1024 * 1024
 LOCAL_DRIVER_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
 STANDALONE_PREFIX = "spark://"
 MASTER_CONNECT_TIMEOUT_S = 5.0
@@ -79,33 +76,28 @@ def check_master_answers(master: str, timeout: float = MASTER_CONNECT_TIMEOUT_S)
                         "that its port (the one its web UI shows as spark://HOST:PORT)?")
 
 
-def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None = None,
+def create_context(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None = None,
                    archive: ClassArchive | None = None):
-    """A SparkSession for the backfill. Local workers run this interpreter (so they import reputd and
-    numpy from the same environment); on a cluster, PYSPARK_PYTHON or spark.pyspark.python decides.
-    `archive`: the class-data archive a local driver JVM maps or records (`jvm.py`)."""
+    """A SparkContext for the backfill, not a SparkSession: both jobs are RDD jobs over a partition per work
+    item, whose tasks hand back pickled outcomes, so nothing needs Spark SQL. Its session, its planner and the
+    DataFrame jobs' planning (`range(...).mapInArrow`) cost the driver JVM about a third of a 10,000-message
+    backfill's CPU. Local workers run this interpreter (so they import reputd and numpy from the same
+    environment); on a cluster, PYSPARK_PYTHON or spark.pyspark.python decides. `archive`: the class-data
+    archive a local driver JVM maps or records (`jvm.py`)."""
+    from pyspark import SparkConf, SparkContext  # noqa: PLC0415 - the driver's only: workers import tasks.py
+
     check_java()
     check_master_answers(master)
     if master.startswith("local") and "PYSPARK_PYTHON" not in os.environ:
         os.environ["PYSPARK_PYTHON"] = sys.executable
-    builder = SparkSession.builder.appName("reputd-backfill").master(master)
     # Spark's stage progress bar on a terminal only, as `reputd rebuild` draws its own: written into a log
     # file or the journal it is a stream of carriage-return lines
-    settings = {"spark.ui.showConsoleProgress": str(sys.stderr.isatty()).lower(), "spark.log.level": "FATAL",
+    settings = {"spark.app.name": "reputd-backfill", "spark.master": master,
+                "spark.ui.showConsoleProgress": str(sys.stderr.isatty()).lower(), "spark.log.level": "FATAL",
                 "spark.python.worker.reuse": "true",
-                # one job per action: adaptive execution would run every shuffle stage as a job of its own
-                "spark.sql.adaptive.enabled": "false",
-                # rows are runs of units (a few KB) or keys (up to 448 KiB): batches bounded by bytes, not by
-                # a handful of rows (8 rows made a writer take thousands of tiny batches)
-                "spark.sql.execution.arrow.maxRecordsPerBatch": "10000",
-                "spark.sql.execution.arrow.maxBytesPerBatch": str(ARROW_BATCH_BYTES),
                 # a Python worker talks to its JVM over a Unix socket (Spark 4.1+; older ones ignore it): over
                 # loopback TCP every task's short last write waited for a delayed ACK, about 40 ms a task
                 "spark.python.unix.domain.socket.enabled": "true",
-                # the rows are few and large (runs of units and keys), so evaluating their expressions costs
-                # nothing, while compiling generated code for each stage cost seconds in a short job
-                "spark.sql.codegen.wholeStage": "false",
-                "spark.sql.codegen.factoryMode": "NO_CODEGEN",
                 # PySpark's daemon, but a worker whose task was cancelled ends without a BrokenPipeError traceback
                 "spark.python.daemon.module": "daemon.backfill.pydaemon"}
     driver_options = [driver_log_option()]
@@ -121,18 +113,21 @@ def create_session(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
     settings["spark.driver.extraJavaOptions"] = " ".join(driver_options)
     settings.update(conf or {})
     quiet_pyspark_servers()
-    for key, value in settings.items():
-        builder = builder.config(key, value)
     try:
-        return builder.getOrCreate()
+        return SparkContext.getOrCreate(SparkConf(loadDefaults=True).setAll(settings.items()))
     except Exception as e:  # the JVM did not come up: PySparkRuntimeError, Py4JError...
         raise BackfillError(f"Spark did not start with master {master}: {spark_error_line(e)}") from None
+
+
+# the kind of jobs the driver runs, in the archive's key: one recorded by a backfill that ran DataFrame jobs
+# holds Spark SQL's classes and misses those of RDD jobs, so an upgraded reputd records its own once
+ARCHIVE_JOBS = "rdd-jobs"
 
 
 def archive_key(master: str) -> str:
     """What a driver's class archive is made for besides Java and Spark: a local driver runs the tasks (and
     its JVM options), a cluster's driver only schedules them, so each kind records an archive of its own."""
-    return LOCAL_DRIVER_JAVA_OPTIONS if master.startswith("local") else "cluster-driver"
+    return f"{LOCAL_DRIVER_JAVA_OPTIONS if master.startswith('local') else 'cluster-driver'} {ARCHIVE_JOBS}"
 
 
 def driver_log_option() -> str:

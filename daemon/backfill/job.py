@@ -1,5 +1,5 @@
 """`backfill()`: the driver's run, from the config to the summary. It checks the output and the catalog
-(`outputs.py`), starts the Spark session (`driver.py`) under the signal handling (`interrupt.py`), runs
+(`outputs.py`), starts the Spark context (`driver.py`) under the signal handling (`interrupt.py`), runs
 the phases (`phases.py`) and turns Spark's failures into one-line errors:
 
     job 1  decode   one task per byte range (`ranges.py`), staging its output as files (`stage.py`) and
@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 
 from daemon.backfill import dledger
 from daemon.backfill.commit import remove_tree, staging_root
-from daemon.backfill.driver import DEFAULT_MASTER, archive_key, check_java, create_session, spark_error_line
+from daemon.backfill.driver import DEFAULT_MASTER, archive_key, check_java, create_context, spark_error_line
 from daemon.backfill.interrupt import Interrupt, end_driver_jvm
 from daemon.backfill.jvm import choose_archive, save_archive
 from daemon.backfill.outputs import check_output_below, open_catalog, remove_catalog_staging
@@ -69,7 +69,8 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
              progress: Callable[[str], None] | None = None, fault: Fault | None = None) -> BackfillSummary:
     """Build consumequeue/ and index/ for [from, to) of the CommitLog with Spark: the files `rebuild`
     writes for the same range and settings, whatever the ranges and partitions. `spark`: an existing
-    session (kept open); otherwise one is created with `master` and stopped at the end."""
+    SparkContext (or a SparkSession, whose context runs the jobs), kept open; otherwise a context is created
+    with `master` and stopped at the end."""
     log = get_logger(command="backfill")
     if to_offset is not None and from_offset is not None and to_offset <= from_offset:
         raise ValueError(f"--to {to_offset} must be greater than --from {from_offset}")
@@ -90,7 +91,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     if others:
         log.warning("dispatchers_not_run", dispatchers=others, reason="backfill builds consumequeue and index only")
     tasks = plan_ranges(listing.segments, listing.segment_size, start, to_offset, config.backfill.range_bytes)
-    owns_session = spark is None
+    owns_context = spark is None
     master = master or DEFAULT_MASTER
     summary = BackfillSummary(start_offset=start, end_offset=start, output_end=start, catalog=catalog,
                               ranges=len(tasks))
@@ -99,7 +100,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     archive = None
     check_output_below(out, start)
     catalog_covered = open_catalog(catalog, s3) if catalog is not None else ()
-    interrupt = Interrupt(own=owns_session)  # from here a signal ends the backfill as an interruption
+    interrupt = Interrupt(own=owns_context)  # from here a signal ends the backfill as an interruption
     try:
         if spark is None:
             archive = choose_archive(config.backfill.jvm_class_archive, check_java(), archive_key(master))
@@ -108,12 +109,12 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
                 say(f"this first {kind} backfill with this Java and Spark records the JVM's classes in "
                     f"{archive.path} as it ends, so that later ones start faster")
             with interrupt.launching():
-                spark = create_session(master, spark_conf, archive)
+                spark = create_context(master, spark_conf, archive)
             summary.phases["startup"] = time.perf_counter() - started
     except BaseException:
         interrupt.disarm()
         raise
-    sc = spark.sparkContext
+    sc = getattr(spark, "sparkContext", spark)  # a SparkSession's context
     job_id = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
     group = f"reputd-backfill-{job_id}"
     interrupt.arm(sc, group)
@@ -132,7 +133,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
                                   build_index, catalog is not None, config.backfill.catalog_body, s3,
                                   multi_dispatch_flags(store.enable_multi_dispatch, store.enable_lmq),
                                   staging_root(out, job_id), dledger_from)
-        job = Phases(config, spark, out, job_id, summary, settings, say, log, fault, s3)
+        job = Phases(config, sc, out, job_id, summary, settings, say, log, fault, s3)
         job.catalog_covered = catalog_covered
         job.before_commit = interrupt.committing
         if tasks:
@@ -154,9 +155,9 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
         remove_tree(staging_root(out, job_id))
         if catalog is not None:
             remove_catalog_staging(catalog, s3, job_id)
-        if owns_session:
+        if owns_context:
             with contextlib.suppress(Exception):  # a JVM that died (out of memory, killed) cannot be stopped
-                spark.stop()
+                sc.stop()
             if archive is not None and archive.saving and interrupt.signal is None:
                 t0 = time.perf_counter()
                 if save_archive(archive):

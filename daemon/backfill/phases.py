@@ -26,9 +26,17 @@ from daemon.backfill.plan import (
     plan_index_files,
     walk_ranges,
 )
-from daemon.backfill.ranges import OUTCOME_DDL, DecodeSettings, RangeOutcome, RangeTask
+from daemon.backfill.ranges import DecodeSettings, RangeOutcome, RangeTask
 from daemon.backfill.source import S3Options, SegmentListing
-from daemon.backfill.tasks import CATALOG_FILES, INDEX_FILES, QUEUES, WorkFile, WriterSettings, decode_rows, write_rows
+from daemon.backfill.tasks import (
+    CATALOG_FILES,
+    INDEX_FILES,
+    QUEUES,
+    WorkFile,
+    WriterSettings,
+    decode_partition,
+    write_partition,
+)
 from daemon.backfill.writers import (
     CatalogWork,
     Fault,
@@ -46,7 +54,6 @@ from indexcore.indexservice import INDEX_DIR
 if TYPE_CHECKING:
     from daemon.backfill.summary import BackfillSummary
 
-RESULT_DDL = "kind string, value binary"
 WRITE_GROUPS_PER_SLOT = 2
 
 
@@ -108,12 +115,12 @@ def catalog_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: i
 
 
 class Phases:
-    """The phases of one backfill, sharing the config, the session and the summary."""
+    """The phases of one backfill, sharing the config, the Spark context and the summary."""
 
-    def __init__(self, config: Config, spark, out: str, job_id: str, summary: BackfillSummary,
+    def __init__(self, config: Config, sc, out: str, job_id: str, summary: BackfillSummary,
                  settings: DecodeSettings, say, log, fault: Fault | None, s3: S3Options):
         self.config = config
-        self.spark = spark
+        self.sc = sc
         self.out = out
         self.job_id = job_id
         self.summary = summary
@@ -140,12 +147,18 @@ class Phases:
         self.work_files += 1
         return WorkFile.write(os.path.join(root, f"work-{self.work_files}.pickle"), items)
 
-    def _decode_frame(self, work: Sequence) -> list[RangeOutcome]:
-        # one partition per item, generated in the JVM: no Python RDD to convert (its own worker per task); each
-        # task stages its range's output as files and hands back only the outcome (nothing is cached)
-        rows = (self.spark.range(0, len(work), 1, len(work))
-                .mapInArrow(decode_rows(self.settings, self._work(work), self.fault), OUTCOME_DDL).collect())
-        found = [pickle.loads(r.data) for r in rows]
+    def _job(self, work: Sequence, run) -> list:
+        """One Spark job, a partition per work item: `run` gets the item's number (generated in the Python
+        worker: the JVM sends a task nothing) and yields pickled results, unpickled here. An RDD job, not a
+        DataFrame's: no SQL session or query planning, which cost the driver JVM seconds of a short backfill,
+        and no Arrow conversion of rows that are a few hundred bytes each."""
+        rows = self.sc.parallelize(range(len(work)), len(work)).mapPartitions(run).collect()
+        self.summary.bytes_to_jvm += sum(len(r) for r in rows)
+        return [pickle.loads(r) for r in rows]
+
+    def _decode_job(self, work: Sequence) -> list[RangeOutcome]:
+        # each task stages its range's output as files and hands back only the outcome (nothing is cached)
+        found = self._job(work, decode_partition(self.settings, self._work(work), self.fault))
         self.all_outcomes.extend(found)
         for o in found:
             self.outcomes[o.number] = o
@@ -157,7 +170,7 @@ class Phases:
         t0 = time.perf_counter()
         segments = len({t.segment for t in tasks})
         self.say(f"decoding {len(tasks)} ranges of {segments} segments")
-        self._decode_frame(tasks)
+        self._decode_job(tasks)
         self._timed("decode", t0)
         t0 = time.perf_counter()
         on_corruption = self.config.reput.on_corruption
@@ -169,7 +182,7 @@ class Phases:
             self.log.info("ranges_reread", ranges=[r.tasks[0].number for r in rereads],
                           starts=[r.start for r in rereads])
             self.say(f"re-reading {len(rereads)} ranges whose first record was not where the previous one ended")
-            found = self._decode_frame(rereads)
+            found = self._decode_job(rereads)
             self.summary.reread_ranges += len(found)
         s = self.summary
         s.end_offset = plan.end_offset
@@ -177,7 +190,6 @@ class Phases:
         s.segments = plan.segments
         s.messages = s.new_messages = plan.messages  # every file is written anew from `start`
         s.bytes_read_remote = sum(o.bytes_read for o in self.all_outcomes)
-        s.arrow_bytes_to_jvm = sum(o.arrow_bytes for o in self.all_outcomes)
         s.staged_bytes = sum(o.staged_bytes for o in self.all_outcomes)
         s.decode_task_seconds = sum(o.seconds for o in self.all_outcomes)
         for lo, hi, error in plan.skipped:
@@ -226,10 +238,8 @@ class Phases:
                                       self.settings.catalog_body)
             items = self._work(work)
             self.say(f"writing {len(work)} parts in one job")
-            rows = (self.spark.range(0, len(work), 1, len(work))
-                    .mapInArrow(write_rows(settings, items, self.fault), RESULT_DDL).collect())
-            for row in rows:
-                results[row.kind].append(pickle.loads(row.value))
+            for kind, value in self._job(work, write_partition(settings, items, self.fault)):
+                results[kind].append(value)
         self._timed("write", t0)
         self.before_commit()
         t0 = time.perf_counter()
@@ -261,7 +271,6 @@ class Phases:
         if stats.gap_blanks:
             self.log.warning("queue_offsets_blanked", blanks=stats.gap_blanks,
                              detail="units of records the CommitLog no longer holds, blank at their queue offsets")
-        s.arrow_bytes_from_jvm = stats.arrow_bytes
         s.write_task_seconds = stats.seconds + sum(seconds for _, seconds in results[CATALOG_FILES])
         counts = file_counts()
         for q in queues:

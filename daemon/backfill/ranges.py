@@ -12,8 +12,8 @@ the right boundary where the chain breaks, so the result is that of reading each
 
 What a task emits is staged as files under the job's staging tree (`stage.py`): its ConsumeQueue runs
 by queue, its IndexFile keys in `buildIndex` order (with the store time of the record that would create
-the next IndexFile if one filled at each key) and its catalog groups; its one Arrow row is the range's
-`RangeOutcome`, so the JVM carries a few hundred bytes per range, never the output.
+the next IndexFile if one filled at each key) and its catalog groups; what it hands the JVM is the range's
+`RangeOutcome`, pickled, so the JVM carries a few hundred bytes per range, never the output.
 """
 
 from __future__ import annotations
@@ -40,10 +40,8 @@ from indexcore.queuestore import consume_queue_units
 from indexcore.reader import ReadStatus, decode_segment, read_result
 
 ROLLED, END, LIMIT, CORRUPT, EMPTY = "rolled", "end", "limit", "corrupt", "empty"
-OUTCOME_DDL = "data binary"  # a decode task's one row per range: its pickled RangeOutcome
 NO_CREATOR = -1  # the creator time of a key whose record ends its range (as _kernels.c writes it)
 _END_CHECK_SLACK = 64
-BINARY_MAX_BYTES = 2**31 - 1  # an Arrow binary column's int32 offsets
 MAX_LOGGED_MISMATCHES = 1000  # per range: a hostile CommitLog could have one in every record
 REMOTE_TAIL_BYTES = 64 * 1024  # read past a remote range's end before the whole look-ahead
 # the search for a range's first record looks this far at a time: a magic absent from the data (the v2 one
@@ -117,7 +115,6 @@ class RangeOutcome:
     last_key_owner_is_last: bool = False  # no record of the range follows the owner of its last key
     reread: bool = False
     bytes_read: int = 0  # from a remote store
-    arrow_bytes: int = 0  # the Arrow row this task handed to the JVM (the outcome itself)
     staged_bytes: int = 0  # units, keys and catalog streams staged as files
     stage_dir: str = ""
     bucket_units: dict = field(default_factory=dict)  # queue bucket (stage.queue_bucket) -> units staged
@@ -245,7 +242,7 @@ class RangeRows:
         o.bucket_units = self.stage.bucket_units()
         o.catalog_rows = self.stage.catalog_rows()
         o.staged_bytes = self.stage.unit_bytes + self.stage.key_count * KEY_DTYPE.itemsize + self.stage.catalog_bytes
-        yield outcome_batch(o)
+        yield outcome_bytes(o)
 
     def _units(self, batch: DispatchBatch) -> None:
         """Each queue's units of the window, held until the range ends (`_stage_units`): a range's units are
@@ -294,43 +291,15 @@ def _joined_bytes(parts) -> np.ndarray:
     return np.concatenate([p.units.view(np.uint8).reshape(-1) for p in parts])
 
 
-def outcome_batch(outcome: RangeOutcome):
-    """A range's outcome as the decode task's one Arrow row (OUTCOME_DDL)."""
-    import pyarrow as pa  # noqa: PLC0415
-
-    data = pickle.dumps(outcome)
-    outcome.arrow_bytes = len(data)
-    return pa.RecordBatch.from_arrays([arrow_column([data], pa.binary())], schema=pa.schema([("data", pa.binary())]))
-
-
-def arrow_column(values, arrow_type):
-    """An Arrow array of `values` (None for null) built from its buffers: ints of an integer type, or str, bytes
-    and slices of numpy arrays for a string or binary type, copied once into one buffer.
-
-    Not `pa.array`: its first call imports pandas when pandas is installed (a quarter of a second in every
-    Python worker), and it keeps a reference to every buffer-protocol object it is given (the memoryview
-    of a numpy slice), so each window's unit array stayed alive and a worker grew by it range after range."""
-    import pyarrow as pa  # noqa: PLC0415
-
-    values = list(values)
-    n = len(values)
-    present = [v is not None for v in values]
-    validity = None if all(present) else pa.py_buffer(np.packbits(present, bitorder="little"))
-    if pa.types.is_integer(arrow_type):
-        data = np.array([0 if v is None else v for v in values], dtype=arrow_type.to_pandas_dtype())
-        return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(data)])
-    pieces = [b"" if v is None else v.encode() if isinstance(v, str) else v for v in values]
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum([len(p) if isinstance(p, bytes) else p.nbytes for p in pieces], out=offsets[1:])
-    if offsets[-1] > BINARY_MAX_BYTES:
-        raise ValueError(f"{offsets[-1]} bytes in one Arrow column: over the {BINARY_MAX_BYTES} its offsets reach")
-    return pa.Array.from_buffers(arrow_type, n, [validity, pa.py_buffer(offsets.astype(np.int32)),
-                                                 pa.py_buffer(b"".join(pieces))])
+def outcome_bytes(outcome: RangeOutcome) -> bytes:
+    """A range's outcome as the decode task hands it to the JVM: pickled here, so that the driver counts the
+    bytes that crossed (`bytesToJvm`) and PySpark's serializer only frames them."""
+    return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = None,
                  attempt_id: int = 0) -> Iterator:
-    """Stage one range's output; yields its outcome row and returns the outcome. `start`: a record boundary
+    """Stage one range's output; yields its outcome (pickled) and returns it. `start`: a record boundary
     (CommitLog offset) to read from instead of scanning (the driver's re-read of a range whose chain broke);
     `attempt_id`: Spark's, so that every attempt stages in a directory of its own."""
     started = time.perf_counter()

@@ -19,8 +19,9 @@ class BackfillSummary(RebuildSummary):
     reread_ranges: int = 0
     spark_jobs: int = 0
     bytes_read_remote: int = 0
-    arrow_bytes_to_jvm: int = 0
-    arrow_bytes_from_jvm: int = 0
+    # what the Python tasks handed the JVM: each range's outcome and each writer's result, pickled (the JVM
+    # hands them nothing: a task's work item is its partition's number, generated in its worker)
+    bytes_to_jvm: int = 0
     staged_bytes: int = 0
     decode_task_seconds: float = 0.0
     write_task_seconds: float = 0.0
@@ -37,8 +38,8 @@ class BackfillSummary(RebuildSummary):
         return {
             **RebuildSummary.as_dict(self), "master": self.master, "partitions": self.partitions,
             "ranges": self.ranges, "rereadRanges": self.reread_ranges, "sparkJobs": self.spark_jobs,
-            "bytesReadRemote": self.bytes_read_remote, "arrowBytesToJvm": self.arrow_bytes_to_jvm,
-            "arrowBytesFromJvm": self.arrow_bytes_from_jvm, "stagedBytes": self.staged_bytes,
+            "bytesReadRemote": self.bytes_read_remote, "bytesToJvm": self.bytes_to_jvm,
+            "stagedBytes": self.staged_bytes,
             "decodeTaskSeconds": round(self.decode_task_seconds, 3),
             "writeTaskSeconds": round(self.write_task_seconds, 3),
             "phaseSeconds": {k: round(v, 3) for k, v in self.phases.items()}, "catalog": self.catalog,

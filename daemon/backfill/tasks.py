@@ -1,8 +1,8 @@
-"""What runs in the Python workers: the functions Spark's `mapInArrow` calls, one per kind of task.
+"""What runs in the Python workers: the functions Spark's `mapPartitions` calls, one per job.
 
 A worker unpickles these and imports what they name, and every worker of every run pays for it, so this
 module and what it imports stay lean: the decode (`ranges`, `stage`), the writers (`writers`), the staging
-helpers (`commit`), numpy and pyarrow; not the driver's session and planning code (`job`), the config loader
+helpers (`commit`), numpy and pyarrow; not the driver's Spark and planning code (`job`), the config loader
 or the daemon's dispatchers. The catalog writer imports `catalog` (pyarrow.compute, parquet) only when it
 runs.
 """
@@ -25,7 +25,7 @@ from daemon.backfill.writers import (
     CatalogWork,
     Fault,
     QueueWork,
-    result_rows,
+    result_bytes,
     write_catalog,
     write_index_chunk,
     write_index_files,
@@ -86,26 +86,25 @@ def reread(work: Reread, settings: DecodeSettings, attempt_id: int = 0):
         offset = outcome.next_offset
 
 
-def decode_rows(settings: DecodeSettings, work, fault: Fault | None):
-    """The decode: each input row is the index (`id`) of a RangeTask or Reread in `work` (a WorkFile: read
-    once per worker, not shipped with every task). Each range stages its output
-    (`stage.py`) and yields its outcome."""
+def decode_partition(settings: DecodeSettings, work, fault: Fault | None):
+    """The decode: each input is the index of a RangeTask or Reread in `work` (a WorkFile: read once per
+    worker, not shipped with every task). Each range stages its output (`stage.py`) and yields its outcome,
+    pickled."""
 
-    def run(batches):
-        for rb in batches:
-            for number in rb.column("id").to_pylist():
-                item = pickle.loads(work.value[number])
-                attempt = task_attempt()
-                if fault is not None:
-                    fault.check("decode", "started", attempt.attempt_number)
-                try:
-                    if isinstance(item, Reread):
-                        yield from reread(item, settings, attempt.attempt_id)
-                    else:
-                        yield from decode_range(item, settings, attempt_id=attempt.attempt_id)
-                except Exception as e:
-                    name = item.tasks[0].location if isinstance(item, Reread) else item.location
-                    raise BackfillTaskError(f"decode task for {name}: {e}") from e
+    def run(numbers):
+        for number in numbers:
+            item = pickle.loads(work.value[number])
+            attempt = task_attempt()
+            if fault is not None:
+                fault.check("decode", "started", attempt.attempt_number)
+            try:
+                if isinstance(item, Reread):
+                    yield from reread(item, settings, attempt.attempt_id)
+                else:
+                    yield from decode_range(item, settings, attempt_id=attempt.attempt_id)
+            except Exception as e:
+                name = item.tasks[0].location if isinstance(item, Reread) else item.location
+                raise BackfillTaskError(f"decode task for {name}: {e}") from e
 
     return run
 
@@ -122,15 +121,13 @@ class WriterSettings:
     catalog_body: bool = False  # the catalog's rows carry the body column (`backfill.catalogBody`)
 
 
-def write_rows(settings: WriterSettings, work, fault: Fault | None):
-    """The writers: each input row is the index of a QueueWork, IndexWork or CatalogWork in `work` (a
-    WorkFile); each task stages its files and yields one result row."""
+def write_partition(settings: WriterSettings, work, fault: Fault | None):
+    """The writers: each input is the index of a QueueWork, IndexWork or CatalogWork in `work` (a WorkFile);
+    each task stages its files and yields its result, pickled."""
 
-    def run(batches):
-        for rb in batches:
-            for number in rb.column("id").to_pylist():
-                item = pickle.loads(work.value[number])
-                yield from _write(settings, item, fault)
+    def run(numbers):
+        for number in numbers:
+            yield from _write(settings, pickle.loads(work.value[number]), fault)
 
     return run
 
@@ -155,7 +152,7 @@ def _write(settings: WriterSettings, item, fault: Fault | None):
         remove_tree(stage)
         name = "consumequeue" if phase == "cq" else "index"
         raise BackfillTaskError(f"{name} task {attempt.partition}: {e}") from e
-    yield from result_rows(kind, result)
+    yield from result_bytes(kind, result)
 
 
 def _write_catalog(settings: WriterSettings, item: CatalogWork, attempt: Attempt):
@@ -173,4 +170,4 @@ def _write_catalog(settings: WriterSettings, item: CatalogWork, attempt: Attempt
             filesystem.delete_dir(stage)
         raise BackfillTaskError(f"catalog task {attempt.partition}: {e}") from e
     # the task time too, so that the summary's writeTaskSeconds counts the catalog's writers with the others
-    yield from result_rows(CATALOG_FILES, (written, time.perf_counter() - started))
+    yield from result_bytes(CATALOG_FILES, (written, time.perf_counter() - started))

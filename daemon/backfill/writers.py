@@ -33,7 +33,7 @@ import numpy as np
 
 from daemon.backfill.commit import file_counts
 from daemon.backfill.plan import BackfillError, IndexFilePlan
-from daemon.backfill.ranges import NO_CREATOR, arrow_column
+from daemon.backfill.ranges import NO_CREATOR
 from daemon.backfill.stage import KEY_DTYPE, StagedRange
 from indexcore.indexfile import (
     FIRST_INDEX,
@@ -93,13 +93,11 @@ class WriteStats:
     gap_blanks: int = 0  # blank units written into gaps of a queue's offsets
     index_files: int = 0
     keys: int = 0
-    arrow_bytes: int = 0  # Arrow batches received from the JVM
     seconds: float = 0.0  # task time
     files: dict[str, int] = field(default_factory=file_counts)
 
     def add(self, other: WriteStats) -> None:
-        for name in ("queues", "units", "already_built", "gap_blanks", "index_files", "keys", "arrow_bytes",
-                     "seconds"):
+        for name in ("queues", "units", "already_built", "gap_blanks", "index_files", "keys", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.files.items():
             self.files[k] = self.files.get(k, 0) + v
@@ -449,10 +447,7 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
     return out
 
 
-def result_rows(kind: str, value) -> Iterator:
-    """A task's result as one Arrow row (kind, pickled value)."""
-    import pyarrow as pa  # noqa: PLC0415
-
-    yield pa.RecordBatch.from_arrays(
-        [arrow_column([kind], pa.string()), arrow_column([pickle.dumps(value)], pa.binary())],
-        schema=pa.schema([("kind", pa.string()), ("value", pa.binary())]))
+def result_bytes(kind: str, value) -> Iterator[bytes]:
+    """A writer task's result as it hands it to the JVM: (kind, value) pickled here, so that the driver counts
+    the bytes that crossed (`bytesToJvm`)."""
+    yield pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL)

@@ -131,8 +131,8 @@ class BackfillConfig:
     """How `reputd backfill` cuts segments into tasks and reaches archives on S3 (empty: the standard AWS_*
     environment variables, as AWS tools read them)."""
 
-    # 128 MiB: a task costs Spark 20-30 ms of the JVM's CPU whatever its size (a mapInArrow task doing nothing:
-    # 29-32 ms), a fifth of a 64 MiB range's work; on the 16M store (7 x 1 GiB, local[2]) the whole
+    # 128 MiB: a task costs Spark 20-30 ms of the JVM's CPU whatever its size (an RDD task doing nothing:
+    # 17-24 ms), a fifth of a 64 MiB range's work; on the 16M store (7 x 1 GiB, local[2]) the whole
     # backfill took 1.1-2.2 CPU-s less in each of 4 alternations than with 64 MiB ranges (17.6-19.7 against
     # 19.8-21.0), its serial fraction the same (4.0-4.5% against 4.1-4.7%); 256 MiB saved 1-3 CPU-s more but
     # left the serial fraction at 4.5-7.6% and a 1 GiB segment only 4 tasks
