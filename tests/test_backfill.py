@@ -1139,12 +1139,43 @@ def test_a_signal_during_the_write_job_stops_the_commit_and_one_during_the_commi
                 assert interrupt.signal == signal.SIGINT
             else:
                 os.kill(os.getpid(), signal.SIGINT)
+                deadline = time.monotonic() + 10
+                while not cancelled and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 with pytest.raises(KeyboardInterrupt):
                     interrupt.committing()
                 assert not interrupt.commit_began()
         finally:
+            interrupt.stopping()
             interrupt.disarm()
-    deadline = time.monotonic() + 10
-    while not cancelled and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cancelled == ["g"]
+    assert cancelled
+    assert set(cancelled) == {"g"}
+
+
+def test_a_signal_cancels_the_jobs_again_until_the_driver_leaves_them():
+    """Spark cancels only a group's running jobs, so a job submitted just after the cancel (the write job as the
+    decode ends) ran whole: the cancel is repeated while the driver runs the jobs, and ends when it stops."""
+    from daemon.backfill import interrupt as interrupt_module
+
+    cancelled = []
+
+    class Context:
+        def cancelJobGroup(self, group):  # PySpark's name
+            cancelled.append(group)
+
+    interrupt = interrupt_module.Interrupt(own=True)
+    try:
+        interrupt.arm(Context(), "g")
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while len(cancelled) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cancelled == ["g"] * len(cancelled)
+        assert len(cancelled) >= 3
+    finally:
+        interrupt.stopping()
+        interrupt.disarm()
+    time.sleep(2 * interrupt_module.CANCEL_REPEAT_S)  # a cancel under way when it stopped ends
+    after = len(cancelled)
+    time.sleep(5 * interrupt_module.CANCEL_REPEAT_S)
+    assert len(cancelled) == after

@@ -7,11 +7,13 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 from daemon.backfill.jvm import end_gateway
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 GATEWAY_EXIT_TIMEOUT_S = 10.0
+CANCEL_REPEAT_S = 0.2  # how often the jobs are cancelled again while the driver still runs them
 
 
 def _descendants(pid: int) -> list[int]:
@@ -57,11 +59,12 @@ class Interrupt:
     * while Spark starts (`launching`): the launcher and JVM are killed, so the start fails and is reported
       as the interruption (PySpark's own SIGINT handler, which SparkContext installs, is kept out: it raised
       from inside a call to the JVM and left the JVM running);
-    * during the jobs (`arm`): they are cancelled from another thread and the job that fails of it ends the
-      backfill (PySpark's handler called into the JVM from the thread the signal interrupts, which is inside a
-      call to the JVM: py4j then printed three tracebacks); a second signal kills Spark's processes at once;
-    * once the commit begins (`committing`, which first raises a signal that came during the write job: the
-      cancel can reach Spark before that job starts, which then runs whole): the commit and the stop go on
+    * during the jobs (`arm`): they are cancelled from another thread, and again every CANCEL_REPEAT_S until
+      the driver stops running them, and the job that fails of it ends the backfill (PySpark's handler called
+      into the JVM from the thread the signal interrupts, which is inside a call to the JVM: py4j then printed
+      three tracebacks); a second signal kills Spark's processes at once;
+    * once the commit begins (`committing`, which first raises a signal that came during the write job, in
+      case the job ended before a cancel reached it): the commit and the stop go on
       and the backfill ends as done (a signal then had made it say "interrupted" over a committed output);
     * while the session stops (`stopping`): the stop goes on.
 
@@ -137,8 +140,13 @@ class Interrupt:
             threading.Thread(target=self._cancel, name="reputd-backfill-cancel", daemon=True).start()
 
     def _cancel(self) -> None:
-        with contextlib.suppress(Exception):  # the context may be stopping already
-            self._sc.cancelJobGroup(self._group)
+        """Spark cancels only the group's jobs that are running: a job the driver submits just after (the
+        write job as the decode ends) ran whole, seconds to minutes after the Ctrl-C. So the cancel is
+        repeated until the driver leaves the jobs (the job fails, or a check between them raises)."""
+        while self._state == "running":
+            with contextlib.suppress(Exception):  # the context may be stopping already
+                self._sc.cancelJobGroup(self._group)
+            time.sleep(CANCEL_REPEAT_S)
 
     def check(self) -> None:
         """Raise the interruption if a signal came while the driver was not waiting for a job."""
