@@ -695,7 +695,7 @@ def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
         assert "[Stage" not in res.stderr  # Spark's progress bar is for a terminal, not a captured stderr
         # nor Spark's start-up chatter: its default logging profile, host name and Hadoop warnings, levels
         for chatter in ("log4j profile", " WARN ", "Setting default log level", "Setting Spark log level",
-                        "NativeCodeLoader"):
+                        "NativeCodeLoader", "WARNING: Using incubator modules", "\r"):
             assert chatter not in res.stderr, res.stderr
         if first:
             events = [json.loads(line) for line in res.stderr.splitlines() if line.startswith("{")]
@@ -724,6 +724,58 @@ def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
         assert archives[0].stat().st_size > 0, run
         assert ("saveClassArchive" in summary["phaseSeconds"]) == (run == "records the archive")
     assert not list((cache / "reputd").glob("*.tmp"))
+
+
+def test_the_driver_jvms_stderr_is_passed_on_without_javas_incubator_warning():
+    """Every line the driver JVM writes to standard error reaches the backfill's, in order, but Java's
+    incubator-module warning; a closed standard error (`2>&1 | true`) does not stop the reading, which would
+    leave the JVM blocked on a full pipe."""
+    from daemon.backfill.driver import JVM_INCUBATOR_WARNING, forward_jvm_stderr
+
+    lines = [b"first\n", JVM_INCUBATOR_WARNING + b"\n", b"Exception in thread \"main\"\n", b"x" * 100_000 + b"\n",
+             b"no newline at the end"]
+    for reader_open in (True, False):
+        source_r, source_w = os.pipe()
+        out_r, out_w = os.pipe()
+        if not reader_open:
+            os.close(out_r)
+        thread = forward_jvm_stderr(os.fdopen(source_r, "rb"), fd=out_w)
+        received = []
+        if reader_open:  # the far end reads as the JVM's stderr would be read, while the JVM writes
+            reader = threading.Thread(target=lambda r=out_r, into=received: into.append(os.fdopen(r, "rb").read()))
+            reader.start()
+        with os.fdopen(source_w, "wb") as source:
+            for _ in range(20):
+                source.write(b"".join(lines[:-1]))
+            source.write(lines[-1])
+        thread.join(60)
+        assert not thread.is_alive()
+        os.close(out_w)
+        if reader_open:
+            reader.join(60)
+            assert received == [b"".join(line for line in lines[:-1] if JVM_INCUBATOR_WARNING not in line) * 20
+                                + lines[-1]]
+
+
+def test_a_python_workers_stderr_reaches_the_backfills_through_the_jvm(spark, capfd):
+    """A task's words on standard error (a worker's traceback) go through the driver JVM's standard error,
+    which the backfill now reads itself: they still reach its own."""
+
+    def speak(numbers):
+        import sys
+
+        for n in numbers:
+            print(f"worker-stderr-marker-{n}", file=sys.stderr, flush=True)
+            yield n
+
+    assert sorted(spark.parallelize(range(2), 2).mapPartitions(speak).collect()) == [0, 1]
+    seen = ""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(f"worker-stderr-marker-{n}" in seen for n in (0, 1)):
+        time.sleep(0.1)
+        seen += capfd.readouterr().err
+    assert "worker-stderr-marker-0" in seen
+    assert "worker-stderr-marker-1" in seen
 
 
 def test_cli_corrupt_store_exits_1_with_one_line(tmp_path):

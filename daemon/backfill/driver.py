@@ -4,12 +4,15 @@ raise)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
 import shutil
 import socket
+import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 
 from daemon.backfill.jvm import ClassArchive, java_version_text
@@ -25,6 +28,9 @@ STANDALONE_PREFIX = "spark://"
 MASTER_CONNECT_TIMEOUT_S = 5.0
 # the driver JVM's logging: Spark's errors only, not its start-up chatter (the file says why)
 DRIVER_LOG_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "log4j2.properties")
+# what Java prints as every Spark 4 driver JVM starts (Spark's launcher adds the module it names): the first
+# line an operator saw of every backfill, about nothing they can or need to change
+JVM_INCUBATOR_WARNING = b"WARNING: Using incubator modules: jdk.incubator.vector"
 _JAVA_VERSION = re.compile(r'version "(\d+)(?:\.(\d+))?')
 _JAVA_ERROR = re.compile(r"^(?:: |Caused by: )?((?:java|org|scala)\.[\w.$]*(?:Exception|Error)): (.+)$", re.M)
 _PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Fault|Failed)): (.+)$")
@@ -114,9 +120,43 @@ def create_context(master: str = DEFAULT_MASTER, conf: Mapping[str, str] | None 
     settings.update(conf or {})
     quiet_pyspark_servers()
     try:
-        return SparkContext.getOrCreate(SparkConf(loadDefaults=True).setAll(settings.items()))
+        spark_conf = SparkConf(loadDefaults=True).setAll(settings.items())
+        if SparkContext._active_spark_context is not None or SparkContext._gateway is not None:
+            return SparkContext.getOrCreate(spark_conf)
+        return SparkContext(conf=spark_conf, gateway=launch_driver_jvm(spark_conf))
     except Exception as e:  # the JVM did not come up: PySparkRuntimeError, Py4JError...
         raise BackfillError(f"Spark did not start with master {master}: {spark_error_line(e)}") from None
+
+
+def launch_driver_jvm(spark_conf):
+    """PySpark's gateway JVM, its standard error passed on by `forward_jvm_stderr`."""
+    from pyspark.java_gateway import launch_gateway  # noqa: PLC0415
+
+    gateway = launch_gateway(spark_conf, popen_kwargs={"stderr": subprocess.PIPE})
+    proc = getattr(gateway, "proc", None)
+    if proc is not None and proc.stderr is not None:
+        proc.stderr_forwarder = forward_jvm_stderr(proc.stderr)  # joined as the JVM ends (`jvm.end_gateway`)
+    return gateway
+
+
+def forward_jvm_stderr(stream, fd: int = 2) -> threading.Thread:
+    """Copy the driver JVM's standard error (Spark's errors, the Python workers' tracebacks) to `fd` line by
+    line, without Java's JVM_INCUBATOR_WARNING. It reads to the end whatever happens to `fd` (a closed pipe):
+    a JVM whose standard error filled would block."""
+
+    def run() -> None:
+        for line in iter(stream.readline, b""):
+            if line.rstrip(b"\r\n") == JVM_INCUBATOR_WARNING:
+                continue
+            with contextlib.suppress(OSError):
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+        stream.close()
+
+    thread = threading.Thread(target=run, name="reputd-jvm-stderr", daemon=True)
+    thread.start()
+    return thread
 
 
 # the kind of jobs the driver runs, in the archive's key: one recorded by a backfill that ran DataFrame jobs

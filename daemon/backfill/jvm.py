@@ -143,6 +143,9 @@ def end_gateway(timeout: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    forwarder = getattr(proc, "stderr_forwarder", None)  # the JVM's last words, before this process ends
+    if forwarder is not None:
+        forwarder.join(timeout)
     SparkContext._gateway = None
     SparkContext._jvm = None
 

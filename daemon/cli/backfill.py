@@ -115,8 +115,11 @@ def cmd_backfill(args, config: Config) -> int:
     configure_logging(config.logging.level, config.logging.format)
     _warn_abort(args, config)
 
+    # over Spark's stage bar on a terminal; in a log file or the journal a carriage return is noise
+    start_of_line = "\r" if sys.stderr.isatty() else ""
+
     def say(text: str) -> None:
-        print(f"\r{text}", file=sys.stderr, flush=True)
+        print(f"{start_of_line}{text}", file=sys.stderr, flush=True)
 
     summary = backfill(config, master=args.master, segments=args.segments, from_offset=args.from_offset,
                        to_offset=args.to_offset, partitions=args.partitions, catalog=args.catalog,
