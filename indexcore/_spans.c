@@ -8,7 +8,10 @@
  *                  reads an optional sign and 1 to 10 ASCII digits within int32), the offset msgId
  *                  (MessageDecoder.createMessageId: the store host address and port, then the CommitLog
  *                  offset, upper-case hex), KEYS' non-empty tokens between spaces and UNIQ_KEY (from the
- *                  batch's text, where the decode copied them), the body.
+ *                  batch's text, where the decode copied them), the body; and each group's store host when
+ *                  all its records share one, so that a staged group can leave its msgIds out (they are the
+ *                  host's hex, the same in every row, then the offset's: `msg_ids` makes them again).
+ * msg_ids          the offset msgIds of many records of one store host, from their CommitLog offsets.
  *
  * The records are read in CommitLog order, not in the rows' grouped order: visiting a window's records
  * group by group walked its pages once per group, and a page walk (a TLB miss) stalled most visits (0.15
@@ -123,11 +126,24 @@ static inline int region_put(uint8_t *data, Region *r, const uint8_t *b, int64_t
     return 0;
 }
 
+/* whether the host at h (len bytes) is the group's so far: the first record's is kept in `kept` (its length
+ * in *kept_len, 0 before the first, -1 once two differ) */
+static inline void same_host(const uint8_t *h, int64_t len, uint8_t *kept, int64_t *kept_len) {
+    if (*kept_len == 0) {
+        memcpy(kept, h, (size_t)len);
+        *kept_len = len;
+    } else if (*kept_len > 0 && (*kept_len != len || memcmp(kept, h, (size_t)len) != 0)) {
+        *kept_len = -1;
+    }
+}
+
 /* catalog_columns(source, seg_start, group int32[n], groups, phy int64[n], size int32[n], tags_code int64[n],
  *                 text, keys_at int64[n], keys_len int64[n], uniq_at int64[n], uniq_len int64[n], with_body,
- *                 out64 int64[C64 * n], out32 int32[C32 * n], offsets int32[(S_TOKENS) * (n + 1)],
+ *                 with_msg_ids, out64 int64[C64 * n], out32 int32[C32 * n], offsets int32[(S_TOKENS) * (n + 1)],
  *                 token_offsets int32[], valid uint8[NVALID * ceil(n / 8)], data_0 .. data_(SDATA - 2) uint8[])
- * -> (bytes used in each data buffer, tokens, nulls of each V_ column, non-ASCII bit per S_ column)
+ * -> (bytes used in each data buffer, tokens, nulls of each V_ column, non-ASCII bit per S_ column, hosts)
+ * hosts: per group, the store host address and port all its records share (b"" for a group without rows,
+ * None when they differ). Without with_msg_ids the msgId buffer is left empty (each row's msgId empty).
  * Batch row r (the record at phy[r] - seg_start in source) is in group[r] (0 <= group[r] < groups); the
  * output holds group 0's rows, then group 1's, each group's in batch order. A data buffer holds at least the
  * records' bytes (tags, real topics, bodies), the KEYS or UNIQ_KEY spans' bytes, or MSG_ID_MAX_CHARS a row
@@ -137,9 +153,10 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
            NB = DATA0 + SDATA - 1 };
     PyObject *o[NB];
     long long seg_start, groups;
-    int with_body;
-    if (!PyArg_ParseTuple(args, "OLOLOOOOOOOOpOOOOOOOOOOO", &o[SRC], &seg_start, &o[GROUP], &groups, &o[PHY],
-                          &o[SIZE], &o[TCODE], &o[TEXT], &o[KAT], &o[KLEN], &o[UAT], &o[ULEN], &with_body, &o[O64],
+    int with_body, with_msg_ids;
+    if (!PyArg_ParseTuple(args, "OLOLOOOOOOOOppOOOOOOOOOOO", &o[SRC], &seg_start, &o[GROUP], &groups, &o[PHY],
+                          &o[SIZE], &o[TCODE], &o[TEXT], &o[KAT], &o[KLEN], &o[UAT], &o[ULEN], &with_body,
+                          &with_msg_ids, &o[O64],
                           &o[O32], &o[OFFS], &o[TOKS], &o[VALID], &o[DATA0], &o[DATA0 + 1], &o[DATA0 + 2],
                           &o[DATA0 + 3], &o[DATA0 + 4], &o[DATA0 + 5]))
         return NULL;
@@ -150,6 +167,7 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
     Py_buffer v[NB];
     int got = 0;
     int64_t *scratch = NULL;
+    uint8_t *hosts = NULL;
     for (; got < NB; got++)
         if (get(o[got], &v[got], got >= O64, sizes[got], names[got]) < 0) goto fail;
     Py_ssize_t n = v[PHY].len / 8, nb = (n + 7) / 8;
@@ -172,14 +190,16 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
     /* per group: its first output row and the next one (rows), and its region of each buffer (base: where the
      * region starts, region: where the next byte or token goes and where the region ends) */
     int64_t G = groups;
-    scratch = PyMem_Malloc(sizeof(int64_t) * (size_t)(2 * G + REGIONS * (G + 1)) + sizeof(Region) * (size_t)(REGIONS * G));
-    if (scratch == NULL) {
+    scratch = PyMem_Malloc(sizeof(int64_t) * (size_t)(3 * G + REGIONS * (G + 1)) + sizeof(Region) * (size_t)(REGIONS * G));
+    hosts = PyMem_Malloc((size_t)(HOST_V6_LENGTH * G));
+    if (scratch == NULL || hosts == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
-    int64_t *first = scratch, *next = scratch + G, *base = scratch + 2 * G;  /* base[s * (G + 1) + g] */
+    int64_t *first = scratch, *next = scratch + G, *host_len_of = scratch + 2 * G;  /* hosts: same_host's */
+    int64_t *base = scratch + 3 * G;                                       /* base[s * (G + 1) + g] */
     Region *region = (Region *)(base + REGIONS * (G + 1));                /* region[s * G + g] */
-    memset(scratch, 0, sizeof(int64_t) * (size_t)(2 * G + REGIONS * (G + 1)));
+    memset(scratch, 0, sizeof(int64_t) * (size_t)(3 * G + REGIONS * (G + 1)));
     const char *bad = NULL;
     int64_t bad_at = 0;
     /* every record lies in the source, whole, and its text spans in `text`, and each group's share of every
@@ -311,12 +331,15 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
             if (bad) break;
         }
         /* msgId: the store host's address and port, then the CommitLog offset, in upper-case hex */
+        same_host(rec + host_at, host_len, hosts + HOST_V6_LENGTH * g, &host_len_of[g]);
         Region *id = &reg[S_MSGID * G];
-        if (2 * (host_len + PHYSICAL_OFFSET_SIZE) > id->end - id->at) { bad = "output"; break; }
-        uint8_t *hex = data[S_MSGID] + id->at;
-        for (int64_t b = 0; b < host_len; b++, hex += 2) memcpy(hex, HEX2[rec[host_at + b]], 2);
-        for (int b = 7; b >= 0; b--, hex += 2) memcpy(hex, HEX2[(uint8_t)((uint64_t)phy[r] >> (8 * b))], 2);
-        id->at = hex - data[S_MSGID];
+        if (with_msg_ids) {
+            if (2 * (host_len + PHYSICAL_OFFSET_SIZE) > id->end - id->at) { bad = "output"; break; }
+            uint8_t *hex = data[S_MSGID] + id->at;
+            for (int64_t b = 0; b < host_len; b++, hex += 2) memcpy(hex, HEX2[rec[host_at + b]], 2);
+            for (int b = 7; b >= 0; b--, hex += 2) memcpy(hex, HEX2[(uint8_t)((uint64_t)phy[r] >> (8 * b))], 2);
+            id->at = hex - data[S_MSGID];
+        }
         offs[S_TAGS * (n + 1) + i + 1] = (int32_t)reg[S_TAGS * G].at;
         offs[S_KEYS * (n + 1) + i + 1] = (int32_t)toks_at->at;
         offs[S_UNIQ * (n + 1) + i + 1] = (int32_t)reg[S_UNIQ * G].at;
@@ -355,25 +378,71 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
         else PyErr_Format(PyExc_ValueError, "catalog_columns: the %s at %lld does not decode", bad, (long long)bad_at);
         goto fail;
     }
-    PyMem_Free(scratch);
     int non_ascii = 0;
     for (int c = 0; c < SDATA - 1; c++) non_ascii |= (high[c] & 0x80) ? 1 << c : 0;
-    PyObject *result = Py_BuildValue("((LLLLLL)L(LLLLL)i)", (long long)used[0], (long long)used[1],
-                                     (long long)used[2], (long long)used[3], (long long)used[4],
-                                     (long long)used[5], (long long)tokens, (long long)nulls[0],
-                                     (long long)nulls[1], (long long)nulls[2], (long long)nulls[3],
-                                     (long long)nulls[4], non_ascii);
+    PyObject *host_list = PyList_New((Py_ssize_t)G);
+    for (int64_t g = 0; host_list != NULL && g < G; g++) {
+        PyObject *h = host_len_of[g] < 0 ? Py_NewRef(Py_None)
+                      : PyBytes_FromStringAndSize((const char *)hosts + HOST_V6_LENGTH * g, (Py_ssize_t)host_len_of[g]);
+        if (h == NULL) Py_CLEAR(host_list);
+        else PyList_SET_ITEM(host_list, (Py_ssize_t)g, h);
+    }
+    PyMem_Free(scratch);
+    PyMem_Free(hosts);
     release(v, NB);
-    return result;
+    if (host_list == NULL) return NULL;
+    return Py_BuildValue("((LLLLLL)L(LLLLL)iN)", (long long)used[0], (long long)used[1],
+                         (long long)used[2], (long long)used[3], (long long)used[4],
+                         (long long)used[5], (long long)tokens, (long long)nulls[0],
+                         (long long)nulls[1], (long long)nulls[2], (long long)nulls[3],
+                         (long long)nulls[4], non_ascii, host_list);
 fail:
     PyMem_Free(scratch);
+    PyMem_Free(hosts);
     release(v, got);
     return NULL;
 }
 
+/* msg_ids(phy int64[n], host bytes, out uint8[n * 2 * (len(host) + 8)]): each record's offset msgId
+ * (MessageDecoder.createMessageId, as catalog_columns writes it), all of one length, one after another */
+static PyObject *py_msg_ids(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
+    Py_buffer v[3];
+    int got = 0;
+    static const Py_ssize_t sizes[3] = {8, 1, 1};
+    static const char *names[3] = {"phy", "host", "out"};
+    for (; got < 3; got++)
+        if (get(o[got], &v[got], got == 2, sizes[got], names[got]) < 0) {
+            release(v, got);
+            return NULL;
+        }
+    Py_ssize_t n = v[0].len / 8, host_len = v[1].len, width = 2 * (host_len + PHYSICAL_OFFSET_SIZE);
+    if ((host_len != HOST_V4_LENGTH && host_len != HOST_V6_LENGTH) || v[2].len < n * width) {
+        PyErr_SetString(PyExc_ValueError, "msg_ids: a host is 8 or 20 bytes, and out holds every msgId");
+        release(v, 3);
+        return NULL;
+    }
+    const int64_t *phy = v[0].buf;
+    const uint8_t *host = v[1].buf;
+    uint8_t *out = v[2].buf, prefix[2 * HOST_V6_LENGTH];
+    for (Py_ssize_t b = 0; b < host_len; b++) memcpy(prefix + 2 * b, HEX2[host[b]], 2);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < n; r++) {
+        uint8_t *hex = out + r * width;
+        memcpy(hex, prefix, (size_t)(2 * host_len));
+        hex += 2 * host_len;
+        for (int b = 7; b >= 0; b--, hex += 2) memcpy(hex, HEX2[(uint8_t)((uint64_t)phy[r] >> (8 * b))], 2);
+    }
+    Py_END_ALLOW_THREADS
+    release(v, 3);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"catalog_columns", py_catalog_columns, METH_VARARGS,
-     "catalog_columns(...) -> (bytes, tokens, nulls, non_ascii): every per-record catalog column in one pass"},
+     "catalog_columns(...) -> (bytes, tokens, nulls, non_ascii, hosts): every per-record catalog column in one pass"},
+    {"msg_ids", py_msg_ids, METH_VARARGS, "msg_ids(phy, host, out): the offset msgIds of one store host's records"},
     {NULL, NULL, 0, NULL},
 };
 

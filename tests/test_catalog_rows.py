@@ -110,8 +110,8 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
                 image = (root / f"{seg_start:020d}").read_bytes()
                 groups = list(catalog.catalog_groups(batch, image, seg_start, with_body=True))
                 got = {}
-                for topic, day, blob, count in groups:
-                    table = catalog.read_group(blob, with_body=True)
+                for topic, day, blob, count, form in groups:
+                    table = catalog.read_group(blob, True, form)
                     assert table.num_rows == count
                     assert table.schema == catalog.SCHEMA.append(catalog.BODY_FIELD)
                     for field, column in zip(table.schema, table.columns, strict=True):  # Parquet: `required`
@@ -249,3 +249,76 @@ def test_rows_built_in_groups_are_the_commitlog_order_rows_taken_group_by_group(
     whole = catalog.catalog_table(batch, image, 0, with_body=True)
     grouped = catalog.catalog_table(batch, image, 0, True, group, groups)
     assert grouped.equals(whole.take(np.argsort(group, kind="stable")))
+
+
+STORE_HOSTS = [Host(bytes([10, 0, 0, 1]), 10911), Host(bytes(range(16)), 1234), Host(bytes([10, 0, 0, 2]), 10911)]
+STAGED_PROPERTIES = [b"", b"TAGS\x01a", b"REAL_TOPIC\x01X\x02REAL_QID\x013", b"REAL_QID\x01x", b"REAL_TOPIC\x01Y"]
+
+
+@settings_(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(STORE_HOSTS) - 1), st.sampled_from(STAGED_PROPERTIES),
+                          st.integers(0, 3)), min_size=1, max_size=40), st.booleans())
+def test_a_staged_group_reads_back_as_its_rows(records, with_body):
+    """A staged group leaves out its msgIds when its records share a store host and the real columns when
+    no row of the batch has them; `read_group` makes them again: the same rows as `catalog_table`'s, whatever
+    the hosts (two in a group, IPv6), the groups and the properties."""
+    image = bytearray()
+    for i, (host, props, _) in enumerate(records):
+        image += MessageRecord("T", 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
+                               1_700_000_000_000, STORE_HOSTS[host], 0, 0, b"", props, 0).encode()
+    image += bytes(64)
+    batch = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image)).batch
+    assert len(batch) == len(records)
+    groups = min(4, len(records))  # the C pass takes no more groups than rows
+    group = np.array([g % groups for _, _, g in records], dtype=np.int32)
+    whole = catalog.catalog_table(batch, bytes(image), 0, with_body, group, groups)
+    staged, forms = catalog._catalog_rows(batch, bytes(image), 0, with_body, group, groups, staged=True)
+    rows = staged.to_batches()[0]
+    hosts_of = [{STORE_HOSTS[h] for (h, _, _), g_ in zip(records, group.tolist(), strict=True) if g_ == g}
+                for g in range(groups)]
+    real = whole.column("realTopic").null_count < len(records) or whole.column("realQueueId").null_count < len(records)
+    at = 0
+    for g, count in enumerate(np.bincount(group, minlength=groups).tolist()):
+        if count:
+            host, real_staged = forms[g]
+            assert real_staged == real
+            assert (host is None) == any(len(h) > 1 for h in hosts_of)  # msgIds staged when any group has two
+            got = catalog.read_group(rows.slice(at, count).serialize(), with_body, forms[g])
+            assert got.equals(whole.slice(at, count)), g
+        at += count
+
+
+@settings_(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2**63 - 1), max_size=20), st.sampled_from(STORE_HOSTS))
+def test_msg_ids_are_the_offset_msg_ids(offsets, host):
+    got = catalog.msg_id_array(np.array(offsets, dtype=np.int64), host.address + host.port.to_bytes(4, "big"))
+    assert got.to_pylist() == [create_offset_msg_id(host, o) for o in offsets]
+
+
+@settings_(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(STAGED_PROPERTIES)), min_size=1, max_size=30),
+       st.lists(st.integers(1, 5), min_size=1, max_size=8))
+def test_messages_read_together_are_the_messages_read_one_by_one(records, cuts):
+    """`read_groups` reads consecutive messages of one form as one table: the same rows, in order, as
+    `read_group` gives message by message, whatever the forms' sequence (msgIds staged or not, real columns
+    staged or not)."""
+    messages, expected = [], []
+    at = 0
+    for length in cuts * len(records):
+        part = records[at % len(records) : at % len(records) + length]
+        at += length
+        if not part or len(messages) >= 12:
+            break
+        image = bytearray()
+        for i, (host, props) in enumerate(part):
+            image += MessageRecord("T", 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
+                                   1_700_000_000_000, STORE_HOSTS[host], 0, 0, b"", props, 0).encode()
+        image += bytes(64)
+        batch = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image),
+                               max_bytes=len(image)).batch
+        for _, _, blob, _, form in catalog.catalog_groups(batch, bytes(image), 0, with_body=False):
+            messages.append((blob, form))
+            expected.append(catalog.read_group(blob, False, form))
+    got = list(catalog.read_groups(iter(messages), with_body=False))
+    assert pa.concat_tables(got).equals(pa.concat_tables(expected))
+    assert len(got) <= len(messages)

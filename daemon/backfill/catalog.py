@@ -25,9 +25,10 @@ concatenates its groups in CommitLog order into one file, in row groups of up to
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -84,6 +85,54 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool, gr
     (`_spans.catalog_columns`: its header fields, properties, msgId, KEYS tokens, strings and body), and fills
     every column's Arrow buffers; a string column is checked as UTF-8 only when it is not ASCII. (Six passes
     over the batch, one per step, each reading every record again, cost 0.45 us a message.)"""
+    return _catalog_rows(batch, buf, seg_start, with_body, group, groups, staged=False)[0]
+
+
+# How a staged group's rows were left out of its record batch message, for `read_group` to make them again:
+# (the store host all its rows share, whose msgIds were left out; None when they are staged), and whether the
+# realTopic and realQueueId columns are staged (not when no row of the batch has either). A msgId is 36 of a
+# row's ~170 staged bytes, and made again from the offset in the writer; staged bytes are copied twice and
+# written to page-cache pages, which cost several times more on a host that took them back (page_reporting).
+StagedForm = tuple[bytes | None, bool]
+FULL_FORM: StagedForm = (None, True)
+_REAL_COLUMNS = ("realTopic", "realQueueId")
+
+
+def staged_schema(with_body: bool, form: StagedForm) -> pa.Schema:
+    """The schema of a staged record batch message of this form."""
+    return _staged_schema(with_body, form[0] is not None, form[1])
+
+
+@functools.cache
+def _staged_schema(with_body: bool, without_msg_ids: bool, real: bool) -> pa.Schema:
+    schema = SCHEMA.append(BODY_FIELD) if with_body else SCHEMA
+    left_out = ({"msgId"} if without_msg_ids else set()) | (set() if real else set(_REAL_COLUMNS))
+    return pa.schema([f for f in schema if f.name not in left_out])
+
+
+_NULLS: dict[pa.DataType, pa.Array] = {}
+
+
+def _nulls(n: int, type_: pa.DataType) -> pa.Array:
+    """n nulls, a slice of one array made for the most rows so far (pa.nulls zeroes n rows' buffers anew)."""
+    if type_ not in _NULLS or len(_NULLS[type_]) < n:
+        _NULLS[type_] = pa.nulls(max(n, 1 << 16), type_)
+    return _NULLS[type_].slice(0, n)
+
+
+def msg_id_array(offsets: np.ndarray, host: bytes) -> pa.Array:
+    """The offset msgIds of records of one store host (`_spans.msg_ids`), as `catalog_columns` makes them."""
+    n, width = len(offsets), 2 * (len(host) + 8)
+    data = np.empty(n * width, dtype=np.uint8)
+    _spans.msg_ids(np.ascontiguousarray(offsets, dtype=np.int64), host, data)
+    ends = np.arange(n + 1, dtype=np.int32) * np.int32(width)
+    return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(ends), pa.py_buffer(data)])
+
+
+def _catalog_rows(batch: DispatchBatch, buf, seg_start: int, with_body: bool, group: np.ndarray | None,
+                  groups: int, staged: bool) -> tuple[pa.Table, list[StagedForm]]:
+    """`catalog_table`'s rows and each group's form; `staged`: without the columns a writer makes again (the
+    msgIds when each group's records share a store host, the real columns when no row has them)."""
     S = _spans  # the C pass's column numbers
     n = len(batch)
     group = np.zeros(n, dtype=np.int32) if group is None else np.ascontiguousarray(group, dtype=np.int32)
@@ -104,10 +153,17 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool, gr
     data = [np.empty(size, dtype=np.uint8) for size in (
         record_bytes, keys_bytes, int(np.where(spans[2] < 0, 0, spans[3]).sum()), n * S.MSG_ID_MAX_CHARS,
         record_bytes, record_bytes if with_body else 0)]  # S_TAGS, S_KEYS, S_UNIQ, S_MSGID, S_REAL_TOPIC, S_BODY
-    used, tokens, nulls, non_ascii = S.catalog_columns(
-        buf, seg_start, group, groups, np.ascontiguousarray(batch.phy_offset, dtype=np.int64), msg_size,
-        np.ascontiguousarray(batch.tags_code, dtype=np.int64), text, *spans, with_body, out64, out32, offsets,
-        token_offsets, valid, *data)
+    phy = np.ascontiguousarray(batch.phy_offset, dtype=np.int64)
+    tags_code = np.ascontiguousarray(batch.tags_code, dtype=np.int64)
+    used, tokens, nulls, non_ascii, hosts = S.catalog_columns(
+        buf, seg_start, group, groups, phy, msg_size, tags_code, text, *spans, with_body, not staged, out64, out32,
+        offsets, token_offsets, valid, *data)
+    with_msg_ids = not staged or None in hosts
+    if staged and with_msg_ids:  # a group of records of two store hosts (rare): the pass again, with its msgIds
+        used, tokens, nulls, non_ascii, hosts = S.catalog_columns(
+            buf, seg_start, group, groups, phy, msg_size, tags_code, text, *spans, with_body, True, out64, out32,
+            offsets, token_offsets, valid, *data)
+    real = not staged or nulls[S.V_REAL_TOPIC] < n or nulls[S.V_REAL_QID] < n
 
     def validity(v: int | None):
         return pa.py_buffer(valid[v]) if v is not None and nulls[v] else None
@@ -130,15 +186,16 @@ def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool, gr
         ints(out64[S.C_QUEUE_OFFSET], pa.int64()), ints(out64[S.C_STORE_TIME], _UTC_MS),
         ints(out64[S.C_BORN_TIME], _UTC_MS), binary(S.S_TAGS, S.V_TAGS, n, offsets[S.S_TAGS]),
         ints(out64[S.C_TAGS_CODE], pa.int64()), ints(out32[S.C_SYS_FLAG], pa.int32()), keys,
-        binary(S.S_UNIQ, S.V_UNIQ, n, offsets[S.S_UNIQ]), binary(S.S_MSGID, None, n, offsets[S.S_MSGID]),
-        binary(S.S_REAL_TOPIC, S.V_REAL_TOPIC, n, offsets[S.S_REAL_TOPIC]),
-        ints(out32[S.C_REAL_QID], pa.int32(), S.V_REAL_QID), ints(out32[S.C_BODY_SIZE], pa.int32()),
+        binary(S.S_UNIQ, S.V_UNIQ, n, offsets[S.S_UNIQ]),
+        *([binary(S.S_MSGID, None, n, offsets[S.S_MSGID])] if with_msg_ids else []),
+        *([binary(S.S_REAL_TOPIC, S.V_REAL_TOPIC, n, offsets[S.S_REAL_TOPIC]),
+           ints(out32[S.C_REAL_QID], pa.int32(), S.V_REAL_QID)] if real else []),
+        ints(out32[S.C_BODY_SIZE], pa.int32()),
     ]
-    schema = SCHEMA
     if with_body:
         columns.append(binary(S.S_BODY, None, n, offsets[S.S_BODY], text_=False))
-        schema = schema.append(BODY_FIELD)
-    return pa.Table.from_arrays(columns, schema=schema)
+    forms = [(None if with_msg_ids else host, real) for host in hosts]
+    return pa.Table.from_arrays(columns, schema=staged_schema(with_body, forms[0] if forms else FULL_FORM)), forms
 
 
 GROUP_KEYS_SMALL = 1 << 16  # (topic, day) pairs a batch's groups are counted over rather than sorted
@@ -164,20 +221,22 @@ def _groups(topic_id: np.ndarray, day: np.ndarray,
 
 
 def catalog_groups(batch: DispatchBatch, buf, seg_start: int,
-                   with_body: bool) -> Iterator[tuple[str, int, pa.Buffer, int]]:
-    """(topic, UTC day, Arrow IPC record batch message, rows) of each (topic, day) of the batch, in CommitLog
-    order. The rows are built already grouped (`catalog_table`), so each group is a slice. A message without
+                   with_body: bool) -> Iterator[tuple[str, int, pa.Buffer, int, StagedForm]]:
+    """(topic, UTC day, Arrow IPC record batch message, rows, its StagedForm) of each (topic, day) of the
+    batch, in CommitLog order. The rows are built already grouped (`catalog_table`), so each group is a
+    slice, without the columns the writer makes again (`read_group`). A message without
     its schema (the reader knows it, `read_group`): a stream of its own per group, its schema and writer made
     anew, cost 0.047 us a row against 0.035, and read back 0.067 against 0.044."""
     if not len(batch):
         return
     day = (batch.store_timestamp // MS_PER_DAY).astype(np.int64)
     group, topic_ids, days, counts = _groups(batch.topic_id, day, len(batch.topics))
-    rows = catalog_table(batch, buf, seg_start, with_body, group, len(counts)).to_batches()[0]  # one chunk
+    table, forms = _catalog_rows(batch, buf, seg_start, with_body, group, len(counts), staged=True)
+    rows = table.to_batches()[0]  # one chunk
     at = 0
-    for topic_id, day_, count in zip(topic_ids.tolist(), days.tolist(), counts.tolist(), strict=True):
+    for topic_id, day_, count, form in zip(topic_ids.tolist(), days.tolist(), counts.tolist(), forms, strict=True):
         # a pa.Buffer: not copied to bytes
-        yield batch.topics[topic_id], day_, rows.slice(at, count).serialize(), count
+        yield batch.topics[topic_id], day_, rows.slice(at, count).serialize(), count, form
         at += count
 
 
@@ -218,10 +277,51 @@ def partition_dir(topic: str, day: int) -> str:
     return f"{topic_dir(topic)}/{np.datetime64(day, 'D')}"
 
 
-def read_group(blob: bytes, with_body: bool) -> pa.Table:
-    """A group's rows from the record batch message `catalog_groups` made (with the body column or not)."""
+def read_group(blob: bytes, with_body: bool, form: StagedForm = FULL_FORM) -> pa.Table:
+    """A group's rows from the record batch message `catalog_groups` made (with the body column or not), the
+    columns its form left out made again: the msgIds from the offsets and the store host, null real columns."""
+    return _completed([pa.ipc.read_record_batch(pa.py_buffer(blob), staged_schema(with_body, form))], with_body,
+                      form)
+
+
+def read_groups(messages: Iterable[tuple[bytes, StagedForm]], with_body: bool) -> Iterator[pa.Table]:
+    """The rows of a group's messages in order (`read_group`), consecutive messages of one form read as one
+    table of about ROW_GROUP_ROWS rows at most, its left-out columns made once: made for each message (a
+    window's group, ~2,400 rows of the 16M store) they cost 0.05-0.08 us a row more in write_catalog."""
+    batches: list[pa.RecordBatch] = []
+    form, rows = FULL_FORM, 0
+    for blob, form_ in messages:
+        if batches and (form_ != form or rows >= ROW_GROUP_ROWS):
+            yield _completed(batches, with_body, form)
+            batches, rows = [], 0
+        form = form_
+        batches.append(pa.ipc.read_record_batch(pa.py_buffer(blob), staged_schema(with_body, form)))
+        rows += batches[-1].num_rows
+    if batches:
+        yield _completed(batches, with_body, form)
+
+
+def _int64s(values: pa.Array) -> np.ndarray:
+    """A never-null int64 column's values, its buffer as it is (Array.to_numpy imports pandas: 0.4 CPU-s)."""
+    return np.frombuffer(values.buffers()[1], np.int64, len(values), 8 * values.offset)
+
+
+def _completed(batches: list[pa.RecordBatch], with_body: bool, form: StagedForm) -> pa.Table:
+    staged = pa.Table.from_batches(batches)
+    if form == FULL_FORM:
+        return staged
+    host, real = form
+    columns = dict(zip(staged.schema.names, staged.columns, strict=True))
+    n = staged.num_rows
+    if host is not None:
+        offsets = [_int64s(b.column("commitLogOffset")) for b in batches]
+        columns["msgId"] = pa.chunked_array([msg_id_array(offsets[0] if len(offsets) == 1 else np.concatenate(offsets),
+                                                          host)])
+    if not real:
+        columns["realTopic"] = pa.chunked_array([_nulls(n, pa.string())])
+        columns["realQueueId"] = pa.chunked_array([_nulls(n, pa.int32())])
     schema = SCHEMA.append(BODY_FIELD) if with_body else SCHEMA
-    return pa.Table.from_batches([pa.ipc.read_record_batch(pa.py_buffer(blob), schema)])
+    return pa.Table.from_arrays([columns[name] for name in schema.names], schema=schema)
 
 
 def catalog_filesystem(path: str, s3=None):

@@ -205,9 +205,8 @@ class RangeRows:
         if self.settings.index:
             self._keys(batch)
         if self.settings.catalog:
-            for topic, day, blob, count in self.catalog_groups(batch, image.buffer, self.task.seg_start,
-                                                               self.settings.catalog_body):
-                self.stage.add_catalog(topic, day, blob, count)
+            for group in self.catalog_groups(batch, image.buffer, self.task.seg_start, self.settings.catalog_body):
+                self.stage.add_catalog(*group)
         o.records += n
 
     def _keys(self, batch: DispatchBatch) -> None:

@@ -10,7 +10,8 @@ Each decode attempt of a range writes into a directory of its own under the job'
                   and store time of the owning record, and the store time of the record that would create
                   the next IndexFile if one filled at this key (NO_CREATOR: the first record of the next range)
     catalog.data  Arrow IPC record batch messages of catalog rows (their schema is `catalog.read_group`'s)
-    catalog.meta  (topic, UTC day) -> that group's messages in CommitLog order: (byte offset, length, rows)
+    catalog.meta  (topic, UTC day) -> that group's messages in CommitLog order: (byte offset, length, rows,
+                  the columns left out, `catalog.StagedForm`)
 
 The task returns only its `RangeOutcome` (a few hundred bytes, with the units per queue bucket and the rows
 per catalog group the driver balances the writers with: buckets, not queues, so that a CommitLog with
@@ -59,7 +60,7 @@ class RangeStage:
         self.keys = open(os.path.join(directory, KEYS_DATA), "wb")  # noqa: SIM115
         self.catalog = open(os.path.join(directory, CATALOG_DATA), "wb") if catalog else None  # noqa: SIM115
         self.unit_runs: dict[tuple[str, int], list[tuple[int, int, int, int, bool]]] = {}
-        self.catalog_runs: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
+        self.catalog_runs: dict[tuple[str, int], list[tuple[int, int, int, tuple]]] = {}
         self.unit_bytes = self.key_count = self.catalog_bytes = 0
 
     def add_units(self, topic: str, queue_id: int, phy: int, first_qo: int, count: int, data,
@@ -73,8 +74,8 @@ class RangeStage:
         self.keys.write(memoryview(records.view(np.uint8)))  # not tobytes(): no copy
         self.key_count += len(records)
 
-    def add_catalog(self, topic: str, day: int, blob: bytes, rows: int) -> None:
-        self.catalog_runs.setdefault((topic, day), []).append((self.catalog_bytes, len(blob), rows))
+    def add_catalog(self, topic: str, day: int, blob: bytes, rows: int, form: tuple) -> None:
+        self.catalog_runs.setdefault((topic, day), []).append((self.catalog_bytes, len(blob), rows, form))
         self.catalog.write(blob)
         self.catalog_bytes += len(blob)
 
@@ -154,13 +155,14 @@ class StagedRange:
             return np.zeros(0, dtype=KEY_DTYPE)
         return np.frombuffer(data, dtype=KEY_DTYPE, count=hi - lo, offset=lo * KEY_DTYPE.itemsize)
 
-    def catalog_blobs(self, group: tuple[str, int]) -> Iterator[memoryview]:
+    def catalog_blobs(self, group: tuple[str, int]) -> Iterator[tuple[memoryview, tuple]]:
+        """Each of a group's messages and its form (`catalog.read_group`)."""
         runs = self.meta(CATALOG_META).get(group)
         if not runs:
             return
         data = memoryview(self._data(CATALOG_DATA))
-        for at, length, _ in runs:
-            yield data[at : at + length]
+        for at, length, _, form in runs:
+            yield data[at : at + length], form
 
     def close(self) -> None:
         self._meta.clear()

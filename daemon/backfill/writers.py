@@ -415,7 +415,7 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
     CommitLog order; (staged path, path relative to the catalog, rows) of each."""
     import pyarrow as pa  # noqa: PLC0415
 
-    from daemon.backfill.catalog import ParquetOut, partition_dir, read_group, uncovered  # noqa: PLC0415
+    from daemon.backfill.catalog import ParquetOut, partition_dir, read_groups, uncovered  # noqa: PLC0415
 
     out: list[tuple[str, str, int]] = []
     ranges = [StagedRange(d) for d in work.ranges]
@@ -425,8 +425,8 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
             writer = ParquetOut(filesystem, f"{stage}/{relative}", topic, day)
             rows = 0
             for r in ranges:
-                for blob in r.catalog_blobs((topic, day)):
-                    table = read_group(blob, with_body)
+                for staged in read_groups(r.catalog_blobs((topic, day)), with_body):
+                    table = staged
                     if work.covered:  # a group wholly outside the ranges the catalog holds is taken as it is
                         keep = uncovered(table, work.covered)
                         if not keep.any():
