@@ -434,7 +434,9 @@ class ParquetOut:
 
 def uncovered(table: pa.Table, covered) -> np.ndarray:
     """Which rows lie outside every [from, to) of `covered` (the ranges the catalog holds already)."""
-    offsets = table.column("commitLogOffset").to_numpy()
+    column = table.column("commitLogOffset")
+    offsets = np.concatenate([_int64s(chunk) for chunk in column.chunks]) if column.num_chunks else \
+        np.empty(0, np.int64)
     keep = np.ones(len(offsets), dtype=bool)
     for lo, hi in covered:
         keep &= (offsets < lo) | (offsets >= hi)
