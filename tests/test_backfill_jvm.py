@@ -104,3 +104,41 @@ def test_good_settings_load(tmp_path, value):
     config = tmp_path / "reputd.yaml"
     config.write_text(f"backfill:\n  jvmClassArchive: '{value}'\n")
     assert load_config(config).backfill.jvm_class_archive == value
+
+
+def test_auto_removes_the_archives_no_backfill_mapped_for_thirty_days(tmp_path, monkeypatch):
+    """An archive is 70-160 MB and an upgrade (Java, PySpark, reputd's jobs) leaves the old one behind: mapping
+    an archive marks it used (its modification time), and recording a new one removes those of the cache
+    directory unused for UNUSED_ARCHIVE_DAYS; not a recent one, not other files, not an archive a path names."""
+    import time
+
+    from daemon.backfill import jvm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "reputd"
+    cache.mkdir()
+    old = time.time() - (jvm.UNUSED_ARCHIVE_DAYS + 1) * 86400
+    stale, recent, other = (cache / "spark-driver-0000000000000001.jsa", cache / "spark-driver-2.jsa",
+                            cache / "config-1.json")
+    for f, when in ((stale, old), (recent, time.time() - 86400), (other, old)):
+        f.write_bytes(b"x")
+        os.utime(f, (old, when))
+    in_use = cache / f"spark-driver-{jvm.install_digest(JAVA, '-Xmx1g')}.jsa"  # recorded long ago
+    in_use.write_bytes(b"archive")
+    os.utime(in_use, (old, old))
+    mapped = choose_archive(ARCHIVE_AUTO, JAVA, "-Xmx1g")  # a backfill maps it: used now
+    assert not mapped.saving
+    assert os.path.getmtime(mapped.path) > old + 86400
+    assert stale.exists()  # nothing removed while only mapping
+    recording = choose_archive(ARCHIVE_AUTO, JAVA, "-XX:TieredStopAtLevel=1")
+    assert recording.saving
+    assert not stale.exists()
+    assert recent.exists()
+    assert other.exists()
+    assert os.path.exists(mapped.path)
+    named = tmp_path / "ops" / "spark-driver-named.jsa"  # a path the operator named is never removed
+    named.parent.mkdir()
+    named.write_bytes(b"x")
+    os.utime(named, (old, old))
+    assert choose_archive(str(named.parent / "spark-driver-new.jsa"), JAVA, "").saving
+    assert named.exists()

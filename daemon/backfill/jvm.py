@@ -7,7 +7,10 @@ keeps those classes parsed and verified in a file the next JVM maps: the first l
 records the classes its JVM loaded when it exits (`-XX:ArchiveClassesAtExit`), every later one maps them
 (`-XX:SharedArchiveFile`). An archive only fits the JVM and the jars it was made with, so its name carries
 a digest of both: a new Java or PySpark makes a new archive, and the JVM itself ignores one that does not
-fit. `backfill.jvmClassArchive` is `auto` (in the user's cache directory), `off`, or a path.
+fit. `backfill.jvmClassArchive` is `auto` (in the user's cache directory), `off`, or a path. In the cache
+directory an archive's modification time is when a backfill last mapped it, and one unused for
+UNUSED_ARCHIVE_DAYS is removed as a new one is recorded: each is 70-160 MB, and an upgrade of Java, PySpark
+or reputd leaves the old one behind for good.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import functools
 import hashlib
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 
 ARCHIVE_AUTO, ARCHIVE_OFF = "auto", "off"
@@ -27,6 +31,8 @@ CACHE_SUBDIR = "reputd"
 # the archive's
 LOG_OPTIONS = "-Xlog:disable -Xlog:all=warning,cds=off,cds+dynamic=off:stderr"
 SAVE_TIMEOUT_SECONDS = 300
+ARCHIVE_PREFIX = "spark-driver-"
+UNUSED_ARCHIVE_DAYS = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +92,14 @@ def choose_archive(setting: str, java: str, java_options: str) -> ClassArchive |
         return None
     if setting == ARCHIVE_AUTO:
         directory = default_archive_dir()
-        path = os.path.join(directory, f"spark-driver-{install_digest(java, java_options)}{ARCHIVE_SUFFIX}")
+        path = os.path.join(directory, f"{ARCHIVE_PREFIX}{install_digest(java, java_options)}{ARCHIVE_SUFFIX}")
     else:
         path = setting
         directory = os.path.dirname(path) or "."
     if os.path.isfile(path) and os.path.getsize(path) > 0:
+        if setting == ARCHIVE_AUTO:
+            with contextlib.suppress(OSError):
+                os.utime(path)  # used now: kept by remove_unused
         return ClassArchive(path, saving=False)
     try:
         os.makedirs(directory, exist_ok=True)
@@ -99,7 +108,26 @@ def choose_archive(setting: str, java: str, java_options: str) -> ClassArchive |
     if not os.access(directory, os.W_OK):
         return None
     remove_abandoned(path)
+    if setting == ARCHIVE_AUTO:
+        remove_unused(directory)
     return ClassArchive(path, saving=True)
+
+
+def remove_unused(directory: str, now: float | None = None) -> list[str]:
+    """Delete the cache directory's archives no backfill has mapped for UNUSED_ARCHIVE_DAYS (their modification
+    time is their last use): those of a Java, PySpark, reputd or environment replaced since. Only `auto`'s own
+    directory and names; an archive a path names is the operator's. The paths removed."""
+    cutoff = (time.time() if now is None else now) - UNUSED_ARCHIVE_DAYS * 86400
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if not (entry.name.startswith(ARCHIVE_PREFIX) and entry.name.endswith(ARCHIVE_SUFFIX)):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    removed.append(entry.path)
+    return removed
 
 
 def remove_abandoned(path: str) -> None:
