@@ -46,13 +46,13 @@ def kill_spark_processes() -> None:
 
 
 def end_driver_jvm() -> None:
-    """After the session has stopped: end the gateway JVM this process launched, killing it if it does not
+    """After the context has stopped: end the gateway JVM this process launched, killing it if it does not
     exit; the Python process may go on (a test, a caller)."""
     end_gateway(GATEWAY_EXIT_TIMEOUT_S)
 
 
 class Interrupt:
-    """SIGINT or SIGTERM at any moment of a backfill that owns its session ends it as an interruption (the
+    """SIGINT or SIGTERM at any moment of a backfill that owns its Spark context ends it as an interruption (the
     caller's KeyboardInterrupt: one line, exit 130), with nothing left running:
 
     * before Spark starts: at once;
@@ -66,9 +66,9 @@ class Interrupt:
     * once the commit begins (`committing`, which first raises a signal that came during the write job, in
       case the job ended before a cancel reached it): the commit and the stop go on
       and the backfill ends as done (a signal then had made it say "interrupted" over a committed output);
-    * while the session stops (`stopping`): the stop goes on.
+    * while the context stops (`stopping`): the stop goes on.
 
-    For a caller's session, and off the main thread (where no handler can be set), it does nothing."""
+    For a caller's context, and off the main thread (where no handler can be set), it does nothing."""
 
     def __init__(self, own: bool):
         self.signal: int | None = None
@@ -82,7 +82,7 @@ class Interrupt:
 
     @contextlib.contextmanager
     def launching(self):
-        """Around the session's creation: a signal kills what is starting; PySpark's SIGINT handler is kept
+        """Around the context's creation: a signal kills what is starting; PySpark's SIGINT handler is kept
         out; the start that fails of the kill, or succeeds before it, ends as the interruption."""
         try:
             import pyspark.core.context as pyspark_context  # noqa: PLC0415 - Spark 4

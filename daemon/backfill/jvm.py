@@ -179,7 +179,7 @@ def end_gateway(timeout: float) -> None:
 
 
 def save_archive(archive: ClassArchive) -> bool:
-    """After the session has stopped: end the driver JVM (it writes the archive as it exits) and move the
+    """After the context has stopped: end the driver JVM (it writes the archive as it exits) and move the
     archive into place. False when there was nothing to save (the JVM was not this backfill's)."""
     end_gateway(SAVE_TIMEOUT_SECONDS)
     temporary = archive.temporary
