@@ -756,9 +756,10 @@ def main() -> int:
         results.extend(bench_backfill(work, scale, args.masters.split(",")))
     cost = None
     if "backfill-cost" in wanted:
-        from bench.backfill_cost import measure  # noqa: PLC0415
+        from bench.backfill_cost import DEFAULT_ROUNDS, measure  # noqa: PLC0415
 
-        cost = measure(work, COST_DATA_SET, scale, "local[2]", catalog=True, rounds=1 if args.quick else 5)
+        cost = measure(work, COST_DATA_SET, scale, "local[2]", catalog=True,
+                       rounds=1 if args.quick else DEFAULT_ROUNDS)
     lmq_ratio(results)
     print_table(results)
     if cost is not None:

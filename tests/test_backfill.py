@@ -1167,6 +1167,16 @@ def test_cli_backfill_interrupted_during_start_up_leaves_nothing_running(generat
     assert not (tmp_path / "out" / STAGING_DIR).exists()
 
 
+class _CancelRecorder:
+    """A SparkContext as the signal handling sees it: the job groups it was asked to cancel."""
+
+    def __init__(self):
+        self.cancelled: list[str] = []
+
+    def cancelJobGroup(self, group):  # PySpark's name
+        self.cancelled.append(group)
+
+
 def test_a_signal_during_the_write_job_stops_the_commit_and_one_during_the_commit_lets_it_end():
     """The cancel can reach Spark before the write job starts, which then runs whole: the signal is checked
     again as the commit begins (it had linked the files into place, then said "reputd: interrupted" with
@@ -1174,16 +1184,12 @@ def test_a_signal_during_the_write_job_stops_the_commit_and_one_during_the_commi
     output)."""
     from daemon.backfill.interrupt import Interrupt
 
-    cancelled = []
-
-    class Context:
-        def cancelJobGroup(self, group):  # PySpark's name
-            cancelled.append(group)
-
+    context = _CancelRecorder()
+    cancelled = context.cancelled
     for committing_first in (False, True):
         interrupt = Interrupt(own=True)
         try:
-            interrupt.arm(Context(), "g")
+            interrupt.arm(context, "g")
             if committing_first:
                 interrupt.committing()
                 os.kill(os.getpid(), signal.SIGINT)
@@ -1209,15 +1215,11 @@ def test_a_signal_cancels_the_jobs_again_until_the_driver_leaves_them():
     decode ends) ran whole: the cancel is repeated while the driver runs the jobs, and ends when it stops."""
     from daemon.backfill import interrupt as interrupt_module
 
-    cancelled = []
-
-    class Context:
-        def cancelJobGroup(self, group):  # PySpark's name
-            cancelled.append(group)
-
+    context = _CancelRecorder()
+    cancelled = context.cancelled
     interrupt = interrupt_module.Interrupt(own=True)
     try:
-        interrupt.arm(Context(), "g")
+        interrupt.arm(context, "g")
         os.kill(os.getpid(), signal.SIGINT)
         deadline = time.monotonic() + 30
         while len(cancelled) < 3 and time.monotonic() < deadline:

@@ -5,7 +5,6 @@ tasks and the driver's walk are plain functions; tests/test_backfill.py runs the
 from __future__ import annotations
 
 import dataclasses
-import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -48,8 +47,8 @@ def settings(index: bool = True) -> DecodeSettings:
 
 
 def outcomes_of(gen) -> list:
-    """The outcomes a decode generator yields (each pickled, as a task hands it to the JVM)."""
-    return [pickle.loads(data) for data in gen]
+    """The outcomes a decode generator yields."""
+    return list(gen)
 
 
 def staged_rows(outcome) -> tuple[dict, list]:
@@ -318,7 +317,7 @@ def test_a_python_worker_imports_only_what_its_tasks_need():
     import sys
 
     code = ("import sys, daemon.backfill.tasks, daemon.backfill.writers as w\n"
-            "list(w.result_bytes('queues', 1))\n"
+            "list(daemon.backfill.tasks._to_jvm(iter([('queues', 1)])))\n"
             "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('daemon', 'prometheus_client', 'structlog', 'watchdog', 'pandas') or m.startswith('pyarrow.parquet'))))")
     loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

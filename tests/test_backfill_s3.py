@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import pickle
 import socket
 import tempfile
 import threading
@@ -78,8 +77,8 @@ def test_ranges_read_from_s3_give_the_rows_read_from_disk(s3_server, archived, r
     for a, b in zip(plan_ranges(local.segments, SEGMENT, 0, None, range_bytes),
                     plan_ranges(remote.segments, SEGMENT, 0, None, range_bytes), strict=True):
         assert b.location.startswith("s3://")
-        (meta_a,) = [pickle.loads(r) for r in decode_range(a, settings)]
-        (meta_b,) = [pickle.loads(r) for r in decode_range(b, remote_settings)]
+        (meta_a,) = list(decode_range(a, settings))
+        (meta_b,) = list(decode_range(b, remote_settings))
         assert staged_files(meta_a) == staged_files(meta_b)
         assert (meta_a.first, meta_a.next_offset, meta_a.status, meta_a.records, meta_a.keys) == (
             meta_b.first, meta_b.next_offset, meta_b.status, meta_b.records, meta_b.keys)
@@ -163,7 +162,7 @@ def _first_range(root: Path, listed_by: S3Options, read_by: S3Options):
     task = plan_ranges(listing.segments, SEGMENT, 0, None, SEGMENT)[0]
     settings = DecodeSettings(SEGMENT, True, 64 * 1024, DEFAULT_MESSAGE_DELAY_LEVEL, 8192, 1 << 20, True, True,
                               True, read_by, stage_root=tempfile.mkdtemp(dir=root))
-    (outcome,) = [pickle.loads(r) for r in decode_range(task, settings)]
+    (outcome,) = list(decode_range(task, settings))
     return staged_files(outcome), (outcome.first, outcome.next_offset, outcome.status, outcome.records, outcome.keys)
 
 
@@ -210,7 +209,7 @@ def test_s3_ranges_request_their_own_bytes_and_count_every_one(s3_server, tmp_pa
     tasks = plan_ranges(listing.segments, segment, 0, None, 2 * mib)
     requested = 0
     for task in tasks:
-        (outcome,) = [pickle.loads(r) for r in decode_range(task, settings)]
+        (outcome,) = list(decode_range(task, settings))
         requested += outcome.bytes_read
     ranges = sum(t.end - t.begin for t in tasks)
     assert 0 < requested <= 1.05 * ranges, (requested, ranges)

@@ -13,13 +13,12 @@ the right boundary where the chain breaks, so the result is that of reading each
 What a task emits is staged as files under the job's staging tree (`stage.py`): its ConsumeQueue runs
 by queue, its IndexFile keys in `buildIndex` order (with the store time of the record that would create
 the next IndexFile if one filled at each key) and its catalog groups; what it hands the JVM is the range's
-`RangeOutcome`, pickled, so the JVM carries a few hundred bytes per range, never the output.
+`RangeOutcome` (pickled by `tasks.py`), so the JVM carries a few hundred bytes per range, never the output.
 """
 
 from __future__ import annotations
 
 import itertools
-import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -241,7 +240,7 @@ class RangeRows:
         o.bucket_units = self.stage.bucket_units()
         o.catalog_rows = self.stage.catalog_rows()
         o.staged_bytes = self.stage.unit_bytes + self.stage.key_count * KEY_DTYPE.itemsize + self.stage.catalog_bytes
-        yield outcome_bytes(o)
+        yield o
 
     def _units(self, batch: DispatchBatch) -> None:
         """Each queue's units of the window, held until the range ends (`_stage_units`): a range's units are
@@ -290,15 +289,9 @@ def _joined_bytes(parts) -> np.ndarray:
     return np.concatenate([p.units.view(np.uint8).reshape(-1) for p in parts])
 
 
-def outcome_bytes(outcome: RangeOutcome) -> bytes:
-    """A range's outcome as the decode task hands it to the JVM: pickled here, so that the driver counts the
-    bytes that crossed (`bytesToJvm`) and PySpark's serializer only frames them."""
-    return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 def decode_range(task: RangeTask, settings: DecodeSettings, start: int | None = None,
                  attempt_id: int = 0) -> Iterator:
-    """Stage one range's output; yields its outcome (pickled) and returns it. `start`: a record boundary
+    """Stage one range's output; yields its outcome and returns it. `start`: a record boundary
     (CommitLog offset) to read from instead of scanning (the driver's re-read of a range whose chain broke);
     `attempt_id`: Spark's, so that every attempt stages in a directory of its own."""
     started = time.perf_counter()

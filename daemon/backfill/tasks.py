@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,7 +26,6 @@ from daemon.backfill.writers import (
     CatalogWork,
     Fault,
     QueueWork,
-    result_bytes,
     write_catalog,
     write_index_chunk,
     write_index_files,
@@ -88,8 +88,8 @@ def reread(work: Reread, settings: DecodeSettings, attempt_id: int = 0):
 
 def decode_partition(settings: DecodeSettings, work, fault: Fault | None):
     """The decode: each input is the index of a RangeTask or Reread in `work` (a WorkFile: read once per
-    worker, not shipped with every task). Each range stages its output (`stage.py`) and yields its outcome,
-    pickled."""
+    worker, not shipped with every task). Each range stages its output (`stage.py`) and hands back its
+    outcome."""
 
     def run(numbers):
         for number in numbers:
@@ -106,7 +106,7 @@ def decode_partition(settings: DecodeSettings, work, fault: Fault | None):
                 name = item.tasks[0].location if isinstance(item, Reread) else item.location
                 raise BackfillTaskError(f"decode task for {name}: {e}") from e
 
-    return run
+    return lambda numbers: _to_jvm(run(numbers))
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,13 +123,20 @@ class WriterSettings:
 
 def write_partition(settings: WriterSettings, work, fault: Fault | None):
     """The writers: each input is the index of a QueueWork, IndexWork or CatalogWork in `work` (a WorkFile);
-    each task stages its files and yields its result, pickled."""
+    each task stages its files and hands back (kind, result)."""
 
     def run(numbers):
         for number in numbers:
             yield from _write(settings, pickle.loads(work.value[number]), fault)
 
-    return run
+    return lambda numbers: _to_jvm(run(numbers))
+
+
+def _to_jvm(results: Iterator) -> Iterator[bytes]:
+    """What a task hands the JVM: each result pickled here rather than by PySpark's serializer, so that the
+    driver counts the bytes that crossed (`bytesToJvm`) as it unpickles them."""
+    for value in results:
+        yield pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _write(settings: WriterSettings, item, fault: Fault | None):
@@ -152,7 +159,7 @@ def _write(settings: WriterSettings, item, fault: Fault | None):
         remove_tree(stage)
         name = "consumequeue" if phase == "cq" else "index"
         raise BackfillTaskError(f"{name} task {attempt.partition}: {e}") from e
-    yield from result_bytes(kind, result)
+    yield kind, result
 
 
 def _write_catalog(settings: WriterSettings, item: CatalogWork, attempt: Attempt):
@@ -170,4 +177,4 @@ def _write_catalog(settings: WriterSettings, item: CatalogWork, attempt: Attempt
             filesystem.delete_dir(stage)
         raise BackfillTaskError(f"catalog task {attempt.partition}: {e}") from e
     # the task time too, so that the summary's writeTaskSeconds counts the catalog's writers with the others
-    yield from result_bytes(CATALOG_FILES, (written, time.perf_counter() - started))
+    yield CATALOG_FILES, (written, time.perf_counter() - started)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -446,8 +445,3 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
             r.close()
     return out
 
-
-def result_bytes(kind: str, value) -> Iterator[bytes]:
-    """A writer task's result as it hands it to the JVM: (kind, value) pickled here, so that the driver counts
-    the bytes that crossed (`bytesToJvm`)."""
-    yield pickle.dumps((kind, value), protocol=pickle.HIGHEST_PROTOCOL)
