@@ -46,6 +46,7 @@
 #define QUEUE_OFFSET_OFFSET 20
 #define PHYSICAL_OFFSET_OFFSET 28
 #define SYS_FLAG_OFFSET 36
+#define BORN_TIMESTAMP_OFFSET 40
 #define BORN_HOST_OFFSET 48
 #define HOST_V4_LENGTH 8
 #define HOST_V6_LENGTH 20
@@ -118,7 +119,10 @@ enum {
 /* why a multi-dispatch queue offset is refused (e2 of ERR_MULTI_QUEUE_OFFSET) */
 enum { OFFSET_NOT_A_NUMBER, OFFSET_NEGATIVE, OFFSET_TOO_LARGE };
 /* the decode_window flags argument */
-enum { MULTI_DISPATCH = 1, MULTI_DISPATCH_LMQ = 2, DLEDGER_ENTRIES = 4 };
+/* CATALOG_FIELDS: also what the backfill's catalog needs of each record (R_BORN_TIMESTAMP .. R_HOST_LEN), its
+ * strings copied into the text while the record is in the cache: the catalog's pass then reads only
+ * these columns and the text, never the records again */
+enum { MULTI_DISPATCH = 1, MULTI_DISPATCH_LMQ = 2, DLEDGER_ENTRIES = 4, CATALOG_FIELDS = 8 };
 /* R_MULTI: what multi-dispatch made of a record */
 enum { MULTI_NONE, MULTI_DISPATCHED, MULTI_COUNT_MISMATCH };
 /* which output is full (bits of e1 with STOP_FULL) */
@@ -128,7 +132,11 @@ enum { FULL_RECORDS = 1, FULL_KEYS = 2, FULL_TEXT = 4, FULL_TOPICS = 8, FULL_TAB
 enum {
     R_PHY, R_SIZE, R_QUEUE_ID, R_QUEUE_OFFSET, R_SYS_FLAG, R_STORE_TIMESTAMP, R_PREPARED_OFFSET,
     R_TAGS_CODE, R_TOPIC_ID, R_KEYS_AT, R_KEYS_LEN, R_UNIQ_AT, R_UNIQ_LEN, R_DELAY_AT, R_DELAY_LEN,
-    R_MULTI, RECORD_COLUMNS
+    R_MULTI,
+    /* with CATALOG_FIELDS only (never written otherwise): the born time, the body's place in the image, and
+     * the TAGS, REAL_TOPIC and REAL_QID values and the store host's address and port as spans of the text */
+    R_BORN_TIMESTAMP, R_BODY_AT, R_BODY_LEN, R_TAGS_AT, R_TAGS_LEN, R_REAL_TOPIC_AT, R_REAL_TOPIC_LEN,
+    R_REAL_QID_AT, R_REAL_QID_LEN, R_HOST_AT, R_HOST_LEN, RECORD_COLUMNS
 };
 enum { K_HASH, K_OWNER, KEY_COLUMNS };
 enum { M_OWNER, M_TOPIC_ID, M_QUEUE_ID, M_QUEUE_OFFSET, MULTI_COLUMNS };
@@ -458,7 +466,7 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
     const int multi = (multi_flags & MULTI_DISPATCH) != 0, lmq = (multi_flags & MULTI_DISPATCH_LMQ) != 0;
     const uint8_t *buf = o->buf;
     Result r = {STOP_LIMIT, start, 0, 0, 0, 0};
-    const int dledger = (multi_flags & DLEDGER_ENTRIES) != 0;
+    const int dledger = (multi_flags & DLEDGER_ENTRIES) != 0, catalog = (multi_flags & CATALOG_FIELDS) != 0;
     int64_t pos = start, entry = start, entry_size = 0;  /* entry: where the record, or its DLedger entry, starts */
 #define FAIL(code, a, b_) do { r.stop = STOP_ERROR; r.err = (code); r.e1 = (a); r.e2 = (b_); goto done; } while (0)
     while (pos < stop_at) {
@@ -546,6 +554,7 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
         /* properties: the last non-empty value of each wanted name wins */
         int64_t keys_at = -1, uniq_at = -1, tags_at = -1, delay_at = -1, names_at = -1, offsets_at = -1;
         int64_t keys_len = 0, uniq_len = 0, tags_len = 0, delay_len = 0, names_len = 0, offsets_len = 0;
+        int64_t real_topic_at = -1, real_qid_at = -1, real_topic_len = 0, real_qid_len = 0;
         for (int64_t s = p; s < end;) {
             const uint8_t *sep = memchr(buf + s, PROPERTY_SEPARATOR, (size_t)(end - s));
             int64_t e = sep ? sep - buf : end;
@@ -563,6 +572,12 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
                 } else if (multi && name_is(name, name_len, "INNER_MULTI_QUEUE_OFFSET", 24)) {
                     offsets_at = value_at;
                     offsets_len = value_len;
+                } else if (catalog && name_is(name, name_len, "REAL_TOPIC", 10)) {
+                    real_topic_at = value_at;
+                    real_topic_len = value_len;
+                } else if (catalog && name_is(name, name_len, "REAL_QID", 8)) {
+                    real_qid_at = value_at;
+                    real_qid_len = value_len;
                 }
             }
             s = e + 1;
@@ -589,9 +604,11 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
         /* room for this record's outputs, or stop before it */
         int64_t full = 0;
         int64_t keys_needed = (uniq_at >= 0) + (keys_len + 1) / 2;
+        int64_t host_at = born_end + STORE_HOST_AFTER_BORN_HOST, host_len = store_end - host_at;
+        int64_t text_needed = keys_len + uniq_len + (catalog ? tags_len + real_topic_len + real_qid_len + host_len : 0);
         if (o->n == o->cap_rec) full |= FULL_RECORDS;
         if (o->nkeys + keys_needed > o->cap_keys) full |= FULL_KEYS;
-        if (o->ntext + keys_len + uniq_len > o->cap_text) full |= FULL_TEXT;
+        if (o->ntext + text_needed > o->cap_text) full |= FULL_TEXT;
         if (o->nmulti + targets > o->cap_multi) full |= FULL_MULTI;
         int64_t tid = full ? 0 : topic_id(o, topic_at, topic_len, ROLE_TOPIC);
         if (tid < 0) full |= (o->ntopics == o->cap_topics ? FULL_TOPICS : 0) | FULL_TABLE;
@@ -622,7 +639,7 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
             r.stop = STOP_FULL;
             r.e1 = full;
             r.e2 = keys_needed;
-            r.e3 = keys_len + uniq_len;
+            r.e3 = text_needed;
             goto done;
         }
         o->nmulti += targets;
@@ -667,6 +684,21 @@ static Result decode(Out *o, int64_t start, int64_t stop_at, int64_t file_size, 
                     o->keys[K_OWNER * o->cap_keys + o->nkeys++] = o->n;
                 }
                 t = e + 1;
+            }
+        }
+        if (catalog) {
+            ROW(R_BORN_TIMESTAMP) = be64(at + BORN_TIMESTAMP_OFFSET);
+            ROW(R_BODY_AT) = body_at;
+            ROW(R_BODY_LEN) = body_len;
+            const int64_t spans[4][3] = {{R_TAGS_AT, tags_at, tags_len}, {R_REAL_TOPIC_AT, real_topic_at, real_topic_len},
+                                         {R_REAL_QID_AT, real_qid_at, real_qid_len}, {R_HOST_AT, host_at, host_len}};
+            for (int k = 0; k < 4; k++) {  /* each *_AT column is followed by its *_LEN */
+                ROW(spans[k][0]) = spans[k][1] < 0 ? -1 : o->ntext;
+                ROW(spans[k][0] + 1) = spans[k][2];
+                if (spans[k][1] >= 0) {
+                    memcpy(o->text + o->ntext, buf + spans[k][1], (size_t)spans[k][2]);
+                    o->ntext += spans[k][2];
+                }
             }
         }
 #undef ROW
@@ -1440,6 +1472,10 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         {"OFFSET_NOT_A_NUMBER", OFFSET_NOT_A_NUMBER}, {"OFFSET_NEGATIVE", OFFSET_NEGATIVE},
         {"OFFSET_TOO_LARGE", OFFSET_TOO_LARGE}, {"MULTI_DISPATCH", MULTI_DISPATCH},
         {"MULTI_DISPATCH_LMQ", MULTI_DISPATCH_LMQ}, {"DLEDGER_ENTRIES", DLEDGER_ENTRIES},
+        {"CATALOG_FIELDS", CATALOG_FIELDS}, {"R_BORN_TIMESTAMP", R_BORN_TIMESTAMP}, {"R_BODY_AT", R_BODY_AT},
+        {"R_BODY_LEN", R_BODY_LEN}, {"R_TAGS_AT", R_TAGS_AT}, {"R_TAGS_LEN", R_TAGS_LEN},
+        {"R_REAL_TOPIC_AT", R_REAL_TOPIC_AT}, {"R_REAL_TOPIC_LEN", R_REAL_TOPIC_LEN}, {"R_REAL_QID_AT", R_REAL_QID_AT},
+        {"R_REAL_QID_LEN", R_REAL_QID_LEN}, {"R_HOST_AT", R_HOST_AT}, {"R_HOST_LEN", R_HOST_LEN},
         {"ERR_ENTRY_NO_BLANK", ERR_ENTRY_NO_BLANK}, {"ERR_ENTRY_BLANK_SIZE", ERR_ENTRY_BLANK_SIZE},
         {"ERR_ENTRY_MAGIC", ERR_ENTRY_MAGIC}, {"ERR_ENTRY_SIZE", ERR_ENTRY_SIZE}, {"ERR_ENTRY_POS", ERR_ENTRY_POS},
         {"ERR_ENTRY_BODY_LENGTH", ERR_ENTRY_BODY_LENGTH}, {"ERR_ENTRY_TOTAL_SIZE", ERR_ENTRY_TOTAL_SIZE},

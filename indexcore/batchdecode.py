@@ -22,6 +22,7 @@ import numpy as np
 
 from indexcore import _kernels
 from indexcore._kernels import (
+    CATALOG_FIELDS,
     FULL_KEYS,
     FULL_MULTI,
     FULL_RECORDS,
@@ -37,8 +38,10 @@ from indexcore._kernels import (
     M_TOPIC_ID,
     MIN_RECORD_SIZE,
     MULTI_COLUMNS,
+    R_BORN_TIMESTAMP,
     R_DELAY_AT,
     R_DELAY_LEN,
+    R_HOST_LEN,
     R_KEYS_AT,
     R_KEYS_LEN,
     R_MULTI,
@@ -69,6 +72,8 @@ from indexcore._kernels import (
 )
 
 _S_RECORDS, _S_KEYS, _S_TEXT, _S_TOPICS, _S_MULTI = range(STATE_COLUMNS)
+# the record rows CATALOG_FIELDS adds (`DispatchBatch.catalog_fields`); the catalog's C pass knows their order
+CATALOG_FIELD_ROWS = slice(R_BORN_TIMESTAMP, R_HOST_LEN + 1)
 _KEYS_FIRST_GUESS = 4096
 _MULTI_FIRST_GUESS = 4096
 _TEXT_FIRST_GUESS = 1 << 16
@@ -173,6 +178,7 @@ def decode_window(image, start: int, stop_at: int, file_size: int, base: int, ma
 
 
 __all__ = [
+    "CATALOG_FIELDS", "CATALOG_FIELD_ROWS",
     "K_HASH", "K_OWNER", "M_OWNER", "M_QUEUE_ID", "M_QUEUE_OFFSET", "M_TOPIC_ID", "ROLE_MULTI_DISPATCH", "R_DELAY_AT",
     "R_DELAY_LEN", "R_KEYS_AT", "R_KEYS_LEN", "R_MULTI", "R_PHY", "R_PREPARED_OFFSET", "R_QUEUE_ID", "R_QUEUE_OFFSET",
     "R_SIZE",

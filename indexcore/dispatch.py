@@ -205,6 +205,9 @@ class DispatchBatch:
     multi_queue_id: np.ndarray = field(default_factory=_no_rows)  # int32
     multi_queue_offset: np.ndarray = field(default_factory=lambda: _no_rows(np.int64))  # int64
     multi_count_mismatch: np.ndarray = field(default_factory=_no_rows)  # int32, rows
+    # read with `batchdecode.CATALOG_FIELDS` only: the kernel's rows R_BORN_TIMESTAMP .. R_HOST_LEN (int64
+    # [CATALOG_FIELD_ROWS, n]), their spans into the text of `keys` (the backfill's catalog)
+    catalog_fields: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.phy_offset)
@@ -252,7 +255,8 @@ class DispatchBatch:
             self.store_timestamp[:n], self.tags_code[:n], self.prepared_transaction_offset[:n], self.topic_id[:n],
             self.topics, self.keys[:n], self.uniq_key[:n], self.key_hash[:keep], self.key_owner[:keep],
             self.start_offset, end_offset, self.multi_owner[:multi], self.multi_topic_id[:multi],
-            self.multi_queue_id[:multi], self.multi_queue_offset[:multi], self.multi_count_mismatch[:mismatch])
+            self.multi_queue_id[:multi], self.multi_queue_offset[:multi], self.multi_count_mismatch[:mismatch],
+            None if self.catalog_fields is None else self.catalog_fields[:, :n])
 
 
 __all__ = [

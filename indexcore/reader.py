@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from indexcore.batchdecode import (
+    CATALOG_FIELD_ROWS,
+    CATALOG_FIELDS,
     K_HASH,
     K_OWNER,
     M_OWNER,
@@ -99,7 +101,8 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
     makes the batch carry the multi-dispatch targets. `names`, when given, keeps the topics and queue names
     found safe from one window to the next (a store with thousands of LMQ queues meets each in every
     window); a name is only ever added once checked. With `dledger.DLEDGER_ENTRIES` in `multi_flags` the
-    segment is a DLedger data file: positions are entry positions, the records' offsets entry pos + 48.
+    segment is a DLedger data file: positions are entry positions, the records' offsets entry pos + 48. With
+    `batchdecode.CATALOG_FIELDS` the batch carries what the backfill's catalog reads (`catalog_fields`).
     """
     base = segment_offset
     w = decode_window(buf, start, min(segment_size, start + max_bytes), segment_size, base, max_message_size,
@@ -180,6 +183,7 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
         multi_queue_id=multi[M_QUEUE_ID].astype(np.int32),
         multi_queue_offset=multi[M_QUEUE_OFFSET].copy(),
         **({} if mismatch is None else {"multi_count_mismatch": mismatch}),
+        catalog_fields=rec[CATALOG_FIELD_ROWS].copy() if multi_flags & CATALOG_FIELDS else None,
     )
     return SegmentDecode(batch, _STOPS[stop], end, error)
 

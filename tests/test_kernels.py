@@ -4,6 +4,7 @@ test_commitlog_codec.py, and its files with the broker's in test_conformance.py.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from indexcore import _kernels, commitlog, indexfile
-from indexcore.batchdecode import DecodeScratch, decode_window
+from indexcore import _kernels, _spans, commitlog, indexfile
+from indexcore.batchdecode import CATALOG_FIELD_ROWS, CATALOG_FIELDS, DecodeScratch, decode_window
 from indexcore.commitlog import END_FILE_MIN_BLANK_LENGTH, Host, MessageRecord, body_crc32, encode_properties
 from indexcore.dispatch import index_keys_of
 from indexcore.javahash import index_key_hash, java_string_hash
@@ -139,6 +140,59 @@ def test_outputs_grow_past_every_first_guess() -> None:
     batch = decode_segment(image, 0, segment_offset=0, segment_size=len(image), max_bytes=len(image)).batch
     assert list(batch.keys) == [r.property_map()["KEYS"] for r in records]
     assert [batch.topic_of(i) for i in range(400)] == [r.topic for r in records]
+
+
+def test_catalog_fields_are_each_records_own_and_change_nothing_else() -> None:
+    """With CATALOG_FIELDS the kernel also hands over the born time, the body's place and the TAGS, REAL_TOPIC,
+    REAL_QID and store host bytes (copied into the text, which grows past its first guess for them): each
+    record's own, as read one record at a time; every other output is the same as without the flag."""
+    records, pos = [], 0
+    for i in range(300):
+        props = {"UNIQ_KEY": f"U{i:030d}", "KEYS": f"k{i} k{i + 1}", "TAGS": f"t{i}" * (i % 4)}
+        if i % 3 == 0:
+            props |= {"REAL_TOPIC": f"real-{i}", "REAL_QID": str(i % 11)}
+        r = _record(f"topic-{i % 5}", pos, props)
+        r = dataclasses.replace(r, born_timestamp=1_000 + i, body=bytes(i % 9),
+                                store_host=Host(bytes(range(16)), 7) if i % 2 else Host(bytes([10, 0, 0, i % 3]), 9),
+                                sys_flag=commitlog.STOREHOSTADDRESS_V6_FLAG if i % 2 else 0)
+        r = dataclasses.replace(r, body_crc=body_crc32(r.body))
+        records.append(r)
+        pos += r.total_size
+    image = _segment(records, 1 << 20)
+    plain = decode_segment(image, 0, segment_offset=0, segment_size=len(image), max_bytes=len(image)).batch
+    scratch = DecodeScratch()
+    scratch.text = np.empty(1, dtype=np.uint8)
+    batch = decode_segment(image, 0, segment_offset=0, segment_size=len(image), max_bytes=len(image),
+                           scratch=scratch, multi_flags=CATALOG_FIELDS).batch
+    assert plain.catalog_fields is None
+    for name in ("phy_offset", "msg_size", "queue_id", "queue_offset", "sys_flag", "store_timestamp", "tags_code",
+                 "topic_id", "key_hash", "key_owner"):
+        assert np.array_equal(getattr(batch, name), getattr(plain, name)), name
+    assert list(batch.keys) == list(plain.keys)
+    assert list(batch.uniq_key) == list(plain.uniq_key)
+    text = batch.keys.arrays()[0]
+    fields = batch.catalog_fields
+    assert fields.shape == (CATALOG_FIELD_ROWS.stop - CATALOG_FIELD_ROWS.start, len(records))
+    assert fields.shape[0] == _spans.F_COUNT  # the catalog's pass reads the rows in the kernel's order
+    spans = {name: _kernels.__dict__[f"R_{name}_AT"] - CATALOG_FIELD_ROWS.start
+             for name in ("TAGS", "REAL_TOPIC", "REAL_QID", "HOST")}
+    assert spans == {"TAGS": _spans.F_TAGS_AT, "REAL_TOPIC": _spans.F_REAL_TOPIC_AT, "REAL_QID": _spans.F_REAL_QID_AT,
+                     "HOST": _spans.F_HOST_AT}
+
+    def span(name: str, i: int) -> bytes | None:
+        at, length = fields[spans[name], i], fields[spans[name] + 1, i]
+        return None if at < 0 else bytes(text[at : at + length])
+
+    for i, r in enumerate(records):
+        props = r.property_map()
+        assert fields[_spans.F_BORN_TIME, i] == r.born_timestamp
+        at, length = fields[_spans.F_BODY_AT, i], fields[_spans.F_BODY_LEN, i]
+        assert image[at : at + length] == r.body
+        assert length == len(r.body)
+        assert span("TAGS", i) == (props.get("TAGS", "").encode() or None)
+        assert span("REAL_TOPIC", i) == (props["REAL_TOPIC"].encode() if "REAL_TOPIC" in props else None)
+        assert span("REAL_QID", i) == (props["REAL_QID"].encode() if "REAL_QID" in props else None)
+        assert span("HOST", i) == r.store_host.address + r.store_host.port.to_bytes(4, "big")
 
 
 @given(st.lists(st.text(alphabet="ab%-_", min_size=1, max_size=40), min_size=1, max_size=60),
