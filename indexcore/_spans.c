@@ -1,32 +1,30 @@
 /* indexcore._spans: the backfill catalog's columns of many records at once (daemon/backfill/catalog.py).
  *
- * catalog_columns  one visit of each record of a decoded batch, in CommitLog order, that fills every
- *                  per-record column's Arrow buffers with the rows already grouped (each row's group is
- *                  given; a group's rows stay in CommitLog order): the header fields, the last TAGS,
- *                  REAL_TOPIC and REAL_QID (a "name" 0x01 that starts the properties or follows a 0x02, its
- *                  value up to the next 0x02 or the end of the properties; REAL_QID as Integer.parseInt
- *                  reads an optional sign and 1 to 10 ASCII digits within int32), the offset msgId
+ * catalog_columns  one pass over a batch decoded with CATALOG_FIELDS (_kernels.c), in CommitLog order, that
+ *                  fills every per-record column's Arrow buffers with the rows already grouped (each row's
+ *                  group is given; a group's rows stay in CommitLog order): the batch's header fields, the
+ *                  TAGS, REAL_TOPIC and REAL_QID values the decode found (REAL_QID as Integer.parseInt reads
+ *                  an optional sign and 1 to 10 ASCII digits within int32), the offset msgId
  *                  (MessageDecoder.createMessageId: the store host address and port, then the CommitLog
- *                  offset, upper-case hex), KEYS' non-empty tokens between spaces and UNIQ_KEY (from the
- *                  batch's text, where the decode copied them), the body; and each group's store host when
- *                  all its records share one, so that a staged group can leave its msgIds out (they are the
- *                  host's hex, the same in every row, then the offset's: `msg_ids` makes them again).
+ *                  offset, upper-case hex), KEYS' non-empty tokens between spaces, UNIQ_KEY, the body; and
+ *                  each group's store host when all its records share one, so that a staged group can leave
+ *                  its msgIds out (they are the host's hex, the same in every row, then the offset's:
+ *                  `msg_ids` makes them again).
  * msg_ids          the offset msgIds of many records of one store host, from their CommitLog offsets.
  *
- * The records are read in CommitLog order, not in the rows' grouped order: visiting a window's records
- * group by group walked its pages once per group, and a page walk (a TLB miss) stalled most visits (0.15
- * against 0.11 us a record with the window in cache, more without). Each group's strings go to a region of
- * each buffer sized for the group's records, and the regions are closed up when every record is done. Six
- * passes over the batch, one per step, each read every record again; one pass reads it once. The caller
- * owns every output buffer and sizes it; the GIL is released while copying.
+ * The pass never reads a record (only a body, with the bodies): the decode copied every string it needs
+ * into the batch's text while the record was in the cache. Reading the records again, a window after the
+ * decode had read them, cost 0.21-0.27 us a record, against 0.10 on records still in the cache. Each
+ * group's strings go to a region of each buffer sized for the group's rows, and the regions are closed up
+ * when every row is done (only the KEYS tokens leave a gap: the spaces). Six passes over the batch, one per
+ * step, each read every row again; one pass reads it once. The caller owns every output buffer and sizes
+ * it; the GIL is released while copying.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#define PROPERTY_SEPARATOR 2
-#define NAME_VALUE_SEPARATOR 1
 
 static int get(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
@@ -44,26 +42,15 @@ static void release(Py_buffer *v, int n) {
 
 /* --- catalog_columns ------------------------------------------------------------------------------------- */
 
-/* record layout (indexcore/commitlog.py) */
-#define MAGIC_CODE_OFFSET 4
-#define QUEUE_ID_OFFSET 12
-#define QUEUE_OFFSET_OFFSET 20
-#define SYS_FLAG_OFFSET 36
-#define BORN_TIMESTAMP_OFFSET 40
-#define BORN_HOST_OFFSET 48
+/* the decode's CATALOG_FIELDS rows, in _kernels.c's order (R_BORN_TIMESTAMP .. R_HOST_LEN) */
+enum { F_BORN_TIME, F_BODY_AT, F_BODY_LEN, F_TAGS_AT, F_TAGS_LEN, F_REAL_TOPIC_AT, F_REAL_TOPIC_LEN, F_REAL_QID_AT,
+       F_REAL_QID_LEN, F_HOST_AT, F_HOST_LEN, F_COUNT };
 #define HOST_V4_LENGTH 8
 #define HOST_V6_LENGTH 20
-#define STORE_TIMESTAMP_SIZE 8
-#define BODY_LENGTH_AFTER_STORE_HOST 12
-#define BODY_AFTER_STORE_HOST 16
-#define MESSAGE_MAGIC_CODE ((int32_t)0xDAA320A7)
-#define BORNHOST_V6_FLAG 0x10
-#define STOREHOSTADDRESS_V6_FLAG 0x20
-#define PROPERTIES_LENGTH_SIZE 2
-#define RECORD_PREFETCH 16
 #define KEYS_SEPARATOR ' '
 #define PHYSICAL_OFFSET_SIZE 8
 #define MSG_ID_MAX_CHARS (2 * (HOST_V6_LENGTH + PHYSICAL_OFFSET_SIZE))
+#define CHUNK_ROWS 2048
 static const char HEX[] = "0123456789ABCDEF";
 static uint8_t HEX2[256][2];  /* each byte as its two upper-case hex digits (filled at import) */
 
@@ -73,15 +60,6 @@ enum { C_SIZE, C_QUEUE_ID, C_SYS_FLAG, C_BODY_SIZE, C_REAL_QID, C32 };
 enum { S_TAGS, S_KEYS, S_UNIQ, S_MSGID, S_REAL_TOPIC, S_BODY, S_TOKENS, SDATA };  /* S_KEYS: each record's first token */
 #define REGIONS SDATA  /* a group's region in each data buffer (S_TAGS .. S_BODY) and in the tokens (S_TOKENS) */
 enum { V_TAGS, V_KEYS, V_UNIQ, V_REAL_TOPIC, V_REAL_QID, NVALID };
-
-static inline int64_t rd32(const uint8_t *b) {
-    return (int32_t)(((uint32_t)b[0] << 24) | ((uint32_t)b[1] << 16) | ((uint32_t)b[2] << 8) | b[3]);
-}
-static inline int64_t rd64(const uint8_t *b) {
-    uint64_t x = 0;
-    for (int i = 0; i < 8; i++) x = (x << 8) | b[i];
-    return (int64_t)x;
-}
 
 /* Integer.parseInt as the catalog reads REAL_QID: an optional sign, 1 to 10 ASCII digits, within int32 */
 static int java_int(const uint8_t *b, int64_t n, int32_t *out) {
@@ -137,51 +115,61 @@ static inline void same_host(const uint8_t *h, int64_t len, uint8_t *kept, int64
     }
 }
 
-/* catalog_columns(source, seg_start, group int32[n], groups, phy int64[n], size int32[n], tags_code int64[n],
- *                 text, keys_at int64[n], keys_len int64[n], uniq_at int64[n], uniq_len int64[n], with_body,
- *                 with_msg_ids, out64 int64[C64 * n], out32 int32[C32 * n], offsets int32[(S_TOKENS) * (n + 1)],
- *                 token_offsets int32[], valid uint8[NVALID * ceil(n / 8)], data_0 .. data_(SDATA - 2) uint8[])
+/* catalog_columns(source, group int32[n], groups, phy int64[n], size int32[n], queue_id int32[n],
+ *                 queue_offset int64[n], sys_flag int32[n], store_time int64[n], tags_code int64[n],
+ *                 fields int64[F_COUNT * n], text, keys_at int64[n], keys_len int64[n], uniq_at int64[n],
+ *                 uniq_len int64[n], with_body, with_msg_ids, out64 int64[C64 * n], out32 int32[C32 * n],
+ *                 offsets int32[(S_TOKENS) * (n + 1)], token_offsets int32[], valid uint8[NVALID * ceil(n / 8)],
+ *                 data_0 .. data_(SDATA - 2) uint8[])
  * -> (bytes used in each data buffer, tokens, nulls of each V_ column, non-ASCII bit per S_ column, hosts)
- * hosts: per group, the store host address and port all its records share (b"" for a group without rows,
- * None when they differ). Without with_msg_ids the msgId buffer is left empty (each row's msgId empty).
- * Batch row r (the record at phy[r] - seg_start in source) is in group[r] (0 <= group[r] < groups); the
- * output holds group 0's rows, then group 1's, each group's in batch order. A data buffer holds at least the
- * records' bytes (tags, real topics, bodies), the KEYS or UNIQ_KEY spans' bytes, or MSG_ID_MAX_CHARS a row
- * (msgIds); token_offsets one more than the KEYS spans' bytes. */
+ * The batch's columns and `fields` (the decode's CATALOG_FIELDS rows, F_*), whose spans lie in `text` (the
+ * bodies in `source`, the segment image). hosts: per group, the store host address and port all its records
+ * share (b"" for a group without rows, None when they differ). Without with_msg_ids the msgId buffer is left
+ * empty (each row's msgId empty). Batch row r is in group[r] (0 <= group[r] < groups); the output holds
+ * group 0's rows, then group 1's, each group's in batch order. A data buffer holds at least its spans' bytes
+ * (the KEYS spans' for the tokens, 2 * (host + 8) a row for the msgIds); token_offsets one more than the KEYS
+ * spans' bytes. */
 static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
-    enum { SRC, GROUP, PHY, SIZE, TCODE, TEXT, KAT, KLEN, UAT, ULEN, O64, O32, OFFS, TOKS, VALID, DATA0,
-           NB = DATA0 + SDATA - 1 };
+    enum { SRC, GROUP, PHY, SIZE, QID, QOFF, FLAG, STIME, TCODE, FIELDS, TEXT, KAT, KLEN, UAT, ULEN, O64, O32, OFFS,
+           TOKS, VALID, DATA0, NB = DATA0 + SDATA - 1 };
     PyObject *o[NB];
-    long long seg_start, groups;
+    long long groups;
     int with_body, with_msg_ids;
-    if (!PyArg_ParseTuple(args, "OLOLOOOOOOOOppOOOOOOOOOOO", &o[SRC], &seg_start, &o[GROUP], &groups, &o[PHY],
-                          &o[SIZE], &o[TCODE], &o[TEXT], &o[KAT], &o[KLEN], &o[UAT], &o[ULEN], &with_body,
-                          &with_msg_ids, &o[O64],
-                          &o[O32], &o[OFFS], &o[TOKS], &o[VALID], &o[DATA0], &o[DATA0 + 1], &o[DATA0 + 2],
-                          &o[DATA0 + 3], &o[DATA0 + 4], &o[DATA0 + 5]))
+    if (!PyArg_ParseTuple(args, "OOLOOOOOOOOOOOOOppOOOOOOOOOOO", &o[SRC], &o[GROUP], &groups, &o[PHY], &o[SIZE],
+                          &o[QID], &o[QOFF], &o[FLAG], &o[STIME], &o[TCODE], &o[FIELDS], &o[TEXT], &o[KAT], &o[KLEN],
+                          &o[UAT], &o[ULEN], &with_body, &with_msg_ids, &o[O64], &o[O32], &o[OFFS], &o[TOKS],
+                          &o[VALID], &o[DATA0], &o[DATA0 + 1], &o[DATA0 + 2], &o[DATA0 + 3], &o[DATA0 + 4],
+                          &o[DATA0 + 5]))
         return NULL;
-    static const Py_ssize_t sizes[NB] = {1, 4, 8, 4, 8, 1, 8, 8, 8, 8, 8, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1};
-    static const char *names[NB] = {"source", "group", "phy", "size", "tags_code", "text", "keys_at", "keys_len",
-                                    "uniq_at", "uniq_len", "out64", "out32", "offsets", "token_offsets", "valid",
-                                    "tags", "keys", "uniq", "msg_ids", "real_topic", "body"};
+    static const Py_ssize_t sizes[NB] = {1, 4, 8, 4, 4, 8, 4, 8, 8, 8, 1, 8, 8, 8, 8, 8, 4, 4, 4, 1, 1, 1, 1, 1, 1, 1};
+    static const char *names[NB] = {"source", "group", "phy", "size", "queue_id", "queue_offset", "sys_flag",
+                                    "store_time", "tags_code", "fields", "text", "keys_at", "keys_len", "uniq_at",
+                                    "uniq_len", "out64", "out32", "offsets", "token_offsets", "valid", "tags", "keys",
+                                    "uniq", "msg_ids", "real_topic", "body"};
     Py_buffer v[NB];
     int got = 0;
-    int64_t *scratch = NULL;
+    int64_t *scratch = NULL, *perm = NULL;
     uint8_t *hosts = NULL;
     for (; got < NB; got++)
         if (get(o[got], &v[got], got >= O64, sizes[got], names[got]) < 0) goto fail;
     Py_ssize_t n = v[PHY].len / 8, nb = (n + 7) / 8;
-    if (v[GROUP].len / 4 != n || v[SIZE].len / 4 != n || v[TCODE].len / 8 != n || v[KAT].len / 8 != n
-        || v[KLEN].len / 8 != n || v[UAT].len / 8 != n || v[ULEN].len / 8 != n || v[O64].len / 8 < C64 * n
-        || v[O32].len / 4 < C32 * n || v[OFFS].len / 4 < S_TOKENS * (n + 1) || v[VALID].len < NVALID * nb
-        || v[TOKS].len / 4 < 1 || groups < 1 || groups > (n > 0 ? n : 1)) {
+    int per_row[] = {GROUP, SIZE, QID, FLAG};
+    int per_row64[] = {QOFF, STIME, TCODE, KAT, KLEN, UAT, ULEN};
+    int disagree = v[FIELDS].len / 8 != F_COUNT * n || v[O64].len / 8 < C64 * n || v[O32].len / 4 < C32 * n
+                   || v[OFFS].len / 4 < S_TOKENS * (n + 1) || v[VALID].len < NVALID * nb || v[TOKS].len / 4 < 1
+                   || groups < 1 || groups > (n > 0 ? n : 1);
+    for (size_t k = 0; k < sizeof(per_row) / sizeof(per_row[0]); k++) disagree |= v[per_row[k]].len / 4 != n;
+    for (size_t k = 0; k < sizeof(per_row64) / sizeof(per_row64[0]); k++) disagree |= v[per_row64[k]].len / 8 != n;
+    if (disagree) {
         PyErr_SetString(PyExc_ValueError, "catalog_columns: columns disagree in length");
         goto fail;
     }
     const uint8_t *src = v[SRC].buf, *text = v[TEXT].buf;
-    const int32_t *group = v[GROUP].buf, *size = v[SIZE].buf;
-    const int64_t *phy = v[PHY].buf, *tcode = v[TCODE].buf;
+    const int32_t *group = v[GROUP].buf, *size = v[SIZE].buf, *queue_id = v[QID].buf, *sys_flag = v[FLAG].buf;
+    const int64_t *phy = v[PHY].buf, *queue_offset = v[QOFF].buf, *store_time = v[STIME].buf, *tcode = v[TCODE].buf;
     const int64_t *kat = v[KAT].buf, *klen = v[KLEN].buf, *uat = v[UAT].buf, *ulen = v[ULEN].buf;
+    const int64_t *field = v[FIELDS].buf;
+#define F(f, r) field[(f) * n + (r)]
     int64_t *o64 = v[O64].buf;
     int32_t *o32 = v[O32].buf, *offs = v[OFFS].buf, *toks = v[TOKS].buf;
     uint8_t *valid = v[VALID].buf;
@@ -192,7 +180,9 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
     int64_t G = groups;
     scratch = PyMem_Malloc(sizeof(int64_t) * (size_t)(3 * G + REGIONS * (G + 1)) + sizeof(Region) * (size_t)(REGIONS * G));
     hosts = PyMem_Malloc((size_t)(HOST_V6_LENGTH * G));
-    if (scratch == NULL || hosts == NULL) {
+    perm = PyMem_Malloc(sizeof(int64_t) * (size_t)(G > 1 ? n + G + 1 : 1));
+    int64_t *count = perm + n;  /* a chunk's rows per group, then where each group's next row goes */
+    if (scratch == NULL || hosts == NULL || perm == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
@@ -202,22 +192,32 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
     memset(scratch, 0, sizeof(int64_t) * (size_t)(3 * G + REGIONS * (G + 1)));
     const char *bad = NULL;
     int64_t bad_at = 0;
-    /* every record lies in the source, whole, and its text spans in `text`, and each group's share of every
-     * buffer: checked before anything is read */
-    for (Py_ssize_t r = 0; r < n; r++) {
-        int64_t g = group[r], rel = phy[r] - seg_start;
+    /* every span lies in `text` (a body in the source) and each group's share of every buffer: checked before
+     * anything is read */
+    static const int spans[][2] = {{F_TAGS_AT, F_TAGS_LEN}, {F_REAL_TOPIC_AT, F_REAL_TOPIC_LEN},
+                                   {F_REAL_QID_AT, F_REAL_QID_LEN}, {F_HOST_AT, F_HOST_LEN}};
+    for (Py_ssize_t r = 0; r < n && !bad; r++) {
+        int64_t g = group[r];
         if (g < 0 || g >= G) { bad = "group"; bad_at = g; break; }
-        if (rel < 0 || size[r] < BORN_HOST_OFFSET || rel + size[r] > v[SRC].len) { bad = "record"; bad_at = phy[r]; break; }
         if (kat[r] >= 0 && (klen[r] < 0 || kat[r] + klen[r] > v[TEXT].len)) { bad = "KEYS span"; bad_at = phy[r]; break; }
         if (uat[r] >= 0 && (ulen[r] < 0 || uat[r] + ulen[r] > v[TEXT].len)) { bad = "UNIQ_KEY span"; bad_at = phy[r]; break; }
+        for (size_t k = 0; k < sizeof(spans) / sizeof(spans[0]); k++) {
+            int64_t at = F(spans[k][0], r), len = F(spans[k][1], r);
+            if (at >= 0 && (len < 0 || at + len > v[TEXT].len)) { bad = "catalog field span"; bad_at = phy[r]; break; }
+        }
+        int64_t host_len = F(F_HOST_LEN, r);
+        if (F(F_HOST_AT, r) < 0 || (host_len != HOST_V4_LENGTH && host_len != HOST_V6_LENGTH)) { bad = "store host"; bad_at = phy[r]; break; }
+        if (with_body && (F(F_BODY_AT, r) < 0 || F(F_BODY_LEN, r) < 0 || F(F_BODY_AT, r) + F(F_BODY_LEN, r) > v[SRC].len)) {
+            bad = "body"; bad_at = phy[r]; break;
+        }
         int64_t keys = kat[r] >= 0 ? klen[r] : 0;
         first[g]++;
-        base[S_TAGS * (G + 1) + g + 1] += size[r];
+        base[S_TAGS * (G + 1) + g + 1] += F(F_TAGS_AT, r) >= 0 ? F(F_TAGS_LEN, r) : 0;
         base[S_KEYS * (G + 1) + g + 1] += keys;
         base[S_UNIQ * (G + 1) + g + 1] += uat[r] >= 0 ? ulen[r] : 0;
-        base[S_MSGID * (G + 1) + g + 1] += MSG_ID_MAX_CHARS;
-        base[S_REAL_TOPIC * (G + 1) + g + 1] += size[r];
-        base[S_BODY * (G + 1) + g + 1] += with_body ? size[r] : 0;
+        base[S_MSGID * (G + 1) + g + 1] += with_msg_ids ? 2 * (host_len + PHYSICAL_OFFSET_SIZE) : 0;
+        base[S_REAL_TOPIC * (G + 1) + g + 1] += F(F_REAL_TOPIC_AT, r) >= 0 ? F(F_REAL_TOPIC_LEN, r) : 0;
+        base[S_BODY * (G + 1) + g + 1] += with_body ? F(F_BODY_LEN, r) : 0;
         base[S_TOKENS * (G + 1) + g + 1] += keys;  /* a token is at least a byte */
     }
     if (bad) {
@@ -245,73 +245,51 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (int c = 0; c < S_TOKENS; c++) offs[c * (n + 1)] = 0;
     toks[0] = 0;
-    for (Py_ssize_t r = 0; r < n; r++) {
-        if (r + RECORD_PREFETCH < n) {
-            int64_t q = r + RECORD_PREFETCH, at = phy[q] - seg_start;
-            __builtin_prefetch(src + at);
-            __builtin_prefetch(src + at + size[q] - 1);
+    /* The rows of each chunk of CHUNK_ROWS in group order (a counting sort; the whole batch at once when the
+     * groups outnumber a chunk's rows): each group's rows of a chunk are then written one after another, and
+     * what they read lies in a chunk that stays in the cache. Rows visited in batch order write each column
+     * in as many places as there are groups (8 groups: 0.22-0.24 us a row); all rows in group order read
+     * every input once per group (0.18-0.20); by chunks of 2048 rows, 0.15-0.18 (512: 0.21-0.24). */
+    if (G > 1) {
+        int64_t chunk = G > CHUNK_ROWS ? n : CHUNK_ROWS;
+        for (Py_ssize_t c0 = 0; c0 < n; c0 += chunk) {
+            Py_ssize_t c1 = c0 + chunk < n ? c0 + chunk : n;
+            memset(count, 0, sizeof(int64_t) * (size_t)(G + 1));
+            for (Py_ssize_t r = c0; r < c1; r++) count[group[r] + 1]++;
+            for (int64_t g = 0; g < G; g++) count[g + 1] += count[g];
+            for (Py_ssize_t r = c0; r < c1; r++) perm[c0 + count[group[r]]++] = r;
         }
-        int64_t g = group[r], i = next[g]++;  /* its output row */
-        int64_t rel = phy[r] - seg_start, end = rel + size[r];
-        const uint8_t *rec = src + rel;
-        int64_t flags = rd32(rec + SYS_FLAG_OFFSET);
-        int64_t store_ts_at = BORN_HOST_OFFSET + ((flags & BORNHOST_V6_FLAG) ? HOST_V6_LENGTH : HOST_V4_LENGTH);
-        int64_t host_at = store_ts_at + STORE_TIMESTAMP_SIZE;
-        int64_t host_len = (flags & STOREHOSTADDRESS_V6_FLAG) ? HOST_V6_LENGTH : HOST_V4_LENGTH;
-        int64_t body_len_at = host_at + host_len + BODY_LENGTH_AFTER_STORE_HOST;
-        if (rel + body_len_at + 4 > end) { bad = "record"; bad_at = phy[r]; break; }
-        int64_t body_len = rd32(rec + body_len_at);
-        int64_t body_at = rel + host_at + host_len + BODY_AFTER_STORE_HOST;
-        int v1 = rd32(rec + MAGIC_CODE_OFFSET) == MESSAGE_MAGIC_CODE;
-        int64_t t = body_at + body_len;
-        if (body_len < 0 || t + (v1 ? 1 : 2) > end) { bad = "record"; bad_at = phy[r]; break; }
-        int64_t topic_len = v1 ? src[t] : ((int64_t)src[t] << 8 | src[t + 1]);
-        int64_t p = t + (v1 ? 1 : 2) + topic_len + PROPERTIES_LENGTH_SIZE;
-        if (p > end) { bad = "record"; bad_at = phy[r]; break; }
-
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t r = G > 1 ? perm[k] : k, g = group[r], i = next[g]++;  /* its output row */
         o64[C_OFFSET * n + i] = phy[r];
-        o64[C_QUEUE_OFFSET * n + i] = rd64(rec + QUEUE_OFFSET_OFFSET);
-        o64[C_STORE_TIME * n + i] = rd64(rec + store_ts_at);
-        o64[C_BORN_TIME * n + i] = rd64(rec + BORN_TIMESTAMP_OFFSET);
+        o64[C_QUEUE_OFFSET * n + i] = queue_offset[r];
+        o64[C_STORE_TIME * n + i] = store_time[r];
+        o64[C_BORN_TIME * n + i] = F(F_BORN_TIME, r);
         o64[C_TAGS_CODE * n + i] = tcode[r];
         o32[C_SIZE * n + i] = size[r];
-        o32[C_QUEUE_ID * n + i] = (int32_t)rd32(rec + QUEUE_ID_OFFSET);
-        o32[C_SYS_FLAG * n + i] = (int32_t)flags;
-        o32[C_BODY_SIZE * n + i] = (int32_t)body_len;
+        o32[C_QUEUE_ID * n + i] = queue_id[r];
+        o32[C_SYS_FLAG * n + i] = sys_flag[r];
+        o32[C_BODY_SIZE * n + i] = (int32_t)F(F_BODY_LEN, r);
 
-        /* properties, as the broker reads them (MessageDecoder.string2messageProperties): the last "name" 0x01
-         * starting a pair with a non-empty value, up to the next 0x02; a pair with an empty value is not a
-         * property, so it neither sets one nor replaces an earlier one */
-        int64_t tags_at = -1, tags_len = 0, topic_at = -1, rt_len = 0, qid_at = -1, qid_len = 0;
-        for (int64_t s = p; s < end;) {
-            const uint8_t *sep = memchr(src + s, PROPERTY_SEPARATOR, (size_t)(end - s));
-            int64_t e = sep ? sep - src : end, w = e - s;
-            if (w > 5 && src[s + 4] == NAME_VALUE_SEPARATOR && memcmp(src + s, "TAGS", 4) == 0) {
-                tags_at = s + 5;
-                tags_len = w - 5;
-            } else if (w > 11 && src[s + 10] == NAME_VALUE_SEPARATOR && memcmp(src + s, "REAL_TOPIC", 10) == 0) {
-                topic_at = s + 11;
-                rt_len = w - 11;
-            } else if (w > 9 && src[s + 8] == NAME_VALUE_SEPARATOR && memcmp(src + s, "REAL_QID", 8) == 0) {
-                qid_at = s + 9;
-                qid_len = w - 9;
-            }
-            s = e + 1;
-        }
+        int64_t tags_at = F(F_TAGS_AT, r), topic_at = F(F_REAL_TOPIC_AT, r), qid_at = F(F_REAL_QID_AT, r);
         int32_t qid = 0;
         int present[NVALID] = {tags_at >= 0, kat[r] >= 0, uat[r] >= 0, topic_at >= 0,
-                               qid_at >= 0 && java_int(src + qid_at, qid_len, &qid)};
+                               qid_at >= 0 && java_int(text + qid_at, F(F_REAL_QID_LEN, r), &qid)};
         o32[C_REAL_QID * n + i] = qid;
         for (int c = 0; c < NVALID; c++) {
             if (present[c]) valid[c * nb + i / 8] |= (uint8_t)(1u << (i % 8));
             else nulls[c]++;
         }
         Region *reg = region + g;  /* reg[s * G]: this group's region of buffer s */
-        if ((tags_at >= 0 && region_put(data[S_TAGS], &reg[S_TAGS * G], src + tags_at, tags_len, &high[S_TAGS]) < 0)
+        if ((tags_at >= 0
+             && region_put(data[S_TAGS], &reg[S_TAGS * G], text + tags_at, F(F_TAGS_LEN, r), &high[S_TAGS]) < 0)
             || (topic_at >= 0
-                && region_put(data[S_REAL_TOPIC], &reg[S_REAL_TOPIC * G], src + topic_at, rt_len, &high[S_REAL_TOPIC]) < 0)
+                && region_put(data[S_REAL_TOPIC], &reg[S_REAL_TOPIC * G], text + topic_at, F(F_REAL_TOPIC_LEN, r),
+                              &high[S_REAL_TOPIC]) < 0)
             || (uat[r] >= 0 && region_put(data[S_UNIQ], &reg[S_UNIQ * G], text + uat[r], ulen[r], &high[S_UNIQ]) < 0)
-            || (with_body && region_put(data[S_BODY], &reg[S_BODY * G], src + body_at, body_len, NULL) < 0)) {
+            || (with_body
+                && region_put(data[S_BODY], &reg[S_BODY * G], src + F(F_BODY_AT, r), F(F_BODY_LEN, r), NULL) < 0)) {
             bad = "output";
             break;
         }
@@ -331,12 +309,14 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
             if (bad) break;
         }
         /* msgId: the store host's address and port, then the CommitLog offset, in upper-case hex */
-        same_host(rec + host_at, host_len, hosts + HOST_V6_LENGTH * g, &host_len_of[g]);
+        const uint8_t *host = text + F(F_HOST_AT, r);
+        int64_t host_len = F(F_HOST_LEN, r);
+        same_host(host, host_len, hosts + HOST_V6_LENGTH * g, &host_len_of[g]);
         Region *id = &reg[S_MSGID * G];
         if (with_msg_ids) {
             if (2 * (host_len + PHYSICAL_OFFSET_SIZE) > id->end - id->at) { bad = "output"; break; }
             uint8_t *hex = data[S_MSGID] + id->at;
-            for (int64_t b = 0; b < host_len; b++, hex += 2) memcpy(hex, HEX2[rec[host_at + b]], 2);
+            for (int64_t b = 0; b < host_len; b++, hex += 2) memcpy(hex, HEX2[host[b]], 2);
             for (int b = 7; b >= 0; b--, hex += 2) memcpy(hex, HEX2[(uint8_t)((uint64_t)phy[r] >> (8 * b))], 2);
             id->at = hex - data[S_MSGID];
         }
@@ -347,6 +327,7 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
         offs[S_REAL_TOPIC * (n + 1) + i + 1] = (int32_t)reg[S_REAL_TOPIC * G].at;
         offs[S_BODY * (n + 1) + i + 1] = (int32_t)reg[S_BODY * G].at;
     }
+#undef F
     if (!bad) {
         /* close up the regions, group by group: each group's bytes (or tokens) move down to follow the group
          * before, and its rows' offsets by as much; a token's offset moves with the KEYS bytes */
@@ -389,6 +370,7 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
     }
     PyMem_Free(scratch);
     PyMem_Free(hosts);
+    PyMem_Free(perm);
     release(v, NB);
     if (host_list == NULL) return NULL;
     return Py_BuildValue("((LLLLLL)L(LLLLL)iN)", (long long)used[0], (long long)used[1],
@@ -399,6 +381,7 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
 fail:
     PyMem_Free(scratch);
     PyMem_Free(hosts);
+    PyMem_Free(perm);
     release(v, got);
     return NULL;
 }
@@ -466,6 +449,10 @@ PyMODINIT_FUNC PyInit__spans(void) {
         {"S_REAL_TOPIC", S_REAL_TOPIC}, {"S_BODY", S_BODY}, {"S_TOKENS", S_TOKENS},
         {"V_TAGS", V_TAGS}, {"V_KEYS", V_KEYS}, {"V_UNIQ", V_UNIQ}, {"V_REAL_TOPIC", V_REAL_TOPIC},
         {"V_REAL_QID", V_REAL_QID}, {"NVALID", NVALID}, {"MSG_ID_MAX_CHARS", MSG_ID_MAX_CHARS},
+        {"F_BORN_TIME", F_BORN_TIME}, {"F_BODY_AT", F_BODY_AT}, {"F_BODY_LEN", F_BODY_LEN}, {"F_TAGS_AT", F_TAGS_AT},
+        {"F_TAGS_LEN", F_TAGS_LEN}, {"F_REAL_TOPIC_AT", F_REAL_TOPIC_AT}, {"F_REAL_TOPIC_LEN", F_REAL_TOPIC_LEN},
+        {"F_REAL_QID_AT", F_REAL_QID_AT}, {"F_REAL_QID_LEN", F_REAL_QID_LEN}, {"F_HOST_AT", F_HOST_AT},
+        {"F_HOST_LEN", F_HOST_LEN}, {"F_COUNT", F_COUNT},
     };
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {

@@ -18,6 +18,7 @@ from hypothesis import settings as settings_
 from hypothesis import strategies as st
 
 from daemon.backfill import catalog
+from indexcore.batchdecode import CATALOG_FIELDS
 from indexcore.commitlog import Host, MessageRecord, find_properties
 from indexcore.msgid import create_offset_msg_id
 from indexcore.reader import CommitLog, CommitLogReader, decode_segment
@@ -99,7 +100,7 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
         root = tmp_path / f"store{seed}"
         write_varied_store(root, seed)
         log = CommitLog(str(root), SEGMENT)
-        reader = CommitLogReader(log, batch_bytes=1 << 15)
+        reader = CommitLogReader(log, batch_bytes=1 << 15, multi_flags=CATALOG_FIELDS)
         offset = log.min_offset
         try:
             while True:
@@ -108,7 +109,7 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
                     break
                 seg_start = offset - offset % SEGMENT
                 image = (root / f"{seg_start:020d}").read_bytes()
-                groups = list(catalog.catalog_groups(batch, image, seg_start, with_body=True))
+                groups = list(catalog.catalog_groups(batch, image, with_body=True))
                 got = {}
                 for topic, day, blob, count, form in groups:
                     table = catalog.read_group(blob, True, form)
@@ -145,9 +146,10 @@ def catalog_of(properties: list[bytes], with_body: bool = False) -> pa.Table:
         image += MessageRecord("T", 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
                                1_700_000_000_000, Host(bytes([10, 0, 0, 1]), 10911), 0, 0, b"", props, 0).encode()
     image += bytes(64)  # then a zero TOTALSIZE: the end of the data
-    decoded = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image))
+    decoded = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image),
+                             multi_flags=CATALOG_FIELDS)
     assert len(decoded.batch) == len(properties)
-    return catalog.catalog_table(decoded.batch, bytes(image), 0, with_body)
+    return catalog.catalog_table(decoded.batch, bytes(image), with_body)
 
 
 @settings_(max_examples=300, deadline=None)
@@ -229,7 +231,8 @@ def varied_window(tmp_path_factory):
     root = tmp_path_factory.mktemp("varied")
     write_varied_store(root, 3, n=300)
     image = (root / f"{0:020d}").read_bytes()
-    decoded = decode_segment(image, 0, segment_offset=0, segment_size=SEGMENT, max_bytes=len(image))
+    decoded = decode_segment(image, 0, segment_offset=0, segment_size=SEGMENT, max_bytes=len(image),
+                             multi_flags=CATALOG_FIELDS)
     assert len(decoded.batch) > 250
     return decoded.batch, image
 
@@ -246,8 +249,26 @@ def test_rows_built_in_groups_are_the_commitlog_order_rows_taken_group_by_group(
     runs = data.draw(st.lists(st.tuples(st.integers(0, groups - 1), st.integers(1, 60)), min_size=1), label="runs")
     group = np.array([g for g, length in runs for _ in range(length)][:n], dtype=np.int32)
     group = np.resize(group, n)  # the runs repeated to the batch's length
-    whole = catalog.catalog_table(batch, image, 0, with_body=True)
-    grouped = catalog.catalog_table(batch, image, 0, True, group, groups)
+    whole = catalog.catalog_table(batch, image, with_body=True)
+    grouped = catalog.catalog_table(batch, image, True, group, groups)
+    assert grouped.equals(whole.take(np.argsort(group, kind="stable")))
+
+
+@pytest.mark.parametrize("groups", [3, 2600])
+def test_a_batch_of_many_chunks_comes_out_grouped_as_a_stable_sort(tmp_path, groups):
+    """Over a batch of several of the C pass's chunks (2048 rows), rows in chunks taken group by group, and with
+    more groups than a chunk has rows, the batch taken whole: both the CommitLog order rows stably sorted by
+    group, the groups' rows interleaved at random."""
+    write_varied_store(tmp_path, 4, n=6000)
+    image = (tmp_path / f"{0:020d}").read_bytes()
+    batch = decode_segment(image, 0, segment_offset=0, segment_size=SEGMENT, max_bytes=len(image),
+                           multi_flags=CATALOG_FIELDS).batch
+    n = len(batch)
+    assert n > max(groups, 2 * 2048)
+    group = np.random.default_rng(groups).integers(0, groups, n).astype(np.int32)
+    group[:groups] = np.arange(groups)  # every group has a row
+    whole = catalog.catalog_table(batch, image, with_body=True)
+    grouped = catalog.catalog_table(batch, image, True, group, groups)
     assert grouped.equals(whole.take(np.argsort(group, kind="stable")))
 
 
@@ -267,12 +288,13 @@ def test_a_staged_group_reads_back_as_its_rows(records, with_body):
         image += MessageRecord("T", 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
                                1_700_000_000_000, STORE_HOSTS[host], 0, 0, b"", props, 0).encode()
     image += bytes(64)
-    batch = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image)).batch
+    batch = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image),
+                           multi_flags=CATALOG_FIELDS).batch
     assert len(batch) == len(records)
     groups = min(4, len(records))  # the C pass takes no more groups than rows
     group = np.array([g % groups for _, _, g in records], dtype=np.int32)
-    whole = catalog.catalog_table(batch, bytes(image), 0, with_body, group, groups)
-    staged, forms = catalog._catalog_rows(batch, bytes(image), 0, with_body, group, groups, staged=True)
+    whole = catalog.catalog_table(batch, bytes(image), with_body, group, groups)
+    staged, forms = catalog._catalog_rows(batch, bytes(image), with_body, group, groups, staged=True)
     rows = staged.to_batches()[0]
     hosts_of = [{STORE_HOSTS[h] for (h, _, _), g_ in zip(records, group.tolist(), strict=True) if g_ == g}
                 for g in range(groups)]
@@ -315,8 +337,8 @@ def test_messages_read_together_are_the_messages_read_one_by_one(records, cuts):
                                    1_700_000_000_000, STORE_HOSTS[host], 0, 0, b"", props, 0).encode()
         image += bytes(64)
         batch = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image),
-                               max_bytes=len(image)).batch
-        for _, _, blob, _, form in catalog.catalog_groups(batch, bytes(image), 0, with_body=False):
+                               max_bytes=len(image), multi_flags=CATALOG_FIELDS).batch
+        for _, _, blob, _, form in catalog.catalog_groups(batch, bytes(image), with_body=False):
             messages.append((blob, form))
             expected.append(catalog.read_group(blob, False, form))
     got = list(catalog.read_groups(iter(messages), with_body=False))

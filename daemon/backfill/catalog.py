@@ -17,8 +17,9 @@ row groups, and a glob over the directories reads only some topics or days. A la
 leaves out the rows of the ranges the markers name, so a rerun adds nothing and a later range extends each
 day's directory with a file. A catalog in the earlier `topic=T/date=D/` layout is refused (LEGACY_PREFIX).
 
-The decode task builds the rows of each window straight from the segment image, grouped by (topic, day):
-one C pass over the records in CommitLog order (`indexcore._spans`) fills every column's buffers, and each
+The decode task builds the rows of each window, grouped by (topic, day), from what the decode found (a window
+decoded with `batchdecode.CATALOG_FIELDS`: the kernel copies the catalog's strings while each record is in
+the cache): one C pass over the batch (`indexcore._spans`) fills every column's buffers, and each
 group goes out as an Arrow IPC record batch message; the writer task of a (topic, day) partition
 concatenates its groups in CommitLog order into one file, in row groups of up to ROW_GROUP_ROWS rows.
 """
@@ -69,23 +70,27 @@ CATALOG_QUERIES = {
 
 
 def _text(values: pa.Array) -> pa.Array:
-    """Binary as UTF-8 strings; malformed bytes become U+FFFD as Python decodes them."""
+    """Strings whose bytes may not be UTF-8, checked: malformed bytes become U+FFFD as Python decodes them.
+    (validate, not a cast to string: a cast imports pyarrow.compute, 0.12 CPU-s in every worker.)"""
     try:
-        return values.cast(pa.string())
+        values.validate(full=True)
+        return values
     except pa.ArrowInvalid:
-        return pa.array([None if v is None else v.decode("utf-8", "replace") for v in values.to_pylist()],
-                        pa.string())
+        raw = values.view(pa.binary())
+        return pa.array([None if v is None else v.decode("utf-8", "replace") for v in raw.to_pylist()], pa.string())
 
 
-def catalog_table(batch: DispatchBatch, buf, seg_start: int, with_body: bool, group: np.ndarray | None = None,
+def catalog_table(batch: DispatchBatch, buf, with_body: bool, group: np.ndarray | None = None,
                   groups: int = 1) -> pa.Table:
-    """The catalog rows of a decoded batch, from the segment image it was decoded from; `group`: each batch
-    row's group (0 <= group < groups), the rows coming out group by group, each group's in CommitLog order
-    (all in one group by default). One C pass visits each record once, in CommitLog order
-    (`_spans.catalog_columns`: its header fields, properties, msgId, KEYS tokens, strings and body), and fills
-    every column's Arrow buffers; a string column is checked as UTF-8 only when it is not ASCII. (Six passes
-    over the batch, one per step, each reading every record again, cost 0.45 us a message.)"""
-    return _catalog_rows(batch, buf, seg_start, with_body, group, groups, staged=False)[0]
+    """The catalog rows of a batch decoded with `batchdecode.CATALOG_FIELDS`, `buf` the segment image it was
+    decoded from (read only for the bodies); `group`: each batch row's group (0 <= group < groups), the rows
+    coming out group by group, each group's in CommitLog order (all in one group by default). One C pass
+    visits each row once (`_spans.catalog_columns`: its fields, properties, msgId, KEYS tokens, strings and
+    body) and fills every column's Arrow buffers; a string column is checked as UTF-8 only when it is not
+    ASCII. (Six passes over the batch, one per step, each reading every record again, cost 0.45 us a
+    message; one pass reading the records again, a window after the decode, 0.24-0.30; reading only what the
+    decode copied, 0.14-0.18.)"""
+    return _catalog_rows(batch, buf, with_body, group, groups, staged=False)[0]
 
 
 # How a staged group's rows were left out of its record batch message, for `read_group` to make them again:
@@ -129,40 +134,43 @@ def msg_id_array(offsets: np.ndarray, host: bytes) -> pa.Array:
     return pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(ends), pa.py_buffer(data)])
 
 
-def _catalog_rows(batch: DispatchBatch, buf, seg_start: int, with_body: bool, group: np.ndarray | None,
+def _catalog_rows(batch: DispatchBatch, buf, with_body: bool, group: np.ndarray | None,
                   groups: int, staged: bool) -> tuple[pa.Table, list[StagedForm]]:
     """`catalog_table`'s rows and each group's form; `staged`: without the columns a writer makes again (the
     msgIds when each group's records share a store host, the real columns when no row has them)."""
     S = _spans  # the C pass's column numbers
     n = len(batch)
+    if batch.catalog_fields is None:
+        raise ValueError("catalog rows need a batch decoded with CATALOG_FIELDS")
     group = np.zeros(n, dtype=np.int32) if group is None else np.ascontiguousarray(group, dtype=np.int32)
     text, keys_at, keys_len = batch.keys.arrays()
     uniq_text, uniq_at, uniq_len = batch.uniq_key.arrays()
-    if uniq_text is not text and len(uniq_text):  # two buffers (a batch made from strings): one for the pass
-        uniq_at = np.where(uniq_at < 0, -1, uniq_at + len(text))
-        text = bytes(text) + bytes(uniq_text)
+    if uniq_text is not text:
+        raise ValueError("catalog rows need the decode's one text buffer")
+    fields = np.ascontiguousarray(batch.catalog_fields, dtype=np.int64)
     spans = [np.ascontiguousarray(a, dtype=np.int64) for a in (keys_at, keys_len, uniq_at, uniq_len)]
-    msg_size = np.ascontiguousarray(batch.msg_size, dtype=np.int32)
-    record_bytes = int(msg_size.sum(dtype=np.int64))  # no property value or body is longer than the records
-    keys_bytes = int(np.where(spans[0] < 0, 0, spans[1]).sum())
+    keys_bytes = int(spans[1].sum())  # a span's length is 0 where the property is absent
     out64 = np.empty((S.C64, n), dtype=np.int64)
     out32 = np.empty((S.C32, n), dtype=np.int32)
     offsets = np.empty((S.S_TOKENS, n + 1), dtype=np.int32)
     token_offsets = np.empty(keys_bytes + 1, dtype=np.int32)  # a token is at least a byte
     valid = np.empty((S.NVALID, (n + 7) // 8), dtype=np.uint8)
-    data = [np.empty(size, dtype=np.uint8) for size in (
-        record_bytes, keys_bytes, int(np.where(spans[2] < 0, 0, spans[3]).sum()), n * S.MSG_ID_MAX_CHARS,
-        record_bytes, record_bytes if with_body else 0)]  # S_TAGS, S_KEYS, S_UNIQ, S_MSGID, S_REAL_TOPIC, S_BODY
-    phy = np.ascontiguousarray(batch.phy_offset, dtype=np.int64)
-    tags_code = np.ascontiguousarray(batch.tags_code, dtype=np.int64)
+    data = [np.empty(int(size), dtype=np.uint8) for size in (
+        fields[S.F_TAGS_LEN].sum(), keys_bytes, spans[3].sum(), n * S.MSG_ID_MAX_CHARS,
+        fields[S.F_REAL_TOPIC_LEN].sum(), fields[S.F_BODY_LEN].sum() if with_body else 0,
+    )]  # S_TAGS, S_KEYS, S_UNIQ, S_MSGID, S_REAL_TOPIC, S_BODY
+    columns_in = (*(np.ascontiguousarray(c, dtype=t) for c, t in (
+        (batch.phy_offset, np.int64), (batch.msg_size, np.int32), (batch.queue_id, np.int32),
+        (batch.queue_offset, np.int64), (batch.sys_flag, np.int32), (batch.store_timestamp, np.int64),
+        (batch.tags_code, np.int64))), fields, text)
     used, tokens, nulls, non_ascii, hosts = S.catalog_columns(
-        buf, seg_start, group, groups, phy, msg_size, tags_code, text, *spans, with_body, not staged, out64, out32,
-        offsets, token_offsets, valid, *data)
+        buf, group, groups, *columns_in, *spans, with_body, not staged, out64, out32, offsets, token_offsets, valid,
+        *data)
     with_msg_ids = not staged or None in hosts
     if staged and with_msg_ids:  # a group of records of two store hosts (rare): the pass again, with its msgIds
         used, tokens, nulls, non_ascii, hosts = S.catalog_columns(
-            buf, seg_start, group, groups, phy, msg_size, tags_code, text, *spans, with_body, True, out64, out32,
-            offsets, token_offsets, valid, *data)
+            buf, group, groups, *columns_in, *spans, with_body, True, out64, out32, offsets, token_offsets, valid,
+            *data)
     real = not staged or nulls[S.V_REAL_TOPIC] < n or nulls[S.V_REAL_QID] < n
 
     def validity(v: int | None):
@@ -170,10 +178,9 @@ def _catalog_rows(batch: DispatchBatch, buf, seg_start: int, with_body: bool, gr
 
     def binary(s: int, v: int | None, count: int, offsets_: np.ndarray, text_: bool = True) -> pa.Array:
         """Column s's values; checked as UTF-8 (and malformed bytes replaced) only when not ASCII."""
-        checked = text_ and non_ascii >> s & 1
-        values = pa.Array.from_buffers(pa.binary() if checked or not text_ else pa.string(), count, [
+        values = pa.Array.from_buffers(pa.string() if text_ else pa.binary(), count, [
             validity(v), pa.py_buffer(offsets_), pa.py_buffer(data[s][: used[s]])])
-        return _text(values) if checked else values
+        return _text(values) if text_ and non_ascii >> s & 1 else values
 
     def ints(row: np.ndarray, arrow_type, v: int | None = None) -> pa.Array:
         return pa.Array.from_buffers(arrow_type, n, [validity(v), pa.py_buffer(row)])
@@ -220,7 +227,7 @@ def _groups(topic_id: np.ndarray, day: np.ndarray,
     return group.astype(np.int32), topic_id[index], day[index], counts
 
 
-def catalog_groups(batch: DispatchBatch, buf, seg_start: int,
+def catalog_groups(batch: DispatchBatch, buf,
                    with_body: bool) -> Iterator[tuple[str, int, pa.Buffer, int, StagedForm]]:
     """(topic, UTC day, Arrow IPC record batch message, rows, its StagedForm) of each (topic, day) of the
     batch, in CommitLog order. The rows are built already grouped (`catalog_table`), so each group is a
@@ -231,7 +238,7 @@ def catalog_groups(batch: DispatchBatch, buf, seg_start: int,
         return
     day = (batch.store_timestamp // MS_PER_DAY).astype(np.int64)
     group, topic_ids, days, counts = _groups(batch.topic_id, day, len(batch.topics))
-    table, forms = _catalog_rows(batch, buf, seg_start, with_body, group, len(counts), staged=True)
+    table, forms = _catalog_rows(batch, buf, with_body, group, len(counts), staged=True)
     rows = table.to_batches()[0]  # one chunk
     at = 0
     for topic_id, day_, count, form in zip(topic_ids.tolist(), days.tolist(), counts.tolist(), forms, strict=True):

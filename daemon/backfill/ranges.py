@@ -29,7 +29,7 @@ from daemon.backfill.boundaries import first_entry_in, first_header_in, unwritte
 from daemon.backfill.source import S3Options, open_image
 from daemon.backfill.stage import KEY_DTYPE, RangeStage, range_dir
 from indexcore import _kernels
-from indexcore.batchdecode import DecodeScratch
+from indexcore.batchdecode import CATALOG_FIELDS, DecodeScratch
 from indexcore.commitlog import RECORD_PREFIX
 from indexcore.consumequeue import CQ_UNIT_SIZE
 from indexcore.dispatch import DelayLevelTable, DispatchBatch
@@ -67,9 +67,9 @@ class DecodeSettings:
     dledger_from: int = -1  # DLedger mode: segments from this offset on hold DLedger entries (dledger.py)
 
     def flags(self, seg_start: int) -> int:
-        """The decode flags of a segment: DLEDGER_ENTRIES for a DLedger data file."""
+        """The decode flags of a segment: DLEDGER_ENTRIES for a DLedger data file, CATALOG_FIELDS with a catalog."""
         dledger = 0 <= self.dledger_from <= seg_start
-        return self.multi_flags | (DLEDGER_ENTRIES if dledger else 0)
+        return self.multi_flags | (DLEDGER_ENTRIES if dledger else 0) | (CATALOG_FIELDS if self.catalog else 0)
 
     @property
     def lookahead(self) -> int:
@@ -204,7 +204,7 @@ class RangeRows:
         if self.settings.index:
             self._keys(batch)
         if self.settings.catalog:
-            for group in self.catalog_groups(batch, image.buffer, self.task.seg_start, self.settings.catalog_body):
+            for group in self.catalog_groups(batch, image.buffer, self.settings.catalog_body):
                 self.stage.add_catalog(*group)
         o.records += n
 
