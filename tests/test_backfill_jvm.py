@@ -49,6 +49,26 @@ def test_the_same_pyspark_in_another_environment_gets_an_archive_of_its_own(tmp_
     assert os.path.dirname(elsewhere.path) == os.path.dirname(here.path)
 
 
+def test_the_same_jars_installed_again_get_an_archive_of_their_own(tmp_path, monkeypatch):
+    """The JVM maps an archive only over jars of the modification times it was recorded with: the same
+    PySpark installed again in the same place (a virtualenv made anew) is another archive, not one the JVM
+    refuses at every start."""
+    import pyspark
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    venv = tmp_path / "venv" / "pyspark"
+    (venv / "jars").mkdir(parents=True)
+    for name, size in (("spark-core.jar", 100), ("slf4j-api.jar", 10)):
+        with open(venv / "jars" / name, "wb") as f:
+            f.truncate(size)
+    monkeypatch.setattr(pyspark, "__file__", str(venv / "__init__.py"))
+    first = choose_archive(ARCHIVE_AUTO, JAVA, "-XX:TieredStopAtLevel=1")
+    assert choose_archive(ARCHIVE_AUTO, JAVA, "-XX:TieredStopAtLevel=1").path == first.path  # nothing changed
+    jar = venv / "jars" / "slf4j-api.jar"
+    os.utime(jar, ns=(jar.stat().st_atime_ns, jar.stat().st_mtime_ns + 1_000_000_000))  # installed again
+    assert choose_archive(ARCHIVE_AUTO, JAVA, "-XX:TieredStopAtLevel=1").path != first.path
+
+
 def test_an_empty_archive_is_recorded_again(tmp_path):
     path = tmp_path / "driver.jsa"
     path.touch()
