@@ -49,7 +49,7 @@ enum { F_BORN_TIME, F_BODY_AT, F_BODY_LEN, F_TAGS_AT, F_TAGS_LEN, F_REAL_TOPIC_A
 #define HOST_V6_LENGTH 20
 #define KEYS_SEPARATOR ' '
 #define PHYSICAL_OFFSET_SIZE 8
-#define MSG_ID_MAX_CHARS (2 * (HOST_V6_LENGTH + PHYSICAL_OFFSET_SIZE))
+#define MSG_ID_CHARS(host_len) (2 * ((host_len) + PHYSICAL_OFFSET_SIZE))  /* the host's hex, then the offset's */
 #define CHUNK_ROWS 2048
 static const char HEX[] = "0123456789ABCDEF";
 static uint8_t HEX2[256][2];  /* each byte as its two upper-case hex digits (filled at import) */
@@ -215,7 +215,7 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
         base[S_TAGS * (G + 1) + g + 1] += F(F_TAGS_AT, r) >= 0 ? F(F_TAGS_LEN, r) : 0;
         base[S_KEYS * (G + 1) + g + 1] += keys;
         base[S_UNIQ * (G + 1) + g + 1] += uat[r] >= 0 ? ulen[r] : 0;
-        base[S_MSGID * (G + 1) + g + 1] += with_msg_ids ? 2 * (host_len + PHYSICAL_OFFSET_SIZE) : 0;
+        base[S_MSGID * (G + 1) + g + 1] += with_msg_ids ? MSG_ID_CHARS(host_len) : 0;
         base[S_REAL_TOPIC * (G + 1) + g + 1] += F(F_REAL_TOPIC_AT, r) >= 0 ? F(F_REAL_TOPIC_LEN, r) : 0;
         base[S_BODY * (G + 1) + g + 1] += with_body ? F(F_BODY_LEN, r) : 0;
         base[S_TOKENS * (G + 1) + g + 1] += keys;  /* a token is at least a byte */
@@ -314,7 +314,7 @@ static PyObject *py_catalog_columns(PyObject *self, PyObject *args) {
         same_host(host, host_len, hosts + HOST_V6_LENGTH * g, &host_len_of[g]);
         Region *id = &reg[S_MSGID * G];
         if (with_msg_ids) {
-            if (2 * (host_len + PHYSICAL_OFFSET_SIZE) > id->end - id->at) { bad = "output"; break; }
+            if (MSG_ID_CHARS(host_len) > id->end - id->at) { bad = "output"; break; }
             uint8_t *hex = data[S_MSGID] + id->at;
             for (int64_t b = 0; b < host_len; b++, hex += 2) memcpy(hex, HEX2[host[b]], 2);
             for (int b = 7; b >= 0; b--, hex += 2) memcpy(hex, HEX2[(uint8_t)((uint64_t)phy[r] >> (8 * b))], 2);
@@ -400,7 +400,7 @@ static PyObject *py_msg_ids(PyObject *self, PyObject *args) {
             release(v, got);
             return NULL;
         }
-    Py_ssize_t n = v[0].len / 8, host_len = v[1].len, width = 2 * (host_len + PHYSICAL_OFFSET_SIZE);
+    Py_ssize_t n = v[0].len / 8, host_len = v[1].len, width = MSG_ID_CHARS(host_len);
     if ((host_len != HOST_V4_LENGTH && host_len != HOST_V6_LENGTH) || v[2].len < n * width) {
         PyErr_SetString(PyExc_ValueError, "msg_ids: a host is 8 or 20 bytes, and out holds every msgId");
         release(v, 3);
@@ -448,7 +448,7 @@ PyMODINIT_FUNC PyInit__spans(void) {
         {"S_TAGS", S_TAGS}, {"S_KEYS", S_KEYS}, {"S_UNIQ", S_UNIQ}, {"S_MSGID", S_MSGID},
         {"S_REAL_TOPIC", S_REAL_TOPIC}, {"S_BODY", S_BODY}, {"S_TOKENS", S_TOKENS},
         {"V_TAGS", V_TAGS}, {"V_KEYS", V_KEYS}, {"V_UNIQ", V_UNIQ}, {"V_REAL_TOPIC", V_REAL_TOPIC},
-        {"V_REAL_QID", V_REAL_QID}, {"NVALID", NVALID}, {"MSG_ID_MAX_CHARS", MSG_ID_MAX_CHARS},
+        {"V_REAL_QID", V_REAL_QID}, {"NVALID", NVALID},
         {"F_BORN_TIME", F_BORN_TIME}, {"F_BODY_AT", F_BODY_AT}, {"F_BODY_LEN", F_BODY_LEN}, {"F_TAGS_AT", F_TAGS_AT},
         {"F_TAGS_LEN", F_TAGS_LEN}, {"F_REAL_TOPIC_AT", F_REAL_TOPIC_AT}, {"F_REAL_TOPIC_LEN", F_REAL_TOPIC_LEN},
         {"F_REAL_QID_AT", F_REAL_QID_AT}, {"F_REAL_QID_LEN", F_REAL_QID_LEN}, {"F_HOST_AT", F_HOST_AT},

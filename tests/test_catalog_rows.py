@@ -138,18 +138,23 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
     assert {n for n, count in nulls.items() if count} == catalog.NULLABLE  # each may be null, and is in some row
 
 
-def catalog_of(properties: list[bytes], with_body: bool = False) -> pa.Table:
-    """The catalog rows of records with these raw properties (anything but 0x02 inside a value), decoded as
-    the backfill decodes a window."""
+def decoded_window(records: list[tuple[Host, bytes]]):
+    """(batch, image) of records of topic T with these store hosts and raw properties (anything but 0x02 inside
+    a value), decoded as the backfill decodes a window."""
     image = bytearray()
-    for i, props in enumerate(properties):
+    for i, (store_host, props) in enumerate(records):
         image += MessageRecord("T", 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
-                               1_700_000_000_000, Host(bytes([10, 0, 0, 1]), 10911), 0, 0, b"", props, 0).encode()
+                               1_700_000_000_000, store_host, 0, 0, b"", props, 0).encode()
     image += bytes(64)  # then a zero TOTALSIZE: the end of the data
-    decoded = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image),
-                             multi_flags=CATALOG_FIELDS)
-    assert len(decoded.batch) == len(properties)
-    return catalog.catalog_table(decoded.batch, bytes(image), with_body)
+    batch = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image),
+                           multi_flags=CATALOG_FIELDS).batch
+    assert len(batch) == len(records)
+    return batch, bytes(image)
+
+
+def catalog_of(properties: list[bytes], with_body: bool = False) -> pa.Table:
+    """The catalog rows of records with these raw properties."""
+    return catalog.catalog_table(*decoded_window([(STORE_HOSTS[0], p) for p in properties]), with_body)
 
 
 @settings_(max_examples=300, deadline=None)
@@ -283,18 +288,11 @@ def test_a_staged_group_reads_back_as_its_rows(records, with_body):
     """A staged group leaves out its msgIds when its records share a store host and the real columns when
     no row of the batch has them; `read_group` makes them again: the same rows as `catalog_table`'s, whatever
     the hosts (two in a group, IPv6), the groups and the properties."""
-    image = bytearray()
-    for i, (host, props, _) in enumerate(records):
-        image += MessageRecord("T", 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
-                               1_700_000_000_000, STORE_HOSTS[host], 0, 0, b"", props, 0).encode()
-    image += bytes(64)
-    batch = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image),
-                           multi_flags=CATALOG_FIELDS).batch
-    assert len(batch) == len(records)
+    batch, image = decoded_window([(STORE_HOSTS[host], props) for host, props, _ in records])
     groups = min(4, len(records))  # the C pass takes no more groups than rows
     group = np.array([g % groups for _, _, g in records], dtype=np.int32)
-    whole = catalog.catalog_table(batch, bytes(image), with_body, group, groups)
-    staged, forms = catalog._catalog_rows(batch, bytes(image), with_body, group, groups, staged=True)
+    whole = catalog.catalog_table(batch, image, with_body, group, groups)
+    staged, forms = catalog._catalog_rows(batch, image, with_body, group, groups, staged=True)
     rows = staged.to_batches()[0]
     hosts_of = [{STORE_HOSTS[h] for (h, _, _), g_ in zip(records, group.tolist(), strict=True) if g_ == g}
                 for g in range(groups)]
@@ -331,14 +329,8 @@ def test_messages_read_together_are_the_messages_read_one_by_one(records, cuts):
         at += length
         if not part or len(messages) >= 12:
             break
-        image = bytearray()
-        for i, (host, props) in enumerate(part):
-            image += MessageRecord("T", 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
-                                   1_700_000_000_000, STORE_HOSTS[host], 0, 0, b"", props, 0).encode()
-        image += bytes(64)
-        batch = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image),
-                               max_bytes=len(image), multi_flags=CATALOG_FIELDS).batch
-        for _, _, blob, _, form in catalog.catalog_groups(batch, bytes(image), with_body=False):
+        batch, image = decoded_window([(STORE_HOSTS[host], props) for host, props in part])
+        for _, _, blob, _, form in catalog.catalog_groups(batch, image, with_body=False):
             messages.append((blob, form))
             expected.append(catalog.read_group(blob, False, form))
     got = list(catalog.read_groups(iter(messages), with_body=False))

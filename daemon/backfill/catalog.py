@@ -125,9 +125,15 @@ def _nulls(n: int, type_: pa.DataType) -> pa.Array:
     return _NULLS[type_].slice(0, n)
 
 
+def _msg_id_chars(host_bytes: int, rows: int) -> int:
+    """The characters of `rows` offset msgIds whose store hosts take `host_bytes`: each host's hex, then the
+    8-byte offset's."""
+    return 2 * (int(host_bytes) + 8 * rows)
+
+
 def msg_id_array(offsets: np.ndarray, host: bytes) -> pa.Array:
     """The offset msgIds of records of one store host (`_spans.msg_ids`), as `catalog_columns` makes them."""
-    n, width = len(offsets), 2 * (len(host) + 8)
+    n, width = len(offsets), _msg_id_chars(len(host), 1)
     data = np.empty(n * width, dtype=np.uint8)
     _spans.msg_ids(np.ascontiguousarray(offsets, dtype=np.int64), host, data)
     ends = np.arange(n + 1, dtype=np.int32) * np.int32(width)
@@ -156,7 +162,7 @@ def _catalog_rows(batch: DispatchBatch, buf, with_body: bool, group: np.ndarray 
     token_offsets = np.empty(keys_bytes + 1, dtype=np.int32)  # a token is at least a byte
     valid = np.empty((S.NVALID, (n + 7) // 8), dtype=np.uint8)
     data = [np.empty(int(size), dtype=np.uint8) for size in (
-        fields[S.F_TAGS_LEN].sum(), keys_bytes, spans[3].sum(), n * S.MSG_ID_MAX_CHARS,
+        fields[S.F_TAGS_LEN].sum(), keys_bytes, spans[3].sum(), _msg_id_chars(fields[S.F_HOST_LEN].sum(), n),
         fields[S.F_REAL_TOPIC_LEN].sum(), fields[S.F_BODY_LEN].sum() if with_body else 0,
     )]  # S_TAGS, S_KEYS, S_UNIQ, S_MSGID, S_REAL_TOPIC, S_BODY
     columns_in = (*(np.ascontiguousarray(c, dtype=t) for c, t in (
@@ -287,8 +293,7 @@ def partition_dir(topic: str, day: int) -> str:
 def read_group(blob: bytes, with_body: bool, form: StagedForm = FULL_FORM) -> pa.Table:
     """A group's rows from the record batch message `catalog_groups` made (with the body column or not), the
     columns its form left out made again: the msgIds from the offsets and the store host, null real columns."""
-    return _completed([pa.ipc.read_record_batch(pa.py_buffer(blob), staged_schema(with_body, form))], with_body,
-                      form)
+    return next(read_groups([(blob, form)], with_body))
 
 
 def read_groups(messages: Iterable[tuple[bytes, StagedForm]], with_body: bool) -> Iterator[pa.Table]:
