@@ -525,7 +525,7 @@ def test_topic_directories_are_path_safe_and_distinct(spark, spark_sql, tmp_path
     for i, topic in enumerate(topics):
         rows = pa.table({"commitLogOffset": pa.array([i], pa.int64())})
         out = ParquetOut(fs.LocalFileSystem(), f"{catalog}/{partition_dir(topic, day)}/{file_name(0, 1)}", topic, day)
-        out.write(rows)
+        out.write(rows, rows.nbytes)
         out.close()
         os.rename(out.path, out.path.removesuffix(".staged"))
     dirs = [partition_dir(t, day).split("/")[0] for t in topics]
@@ -552,7 +552,8 @@ def test_catalog_files_hold_whole_row_groups(tmp_path, monkeypatch):
     monkeypatch.setattr(catalog, "ROW_GROUP_ROWS", 100)
     out = ParquetOut(fs.LocalFileSystem(), f"{tmp_path}/T/2023-11-14/{file_name(0, 1)}", "T", 19675)
     for at in range(0, 1020, 30):  # a window's group at a time, as write_catalog gives them
-        out.write(pa.table({"commitLogOffset": pa.array(range(at, at + 30), pa.int64())}))
+        rows = pa.table({"commitLogOffset": pa.array(range(at, at + 30), pa.int64())})
+        out.write(rows, rows.nbytes)
     out.close()
     meta = pq.ParquetFile(out.path).metadata
     assert [meta.row_group(i).num_rows for i in range(meta.num_row_groups)] == [100] * 10 + [20]

@@ -109,10 +109,12 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
                     break
                 seg_start = offset - offset % SEGMENT
                 image = (root / f"{seg_start:020d}").read_bytes()
-                groups = list(catalog.catalog_groups(batch, image, with_body=True))
+                rows_, groups = catalog.catalog_window(batch, image, with_body=True)
+                blob = rows_.serialize()
                 got = {}
-                for topic, day, blob, count, form in groups:
-                    table = catalog.read_group(blob, True, form)
+                assert [g[2] for g in groups] == [sum(g[3] for g in groups[:i]) for i in range(len(groups))]
+                for topic, day, first, count, form in groups:
+                    table = catalog.read_group(blob, True, form, first, count)
                     assert table.num_rows == count
                     assert table.schema == catalog.SCHEMA.append(catalog.BODY_FIELD)
                     for field, column in zip(table.schema, table.columns, strict=True):  # Parquet: `required`
@@ -138,12 +140,13 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
     assert {n for n, count in nulls.items() if count} == catalog.NULLABLE  # each may be null, and is in some row
 
 
-def decoded_window(records: list[tuple[Host, bytes]]):
-    """(batch, image) of records of topic T with these store hosts and raw properties (anything but 0x02 inside
-    a value), decoded as the backfill decodes a window."""
+def decoded_window(records: list[tuple[Host, bytes]], topics: list[str] | None = None):
+    """(batch, image) of records of topic T (or `topics`, one a record) with these store hosts and raw
+    properties (anything but 0x02 inside a value), decoded as the backfill decodes a window."""
     image = bytearray()
     for i, (store_host, props) in enumerate(records):
-        image += MessageRecord("T", 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
+        topic = "T" if topics is None else topics[i]
+        image += MessageRecord(topic, 0, 0, i, len(image), 0, 1_700_000_000_000, Host(bytes([1, 2, 3, 4]), 5),
                                1_700_000_000_000, store_host, 0, 0, b"", props, 0).encode()
     image += bytes(64)  # then a zero TOTALSIZE: the end of the data
     batch = decode_segment(bytes(image), 0, segment_offset=0, segment_size=len(image), max_bytes=len(image),
@@ -303,7 +306,7 @@ def test_a_staged_group_reads_back_as_its_rows(records, with_body):
             host, real_staged = forms[g]
             assert real_staged == real
             assert (host is None) == any(len(h) > 1 for h in hosts_of)  # msgIds staged when any group has two
-            got = catalog.read_group(rows.slice(at, count).serialize(), with_body, forms[g])
+            got = catalog.read_group(rows.serialize(), with_body, forms[g], at, count)
             assert got.equals(whole.slice(at, count)), g
         at += count
 
@@ -319,23 +322,51 @@ def test_msg_ids_are_the_offset_msg_ids(offsets, host):
 @given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(STAGED_PROPERTIES)), min_size=1, max_size=30),
        st.lists(st.integers(1, 5), min_size=1, max_size=8))
 def test_messages_read_together_are_the_messages_read_one_by_one(records, cuts):
-    """`read_groups` reads consecutive messages of one form as one table: the same rows, in order, as
-    `read_group` gives message by message, whatever the forms' sequence (msgIds staged or not, real columns
-    staged or not)."""
-    messages, expected = [], []
+    """`read_groups` reads consecutive pieces of one form as one table, each window's message read once for
+    every group (`parsed`): the same rows, in order, as `read_group` gives piece by piece, whatever the forms'
+    sequence (msgIds staged or not, real columns staged or not) and the groups of each window."""
+    windows = []
     at = 0
     for length in cuts * len(records):
         part = records[at % len(records) : at % len(records) + length]
         at += length
-        if not part or len(messages) >= 12:
+        if not part or len(windows) >= 12:
             break
-        batch, image = decoded_window([(STORE_HOSTS[host], props) for host, props in part])
-        for _, _, blob, _, form in catalog.catalog_groups(batch, image, with_body=False):
-            messages.append((blob, form))
-            expected.append(catalog.read_group(blob, False, form))
-    got = list(catalog.read_groups(iter(messages), with_body=False))
-    assert pa.concat_tables(got).equals(pa.concat_tables(expected))
-    assert len(got) <= len(messages)
+        batch, image = decoded_window([(STORE_HOSTS[host], props) for host, props in part],
+                                      topics=[f"t{i % 3}" for i in range(len(part))])
+        rows, groups = catalog.catalog_window(batch, image, with_body=False)
+        windows.append((rows.serialize(), groups))
+    parsed = {}
+    for topic in ("t0", "t1", "t2"):
+        pieces, expected = [], []
+        for key, (blob, groups) in enumerate(windows):
+            for topic_, _, first, count, form in groups:
+                if topic_ == topic:
+                    pieces.append((key, blob, first, count, form))
+                    expected.append(catalog.read_group(blob, False, form, first, count))
+        read = list(catalog.read_groups(iter(pieces), with_body=False, parsed=parsed))
+        got = [table for table, _ in read]
+        assert len(got) <= len(pieces)
+        if pieces:
+            assert pa.concat_tables(got).equals(pa.concat_tables(expected))
+            assert set(pa.concat_tables(got).column("commitLogOffset").to_pylist()) == {
+                o for e in expected for o in e.column("commitLogOffset").to_pylist()}
+    assert len(parsed) == len(windows)  # each message read once
+
+
+def test_a_groups_share_of_a_message_is_its_rows_share_of_its_bytes():
+    """A writer's row group is bounded in bytes too (ROW_GROUP_BYTES, with bodies): each group's slice of a
+    window's message counts its rows' share of the message, not the whole message its buffers belong to
+    (counted whole, a group of a few rows in each window would end a row group every few windows)."""
+    topics = [f"t{i % 5}" for i in range(400)]
+    windows = []
+    for _ in range(6):
+        batch, image = decoded_window([(STORE_HOSTS[0], b"KEYS\x01k%d" % i) for i in range(400)], topics=topics)
+        rows, groups = catalog.catalog_window(batch, image, with_body=True)
+        windows.append((rows.serialize(), groups))
+    for blob, groups in windows:
+        shares = [size for g in groups for _, size in catalog.read_groups([(None, blob, g[2], g[3], g[4])], True)]
+        assert len(blob) - len(groups) <= sum(shares) <= len(blob)
 
 
 @settings_(max_examples=200, deadline=None)
@@ -370,3 +401,23 @@ def test_an_appending_catalog_writer_does_not_import_pandas():
                          cwd=Path(__file__).resolve().parent.parent)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_staged_messages_read_back_whatever_the_sequence_of_schemas(tmp_path):
+    """Each window's message is written straight from its buffers, one stream writer per schema: every message
+    read at its offset and length is the batch written, however the windows' forms alternate."""
+    path = str(tmp_path / "catalog.data")
+    out = catalog.StagedMessages(path)
+    written = []
+    for i, (host, props) in enumerate([(0, b""), (1, b"REAL_TOPIC\x01X\x02REAL_QID\x013"), (0, b"TAGS\x01a"),
+                                       (2, b""), (1, b"REAL_QID\x01x")] * 2):
+        batch, image = decoded_window([(STORE_HOSTS[host], props), (STORE_HOSTS[(host + i) % 3], b"")] * (i + 1))
+        rows, groups = catalog.catalog_window(batch, image, with_body=i % 2 == 0)
+        written.append((out.write(rows), rows, groups[0][4], i % 2 == 0))
+    out.close()
+    data = (tmp_path / "catalog.data").read_bytes()
+    assert len({r.schema for _, r, _, _ in written}) > 1
+    for (at, length), rows, form, with_body in written:
+        got = pa.ipc.read_record_batch(pa.py_buffer(data[at : at + length]), catalog.staged_schema(with_body, form))
+        assert got.equals(rows)
+        assert data[at : at + length] == rows.serialize().to_pybytes()

@@ -19,9 +19,9 @@ day's directory with a file. A catalog in the earlier `topic=T/date=D/` layout i
 
 The decode task builds the rows of each window, grouped by (topic, day), from what the decode found (a window
 decoded with `batchdecode.CATALOG_FIELDS`: the kernel copies the catalog's strings while each record is in
-the cache): one C pass over the batch (`indexcore._spans`) fills every column's buffers, and each
-group goes out as an Arrow IPC record batch message; the writer task of a (topic, day) partition
-concatenates its groups in CommitLog order into one file, in row groups of up to ROW_GROUP_ROWS rows.
+the cache): one C pass over the batch (`indexcore._spans`) fills every column's buffers, and the window goes
+out as one Arrow IPC record batch message, each group a run of its rows; the writer task of a (topic, day)
+partition concatenates its runs in CommitLog order into one file, in row groups of up to ROW_GROUP_ROWS rows.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def catalog_table(batch: DispatchBatch, buf, with_body: bool, group: np.ndarray 
 # written to page-cache pages, which cost several times more on a host that took them back (page_reporting).
 StagedForm = tuple[bytes | None, bool]
 FULL_FORM: StagedForm = (None, True)
+StagedGroup = tuple[str, int, int, int, StagedForm]  # topic, UTC day, first row in the message, rows, form
 _REAL_COLUMNS = ("realTopic", "realQueueId")
 
 
@@ -233,24 +234,54 @@ def _groups(topic_id: np.ndarray, day: np.ndarray,
     return group.astype(np.int32), topic_id[index], day[index], counts
 
 
-def catalog_groups(batch: DispatchBatch, buf,
-                   with_body: bool) -> Iterator[tuple[str, int, pa.Buffer, int, StagedForm]]:
-    """(topic, UTC day, Arrow IPC record batch message, rows, its StagedForm) of each (topic, day) of the
-    batch, in CommitLog order. The rows are built already grouped (`catalog_table`), so each group is a
-    slice, without the columns the writer makes again (`read_group`). A message without
-    its schema (the reader knows it, `read_group`): a stream of its own per group, its schema and writer made
-    anew, cost 0.047 us a row against 0.035, and read back 0.067 against 0.044."""
+def catalog_window(batch: DispatchBatch, buf, with_body: bool) -> tuple[pa.RecordBatch, list[StagedGroup]] | None:
+    """The window's catalog rows as one record batch, grouped by (topic, UTC day) in that order, each group's
+    rows in CommitLog order, without the columns the writer makes again (`read_group`); and (topic, day,
+    first row, rows, StagedForm) of each group. None for an empty batch. Staged as one message a window
+    (`StagedMessages`), not one a group: a message (serialised, written, read back) cost ~18 us whatever its
+    rows, so a CommitLog of 2,000 topics, a few rows of each in every window, paid 1.5 us a message in the
+    decode alone."""
     if not len(batch):
-        return
+        return None
     day = (batch.store_timestamp // MS_PER_DAY).astype(np.int64)
     group, topic_ids, days, counts = _groups(batch.topic_id, day, len(batch.topics))
     table, forms = _catalog_rows(batch, buf, with_body, group, len(counts), staged=True)
-    rows = table.to_batches()[0]  # one chunk
-    at = 0
-    for topic_id, day_, count, form in zip(topic_ids.tolist(), days.tolist(), counts.tolist(), forms, strict=True):
-        # a pa.Buffer: not copied to bytes
-        yield batch.topics[topic_id], day_, rows.slice(at, count).serialize(), count, form
-        at += count
+    firsts = np.concatenate(([0], np.cumsum(counts)[:-1])).tolist()
+    groups = [(batch.topics[topic_id], day_, first, count, form) for topic_id, day_, first, count, form in zip(
+        topic_ids.tolist(), days.tolist(), firsts, counts.tolist(), forms, strict=True)]
+    return table.to_batches()[0], groups  # one chunk
+
+
+class StagedMessages:
+    """A range's staged catalog rows (`stage.CATALOG_DATA`): each window's record batch written as an Arrow
+    IPC message straight from its buffers, and where it lies, for `read_record_batch`. (`serialize()` copied
+    each window's ~2.4 MB into new memory before it was written.) A message carries no schema (the reader
+    knows it, `read_group`): a stream of its own per message cost 0.047 us a row against 0.035, and read back
+    0.067 against 0.044. Written with one stream writer per schema, whose schema message (written before its
+    first batch) lies between messages, unread."""
+
+    def __init__(self, path: str):
+        self._sink = pa.OSFile(path, "wb")
+        self._streams: dict[pa.Schema, pa.ipc.RecordBatchStreamWriter] = {}
+
+    def write(self, rows: pa.RecordBatch) -> tuple[int, int]:
+        """Write one message; its byte offset and length."""
+        stream = self._streams.get(rows.schema)
+        if stream is None:
+            stream = self._streams[rows.schema] = pa.ipc.new_stream(self._sink, rows.schema)
+            stream.write_batch(rows.slice(0, 0))  # the schema goes out with the first batch: an empty one
+        at = self._sink.tell()
+        stream.write_batch(rows)
+        return at, self._sink.tell() - at
+
+    def close(self) -> None:
+        if self._sink.closed:
+            return
+        try:
+            for stream in self._streams.values():
+                stream.close()
+        finally:
+            self._sink.close()
 
 
 # --- writing ---------------------------------------------------------------------------------------------
@@ -290,27 +321,41 @@ def partition_dir(topic: str, day: int) -> str:
     return f"{topic_dir(topic)}/{np.datetime64(day, 'D')}"
 
 
-def read_group(blob: bytes, with_body: bool, form: StagedForm = FULL_FORM) -> pa.Table:
-    """A group's rows from the record batch message `catalog_groups` made (with the body column or not), the
-    columns its form left out made again: the msgIds from the offsets and the store host, null real columns."""
-    return next(read_groups([(blob, form)], with_body))
+def read_group(blob: bytes, with_body: bool, form: StagedForm = FULL_FORM, first: int = 0,
+               rows: int | None = None) -> pa.Table:
+    """Rows [first, first + rows) (all by default) of a record batch message `catalog_window` made (with the
+    body column or not), the columns its form left out made again: the msgIds from the offsets and the store
+    host, null real columns."""
+    return next(read_groups([(None, blob, first, rows, form)], with_body))[0]
 
 
-def read_groups(messages: Iterable[tuple[bytes, StagedForm]], with_body: bool) -> Iterator[pa.Table]:
-    """The rows of a group's messages in order (`read_group`), consecutive messages of one form read as one
-    table of about ROW_GROUP_ROWS rows at most, its left-out columns made once: made for each message (a
-    window's group, ~2,400 rows of the 16M store) they cost 0.05-0.08 us a row more in write_catalog."""
+def read_groups(pieces: Iterable[tuple[object, bytes, int, int | None, StagedForm]], with_body: bool,
+                parsed: dict | None = None) -> Iterator[tuple[pa.Table, int]]:
+    """The rows of a group's pieces in order, each (key, message, first row, rows, form): a group's rows of
+    one window's message (`read_group`); with each table, its share of its messages' bytes (a slice's buffers
+    are its message's: `nbytes` counts its own, at ~1 us a column a piece). Consecutive pieces of one form
+    are read as one table of about ROW_GROUP_ROWS rows at most, its left-out columns made once: made for each
+    piece (a window's group, ~2,400 rows of the 16M store) they cost 0.05-0.08 us a row more in
+    write_catalog. `parsed`: messages read already, by key (a writer reads each window's message once for all
+    the groups it writes: a message read again cost 10 us, a slice of one read 2.6)."""
     batches: list[pa.RecordBatch] = []
-    form, rows = FULL_FORM, 0
-    for blob, form_ in messages:
+    form, rows, size = FULL_FORM, 0, 0
+    for key, blob, first, count, form_ in pieces:
         if batches and (form_ != form or rows >= ROW_GROUP_ROWS):
-            yield _completed(batches, with_body, form)
-            batches, rows = [], 0
+            yield _completed(batches, with_body, form), size
+            batches, rows, size = [], 0, 0
         form = form_
-        batches.append(pa.ipc.read_record_batch(pa.py_buffer(blob), staged_schema(with_body, form)))
+        message = None if parsed is None else parsed.get(key)
+        if message is None:
+            message = pa.ipc.read_record_batch(pa.py_buffer(blob), staged_schema(with_body, form))
+            if parsed is not None:
+                parsed[key] = message
+        whole = first == 0 and count in (None, message.num_rows)
+        batches.append(message if whole else message.slice(first, count))
         rows += batches[-1].num_rows
+        size += len(blob) if whole else len(blob) * batches[-1].num_rows // max(message.num_rows, 1)
     if batches:
-        yield _completed(batches, with_body, form)
+        yield _completed(batches, with_body, form), size
 
 
 def _int64s(values: pa.Array) -> np.ndarray:
@@ -318,7 +363,15 @@ def _int64s(values: pa.Array) -> np.ndarray:
     return np.frombuffer(values.buffers()[1], np.int64, len(values), 8 * values.offset)
 
 
+# Pieces of fewer rows than this on average are copied into one batch before they are written: a group of a
+# CommitLog of many topics has a few rows in each window, and the Parquet writer pays for every piece of every
+# column (200 topics, ~125 rows a piece: 1.94 us a row written as pieces, 1.06 copied; medians of 5).
+SMALL_PIECE_ROWS = 512
+
+
 def _completed(batches: list[pa.RecordBatch], with_body: bool, form: StagedForm) -> pa.Table:
+    if len(batches) > 1 and sum(b.num_rows for b in batches) < SMALL_PIECE_ROWS * len(batches):
+        batches = [pa.concat_batches(batches)]
     staged = pa.Table.from_batches(batches)
     if form == FULL_FORM:
         return staged
@@ -384,10 +437,11 @@ class ParquetOut:
         self._day = day
         self._constants: list[pa.Array] = []
 
-    def write(self, table: pa.Table) -> None:
+    def write(self, table: pa.Table, nbytes: int) -> None:
+        """Hold `table` (of about `nbytes`: `read_groups`) for the next row group."""
         self._held.append(table)
         self._held_rows += table.num_rows
-        self._held_bytes += table.get_total_buffer_size()  # nbytes: 46 us a call (a window's group, 2440 rows)
+        self._held_bytes += nbytes
         if self._held_bytes >= ROW_GROUP_BYTES:
             self._flush()
         elif self._held_rows >= ROW_GROUP_ROWS:
@@ -412,8 +466,7 @@ class ParquetOut:
         table = pa.concat_tables(self._held)
         tail = 0 if rest else table.num_rows % ROW_GROUP_ROWS
         self._held = [table.slice(table.num_rows - tail)] if tail else []
-        # nbytes: a slice's own bytes (get_total_buffer_size counts the whole buffers it shares), once a flush
-        self._held_rows, self._held_bytes = tail, self._held[0].nbytes if tail else 0
+        self._held_rows, self._held_bytes = tail, self._held_bytes * tail // max(table.num_rows, 1)
         table = table.slice(0, table.num_rows - tail)
         step = min(table.num_rows, self._constant_rows())
         for at in range(0, table.num_rows, step):

@@ -173,11 +173,11 @@ class RangeRows:
     """Stages the decoded windows of one range (`stage.RangeStage`); its only row is the outcome."""
 
     def __init__(self, task: RangeTask, outcome: RangeOutcome, settings: DecodeSettings, stage: RangeStage):
-        self.catalog_groups = None
-        if settings.catalog:  # pyarrow.compute and parquet: only for a run that writes a catalog
-            from daemon.backfill.catalog import catalog_groups  # noqa: PLC0415
+        self.catalog_window = None
+        if settings.catalog:  # pyarrow and parquet: only for a run that writes a catalog
+            from daemon.backfill.catalog import catalog_window  # noqa: PLC0415
 
-            self.catalog_groups = catalog_groups
+            self.catalog_window = catalog_window
         self.task = task
         self.outcome = outcome
         self.settings = settings
@@ -204,8 +204,9 @@ class RangeRows:
         if self.settings.index:
             self._keys(batch)
         if self.settings.catalog:
-            for group in self.catalog_groups(batch, image.buffer, self.settings.catalog_body):
-                self.stage.add_catalog(*group)
+            staged = self.catalog_window(batch, image.buffer, self.settings.catalog_body)
+            if staged is not None:
+                self.stage.add_catalog(*staged)
         o.records += n
 
     def _keys(self, batch: DispatchBatch) -> None:

@@ -9,9 +9,11 @@ Each decode attempt of a range writes into a directory of its own under the job'
     keys.data     the range's IndexFile keys in `buildIndex` order, KEY_DTYPE records: hash, physical offset
                   and store time of the owning record, and the store time of the record that would create
                   the next IndexFile if one filled at this key (NO_CREATOR: the first record of the next range)
-    catalog.data  Arrow IPC record batch messages of catalog rows (their schema is `catalog.read_group`'s)
-    catalog.meta  (topic, UTC day) -> that group's messages in CommitLog order: (byte offset, length, rows,
-                  the columns left out, `catalog.StagedForm`)
+    catalog.data  Arrow IPC record batch messages of catalog rows, one a window, its rows grouped by (topic, UTC
+                  day) (their schema is `catalog.read_group`'s)
+    catalog.meta  (topic, UTC day) -> that group's rows in each message, in CommitLog order: (the message's
+                  byte offset and length, the group's first row in it and rows, the columns left out,
+                  `catalog.StagedForm`)
 
 The task returns only its `RangeOutcome` (a few hundred bytes, with the units per queue bucket and the rows
 per catalog group the driver balances the writers with: buckets, not queues, so that a CommitLog with
@@ -58,9 +60,13 @@ class RangeStage:
         os.makedirs(directory, exist_ok=True)
         self.units = open(os.path.join(directory, UNITS_DATA), "wb")  # noqa: SIM115 - closed by close()
         self.keys = open(os.path.join(directory, KEYS_DATA), "wb")  # noqa: SIM115
-        self.catalog = open(os.path.join(directory, CATALOG_DATA), "wb") if catalog else None  # noqa: SIM115
+        self.catalog = None
+        if catalog:  # pyarrow: only for a run that writes a catalog
+            from daemon.backfill.catalog import StagedMessages  # noqa: PLC0415
+
+            self.catalog = StagedMessages(os.path.join(directory, CATALOG_DATA))
         self.unit_runs: dict[tuple[str, int], list[tuple[int, int, int, int, bool]]] = {}
-        self.catalog_runs: dict[tuple[str, int], list[tuple[int, int, int, tuple]]] = {}
+        self.catalog_runs: dict[tuple[str, int], list[tuple[int, int, int, int, tuple]]] = {}
         self.unit_bytes = self.key_count = self.catalog_bytes = 0
 
     def add_units(self, topic: str, queue_id: int, phy: int, first_qo: int, count: int, data,
@@ -74,10 +80,14 @@ class RangeStage:
         self.keys.write(memoryview(records.view(np.uint8)))  # not tobytes(): no copy
         self.key_count += len(records)
 
-    def add_catalog(self, topic: str, day: int, blob: bytes, rows: int, form: tuple) -> None:
-        self.catalog_runs.setdefault((topic, day), []).append((self.catalog_bytes, len(blob), rows, form))
-        self.catalog.write(blob)
-        self.catalog_bytes += len(blob)
+    def add_catalog(self, rows, groups: list[tuple[str, int, int, int, tuple]]) -> None:
+        """A window's catalog rows (a record batch) and (topic, day, first row, rows, form) of each of its
+        groups (`catalog.catalog_window`)."""
+        at, length = self.catalog.write(rows)
+        runs = self.catalog_runs
+        for topic, day, first, count, form in groups:
+            runs.setdefault((topic, day), []).append((at, length, first, count, form))
+        self.catalog_bytes = at + length
 
     def close(self) -> None:
         for f in (self.units, self.keys, self.catalog):
@@ -102,7 +112,7 @@ class RangeStage:
         return out
 
     def catalog_rows(self) -> dict[tuple[str, int], int]:
-        return {g: sum(r[2] for r in runs) for g, runs in self.catalog_runs.items()}
+        return {g: sum(r[3] for r in runs) for g, runs in self.catalog_runs.items()}
 
 
 def _map(path: str):
@@ -155,14 +165,15 @@ class StagedRange:
             return np.zeros(0, dtype=KEY_DTYPE)
         return np.frombuffer(data, dtype=KEY_DTYPE, count=hi - lo, offset=lo * KEY_DTYPE.itemsize)
 
-    def catalog_blobs(self, group: tuple[str, int]) -> Iterator[tuple[memoryview, tuple]]:
-        """Each of a group's messages and its form (`catalog.read_group`)."""
+    def catalog_pieces(self, group: tuple[str, int]) -> Iterator[tuple[int, memoryview, int, int, tuple]]:
+        """Each of a group's pieces for `catalog.read_groups`: (the message's offset, the message, the group's
+        first row in it, rows, form)."""
         runs = self.meta(CATALOG_META).get(group)
         if not runs:
             return
         data = memoryview(self._data(CATALOG_DATA))
-        for at, length, _, form in runs:
-            yield data[at : at + length], form
+        for at, length, first, rows, form in runs:
+            yield at, data[at : at + length], first, rows, form
 
     def close(self) -> None:
         self._meta.clear()

@@ -418,22 +418,24 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
 
     out: list[tuple[str, str, int]] = []
     ranges = [StagedRange(d) for d in work.ranges]
+    parsed: list[dict] = [{} for _ in ranges]  # each range's messages read so far, for the next group
     try:
         for topic, day in work.groups:
             relative = f"{partition_dir(topic, day)}/{work.name}"
             writer = ParquetOut(filesystem, f"{stage}/{relative}", topic, day)
             rows = 0
-            for r in ranges:
-                for staged in read_groups(r.catalog_blobs((topic, day)), with_body):
-                    table = staged
+            for r, read in zip(ranges, parsed, strict=True):
+                for staged, staged_bytes in read_groups(r.catalog_pieces((topic, day)), with_body, read):
+                    table, nbytes = staged, staged_bytes
                     if work.covered:  # a group wholly outside the ranges the catalog holds is taken as it is
                         keep = uncovered(table, work.covered)
                         if not keep.any():
                             continue
                         if not keep.all():
+                            nbytes = nbytes * int(keep.sum()) // table.num_rows
                             table = table.filter(pa.array(keep))
                     if table.num_rows:
-                        writer.write(table)
+                        writer.write(table, nbytes)
                         rows += table.num_rows
             writer.close()
             if rows:
@@ -441,6 +443,7 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
             else:
                 writer.discard()
     finally:
+        parsed.clear()
         for r in ranges:
             r.close()
     return out
