@@ -421,3 +421,23 @@ def test_staged_messages_read_back_whatever_the_sequence_of_schemas(tmp_path):
         got = pa.ipc.read_record_batch(pa.py_buffer(data[at : at + length]), catalog.staged_schema(with_body, form))
         assert got.equals(rows)
         assert data[at : at + length] == rows.serialize().to_pybytes()
+
+
+def test_a_writer_reads_messages_again_past_the_ones_it_keeps(monkeypatch):
+    """Past PARSED_MESSAGES kept, a message is read again for each group that needs it: the same rows."""
+    monkeypatch.setattr(catalog, "PARSED_MESSAGES", 1)
+    windows = []
+    for w in range(3):
+        batch, image = decoded_window([(STORE_HOSTS[w % 2], b"TAGS\x01a")] * 7, topics=["a", "b"] * 3 + ["a"])
+        rows, groups = catalog.catalog_window(batch, image, with_body=False)
+        windows.append((rows.serialize(), groups))
+    parsed = {}
+    for topic in ("a", "b"):
+        pieces = [(k, blob, g[2], g[3], g[4])
+                  for k, (blob, groups) in enumerate(windows) for g in groups if g[0] == topic]
+        got = pa.concat_tables([t for t, _ in catalog.read_groups(pieces, False, parsed)])
+        expected = pa.concat_tables([catalog.read_group(blob, False, form, first, count)
+                                     for _, blob, first, count, form in pieces])
+        assert got.equals(expected)
+        assert got.num_rows == 12 if topic == "a" else 9
+    assert list(parsed) == [0]

@@ -329,6 +329,11 @@ def read_group(blob: bytes, with_body: bool, form: StagedForm = FULL_FORM, first
     return next(read_groups([(None, blob, first, rows, form)], with_body))[0]
 
 
+# Messages a writer keeps read (each ~5-7 KB of Arrow's structures over the staged file): 256 ranges of 16
+# windows; past them a message is read again for each group.
+PARSED_MESSAGES = 4096
+
+
 def read_groups(pieces: Iterable[tuple[object, bytes, int, int | None, StagedForm]], with_body: bool,
                 parsed: dict | None = None) -> Iterator[tuple[pa.Table, int]]:
     """The rows of a group's pieces in order, each (key, message, first row, rows, form): a group's rows of
@@ -336,8 +341,9 @@ def read_groups(pieces: Iterable[tuple[object, bytes, int, int | None, StagedFor
     are its message's: `nbytes` counts its own, at ~1 us a column a piece). Consecutive pieces of one form
     are read as one table of about ROW_GROUP_ROWS rows at most, its left-out columns made once: made for each
     piece (a window's group, ~2,400 rows of the 16M store) they cost 0.05-0.08 us a row more in
-    write_catalog. `parsed`: messages read already, by key (a writer reads each window's message once for all
-    the groups it writes: a message read again cost 10 us, a slice of one read 2.6)."""
+    write_catalog. `parsed`: messages read already, by key, to which this adds up to PARSED_MESSAGES (a writer
+    reads each window's message once for all the groups it writes: a message read again cost 10 us, a slice
+    of one read 2.6)."""
     batches: list[pa.RecordBatch] = []
     form, rows, size = FULL_FORM, 0, 0
     for key, blob, first, count, form_ in pieces:
@@ -348,7 +354,7 @@ def read_groups(pieces: Iterable[tuple[object, bytes, int, int | None, StagedFor
         message = None if parsed is None else parsed.get(key)
         if message is None:
             message = pa.ipc.read_record_batch(pa.py_buffer(blob), staged_schema(with_body, form))
-            if parsed is not None:
+            if parsed is not None and len(parsed) < PARSED_MESSAGES:
                 parsed[key] = message
         whole = first == 0 and count in (None, message.num_rows)
         batches.append(message if whole else message.slice(first, count))

@@ -418,25 +418,31 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
 
     out: list[tuple[str, str, int]] = []
     ranges = [StagedRange(d) for d in work.ranges]
-    parsed: list[dict] = [{} for _ in ranges]  # each range's messages read so far, for the next group
+    parsed: dict = {}  # the messages read so far, by (range, offset), for the next group
+
+    def pieces(group):
+        """The group's pieces, range after range: read as one (a table per range and group cost ~0.2 ms)."""
+        for number, r in enumerate(ranges):
+            for at, *piece in r.catalog_pieces(group):
+                yield (number, at), *piece
+
     try:
         for topic, day in work.groups:
             relative = f"{partition_dir(topic, day)}/{work.name}"
             writer = ParquetOut(filesystem, f"{stage}/{relative}", topic, day)
             rows = 0
-            for r, read in zip(ranges, parsed, strict=True):
-                for staged, staged_bytes in read_groups(r.catalog_pieces((topic, day)), with_body, read):
-                    table, nbytes = staged, staged_bytes
-                    if work.covered:  # a group wholly outside the ranges the catalog holds is taken as it is
-                        keep = uncovered(table, work.covered)
-                        if not keep.any():
-                            continue
-                        if not keep.all():
-                            nbytes = nbytes * int(keep.sum()) // table.num_rows
-                            table = table.filter(pa.array(keep))
-                    if table.num_rows:
-                        writer.write(table, nbytes)
-                        rows += table.num_rows
+            for staged, staged_bytes in read_groups(pieces((topic, day)), with_body, parsed):
+                table, nbytes = staged, staged_bytes
+                if work.covered:  # a group wholly outside the ranges the catalog holds is taken as it is
+                    keep = uncovered(table, work.covered)
+                    if not keep.any():
+                        continue
+                    if not keep.all():
+                        nbytes = nbytes * int(keep.sum()) // table.num_rows
+                        table = table.filter(pa.array(keep))
+                if table.num_rows:
+                    writer.write(table, nbytes)
+                    rows += table.num_rows
             writer.close()
             if rows:
                 out.append((writer.path, relative, rows))
