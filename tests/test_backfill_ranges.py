@@ -427,3 +427,31 @@ def test_a_local_segment_of_the_wrong_size_is_named_with_its_size(tmp_path, leng
         open_image(str(path), 65536, 1 << 20, S3Options())
     assert e.value.path == str(path)
     assert f"segment is {length} bytes, mappedFileSizeCommitLog is 65536" in str(e.value)
+
+
+def test_a_released_staged_file_leaves_the_rss_and_reads_the_same(tmp_path):
+    """`StagedRange.release` unmaps what a writer read (its RSS counted every staged page it had touched: 2 GB
+    for the 16M store's catalog); a view still held reads the same bytes, faulted in again from the page cache."""
+    import numpy as np
+
+    from daemon.backfill.stage import UNITS_DATA
+
+    def rss_file() -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("RssFile:"))
+        return int(line.split()[1]) * 1024
+
+    data = np.random.default_rng(1).integers(0, 255, 64 << 20, dtype=np.uint8)
+    (tmp_path / UNITS_DATA).write_bytes(data.tobytes())
+    staged = StagedRange(str(tmp_path))
+    try:
+        view = np.frombuffer(staged._data(UNITS_DATA), dtype=np.uint8)
+        before = rss_file()
+        assert int(view.sum(dtype=np.int64)) == int(data.sum(dtype=np.int64))  # every page touched
+        touched = rss_file()
+        assert touched > before + (48 << 20)  # the 64 MiB file mapped
+        staged.release()
+        assert rss_file() < touched - (48 << 20)
+        assert np.array_equal(view, data)
+        del view
+    finally:
+        staged.close()

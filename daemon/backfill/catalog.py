@@ -437,6 +437,7 @@ class ParquetOut:
         self.filesystem = filesystem
         self.path = final_relative_path + STAGED_SUFFIX
         self._writer = None
+        self.flushes = 0  # row groups written so far
         self._held: list[pa.Table] = []
         self._held_rows = self._held_bytes = 0
         self._topic = topic.encode("utf-8", "surrogatepass")
@@ -487,6 +488,7 @@ class ParquetOut:
                                                 write_statistics=[
                                                     n for n in part.schema.names if n not in NO_STATISTICS])
             self._writer.write_table(part, row_group_size=ROW_GROUP_ROWS)
+            self.flushes += 1
 
     def _constant_rows(self) -> int:
         """The most rows whose `topic` column fits a string column's 32-bit offsets (a topic is < 32 KiB)."""

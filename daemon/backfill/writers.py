@@ -419,10 +419,12 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
     out: list[tuple[str, str, int]] = []
     ranges = [StagedRange(d) for d in work.ranges]
     parsed: dict = {}  # the messages read so far, by (range, offset), for the next group
+    reading = [0]  # the range whose pieces are being read
 
     def pieces(group):
         """The group's pieces, range after range: read as one (a table per range and group cost ~0.2 ms)."""
         for number, r in enumerate(ranges):
+            reading[0] = number
             for at, *piece in r.catalog_pieces(group):
                 yield (number, at), *piece
 
@@ -430,7 +432,7 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
         for topic, day in work.groups:
             relative = f"{partition_dir(topic, day)}/{work.name}"
             writer = ParquetOut(filesystem, f"{stage}/{relative}", topic, day)
-            rows = 0
+            rows = released = flushes = 0
             for staged, staged_bytes in read_groups(pieces((topic, day)), with_body, parsed):
                 table, nbytes = staged, staged_bytes
                 if work.covered:  # a group wholly outside the ranges the catalog holds is taken as it is
@@ -443,7 +445,14 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
                 if table.num_rows:
                     writer.write(table, nbytes)
                     rows += table.num_rows
+                if writer.flushes > flushes:  # a row group written: the ranges read before are done with
+                    flushes = writer.flushes
+                    for r in ranges[released : reading[0]]:
+                        r.release()
+                    released = max(released, reading[0])
             writer.close()
+            for r in ranges[released:]:
+                r.release()
             if rows:
                 out.append((writer.path, relative, rows))
             else:
