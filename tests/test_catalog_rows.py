@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import settings as settings_
 from hypothesis import strategies as st
 
-from daemon.backfill import catalog
+from daemon.backfill import catalog, catalogstage
 from indexcore.batchdecode import CATALOG_FIELDS
 from indexcore.commitlog import Host, MessageRecord, find_properties
 from indexcore.msgid import create_offset_msg_id
@@ -114,7 +114,7 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
                 got = {}
                 assert [g[2] for g in groups] == [sum(g[3] for g in groups[:i]) for i in range(len(groups))]
                 for topic, day, first, count, form in groups:
-                    table = catalog.read_group(blob, True, form, first, count)
+                    table = catalogstage.read_group(blob, True, form, first, count)
                     assert table.num_rows == count
                     assert table.schema == catalog.SCHEMA.append(catalog.BODY_FIELD)
                     for field, column in zip(table.schema, table.columns, strict=True):  # Parquet: `required`
@@ -306,7 +306,7 @@ def test_a_staged_group_reads_back_as_its_rows(records, with_body):
             host, real_staged = forms[g]
             assert real_staged == real
             assert (host is None) == any(len(h) > 1 for h in hosts_of)  # msgIds staged when any group has two
-            got = catalog.read_group(rows.serialize(), with_body, forms[g], at, count)
+            got = catalogstage.read_group(rows.serialize(), with_body, forms[g], at, count)
             assert got.equals(whole.slice(at, count)), g
         at += count
 
@@ -343,8 +343,8 @@ def test_messages_read_together_are_the_messages_read_one_by_one(records, cuts):
             for topic_, _, first, count, form in groups:
                 if topic_ == topic:
                     pieces.append((key, blob, first, count, form))
-                    expected.append(catalog.read_group(blob, False, form, first, count))
-        read = list(catalog.read_groups(iter(pieces), with_body=False, parsed=parsed))
+                    expected.append(catalogstage.read_group(blob, False, form, first, count))
+        read = list(catalogstage.read_groups(iter(pieces), with_body=False, parsed=parsed))
         got = [table for table, _ in read]
         assert len(got) <= len(pieces)
         if pieces:
@@ -365,7 +365,7 @@ def test_a_groups_share_of_a_message_is_its_rows_share_of_its_bytes():
         rows, groups = catalog.catalog_window(batch, image, with_body=True)
         windows.append((rows.serialize(), groups))
     for blob, groups in windows:
-        shares = [size for g in groups for _, size in catalog.read_groups([(None, blob, g[2], g[3], g[4])], True)]
+        shares = [size for g in groups for _, size in catalogstage.read_groups([(None, blob, g[2], g[3], g[4])], True)]
         assert len(blob) - len(groups) <= sum(shares) <= len(blob)
 
 
@@ -407,7 +407,7 @@ def test_staged_messages_read_back_whatever_the_sequence_of_schemas(tmp_path):
     """Each window's message is written straight from its buffers, one stream writer per schema: every message
     read at its offset and length is the batch written, however the windows' forms alternate."""
     path = str(tmp_path / "catalog.data")
-    out = catalog.StagedMessages(path)
+    out = catalogstage.StagedMessages(path)
     written = []
     for i, (host, props) in enumerate([(0, b""), (1, b"REAL_TOPIC\x01X\x02REAL_QID\x013"), (0, b"TAGS\x01a"),
                                        (2, b""), (1, b"REAL_QID\x01x")] * 2):
@@ -425,7 +425,7 @@ def test_staged_messages_read_back_whatever_the_sequence_of_schemas(tmp_path):
 
 def test_a_writer_reads_messages_again_past_the_ones_it_keeps(monkeypatch):
     """Past PARSED_MESSAGES kept, a message is read again for each group that needs it: the same rows."""
-    monkeypatch.setattr(catalog, "PARSED_MESSAGES", 1)
+    monkeypatch.setattr(catalogstage, "PARSED_MESSAGES", 1)
     windows = []
     for w in range(3):
         batch, image = decoded_window([(STORE_HOSTS[w % 2], b"TAGS\x01a")] * 7, topics=["a", "b"] * 3 + ["a"])
@@ -435,8 +435,8 @@ def test_a_writer_reads_messages_again_past_the_ones_it_keeps(monkeypatch):
     for topic in ("a", "b"):
         pieces = [(k, blob, g[2], g[3], g[4])
                   for k, (blob, groups) in enumerate(windows) for g in groups if g[0] == topic]
-        got = pa.concat_tables([t for t, _ in catalog.read_groups(pieces, False, parsed)])
-        expected = pa.concat_tables([catalog.read_group(blob, False, form, first, count)
+        got = pa.concat_tables([t for t, _ in catalogstage.read_groups(pieces, False, parsed)])
+        expected = pa.concat_tables([catalogstage.read_group(blob, False, form, first, count)
                                      for _, blob, first, count, form in pieces])
         assert got.equals(expected)
         assert got.num_rows == 12 if topic == "a" else 9

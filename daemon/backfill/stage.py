@@ -10,7 +10,7 @@ Each decode attempt of a range writes into a directory of its own under the job'
                   and store time of the owning record, and the store time of the record that would create
                   the next IndexFile if one filled at this key (NO_CREATOR: the first record of the next range)
     catalog.data  Arrow IPC record batch messages of catalog rows, one a window, its rows grouped by (topic, UTC
-                  day) (their schema is `catalog.read_group`'s)
+                  day) (their schema is `catalogstage.read_group`'s)
     catalog.meta  (topic, UTC day) -> that group's rows in each message, in CommitLog order: (the message's
                   byte offset and length, the group's first row in it and rows, the columns left out,
                   `catalog.StagedForm`)
@@ -62,7 +62,7 @@ class RangeStage:
         self.keys = open(os.path.join(directory, KEYS_DATA), "wb")  # noqa: SIM115
         self.catalog = None
         if catalog:  # pyarrow: only for a run that writes a catalog
-            from daemon.backfill.catalog import StagedMessages  # noqa: PLC0415
+            from daemon.backfill.catalogstage import StagedMessages  # noqa: PLC0415
 
             self.catalog = StagedMessages(os.path.join(directory, CATALOG_DATA))
         self.unit_runs: dict[tuple[str, int], list[tuple[int, int, int, int, bool]]] = {}
@@ -166,7 +166,7 @@ class StagedRange:
         return np.frombuffer(data, dtype=KEY_DTYPE, count=hi - lo, offset=lo * KEY_DTYPE.itemsize)
 
     def catalog_pieces(self, group: tuple[str, int]) -> Iterator[tuple[int, memoryview, int, int, tuple]]:
-        """Each of a group's pieces for `catalog.read_groups`: (the message's offset, the message, the group's
+        """Each of a group's pieces for `catalogstage.read_groups`: (the message's offset, the message, the group's
         first row in it, rows, form)."""
         runs = self.meta(CATALOG_META).get(group)
         if not runs:

@@ -414,7 +414,8 @@ def write_catalog(work: CatalogWork, *, stage: str, filesystem, attempt: Attempt
     CommitLog order; (staged path, path relative to the catalog, rows) of each."""
     import pyarrow as pa  # noqa: PLC0415
 
-    from daemon.backfill.catalog import ParquetOut, partition_dir, read_groups, uncovered  # noqa: PLC0415
+    from daemon.backfill.catalog import ParquetOut, partition_dir, uncovered  # noqa: PLC0415
+    from daemon.backfill.catalogstage import read_groups  # noqa: PLC0415
 
     out: list[tuple[str, str, int]] = []
     ranges = [StagedRange(d) for d in work.ranges]
