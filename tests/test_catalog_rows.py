@@ -114,7 +114,7 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
                 got = {}
                 assert [g[2] for g in groups] == [sum(g[3] for g in groups[:i]) for i in range(len(groups))]
                 for topic, day, first, count, form in groups:
-                    table = catalogstage.read_group(blob, True, form, first, count)
+                    table = read_group(blob, True, form, first, count)
                     assert table.num_rows == count
                     assert table.schema == catalog.SCHEMA.append(catalog.BODY_FIELD)
                     for field, column in zip(table.schema, table.columns, strict=True):  # Parquet: `required`
@@ -138,6 +138,11 @@ def test_every_catalog_column_is_what_a_record_by_record_reading_gives(tmp_path)
             reader.close()
     assert rows == records == 3000
     assert {n for n, count in nulls.items() if count} == catalog.NULLABLE  # each may be null, and is in some row
+
+
+def read_group(blob, with_body: bool, form=catalog.FULL_FORM, first: int = 0, rows: int | None = None) -> pa.Table:
+    """Rows [first, first + rows) (all by default) of one staged message, read alone."""
+    return next(catalogstage.read_groups([(None, blob, first, rows, form)], with_body))[0]
 
 
 def decoded_window(records: list[tuple[Host, bytes]], topics: list[str] | None = None):
@@ -306,7 +311,7 @@ def test_a_staged_group_reads_back_as_its_rows(records, with_body):
             host, real_staged = forms[g]
             assert real_staged == real
             assert (host is None) == any(len(h) > 1 for h in hosts_of)  # msgIds staged when any group has two
-            got = catalogstage.read_group(rows.serialize(), with_body, forms[g], at, count)
+            got = read_group(rows.serialize(), with_body, forms[g], at, count)
             assert got.equals(whole.slice(at, count)), g
         at += count
 
@@ -343,7 +348,7 @@ def test_messages_read_together_are_the_messages_read_one_by_one(records, cuts):
             for topic_, _, first, count, form in groups:
                 if topic_ == topic:
                     pieces.append((key, blob, first, count, form))
-                    expected.append(catalogstage.read_group(blob, False, form, first, count))
+                    expected.append(read_group(blob, False, form, first, count))
         read = list(catalogstage.read_groups(iter(pieces), with_body=False, parsed=parsed))
         got = [table for table, _ in read]
         assert len(got) <= len(pieces)
@@ -436,7 +441,7 @@ def test_a_writer_reads_messages_again_past_the_ones_it_keeps(monkeypatch):
         pieces = [(k, blob, g[2], g[3], g[4])
                   for k, (blob, groups) in enumerate(windows) for g in groups if g[0] == topic]
         got = pa.concat_tables([t for t, _ in catalogstage.read_groups(pieces, False, parsed)])
-        expected = pa.concat_tables([catalogstage.read_group(blob, False, form, first, count)
+        expected = pa.concat_tables([read_group(blob, False, form, first, count)
                                      for _, blob, first, count, form in pieces])
         assert got.equals(expected)
         assert got.num_rows == 12 if topic == "a" else 9

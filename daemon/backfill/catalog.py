@@ -92,7 +92,7 @@ def catalog_table(batch: DispatchBatch, buf, with_body: bool, group: np.ndarray 
     return _catalog_rows(batch, buf, with_body, group, groups, staged=False)[0]
 
 
-# How a staged group's rows were left out of its record batch message, for `catalogstage.read_group` to make
+# How a staged group's rows were left out of its record batch message, for `catalogstage.read_groups` to make
 # them again: (the store host all its rows share, whose msgIds were left out; None when they are staged), and
 # whether the realTopic and realQueueId columns are staged (not when no row of the batch has either). A msgId
 # is 36 of a row's ~125 staged bytes, and made again from the offset in the writer; staged bytes are written
@@ -235,7 +235,7 @@ def _groups(topic_id: np.ndarray, day: np.ndarray,
 
 def catalog_window(batch: DispatchBatch, buf, with_body: bool) -> tuple[pa.RecordBatch, list[StagedGroup]] | None:
     """The window's catalog rows as one record batch, grouped by (topic, UTC day) in that order, each group's
-    rows in CommitLog order, without the columns the writer makes again (`catalogstage.read_group`); and
+    rows in CommitLog order, without the columns the writer makes again (`catalogstage.read_groups`); and
     (topic, day, first row, rows, StagedForm) of each group. None for an empty batch. Staged as one message a
     window (`catalogstage.StagedMessages`), not one a group: a message (serialised, written, read back) cost
     ~18 us whatever its rows, so a CommitLog of 2,000 topics, a few rows of each in every window, paid 1.5 us

@@ -28,7 +28,7 @@ class StagedMessages:
     """A range's staged catalog rows (`stage.CATALOG_DATA`): each window's record batch written as an Arrow
     IPC message straight from its buffers, and where it lies, for `read_record_batch`. (`serialize()` copied
     each window's ~2.4 MB into new memory before it was written.) A message carries no schema (the reader
-    knows it, `read_group`): a stream of its own per message cost 0.047 us a row against 0.035, and read back
+    knows it, `read_groups`): a stream of its own per message cost 0.047 us a row against 0.035, and read back
     0.067 against 0.044. Written with one stream writer per schema, whose schema message (written before its
     first batch) lies between messages, unread."""
 
@@ -56,14 +56,6 @@ class StagedMessages:
             self._sink.close()
 
 
-def read_group(blob: bytes, with_body: bool, form: StagedForm = FULL_FORM, first: int = 0,
-               rows: int | None = None) -> pa.Table:
-    """Rows [first, first + rows) (all by default) of a record batch message `catalog_window` made (with the
-    body column or not), the columns its form left out made again: the msgIds from the offsets and the store
-    host, null real columns."""
-    return next(read_groups([(None, blob, first, rows, form)], with_body))[0]
-
-
 # Messages a writer keeps read (each ~5-7 KB of Arrow's structures over the staged file): 256 ranges of 16
 # windows; past them a message is read again for each group.
 PARSED_MESSAGES = 4096
@@ -71,14 +63,15 @@ PARSED_MESSAGES = 4096
 
 def read_groups(pieces: Iterable[tuple[object, bytes, int, int | None, StagedForm]], with_body: bool,
                 parsed: dict | None = None) -> Iterator[tuple[pa.Table, int]]:
-    """The rows of a group's pieces in order, each (key, message, first row, rows, form): a group's rows of
-    one window's message (`read_group`); with each table, its share of its messages' bytes (a slice's buffers
-    are its message's: `nbytes` counts its own, at ~1 us a column a piece). Consecutive pieces of one form
-    are read as one table of about catalog.ROW_GROUP_ROWS rows at most, its left-out columns made once: made for each
-    piece (a window's group, ~2,400 rows of the 16M store) they cost 0.05-0.08 us a row more in
-    write_catalog. `parsed`: messages read already, by key, to which this adds up to PARSED_MESSAGES (a writer
-    reads each window's message once for all the groups it writes: a message read again cost 10 us, a slice
-    of one read 2.6)."""
+    """The rows of a group's pieces in order, each (key, message, first row, rows (None: all), form): a group's
+    rows of one window's message (`catalog.catalog_window`), the columns its form left out made again (the
+    msgIds from the offsets and the store host, null real columns); with each table, its share of its
+    messages' bytes (a slice's buffers are its message's: `nbytes` counts its own, at ~1 us a column a
+    piece). Consecutive pieces of one form are read as one table of about ROW_GROUP_ROWS rows at most, its
+    left-out columns made once: made for each piece (a window's group, ~2,400 rows of the 16M store) they
+    cost 0.05-0.08 us a row more in write_catalog. `parsed`: messages read already, by key, to which this
+    adds up to PARSED_MESSAGES (a writer reads each window's message once for all the groups it writes: a
+    message read again cost 10 us, a slice of one read 2.6)."""
     batches: list[pa.RecordBatch] = []
     form, rows, size = FULL_FORM, 0, 0
     for key, blob, first, count, form_ in pieces:

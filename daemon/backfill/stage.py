@@ -10,7 +10,7 @@ Each decode attempt of a range writes into a directory of its own under the job'
                   and store time of the owning record, and the store time of the record that would create
                   the next IndexFile if one filled at this key (NO_CREATOR: the first record of the next range)
     catalog.data  Arrow IPC record batch messages of catalog rows, one a window, its rows grouped by (topic, UTC
-                  day) (their schema is `catalogstage.read_group`'s)
+                  day) (their schema is `catalogstage.read_groups`'s)
     catalog.meta  (topic, UTC day) -> that group's rows in each message, in CommitLog order: (the message's
                   byte offset and length, the group's first row in it and rows, the columns left out,
                   `catalog.StagedForm`)
