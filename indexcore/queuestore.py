@@ -1,10 +1,11 @@
 """`ConsumeQueueStore`: every ConsumeQueue of an output, created on first use, and a dispatch batch's units
-grouped by queue (`consume_queue_units`) for it; appends gathered within HELD_BYTES_BUDGET/HELD_BATCHES."""
+grouped by queue for it (`consume_queue_units_flat` as flat arrays, `consume_queue_units` queue by queue);
+appends gathered within HELD_BYTES_BUDGET/HELD_BATCHES."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -84,33 +85,68 @@ def _queue_order(topic_id: np.ndarray, queue_id: np.ndarray, topics: int) -> tup
     return order, np.flatnonzero(key[1:] != key[:-1]) + 1
 
 
+class FlatUnits(NamedTuple):
+    """A batch's ConsumeQueue units grouped by queue, as flat arrays (what `_kernels.group_units` makes): group g
+    is queue (topics[topic_index[g]], queue_id[g]) and holds units bounds[g]:bounds[g + 1], in put order. A
+    decode that keeps a window's units as these arrays holds four arrays, not a Python object per queue."""
+
+    topics: Sequence[str]
+    topic_index: np.ndarray  # int64, per group
+    queue_id: np.ndarray  # int64, per group
+    bounds: np.ndarray  # int64, groups + 1
+    one_streak: np.ndarray  # bool, per group (`QueueUnits.one_streak`)
+    queue_offset: np.ndarray  # int64, per unit
+    units: np.ndarray  # CQ_UNIT_DTYPE, per unit
+    ends: np.ndarray  # int64, per unit: the unit's CommitLog end
+
+    def __len__(self) -> int:
+        return len(self.topic_index)
+
+
+def _no_units(topics: Sequence[str]) -> FlatUnits:
+    empty = np.zeros(0, dtype=np.int64)
+    return FlatUnits(topics, empty, empty, np.zeros(1, dtype=np.int64), np.zeros(0, dtype=bool), empty,
+                     np.zeros(0, dtype=CQ_UNIT_DTYPE), empty)
+
+
 def consume_queue_units(batch: DispatchBatch) -> Iterator[QueueUnits]:
-    """`CommitLogDispatcherBuildConsumeQueue` for a batch: which units go to which queue, queue by queue, in
-    put order, packed as they lie in the file. What rebuild, run and backfill write and verify expects.
+    """`consume_queue_units_flat`, queue by queue: a QueueUnits per queue, its arrays views of the flat ones."""
+    flat = consume_queue_units_flat(batch)
+    topics, qo, units, ends = flat.topics, flat.queue_offset, flat.units, flat.ends
+    bounds = flat.bounds.tolist()
+    for t, q, lo, hi, streak in zip(flat.topic_index.tolist(), flat.queue_id.tolist(), bounds[:-1], bounds[1:],
+                                    flat.one_streak.tolist(), strict=True):
+        yield QueueUnits(topics[t], q, qo[lo:hi], units[lo:hi], ends[lo:hi], streak)
+
+
+def consume_queue_units_flat(batch: DispatchBatch) -> FlatUnits:
+    """`CommitLogDispatcherBuildConsumeQueue` for a batch: which units go to which queue, grouped queue by
+    queue, in put order, packed as they lie in the file. What rebuild, run and backfill write and verify
+    expects.
 
     Every NOT_TYPE and COMMIT_TYPE record puts a unit into its own queue at its QUEUEOFFSET and then,
     when the batch carries multi-dispatch targets, one into each target queue at the target's offset
     (`putMessagePositionInfoWrapper`). Each queue receives its units in CommitLog order and a record's own
     unit before its targets, as the broker's sequential dispatch gives them. What the queue does with each
     (written, skipped as a repeat, appended out of order) is `place_units`'s business. `batch` is a
-    DispatchBatch or anything with its columns (the backfill's RowChunk).
+    DispatchBatch or anything with its columns. The groups come in the order of their queue keys (topic
+    index, then queue id).
     """
     mask = batch.consume_queue_mask()
     if len(mask) == 0:
-        return
+        return _no_units(batch.topics)
     qids, multi_qids = batch.queue_id, batch.multi_queue_id
     qmin = min(int(qids.min()), int(multi_qids.min()) if len(multi_qids) else 0)
     span = max(int(qids.max()), int(multi_qids.max()) if len(multi_qids) else 0) - qmin + 1
     if len(batch.topics) * span > MAX_QUEUE_KEYS:
-        yield from _group_units_sorting(batch, mask)
-        return
+        return _group_units_sorting(batch, mask)
     # queue keys topic * span + queue: a counting sort in C (_kernels.group_units) groups them, linear in
     # the units and the keys
     keys = len(batch.topics) * span
     owner = np.ascontiguousarray(batch.multi_owner, dtype=np.int64)
     total = int(np.count_nonzero(mask)) + (int(np.count_nonzero(mask[owner])) if len(owner) else 0)
     if total == 0:
-        return
+        return _no_units(batch.topics)
     units = np.empty(total, dtype=CQ_UNIT_DTYPE)
     qo, ends = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
     counts, state, cursor = np.empty(keys, np.int64), np.empty(keys, np.uint8), np.empty(keys, np.int64)
@@ -122,14 +158,13 @@ def consume_queue_units(batch: DispatchBatch) -> Iterator[QueueUnits]:
         np.ascontiguousarray(batch.multi_queue_offset, dtype=np.int64), units.view(np.uint8), qo, ends, counts, state,
         cursor)
     used = np.flatnonzero(counts)
-    bounds = [0, *np.cumsum(counts[used]).tolist()]
-    topics = batch.topics
-    for key, lo, hi, streak in zip(used.tolist(), bounds[:-1], bounds[1:], (state[used] == 1).tolist(), strict=True):
-        yield QueueUnits(topics[key // span], key % span + qmin, qo[lo:hi], units[lo:hi], ends[lo:hi], streak)
+    bounds = np.zeros(len(used) + 1, dtype=np.int64)
+    np.cumsum(counts[used], out=bounds[1:])
+    return FlatUnits(batch.topics, used // span, used % span + qmin, bounds, state[used] == 1, qo, units, ends)
 
 
-def _group_units_sorting(batch: DispatchBatch, mask: np.ndarray) -> Iterator[QueueUnits]:
-    """`consume_queue_units` for a batch whose queue keys are too many to count (topics x queue id span
+def _group_units_sorting(batch: DispatchBatch, mask: np.ndarray) -> FlatUnits:
+    """`consume_queue_units_flat` for a batch whose queue keys are too many to count (topics x queue id span
     over MAX_QUEUE_KEYS): a stable sort instead."""
     rows = np.flatnonzero(mask)
     topic_id, queue_id, queue_offset = batch.topic_id[rows], batch.queue_id[rows], batch.queue_offset[rows]
@@ -151,22 +186,20 @@ def _group_units_sorting(batch: DispatchBatch, mask: np.ndarray) -> Iterator[Que
             _merge(at_own, a, at_multi, b, n)
             for a, b in zip((rows, topic_id, queue_id, queue_offset), multi, strict=True))
     if len(rows) == 0:
-        return
+        return _no_units(batch.topics)
     order, starts = _queue_order(topic_id, queue_id, len(batch.topics))
     rows, queue_offset = rows[order], queue_offset[order].astype(np.int64, copy=False)
     first = order[np.concatenate(([0], starts))]
     phy = batch.phy_offset[rows]
     size = batch.msg_size[rows]
-    ends = phy + size
+    ends = (phy + size).astype(np.int64, copy=False)
     units = pack_units(phy, size, batch.tags_code[rows])
-    bounds = np.concatenate(([0], starts, [len(rows)])).tolist()
-    topics = batch.topics
-    for t, q, lo, hi, streak in zip(topic_id[first].tolist(), queue_id[first].tolist(), bounds[:-1], bounds[1:],
-                                    _one_streak(queue_offset, ends, bounds).tolist(), strict=True):
-        yield QueueUnits(topics[t], q, queue_offset[lo:hi], units[lo:hi], ends[lo:hi], streak)
+    bounds = np.concatenate(([0], starts, [len(rows)])).astype(np.int64)
+    return FlatUnits(batch.topics, topic_id[first].astype(np.int64), queue_id[first].astype(np.int64), bounds,
+                     _one_streak(queue_offset, ends, bounds), queue_offset, units, ends)
 
 
-def _one_streak(queue_offset: np.ndarray, ends: np.ndarray, bounds: list[int]) -> np.ndarray:
+def _one_streak(queue_offset: np.ndarray, ends: np.ndarray, bounds: np.ndarray) -> np.ndarray:
     """Per run: no streak break inside it (what `place_units` would find, for the whole batch at once)."""
     breaks = _streak_breaks(queue_offset, ends)
     inside = np.searchsorted(breaks, bounds[1:], side="left") - np.searchsorted(breaks, bounds[:-1], side="right")
