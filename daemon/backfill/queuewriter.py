@@ -1,0 +1,264 @@
+"""Phase 2 of the backfill, ConsumeQueue part: the tasks that build whole queues from the ranges' staged units.
+
+A task is given a span of queue buckets (`QueueWork`, balanced by units over the tasks). Every range staged its
+units queue after queue in bucket order (`stage.py`), so a span is one slice of each range's units.data. The
+task cuts its span into pieces of at most WRITE_PIECE_UNITS units, reads a piece's slice of every range at once
+(in CommitLog order), regroups the units queue by queue (`stage.regroup`: one scatter) and puts each queue once
+with `ConsumeQueue.put_packed`, the broker's rules (pre-blank, repeats, out-of-order appends, offset-0
+appends of multi-dispatch units) included. Nothing is held or called per queue and range: 16,000 queues over
+56 ranges cost what 64 do, but for each queue's files. LMQ queues (`%LMQ%name`, queue 0) are queues like any
+other.
+
+The first files of a piece's new queues are made many at a time (`create_sparse_files`); a queue is closed
+unsynced once written, and the task syncs what it wrote at its end: the file system once (syncfs) from
+SYNC_WHOLE_FS_FILES files, each file otherwise. The task's result is the queues it staged as a few lists
+(`StagedQueues`), not an object per queue.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from daemon.backfill.stage import StagedRange, StagedUnits, queue_numbers, regroup
+from daemon.backfill.writers import Attempt, Fault, WriteStats
+from indexcore import _kernels
+from indexcore.consumequeue import CQ_UNIT_DTYPE, CREATE_LABEL, PutStats
+from indexcore.mappedfile import create_sparse_files
+from indexcore.queuestore import ConsumeQueueStore
+
+# Units a task gathers from the ranges at a time (with their queue offsets and ends, ~40 MB), so that its memory
+# does not grow with the CommitLog; a bucket holding more is read a few ranges at a time.
+WRITE_PIECE_UNITS = 1 << 20
+# From this many files written, a task syncs them by syncing their file system once (syncfs), as a rebuild's
+# last flush does (daemon.engine.flusher.SYNCFS_MIN_FILES): each fdatasync of a new file cost ~130 us of CPU
+# and waited ~6 ms for the disk here, 16,000 queues one after the other.
+SYNC_WHOLE_FS_FILES = 256
+CREATE_CHUNK = 1024  # new queues whose first files are made in one call
+
+
+@dataclass(frozen=True, slots=True)
+class QueueWork:
+    ranges: tuple[str, ...]  # the dispatched ranges' staging directories, in CommitLog order
+    buckets: tuple[int, int]  # [first, end) of the queue buckets (stage.queue_bucket) whose queues this task writes
+
+
+class StagedQueue(NamedTuple):
+    topic: str
+    queue_id: int
+    directory: str
+    first_phy: int  # CommitLog offset of the queue's first unit in this backfill
+    files: int
+
+
+@dataclass(slots=True)
+class StagedQueues:
+    """The queues one task staged, as lists (what crosses to the driver is one of these per task, not an
+    object per queue): queue i is (topics[topic[i]], queue_id[i]), staged in root/TOPIC/QUEUE_ID/."""
+
+    root: str
+    topics: list[str] = field(default_factory=list)
+    topic: list[int] = field(default_factory=list)
+    queue_id: list[int] = field(default_factory=list)
+    first_phy: list[int] = field(default_factory=list)
+    files: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.topic)
+
+    def __iter__(self) -> Iterator[StagedQueue]:
+        for t, q, phy, files in zip(self.topic, self.queue_id, self.first_phy, self.files, strict=True):
+            topic = self.topics[t]
+            yield StagedQueue(topic, q, os.path.join(self.root, topic, str(q)), phy, files)
+
+
+class Gathered(NamedTuple):
+    """A piece's units from its ranges, queue after queue, each queue's in CommitLog order: queue i is
+    (task topic topic[i], queue_id[i]) and holds units start[i]:start[i + 1]."""
+
+    topic: np.ndarray
+    queue_id: np.ndarray
+    start: np.ndarray
+    units: np.ndarray  # CQ_UNIT_DTYPE
+    qo: np.ndarray
+    ends: np.ndarray
+    one_streak: np.ndarray  # per queue (`QueueUnits.one_streak`)
+
+
+class _FirstUnit(NamedTuple):
+    """What `ConsumeQueueStore.new_queues` reads of a queue: its name and its first queue offset."""
+
+    topic: str
+    queue_id: int
+    queue_offset: tuple[int]
+
+
+def pieces(tables: list[StagedUnits], buckets: tuple[int, int]) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+    """A span of buckets cut into pieces of at most WRITE_PIECE_UNITS units over all ranges (a bucket holding
+    more is a piece of its own): (first bucket, end bucket, the [first, end) ranges of each read of it)."""
+    b0, b1 = buckets
+    edges = np.arange(b0, b1 + 1)
+    before = np.array([m.start[np.searchsorted(m.bucket, edges)] for m in tables], dtype=np.int64).reshape(
+        len(tables), len(edges))  # units of each range before each edge
+    total = before.sum(axis=0)
+    at = 0
+    while at < len(edges) - 1:
+        end = max(at + 1, int(np.searchsorted(total, total[at] + WRITE_PIECE_UNITS, side="right")) - 1)
+        if total[end] > total[at]:
+            reads, first, units = [], 0, 0
+            for r, n in enumerate((before[:, end] - before[:, at]).tolist()):
+                if units and units + n > WRITE_PIECE_UNITS:
+                    reads.append((first, r))
+                    first, units = r, 0
+                units += n
+            reads.append((first, len(tables)))
+            yield int(edges[at]), int(edges[end]), reads
+        at = end
+
+
+def gather(ranges: list[StagedRange], tables: list[StagedUnits], b0: int, b1: int,
+           topics: dict[str, int]) -> Gathered:
+    """The units of buckets [b0, b1) in `ranges`, regrouped queue by queue; topics are numbered by `topics`
+    (the task's, added to)."""
+    units, qo, q_topic, q_id, counts = [], [], [], [], []
+    for r, m in zip(ranges, tables, strict=True):
+        qa, qb = (int(x) for x in np.searchsorted(m.bucket, (b0, b1)))
+        if qa == qb:
+            continue
+        lo, hi = int(m.start[qa]), int(m.start[qb])
+        units.append(r.units(lo, hi))
+        qo.append(m.queue_offsets(lo, hi))
+        used = np.unique(m.topic[qa:qb])
+        names = [m.topics[t] for t in used.tolist()]
+        for name in names:
+            if name not in topics:
+                topics[name] = len(topics)
+        to_task = np.zeros(len(m.topics), dtype=np.int64)
+        to_task[used] = np.fromiter(map(topics.__getitem__, names), dtype=np.int64, count=len(names))
+        q_topic.append(to_task[m.topic[qa:qb]])
+        q_id.append(m.queue_id[qa:qb])
+        counts.append(np.diff(m.start[qa : qb + 1]))
+    topic, queue_id, queue_of = queue_numbers(np.concatenate(q_topic), np.concatenate(q_id), len(topics))
+    grouped, grouped_qo, start = regroup(np.concatenate(units), np.concatenate(qo), queue_of, np.concatenate(counts),
+                                         len(topic))
+    cq_units = grouped.view(CQ_UNIT_DTYPE)
+    ends = cq_units["commit_log_offset"].astype(np.int64) + cq_units["msg_size"]
+    # breaks[i]: streak breaks among units 1..i-1 (a unit whose offset does not follow, or whose end does not grow)
+    breaks = np.zeros(len(ends) + 1, dtype=np.int64)
+    breaks[2:] = (np.diff(grouped_qo) != 1) | (np.diff(ends) <= 0)
+    np.cumsum(breaks, out=breaks)
+    one_streak = breaks[start[1:]] == breaks[start[:-1] + 1]
+    return Gathered(topic, queue_id, start, cq_units, grouped_qo, ends, one_streak)
+
+
+class QueueWriter:
+    """One task's store: new queues made many at a time, each closed unsynced once written (`finish` syncs
+    them), and the list of what was staged."""
+
+    def __init__(self, stage_dir: str, file_size: int):
+        self.store = ConsumeQueueStore(stage_dir, file_size)
+        self.staged = StagedQueues(self.store.root)
+        self.topics: dict[str, int] = {}  # the task's topic numbers (`gather`)
+        self.stats = PutStats()
+        self.unsynced: list[str] = []
+        self._first_phy: dict[tuple[str, int], tuple[int, int]] = {}  # open queue -> (topic number, first unit)
+
+    def put(self, g: Gathered, close: bool) -> None:
+        """Put each queue's units of `g`; `close`: no later read has units of them, so each is closed once put."""
+        names = list(self.topics)
+        store, start = self.store, g.start.tolist()
+        topic, queue_id, streak = g.topic.tolist(), g.queue_id.tolist(), g.one_streak.tolist()
+        phy = g.units["commit_log_offset"][g.start[:-1]].tolist()
+        for at in range(0, len(topic), CREATE_CHUNK):
+            chunk = range(at, min(at + CREATE_CHUNK, len(topic)))
+            new = store.new_queues(_FirstUnit(names[topic[i]], queue_id[i], (int(g.qo[start[i]]),)) for i in chunk)
+            if new:
+                made = create_sparse_files([(q.directory, q.path, q.header) for q in new], store.file_size,
+                                           label=CREATE_LABEL)
+                store.made_queues((q, fd) for q, fd in zip(new, made, strict=True) if fd is not False)
+            for i in chunk:
+                key = (names[topic[i]], queue_id[i])
+                cq = store.queues.get(key) or store.queue(*key)
+                self._first_phy.setdefault(key, (topic[i], phy[i]))
+                lo, hi = start[i], start[i + 1]
+                cq.put_packed(g.qo[lo:hi], g.units[lo:hi], g.ends[lo:hi], streak[i], stats=self.stats)
+                if close:
+                    self._close(cq)
+
+    def _close(self, cq) -> None:
+        """Close a queue written whole, its last file's sync left to `finish`: the task holds the descriptors
+        and state of the queues of one piece at most, however many (LMQ) queues its buckets have."""
+        if cq.dirty:
+            self.unsynced.append(cq.writing_path)
+            cq.mark_synced()
+        key = (cq.topic, cq.queue_id)
+        topic, phy = self._first_phy.pop(key)
+        s = self.staged
+        s.topic.append(topic)
+        s.queue_id.append(cq.queue_id)
+        s.first_phy.append(phy)
+        s.files.append(cq.file_count)
+        cq.close()
+        del self.store.queues[key]
+
+    def close_all(self) -> None:
+        for cq in list(self.store.queues.values()):
+            self._close(cq)
+
+    def finish(self) -> StagedQueues:
+        """Close every queue and sync what was written: before the driver links it into the output."""
+        self.close_all()
+        self.store.close()
+        self.staged.topics = list(self.topics)
+        if len(self.unsynced) >= SYNC_WHOLE_FS_FILES:
+            _sync_file_system(self.store.root)
+        else:
+            for path in self.unsynced:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+        return self.staged
+
+
+def _sync_file_system(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _kernels.syncfs(fd)
+    finally:
+        os.close(fd)
+
+
+def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: Attempt,
+                 fault: Fault | None = None) -> tuple[WriteStats, StagedQueues]:
+    """Build the queues of `work` in `stage_dir`, piece after piece of its buckets."""
+    stats = WriteStats()
+    started = time.perf_counter()
+    writer = QueueWriter(stage_dir, file_size)
+    ranges = [StagedRange(d) for d in work.ranges]
+    try:
+        tables = [r.unit_table() for r in ranges]
+        for b0, b1, reads in pieces(tables, work.buckets):
+            for r0, r1 in reads:
+                writer.put(gather(ranges[r0:r1], tables[r0:r1], b0, b1, writer.topics), close=len(reads) == 1)
+                for r in ranges[r0:r1]:
+                    r.release()  # the units read leave the task's RSS (the page cache keeps them)
+            writer.close_all()
+        staged = writer.finish()
+    finally:
+        for r in ranges:
+            r.close()
+    stats.queues = len(staged)
+    stats.units = writer.stats.written
+    stats.already_built = writer.stats.already_built
+    stats.gap_blanks = writer.stats.gap_blanks
+    stats.seconds = time.perf_counter() - started
+    if fault is not None:
+        fault.check("consumequeue", "staged", attempt.attempt_number)
+    return stats, staged
