@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from daemon.backfill import ranges as ranges_module
+from daemon.backfill import stage as stage_module
 from daemon.backfill.plan import BackfillFailed, Reread, walk_ranges
 from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
 from daemon.backfill.source import LOCAL, S3Options, SegmentDir, SegmentListing, open_image
@@ -280,8 +281,8 @@ def test_the_search_step_does_not_change_the_ranges(forged, monkeypatch, step):
 
 
 def test_a_decoded_range_keeps_none_of_its_unit_arrays(forged, monkeypatch):
-    """A worker decodes range after range: once a range's batches are gone, so is every unit array its
-    windows grouped. pyarrow holds on to buffer-protocol objects handed to `pa.array`; the rows' unit slices
+    """A worker decodes range after range: once a range's batches are gone, so is every unit array it
+    grouped. pyarrow holds on to buffer-protocol objects handed to `pa.array`; the rows' unit slices
     went that way, and a worker grew by a window's units with every range (175 MiB after 16 ranges)."""
     import gc
     import weakref
@@ -294,7 +295,7 @@ def test_a_decoded_range_keeps_none_of_its_unit_arrays(forged, monkeypatch):
         grouped.append(weakref.ref(flat.units))
         return flat
 
-    monkeypatch.setattr(ranges_module, "consume_queue_units_flat", watched)
+    monkeypatch.setattr(stage_module, "consume_queue_units_flat", watched)
     listing = SegmentListing([SegmentDir(LOCAL, str(commitlog))], SEGMENT)
     units = 0
     for task in plan_ranges(listing.segments, SEGMENT, 0, None, 30_000)[:20]:

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from indexcore.consumequeue import CQ_UNIT_DTYPE, CQ_UNIT_SIZE
-from indexcore.queuestore import FlatUnits
+from indexcore.dispatch import DispatchBatch
+from indexcore.queuestore import consume_queue_units_flat
 
 KEY_DTYPE = np.dtype([("hash", "<i4"), ("phy", "<i8"), ("ts", "<i8"), ("creator", "<i8")])
 UNITS_DATA, UNITS_META, KEYS_DATA, CATALOG_DATA, CATALOG_META = (
@@ -124,23 +125,39 @@ def regroup(units: np.ndarray, qo: np.ndarray, group_queue: np.ndarray, group_un
     return grouped, grouped_qo, start
 
 
-def _group_windows(windows: list[tuple[np.ndarray, ...]], topics: list[str]) -> tuple[np.ndarray, StagedUnits]:
-    """A range's units queue after queue, buckets ascending, from each window's flat groups (units, queue
-    offsets, and each group's topic, queue id and units): each queue's in put order, its windows' in window
-    order."""
-    units, qo, g_topic, g_qid, g_count = (np.concatenate([w[i] for w in windows]) for i in range(5))
-    q_topic, q_qid, queue_of = queue_numbers(g_topic, g_qid, len(topics))  # the range's queues
+class RangeColumns:
+    """The columns `consume_queue_units_flat` reads, of every window of a range, the windows' topics numbered
+    as the range's (`RangeStage.add_units`): the range's units are grouped in one pass, not window by window."""
+
+    def __init__(self, windows: list[tuple[np.ndarray, ...]], topics: list[str]):
+        cols = [np.concatenate([w[i] for w in windows]) for i in range(11)]
+        (self.mask, self.topic_id, self.queue_id, self.queue_offset, self.phy_offset, self.msg_size, self.tags_code,
+         self.multi_owner, self.multi_topic_id, self.multi_queue_id, self.multi_queue_offset) = cols
+        self.topics = topics
+
+    def consume_queue_mask(self) -> np.ndarray:
+        return self.mask
+
+
+def _group_range(windows: list[tuple[np.ndarray, ...]], topics: list[str]) -> tuple[np.ndarray, StagedUnits]:
+    """A range's units queue after queue, buckets ascending, each queue's in put order: the range's columns
+    grouped by `consume_queue_units_flat` (the rule rebuild follows) in one pass, its groups then put in
+    bucket order (one gather)."""
+    flat = consume_queue_units_flat(RangeColumns(windows, topics))
+    counts = np.diff(flat.bounds)
     hashes = np.fromiter(map(topic_hash, topics), dtype=np.int64, count=len(topics))
-    bucket = queue_buckets(hashes[q_topic], q_qid)
-    order = np.lexsort((q_qid, q_topic, bucket))  # the queues in bucket order
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(order))
-    grouped, grouped_qo, start = regroup(units, qo, rank[queue_of], g_count, len(order))
+    bucket = queue_buckets(hashes[flat.topic_index], flat.queue_id)
+    order = np.argsort(bucket, kind="stable")  # the groups, by topic and queue id, in bucket order
+    start = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(counts[order], out=start[1:])
+    take = np.repeat(flat.bounds[:-1][order] - start[:-1], counts[order]) + np.arange(len(flat.units))
+    grouped, grouped_qo = flat.units.view(UNIT_BYTES)[take], flat.queue_offset[take]
     cut = np.ones(len(grouped_qo), dtype=bool)  # where a run of consecutive queue offsets starts
     cut[1:] = np.diff(grouped_qo) != 1
     cut[start[:-1]] = True
     run_start = np.flatnonzero(cut)
-    meta = StagedUnits(topics, bucket[order], q_topic[order], q_qid[order], start, run_start, grouped_qo[run_start])
+    meta = StagedUnits(topics, bucket[order], flat.topic_index[order], flat.queue_id[order], start, run_start,
+                       grouped_qo[run_start])
     return grouped, meta
 
 
@@ -162,30 +179,33 @@ class RangeStage:
 
             self.catalog = StagedMessages(os.path.join(directory, CATALOG_DATA))
         self.topics: dict[str, int] = {}  # the range's topics, numbered as first met
-        self.windows: list[tuple[np.ndarray, ...]] = []  # each window's flat units (`add_units`)
+        self.windows: list[tuple[np.ndarray, ...]] = []  # each window's columns for the units (`add_units`)
+        self.records = 0  # in the windows so far
         self.unit_meta: StagedUnits | None = None
         self.catalog_runs: dict[tuple[str, int], list[tuple[int, int, int, int, tuple]]] = {}
         self.unit_bytes = self.key_count = self.catalog_bytes = 0
 
-    def add_units(self, flat: FlatUnits) -> None:
-        """A window's units (`consume_queue_units_flat`), held as its arrays until the range ends (a range's
-        units are a few MB): then they are grouped once and written as one piece (`close`)."""
-        if not len(flat):
+    def add_units(self, batch: DispatchBatch) -> None:
+        """A window's columns for its ConsumeQueue units, held until the range ends (a few MB a range): then the
+        range's units are grouped at once (`_group_range`) and written as one piece (`close`)."""
+        if not len(batch):
             return
         topics = self.topics
-        for name in flat.topics:
+        for name in batch.topics:
             if name not in topics:
                 topics[name] = len(topics)
-        to_range = np.fromiter(map(topics.__getitem__, flat.topics), dtype=np.int64, count=len(flat.topics))
-        self.windows.append((flat.units.view(UNIT_BYTES), flat.queue_offset, to_range[flat.topic_index],
-                             flat.queue_id.astype(np.int64, copy=False), np.diff(flat.bounds)))
+        to_range = np.fromiter(map(topics.__getitem__, batch.topics), dtype=np.int32, count=len(batch.topics))
+        self.windows.append((batch.consume_queue_mask(), to_range[batch.topic_id], batch.queue_id, batch.queue_offset,
+                             batch.phy_offset, batch.msg_size, batch.tags_code, batch.multi_owner + self.records,
+                             to_range[batch.multi_topic_id], batch.multi_queue_id, batch.multi_queue_offset))
+        self.records += len(batch)
 
     def _write_units(self) -> None:
         if not self.windows:
             empty = np.zeros(0, dtype=np.int64)
             self.unit_meta = StagedUnits([], empty, empty, empty, np.zeros(1, dtype=np.int64), empty, empty)
             return
-        grouped, self.unit_meta = _group_windows(self.windows, list(self.topics))
+        grouped, self.unit_meta = _group_range(self.windows, list(self.topics))
         self.windows = []
         self.units.write(memoryview(grouped.view(np.uint8)))
         self.unit_bytes = grouped.nbytes
