@@ -3,16 +3,18 @@
 A task is given a span of queue buckets (`QueueWork`, balanced by units over the tasks). Every range staged its
 units queue after queue in bucket order (`stage.py`), so a span is one slice of each range's units.data. The
 task cuts its span into pieces of at most WRITE_PIECE_UNITS units, reads a piece's slice of every range at once
-(in CommitLog order), regroups the units queue by queue (`stage.regroup`: one scatter) and puts each queue once
-with `ConsumeQueue.put_packed`, the broker's rules (pre-blank, repeats, out-of-order appends, offset-0
-appends of multi-dispatch units) included. Nothing is held or called per queue and range: 16,000 queues over
-56 ranges cost what 64 do, but for each queue's files. LMQ queues (`%LMQ%name`, queue 0) are queues like any
-other.
+(in CommitLog order) and regroups the units queue by queue (`stage.regroup`: one scatter). A queue whose units
+all came in one piece is written straight where `place_units` puts them (the broker's rules: pre-blank,
+repeats, out-of-order appends, offset-0 appends of multi-dispatch units), each file created, sized and written
+in a few calls; a queue too large for a piece goes through a `ConsumeQueue` kept open over its reads. Nothing
+is held or called per queue and range: 16,000 queues over 56 ranges cost what 64 do, but for each queue's
+files. LMQ queues (`%LMQ%name`, queue 0) are queues like any other.
 
-The first files of a piece's new queues are made many at a time (`create_sparse_files`); a queue is closed
-unsynced once written, and the task syncs what it wrote at its end: the file system once (syncfs) from
-SYNC_WHOLE_FS_FILES files, each file otherwise. The task's result is the queues it staged as a few lists
-(`StagedQueues`), not an object per queue.
+Queues are staged as STAGE/consumequeue/N/ (N: the queue's number in the task, so no directory per topic is
+made by every task) and the driver renames each into place (`commit.commit_queue_dir`). Nothing is synced
+until the task's end, then the files written: their file system once (syncfs) from SYNC_WHOLE_FS_FILES files,
+each file otherwise. The task's result is the queues it staged as a few lists (`StagedQueues`), not an object
+per queue.
 """
 
 from __future__ import annotations
@@ -28,9 +30,18 @@ import numpy as np
 from daemon.backfill.stage import StagedRange, StagedUnits, queue_numbers, regroup
 from daemon.backfill.writers import Attempt, Fault, WriteStats
 from indexcore import _kernels
-from indexcore.consumequeue import CQ_UNIT_DTYPE, CREATE_LABEL, PutStats
-from indexcore.mappedfile import create_sparse_files
-from indexcore.queuestore import ConsumeQueueStore
+from indexcore.consumequeue import (
+    BLANK_UNIT,
+    CONSUME_QUEUE_DIR,
+    CQ_UNIT_DTYPE,
+    CQ_UNIT_SIZE,
+    PutStats,
+    QueueCursor,
+    place_units,
+)
+from indexcore.mappedfile import OpenFiles, offset_to_file_name, pwrite_all
+from indexcore.queuefiles import ConsumeQueue
+from indexcore.queuestore import open_queue_files_limit
 
 # Units a task gathers from the ranges at a time (with their queue offsets and ends, ~40 MB), so that its memory
 # does not grow with the CommitLog; a bucket holding more is read a few ranges at a time.
@@ -39,7 +50,6 @@ WRITE_PIECE_UNITS = 1 << 20
 # last flush does (daemon.engine.flusher.SYNCFS_MIN_FILES): each fdatasync of a new file cost ~130 us of CPU
 # and waited ~6 ms for the disk here, 16,000 queues one after the other.
 SYNC_WHOLE_FS_FILES = 256
-CREATE_CHUNK = 1024  # new queues whose first files are made in one call
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +69,7 @@ class StagedQueue(NamedTuple):
 @dataclass(slots=True)
 class StagedQueues:
     """The queues one task staged, as lists (what crosses to the driver is one of these per task, not an
-    object per queue): queue i is (topics[topic[i]], queue_id[i]), staged in root/TOPIC/QUEUE_ID/."""
+    object per queue): queue i is (topics[topic[i]], queue_id[i]), staged in root/i/."""
 
     root: str
     topics: list[str] = field(default_factory=list)
@@ -72,9 +82,9 @@ class StagedQueues:
         return len(self.topic)
 
     def __iter__(self) -> Iterator[StagedQueue]:
-        for t, q, phy, files in zip(self.topic, self.queue_id, self.first_phy, self.files, strict=True):
-            topic = self.topics[t]
-            yield StagedQueue(topic, q, os.path.join(self.root, topic, str(q)), phy, files)
+        for n, (t, q, phy, files) in enumerate(zip(self.topic, self.queue_id, self.first_phy, self.files,
+                                                   strict=True)):
+            yield StagedQueue(self.topics[t], q, os.path.join(self.root, str(n)), phy, files)
 
 
 class Gathered(NamedTuple):
@@ -88,14 +98,6 @@ class Gathered(NamedTuple):
     qo: np.ndarray
     ends: np.ndarray
     one_streak: np.ndarray  # per queue (`QueueUnits.one_streak`)
-
-
-class _FirstUnit(NamedTuple):
-    """What `ConsumeQueueStore.new_queues` reads of a queue: its name and its first queue offset."""
-
-    topic: str
-    queue_id: int
-    queue_offset: tuple[int]
 
 
 def pieces(tables: list[StagedUnits], buckets: tuple[int, int]) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
@@ -157,66 +159,96 @@ def gather(ranges: list[StagedRange], tables: list[StagedUnits], b0: int, b1: in
 
 
 class QueueWriter:
-    """One task's store: new queues made many at a time, each closed unsynced once written (`finish` syncs
-    them), and the list of what was staged."""
+    """One task's queues, staged as STAGE/consumequeue/N/ (N the queue's number in the task: no directory per
+    topic, which each task would make again): a queue read whole in one piece is written straight from
+    `place_units`' placements, each file in one call; one read in several pieces goes through a ConsumeQueue
+    kept open between them. Nothing is synced before `finish`."""
 
     def __init__(self, stage_dir: str, file_size: int):
-        self.store = ConsumeQueueStore(stage_dir, file_size)
-        self.staged = StagedQueues(self.store.root)
+        self.root = os.path.join(stage_dir, CONSUME_QUEUE_DIR)
+        os.makedirs(self.root, exist_ok=True)
+        self.file_size = file_size
+        self.staged = StagedQueues(self.root)
         self.topics: dict[str, int] = {}  # the task's topic numbers (`gather`)
         self.stats = PutStats()
         self.unsynced: list[str] = []
-        self._first_phy: dict[tuple[str, int], tuple[int, int]] = {}  # open queue -> (topic number, first unit)
+        self._open: dict[tuple[int, int], tuple[ConsumeQueue, int]] = {}  # read in pieces: (queue, first unit)
+        self._open_files: OpenFiles | None = None
 
     def put(self, g: Gathered, close: bool) -> None:
-        """Put each queue's units of `g`; `close`: no later read has units of them, so each is closed once put."""
-        names = list(self.topics)
-        store, start = self.store, g.start.tolist()
+        """Put each queue's units of `g`; `close`: no later read has units of them, so each is written whole."""
+        start = g.start.tolist()
         topic, queue_id, streak = g.topic.tolist(), g.queue_id.tolist(), g.one_streak.tolist()
         phy = g.units["commit_log_offset"][g.start[:-1]].tolist()
-        for at in range(0, len(topic), CREATE_CHUNK):
-            chunk = range(at, min(at + CREATE_CHUNK, len(topic)))
-            new = store.new_queues(_FirstUnit(names[topic[i]], queue_id[i], (int(g.qo[start[i]]),)) for i in chunk)
-            if new:
-                made = create_sparse_files([(q.directory, q.path, q.header) for q in new], store.file_size,
-                                           label=CREATE_LABEL)
-                store.made_queues((q, fd) for q, fd in zip(new, made, strict=True) if fd is not False)
-            for i in chunk:
-                key = (names[topic[i]], queue_id[i])
-                cq = store.queues.get(key) or store.queue(*key)
-                self._first_phy.setdefault(key, (topic[i], phy[i]))
-                lo, hi = start[i], start[i + 1]
-                cq.put_packed(g.qo[lo:hi], g.units[lo:hi], g.ends[lo:hi], streak[i], stats=self.stats)
-                if close:
-                    self._close(cq)
+        names = list(self.topics)
+        for i, (t, q) in enumerate(zip(topic, queue_id, strict=True)):
+            lo, hi = start[i], start[i + 1]
+            if close and (t, q) not in self._open:
+                files = self._write_whole(self._directory(), g.qo[lo:hi], g.units[lo:hi], g.ends[lo:hi], streak[i])
+                self._staged(t, q, phy[i], files)
+                continue
+            if (t, q) not in self._open:
+                if self._open_files is None:
+                    self._open_files = OpenFiles(open_queue_files_limit())
+                cq = ConsumeQueue(self._directory(), names[t], q, self.file_size, open_files=self._open_files,
+                                  new=True)
+                self._open[(t, q)] = (cq, phy[i])
+                self._staged(t, q, phy[i], 0)  # its files counted when it is closed (`close_all`)
+            cq = self._open[(t, q)][0]
+            cq.put_packed(g.qo[lo:hi], g.units[lo:hi], g.ends[lo:hi], streak[i], stats=self.stats)
 
-    def _close(self, cq) -> None:
-        """Close a queue written whole, its last file's sync left to `finish`: the task holds the descriptors
-        and state of the queues of one piece at most, however many (LMQ) queues its buckets have."""
-        if cq.dirty:
-            self.unsynced.append(cq.writing_path)
-            cq.mark_synced()
-        key = (cq.topic, cq.queue_id)
-        topic, phy = self._first_phy.pop(key)
+    def _directory(self) -> str:
+        return os.path.join(self.root, str(len(self.staged)))
+
+    def _staged(self, topic: int, queue_id: int, first_phy: int, files: int) -> None:
         s = self.staged
         s.topic.append(topic)
-        s.queue_id.append(cq.queue_id)
-        s.first_phy.append(phy)
-        s.files.append(cq.file_count)
-        cq.close()
-        del self.store.queues[key]
+        s.queue_id.append(queue_id)
+        s.first_phy.append(first_phy)
+        s.files.append(files)
+
+    def _write_whole(self, directory: str, qo: np.ndarray, units: np.ndarray, ends: np.ndarray, streak: bool) -> int:
+        """Write a new queue's units in its directory, where `place_units` (the broker's put rules, from an empty
+        queue) places them: each file created, sized and written in one call; the files made."""
+        os.mkdir(directory)
+        files: list[tuple[str, list[tuple[int, object]]]] = []  # each file's pieces: (position, bytes)
+        for p in place_units(QueueCursor(), qo, ends, self.file_size, self.stats, streak):
+            if p.created:
+                files.append((os.path.join(directory, offset_to_file_name(p.file_start)), []))
+            pieces = files[-1][1]
+            at = p.logical - p.file_start
+            if p.blanks:
+                pieces.append((at - p.blanks * CQ_UNIT_SIZE, BLANK_UNIT * p.blanks))
+            if p.last > p.first:
+                pieces.append((at, units[p.first : p.last]))
+        for path, pieces in files:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.ftruncate(fd, self.file_size)
+                _write_pieces(fd, pieces, path)
+            finally:
+                os.close(fd)
+            self.unsynced.append(path)
+        return len(files)
 
     def close_all(self) -> None:
-        for cq in list(self.store.queues.values()):
-            self._close(cq)
+        """Close the queues read in pieces, their last files' syncs left to `finish`."""
+        for cq, _ in self._open.values():
+            if cq.dirty:
+                self.unsynced.append(cq.writing_path)
+                cq.mark_synced()
+            cq.close()
+            self.staged.files[int(os.path.basename(cq.directory))] = cq.file_count
+        self._open.clear()
 
     def finish(self) -> StagedQueues:
-        """Close every queue and sync what was written: before the driver links it into the output."""
+        """Sync what was written: before the driver links it into the output."""
         self.close_all()
-        self.store.close()
+        if self._open_files is not None:
+            self._open_files.close()
         self.staged.topics = list(self.topics)
         if len(self.unsynced) >= SYNC_WHOLE_FS_FILES:
-            _sync_file_system(self.store.root)
+            _sync_file_system(self.root)
         else:
             for path in self.unsynced:
                 fd = os.open(path, os.O_RDONLY)
@@ -225,6 +257,22 @@ class QueueWriter:
                 finally:
                     os.close(fd)
         return self.staged
+
+
+def _write_pieces(fd: int, pieces: list[tuple[int, object]], path: str) -> None:
+    """Write each run of adjacent pieces with one pwritev (the pre-blank header and the units, say)."""
+    i = 0
+    while i < len(pieces):
+        position, run = pieces[i][0], [memoryview(pieces[i][1]).cast("B")]
+        end = position + run[0].nbytes
+        i += 1
+        while i < len(pieces) and pieces[i][0] == end:
+            run.append(memoryview(pieces[i][1]).cast("B"))
+            end += run[-1].nbytes
+            i += 1
+        written = os.pwritev(fd, run, position)
+        if written < end - position:  # cut short (no room): the rest as one write, which raises naming the file
+            pwrite_all(fd, b"".join(run)[written:], position + written, path)
 
 
 def _sync_file_system(path: str) -> None:
