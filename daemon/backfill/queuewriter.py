@@ -43,9 +43,9 @@ from indexcore.mappedfile import OpenFiles, offset_to_file_name, pwrite_all
 from indexcore.queuefiles import ConsumeQueue
 from indexcore.queuestore import open_queue_files_limit
 
-# Units a task gathers from the ranges at a time (with their queue offsets and ends, ~40 MB), so that its memory
-# does not grow with the CommitLog; a bucket holding more is read a few ranges at a time.
-WRITE_PIECE_UNITS = 1 << 20
+# Units a task gathers from the ranges at a time (~110 bytes of arrays each while they are regrouped: ~30 MB), so
+# that its memory does not grow with the CommitLog; a bucket holding more is read a few ranges at a time.
+WRITE_PIECE_UNITS = 1 << 18
 # From this many files written, a task syncs them by syncing their file system once (syncfs), as a rebuild's
 # last flush does (daemon.engine.flusher.SYNCFS_MIN_FILES): each fdatasync of a new file cost ~130 us of CPU
 # and waited ~6 ms for the disk here, 16,000 queues one after the other.

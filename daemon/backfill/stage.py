@@ -19,8 +19,9 @@ Each decode attempt of a range writes into a directory of its own under the job'
 The task returns only its `RangeOutcome` (a few hundred bytes, with the units per queue bucket and the rows
 per catalog group the driver balances the writers with: buckets, not queues, so that a CommitLog with
 hundreds of thousands of LMQ queues does not fill the driver's memory with their names). A range's units
-are grouped once, when it ends, from its windows' flat arrays (`consume_queue_units_flat`): nothing is held
-or written per queue and window, and a writer given a span of buckets reads one slice of each range.
+are grouped once, when it ends, from the columns of all its windows (`consume_queue_units_flat`: one
+counting sort in C): nothing is held or written per queue and window, and a writer given a span of buckets
+reads one slice of each range.
 """
 
 from __future__ import annotations
@@ -81,10 +82,9 @@ class StagedUnits:
         """The queue offset of each unit lo:hi (queue boundaries among them)."""
         a = int(np.searchsorted(self.run_start, lo, side="right")) - 1
         b = int(np.searchsorted(self.run_start, hi, side="left"))
-        starts = self.run_start[a:b].copy()
-        starts[0] = lo
-        lengths = np.diff(np.append(starts, hi))
-        return np.repeat(self.run_qo[a:b] + (starts - self.run_start[a:b]) - starts, lengths) + np.arange(lo, hi)
+        edges = np.append(self.run_start[a:b], hi)
+        edges[0] = lo
+        return np.repeat(self.run_qo[a:b] - self.run_start[a:b], np.diff(edges)) + np.arange(lo, hi)
 
 
 DENSE_QUEUE_KEYS = 1 << 22  # topics x span of queue ids numbered by a table rather than a sort
