@@ -123,26 +123,25 @@ def pieces(tables: list[StagedUnits], buckets: tuple[int, int]) -> Iterator[tupl
         at = end
 
 
-def gather(ranges: list[StagedRange], tables: list[StagedUnits], b0: int, b1: int,
-           topics: dict[str, int]) -> Gathered:
+def gather(ranges: list[StagedRange], tables: list[StagedUnits], b0: int, b1: int, topics: dict[str, int],
+           to_task: list[np.ndarray]) -> Gathered:
     """The units of buckets [b0, b1) in `ranges`, regrouped queue by queue; topics are numbered by `topics`
-    (the task's, added to)."""
+    (the task's, added to), each range's topic numbers mapped to them by its `to_task` (-1: not mapped yet)."""
     units, qo, q_topic, q_id, counts = [], [], [], [], []
-    for r, m in zip(ranges, tables, strict=True):
+    for r, m, mapped in zip(ranges, tables, to_task, strict=True):
         qa, qb = (int(x) for x in np.searchsorted(m.bucket, (b0, b1)))
         if qa == qb:
             continue
         lo, hi = int(m.start[qa]), int(m.start[qb])
         units.append(r.units(lo, hi))
         qo.append(m.queue_offsets(lo, hi))
-        used = np.unique(m.topic[qa:qb])
-        names = [m.topics[t] for t in used.tolist()]
-        for name in names:
-            if name not in topics:
-                topics[name] = len(topics)
-        to_task = np.zeros(len(m.topics), dtype=np.int64)
-        to_task[used] = np.fromiter(map(topics.__getitem__, names), dtype=np.int64, count=len(names))
-        q_topic.append(to_task[m.topic[qa:qb]])
+        piece_topics = mapped[m.topic[qa:qb]]
+        if (piece_topics < 0).any():  # topics of this range met for the first time
+            new = np.unique(m.topic[qa:qb][piece_topics < 0]).tolist()
+            for t in new:
+                mapped[t] = topics.setdefault(m.topics[t], len(topics))
+            piece_topics = mapped[m.topic[qa:qb]]
+        q_topic.append(piece_topics)
         q_id.append(m.queue_id[qa:qb])
         counts.append(np.diff(m.start[qa : qb + 1]))
     topic, queue_id, queue_of = queue_numbers(np.concatenate(q_topic), np.concatenate(q_id), len(topics))
@@ -292,9 +291,11 @@ def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: At
     ranges = [StagedRange(d) for d in work.ranges]
     try:
         tables = [r.unit_table() for r in ranges]
+        to_task = [np.full(len(m.topics), -1, dtype=np.int64) for m in tables]
         for b0, b1, reads in pieces(tables, work.buckets):
             for r0, r1 in reads:
-                writer.put(gather(ranges[r0:r1], tables[r0:r1], b0, b1, writer.topics), close=len(reads) == 1)
+                writer.put(gather(ranges[r0:r1], tables[r0:r1], b0, b1, writer.topics, to_task[r0:r1]),
+                           close=len(reads) == 1)
                 for r in ranges[r0:r1]:
                     r.release()  # the units read leave the task's RSS (the page cache keeps them)
             writer.close_all()
