@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from daemon.cli import EXIT_USAGE, build_parser
+from daemon.cli.backfill import IMAGE_ENV, RUNTIME_IMAGE, backfill_import_error
 from daemon.config import load_config
 from daemon.ops import healthcheck as image_healthcheck
 from daemon.ops.metrics import DOWN, HEALTH_PATH
@@ -440,7 +441,7 @@ def test_docker_volumes_and_environment(stages):
     env = env_of(stages, "runtime")
     reputd_env = {k: v for k, v in env.items() if k.startswith("REPUTD_")}
     assert reputd_env == {"REPUTD_STORE_STORE_PATH_ROOT_DIR": "/store", "REPUTD_OUTPUT_DIR": "/out",
-                          "REPUTD_METRICS_HOST": "0.0.0.0"}
+                          "REPUTD_METRICS_HOST": "0.0.0.0", IMAGE_ENV: RUNTIME_IMAGE}
     assert env["PATH"].startswith("/opt/reputd/bin:")
     # Those variables, over the config copied into the image, give the paths the volumes provide.
     config = load_config(CONFIG, env=reputd_env)
@@ -448,8 +449,11 @@ def test_docker_volumes_and_environment(stages):
     assert config.store.commit_log_dirs == ("/store/commitlog",)
     assert config.output.dir == "/out"
     assert (config.metrics.host, config.metrics.port) == ("0.0.0.0", 9108)
-    # The volume directories belong to the runtime user, so a fresh named volume is writable by it.
-    assert "chown reputd:reputd /store /out" in " ".join(instructions(stages, "runtime", "RUN"))
+    # The volume directories belong to the runtime user, so a fresh named volume is writable by it; so does its
+    # cache directory (the user has no home): a backfill's class archive and the queries' memo go there.
+    assert "chown reputd:reputd /store /out /cache" in " ".join(instructions(stages, "runtime", "RUN"))
+    assert env["XDG_CACHE_HOME"] == "/cache" == env_of(stages, "backfill")["XDG_CACHE_HOME"]
+    assert env_of(stages, "backfill")[IMAGE_ENV] == "backfill"
 
 
 def test_docker_java_only_in_the_backfill_stage(stages):
@@ -468,11 +472,15 @@ def test_docker_installs_the_project_without_test_extras(stages):
     assert re.findall(r"pip install ([^&;]*?)\s*(?:&&|$)", build_runs) == ["--no-cache-dir ."]
     assert "[" not in build_runs, "no extras: the image gets the runtime dependencies only"
     assert not re.search(r"pip install[^&]* (-e|--editable) ", build_runs)
-    # What the build stage installed is what the runtime image runs.
+    # What the build stage installed is what the runtime image runs, less pip and setuptools, which it does not
+    # use (about 20 MB): the runtime image copies the virtualenv of a stage built FROM build that removes them.
     venv_copies = [(flags, src, dest) for s, flags, src, dest in copies(stages) if s in chain(stages, "runtime")
-                   and flags.get("from") == "build"]
-    assert venv_copies == [({"from": "build"}, ["/opt/reputd"], "/opt/reputd")]
+                   and "from" in flags]
+    assert venv_copies == [({"from": "build-runtime"}, ["/opt/reputd"], "/opt/reputd")]
+    assert stage(stages, "build-runtime").base == "build"
     assert not [a for a in instructions(stages, "runtime", "RUN") if "pip install" in a]
+    for venv in ("build-runtime", "build-backfill"):
+        assert "-m pip uninstall --yes --quiet pip setuptools" in " ".join(stage(stages, venv).all("RUN")), venv
 
 
 def test_docker_backfill_stage_adds_the_backfill_extra(stages):
@@ -480,10 +488,36 @@ def test_docker_backfill_stage_adds_the_backfill_extra(stages):
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert not any("pyspark" in d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
                    ["dependencies"]), "the daemon image must not carry PySpark"
-    runs = " ".join(stage(stages, "backfill").all("RUN"))
+    runs = " ".join(stage(stages, "build-backfill").all("RUN"))
     specs = [spec for line in re.findall(r'pip install --no-cache-dir ((?:"[^"]+" ?)+)', runs)
              for spec in re.findall(r'"([^"]+)"', line)]
     assert specs == extras["backfill"]
+    assert stage(stages, "build-backfill").base == "build"
+    venv_copies = [(flags, src, dest) for s, flags, src, dest in copies(stages) if s in chain(stages, "backfill")
+                   and "from" in flags]
+    assert venv_copies == [({"from": "build-backfill"}, ["/opt/reputd"], "/opt/reputd")]
+
+
+def test_backfill_in_the_daemon_image_points_at_the_backfill_image(stages, monkeypatch):
+    """`reputd backfill` without PySpark says how to get it: in the daemon image (no PySpark, Java or pip),
+    the backfill image; elsewhere, the command that installs the extra's requirements into the environment
+    running it (`pip install 'reputd[backfill]'` found reputd only with a checkout's own pip)."""
+    missing = ImportError("No module named 'pyspark'", name="pyspark")
+    monkeypatch.setenv(IMAGE_ENV, env_of(stages, "runtime")[IMAGE_ENV])
+    said = backfill_import_error(missing)
+    assert "docker build --target backfill" in said
+    assert "pip" not in said
+    monkeypatch.delenv(IMAGE_ENV)
+    said = backfill_import_error(missing)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["backfill"]
+    command = said.split(" install them with ", 1)[1].split(" (and Java", 1)[0]
+    argv = shlex.split(command)
+    assert argv[:4] == [sys.executable, "-m", "pip", "install"]
+    def spec(text: str) -> tuple[str, list[str]]:  # "pyspark[sql]<5,>=3.5" (the metadata's) == ">=3.5,<5"
+        name, versions = re.fullmatch(r"([\w.\-\[\]]+)(.*)", text.replace(" ", "")).groups()
+        return name, sorted(versions.split(","))
+
+    assert sorted(map(spec, argv[4:])) == sorted(map(spec, extras))
 
 
 def test_docker_copy_sources_exist_and_reach_the_context(stages):
