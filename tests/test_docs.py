@@ -39,6 +39,35 @@ def test_the_configuration_page_is_the_one_the_key_table_generates():
         assert f"`{config.env_var_name(key.section, key.name)}`" in page, key.dotted
 
 
+def test_the_key_reference_says_each_comment_once_with_its_example():
+    """Keys that share one comment in config/reputd.yaml (the dLeger* keys, the s3* keys, ...) get their headings
+    together and the comment once; a section's opening comment stands under the section, not inside its first
+    key's text; a key the file shows commented out keeps its example (`output.dir` ended on "Set it to rebuild
+    into a separate directory:" with the example dropped)."""
+    page = (DOCS / "configuration.md").read_text().split("<!-- Generated below", 1)[1]
+    paragraphs = [p.strip() for p in re.sub(r"^```.*?^```", "", page, flags=re.MULTILINE | re.DOTALL).split("\n\n")
+                  if p.strip() and not p.lstrip().startswith(("#", "|"))]
+    assert [p for p in set(paragraphs) if paragraphs.count(p) > 1] == []
+    section, shown = "", []
+    for line in (ROOT / "config" / "reputd.yaml").read_text().splitlines():
+        if m := re.match(r"(\w+):", line):
+            section = m[1]
+        elif (m := re.match(r"  # (\w+): \S", line)) and (section, m[1]) in config._KEYS:
+            shown.append((section, line[4:]))
+    assert ("output", "dir: ../var/rebuilt") in shown
+    for section, line in shown:
+        assert f"```yaml\n{section}:\n  {line}\n```" in page, line
+    for section in {k.section for k in config._KEY_LIST}:
+        after = page.split(f"## `{section}:`\n\n", 1)[1]
+        first_key = next(k for k in config._KEY_LIST if k.section == section)
+        assert after.startswith(f"### `{first_key.dotted}`") or not after.startswith("#"), section
+    groups = {"store.dLegerSelfId": "store.enableDLegerCommitLog", "backfill.s3SecretAccessKey": "backfill.s3Endpoint"}
+    for key, leader in groups.items():
+        headings = re.search(rf"### `{re.escape(leader)}`\n\n(?:### `[\w.]+`\n\n)*", page)
+        assert headings, leader
+        assert f"### `{key}`" in headings[0], key
+
+
 def test_a_stale_configuration_page_is_reported(tmp_path, monkeypatch):
     """--check exits 1 and names the command when the page and the key table disagree."""
     sys.path.insert(0, str(ROOT / "tools"))
