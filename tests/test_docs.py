@@ -112,17 +112,27 @@ def test_the_readme_links_every_docs_page():
 
 
 def test_the_version_is_written_once_and_read_everywhere():
-    """pyproject.toml holds the version; `reputd --version` and daemon.__version__ read it; the changelog's newest
-    release names it; no module writes a version of its own."""
+    """pyproject.toml holds the version; `reputd --version` and daemon.__version__ read it; no module writes a
+    version of its own. It says which release an operator has: the changelog's newest release, or, while
+    [Unreleased] lists changes, a development version of the next release (`0.2.0.dev0`, which pip orders
+    after 0.1.0 and before 0.2.0): 0.1.0 was printed by builds that held DLedger mode and `handoff`."""
     import daemon
 
     assert daemon.__version__ == VERSION
     done = subprocess.run([str(Path(sys.executable).parent / "reputd"), "--version"], capture_output=True, text=True,
                           timeout=60, check=False)
     assert (done.returncode, done.stdout) == (0, f"reputd {VERSION}\n")
-    releases = re.findall(r"^## \[(\d[^\]]*)\]", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[(\d[^\]]*)\]", changelog, re.MULTILINE)
     assert releases, "CHANGELOG.md names no release"
-    assert releases[0] == VERSION
+    unreleased = changelog.split("## [Unreleased]", 1)[1].split(f"## [{releases[0]}]", 1)[0]
+    if re.search(r"^- ", unreleased, re.MULTILINE):
+        m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)\.dev\d+", VERSION)
+        assert m, f"[Unreleased] lists changes: the version must be the next release's .devN, not {VERSION}"
+        newest = tuple(int(x) for x in releases[0].split("."))
+        assert tuple(int(x) for x in m.groups()) > newest, (VERSION, releases[0])
+    else:
+        assert releases[0] == VERSION
     for path in [*ROOT.glob("daemon/**/*.py"), *ROOT.glob("indexcore/**/*.py")]:
         # a version of its own, not a keyword that ends in one (`data_page_version="2.0"`)
         assert not re.search(r"""__version__\s*=|\bversion\s*=\s*["']\d""", path.read_text()), path
