@@ -528,6 +528,25 @@ def test_blanked_units_are_counted_as_the_files_hold_them(tmp_path):
     assert reported == sum(in_files.values())
 
 
+def test_an_output_and_checkpoint_of_0_1_0_carry_over(store):
+    """docs/upgrading.md: a newer reputd goes on from a 0.1.0 output and checkpoint. 0.1.0 wrote the same
+    checkpoint format (version 1) with no state for the ConsumeQueue dispatcher (`null`; the queue count came
+    later): the start cuts back to it (`decision: checkpoint`) and the files end as a clean rebuild's."""
+    from daemon.engine.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+
+    store.append(500)
+    assert store.run("--until-caught-up").returncode == 0
+    now = read_checkpoint(str(store.out))
+    assert now.dispatchers["consumequeue"] == {"queues": 12}
+    write_checkpoint(str(store.out), Checkpoint(now.reput_from_offset, {**now.dispatchers, "consumequeue": None},
+                                                now.written_at_ms))
+    store.append(300)
+    res = store.run("--until-caught-up")
+    assert res.returncode == 0, res.stderr
+    assert [e["decision"] for e in events(res.stdout) if e["event"] == "recovered"] == ["checkpoint"]
+    assert_same_as_rebuild(store)
+
+
 def test_enabling_the_index_later_builds_it_from_the_start(store):
     """A dispatcher the checkpoint does not cover gets every record; the others skip what they hold."""
     cfg = yaml.safe_load(store.config.read_text())

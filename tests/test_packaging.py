@@ -33,7 +33,7 @@ from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "reputd.service"
-SYSTEMD_README = ROOT / "systemd" / "README.md"
+SYSTEMD_README = ROOT / "docs" / "systemd.md"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 CONFIG = ROOT / "config" / "reputd.yaml"
@@ -253,7 +253,7 @@ def test_unit_execstart_runs_the_daemon_from_the_readme_venv(unit):
     assert argv == ["/opt/reputd/bin/reputd", "run", "--config", CONFIG_IN_IMAGE]
     readme = SYSTEMD_README.read_text()
     venv = os.path.dirname(os.path.dirname(argv[0]))
-    assert f"-m venv {venv}\n" in readme, "systemd/README.md must install the venv the unit runs"
+    assert f"-m venv {venv}\n" in readme, "docs/systemd.md must install the venv the unit runs"
     assert f"{venv}/bin/pip install --no-cache-dir ." in readme
     assert f"install -m 0640 -o root -g reputd config/reputd.yaml {argv[3]}" in readme
     args = build_parser().parse_args(argv[1:])
@@ -303,7 +303,7 @@ def test_unit_sandbox(unit):
 def test_unit_gives_way_to_the_broker(unit):
     """A sidecar's manners (issue 28 §6): below-default CPU and I/O weight and priority, picked first by the
     OOM killer, throttled above a memory mark rather than killed at one, no IPC left behind, and network on
-    loopback only, where the metrics endpoint binds by default; each setting sized in systemd/README.md."""
+    loopback only, where the metrics endpoint binds by default; each setting sized in docs/systemd.md."""
     assert 1 < int(one(unit, "Service", "CPUWeight")) < 100
     assert 1 < int(one(unit, "Service", "IOWeight")) < 100
     assert int(one(unit, "Service", "Nice")) > 0

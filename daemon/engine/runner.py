@@ -111,7 +111,7 @@ class SessionRunner(ServiceState):
                 self._set_health(DOWN, reason)
                 if mismatch:
                     # no waiting fixes a setting: exit 1 lets systemd's Restart= and start limit end the
-                    # retries (systemd/README.md)
+                    # retries (docs/systemd.md)
                     self._log.error("commitlog_size_mismatch", path=e.path, error=mismatch, exit_code=EXIT_FAILURE)
                     self.notifier.status(f"failed: {mismatch}")
                     return EXIT_FAILURE
