@@ -127,7 +127,8 @@ class _LagCollector:
                      "Dispatched CommitLog bytes whose output is not yet flushed (RocketMQ 5.x name).",
                      max(0, lag.reput_offset - lag.flushed_offset))
         yield _gauge("reputd_dispatch_behind_seconds",
-                     "Age by store timestamp of the oldest message not yet dispatched; 0 when caught up.",
+                     "Age by store timestamp of the oldest message the CommitLog still holds that is not yet "
+                     "dispatched (at most what the broker keeps); 0 when caught up.",
                      lag.behind_seconds if behind else 0.0)
         yield _gauge("reputd_reput_offset_bytes", "CommitLog offset the reput loop reads next (reputFromOffset).",
                      lag.reput_offset)
