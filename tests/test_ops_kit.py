@@ -264,6 +264,10 @@ def test_the_selector_and_runbook_base_are_settings(tmp_path):
             assert ("env", "=", "eu") in s.matchers, rule["expr"]
             assert SHIPPED_SELECTOR not in s.matchers, rule["expr"]
         assert rule["annotations"]["runbook_url"] == f"https://wiki.example/README.md#{rule['alert'].lower()}"
+    header = done.stdout.split("\ngroups:", 1)[0]  # it named the shipped selector whatever was rendered
+    assert 'job="reputd"' not in header.replace('job="reputd-prod"', "")
+    assert 'job="reputd-prod", env="eu"' in header
+    assert header.startswith("# Rendered by render_rules.py --selector 'job=\"reputd-prod\", env=\"eu\"'")
     bad = render_rules("--selector", "job=reputd")
     assert bad.returncode == 2
     assert bad.stdout == ""
