@@ -98,6 +98,15 @@ def test_the_readme_is_a_short_document_whose_links_resolve():
             assert anchor in anchors(file.read_text()), target
 
 
+def test_every_source_path_the_docs_name_exists():
+    """A module the pages name by path is there (docs/recovery.md named daemon/dledgerfollow.py and
+    daemon/dledgerfence.py after they moved to daemon/engine/)."""
+    source = r"`((?:daemon|indexcore|tools|bench|tests)/[\w/-]+\.py|(?:config|systemd)/[\w./-]+)`"
+    named = {m for page in [README, *DOCS.glob("*.md")] for m in re.findall(source, page.read_text())}
+    assert len(named) > 20
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
+
+
 def test_every_docs_page_is_in_the_mkdocs_nav():
     nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
     listed = {page for entry in nav for page in entry.values()}
