@@ -456,6 +456,17 @@ def test_docker_volumes_and_environment(stages):
     assert env_of(stages, "backfill")[IMAGE_ENV] == "backfill"
 
 
+def test_the_backfill_image_holds_its_drivers_class_archive(stages):
+    """`jvmClassArchive: auto` in the image: recorded at build time by a local backfill run as the image's user
+    (the one that runs containers, so the archive is its own and in its XDG_CACHE_HOME), and checked there."""
+    steps = stage(stages, "backfill").instructions
+    (at,) = [i for i, (k, a) in enumerate(steps) if k == "RUN" and "reputd backfill" in a]
+    recording = steps[at][1]
+    assert [a for k, a in steps[:at] if k == "USER"] == [f"{RUNTIME_UID}:{RUNTIME_UID}"]
+    assert "--master 'local[1]'" in recording
+    assert recording.rstrip().endswith(f"ls {env_of(stages, 'backfill')['XDG_CACHE_HOME']}/reputd/spark-driver-*.jsa")
+
+
 def test_docker_java_only_in_the_backfill_stage(stages):
     java = re.compile(r"openjdk|\bjre\b|\bjdk\b|\bjava\b", re.IGNORECASE)
     for s in chain(stages, "runtime"):
