@@ -15,6 +15,7 @@ from daemon.cli.common import (
     UsageError,
     _check_inputs,
     _check_record_boundaries,
+    _check_store_root_sizes,
     _command_with_out,
     _continue_command,
     _freeze_start_up,
@@ -48,6 +49,7 @@ def cmd_rebuild(args, config: Config) -> int:
     _check_inputs(args, config)
     if args.from_offset is not None:  # inside a record is a usage error found before anything is written
         _check_record_boundaries(config, {"--from": args.from_offset})
+    _check_store_root_sizes(config)
     _lock_output(args, config)
     raise_open_files_limit()
     bar = ProgressBar() if sys.stderr.isatty() else None

@@ -38,6 +38,7 @@ from daemon.commands.frontier import Frontier, _read_broker_checkpoint, _same_di
 from daemon.config import Config
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint
 from daemon.engine.dledgermode import open_commit_log, reput_offset
+from daemon.engine.filesizes import check_file_sizes, check_store_root_sizes, written_kinds
 from daemon.engine.readahead import ReadAhead
 from daemon.engine.reading import make_reader
 from daemon.engine.rebuild import REBUILD_BATCH_BYTES, widen_thin_batches, written_end_of
@@ -46,11 +47,11 @@ from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_K
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.dispatch import index_keys_of
 from indexcore.dledgerlog import DLedgerLog
-from indexcore.errors import SizeMismatchError, StoreError
+from indexcore.errors import StoreError
 from indexcore.indexcheck import IndexCheck
 from indexcore.indexfile import index_file_size
 from indexcore.indexservice import INDEX_DIR
-from indexcore.mappedfile import FILE_NAME_DIGITS, offset_to_file_name
+from indexcore.mappedfile import offset_to_file_name
 from indexcore.queuecheck import ConsumeQueueCheck
 from indexcore.reader import CommitLog, ReadStatus
 from indexcore.verify import (
@@ -137,49 +138,6 @@ class VerifyReport:
         }
 
 
-def _check_file_sizes(out: str, store, *, queues: bool, index: bool) -> None:
-    """SizeMismatchError when every ConsumeQueue file, or every IndexFile, has one size other than the
-    configured one: the setting is not the broker's. A file of another size among right ones is damage,
-    a finding. Stops at the first file of the right size, so a right config costs one stat."""
-    def uniform(paths, expected: int) -> tuple[str, int] | None:
-        seen = None
-        for path in paths:
-            size = os.path.getsize(path)
-            if size == expected or (seen is not None and size != seen[1]):
-                return None
-            seen = seen or (path, size)
-        return seen
-
-    def queue_files():
-        root = os.path.join(out, CONSUME_QUEUE_DIR)
-        for topic in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-            tdir = os.path.join(root, topic)
-            for qid in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
-                qdir = os.path.join(tdir, qid)
-                for name in sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []:
-                    if len(name) == FILE_NAME_DIGITS and name.isdigit():
-                        yield os.path.join(qdir, name)
-
-    def index_files():
-        root = os.path.join(out, INDEX_DIR)
-        for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-            path = os.path.join(root, name)
-            if name.isdigit() and os.path.isfile(path) and os.path.getsize(path):  # 0 bytes: being created
-                yield path
-
-    try:
-        if queues and (u := uniform(queue_files(), store.mapped_file_size_consume_queue)):
-            raise SizeMismatchError(u[0], f"every ConsumeQueue file here is {u[1]} bytes, mappedFileSizeConsumeQueue "
-                                          f"is {store.mapped_file_size_consume_queue}")
-        expected = index_file_size(store.max_hash_slot_num, store.max_index_num)
-        if index and (u := uniform(index_files(), expected)):
-            raise SizeMismatchError(u[0], f"every IndexFile here is {u[1]} bytes; maxHashSlotNum "
-                                          f"{store.max_hash_slot_num} and maxIndexNum {store.max_index_num} give "
-                                          f"{expected}")
-    except FileNotFoundError:  # a broker deleting files meanwhile: the pass will say what it finds
-        return
-
-
 def _newest_record_left_out(out: str, mode: str, checkpoint, frontier: Frontier | None) -> str | None:
     """Why the index comparison leaves out the last record before the frontier (a writer may be between
     its units and its keys), or None when the output is finished and it is judged like every other."""
@@ -218,8 +176,9 @@ def verify(config: Config, *, from_offset: int | None = None,
     if not os.path.isdir(out):
         raise VerifyUsageError(f"{out}: no such output directory (output.dir)")
     names = {d.name for d in config.dispatchers}
-    _check_file_sizes(out, store, queues="consumequeue" in names,
-                      index="index" in names and store.message_index_enable)
+    queues, index = written_kinds(config)
+    check_file_sizes(out, store, queues=queues, index=index)
+    check_store_root_sizes(config)
     started = time.perf_counter()
     notes: list[str] = []
     broker_store = _same_dir(out, store.store_path_root_dir)
