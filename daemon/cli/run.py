@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
+from daemon.cli import startsignals
 from daemon.cli.common import (
     UsageError,
     _check_inputs,
+    _check_store_root_sizes,
     _lock_output,
     _store_command,
     _warn_abort,
@@ -42,19 +45,27 @@ def cmd_run(args, config: Config) -> int:
         config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, enabled=False))
     if args.until_caught_up:  # the daemon waits for a CommitLog that is not there yet (a mount, a new broker)
         _check_inputs(args, config, data=False)  # a missing commitlog/ it logs (recovery_failed) and exits 1
+    _check_store_root_sizes(config)
     _lock_output(args, config)
     _warn_abort(args, config)
     raise_open_files_limit()
 
     def summary(s: dict) -> None:
-        if not args.until_caught_up:
-            return
-        seconds = max(s["seconds"], 1e-9)
-        state = "caught up" if s["caughtUp"] else "stopped before the end"
-        print(f"{state}: dispatched {s['messages']:,} messages, {s['bytes']:,} bytes [{s['startOffset']}, "
-              f"{s['endOffset']}) in {s['seconds']:.2f} s ({s['messages'] / seconds:,.0f} msgs/s); checkpoint "
-              f"at {s['checkpointOffset']}; output {config.output.dir}", file=sys.stderr)
-        if s.get("error"):
-            print(f"reputd: error: {s['error']}", file=sys.stderr)
+        startsignals.command_finished()  # the service has stopped: a signal now changes nothing
+        if args.until_caught_up:
+            seconds = max(s["seconds"], 1e-9)
+            state = "caught up" if s["caughtUp"] else "stopped before the end"
+            print(f"{state}: dispatched {s['messages']:,} messages, {s['bytes']:,} bytes [{s['startOffset']}, "
+                  f"{s['endOffset']}) in {s['seconds']:.2f} s ({s['messages'] / seconds:,.0f} msgs/s); checkpoint "
+                  f"at {s['checkpointOffset']}; output {config.output.dir}", file=sys.stderr)
+            if s.get("error"):
+                print(f"reputd: error: {s['error']}", file=sys.stderr)
+        if s.get("brokerLockTakenBy") is not None:  # in every mode (exit 2: daemon/engine/brokerlock.py)
+            out = config.output.dir
+            who = f"PID {s['brokerLockTakenBy']}" if s["brokerLockTakenBy"] else "another process"
+            print(f"reputd: error: output directory {out} became the store root of a running broker ({who} took "
+                  f"{os.path.join(out, 'lock')}), which writes consumequeue/ and index/ there itself: reputd stopped "
+                  f"writing, checkpoint at CommitLog offset {s['checkpointOffset']}; write elsewhere with --out DIR, "
+                  "or run reputd there only while the broker is stopped", file=sys.stderr)
 
     return run_daemon(config, until_caught_up=args.until_caught_up, on_exit=summary)

@@ -27,6 +27,7 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
+from daemon.engine.brokerlock import EXIT_BROKER_RUNNING
 from daemon.engine.cleaner import Cleaner
 from daemon.engine.dledgermode import commit_log_path, dledger_settings_hint
 from daemon.engine.flusher import Flusher
@@ -62,6 +63,7 @@ class Outcome(enum.Enum):
     CORRUPT = "corrupt"  # --until-caught-up met corruption under onCorruption: stop
     FAILED = "failed"  # a dispatcher or the loop failed; nothing past the last checkpoint is trusted
     UNAVAILABLE = "unavailable"  # --until-caught-up lost the CommitLog directory
+    BROKER_RUNNING = "broker-running"  # a broker took its lock in the output directory: stop writing (exit 2)
 
 
 class SessionRunner(ServiceState):
@@ -97,7 +99,7 @@ class SessionRunner(ServiceState):
 
     def _run_sessions(self) -> int:
         backoff = RETRY_MIN_S
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.broker_lock.taken(now=True):  # recovery writes the output
             try:
                 self.session = open_session(self.config, self.metrics)
             except (StoreError, OSError) as e:
@@ -141,7 +143,7 @@ class SessionRunner(ServiceState):
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
             return code
-        return EXIT_OK
+        return EXIT_BROKER_RUNNING if self.broker_lock.holder is not None else EXIT_OK
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -177,6 +179,8 @@ class SessionRunner(ServiceState):
         if outcome is not Outcome.FAILED:
             self.notify_stopping()
         code = EXIT_OK if outcome in (Outcome.STOPPED, Outcome.CAUGHT_UP) else EXIT_FAILURE
+        if self.broker_lock.holder is not None:  # whatever ended the session, the output is the broker's now
+            code = EXIT_BROKER_RUNNING
         if not s.poisoned:
             try:
                 Flusher(s, self._flush_failed).flush_once(thorough=True, whole_fs=True)

@@ -13,6 +13,7 @@ import time
 
 from daemon.config import Config
 from daemon.engine import dledgerfollow
+from daemon.engine.brokerlock import BrokerLockGuard
 from daemon.engine.dledgermode import commit_log_path
 from daemon.engine.head import (
     oldest_undispatched_timestamp,
@@ -105,6 +106,8 @@ class ServiceState:
         self.started_at = time.monotonic()
         self.caught_up_at: float | None = None
         self.exit_error: str | None = None  # why `run --until-caught-up` stopped before the end, for its summary
+        self.broker_lock = BrokerLockGuard(config.output.dir, self.metrics, self._log, self._set_health, self.notifier,
+                                           self.request_stop, lambda: getattr(self.session, "dispatched_offset", None))
 
 
     @property
@@ -193,7 +196,9 @@ class ServiceState:
         return {"reputFromOffset": offset, "checkpointOffset": s.checkpoint_offset, "commitLogMaxOffset": end}
 
     def _tick(self) -> None:
-        """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds."""
+        """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds; look at the
+        broker's lock now and again (daemon/engine/brokerlock.py)."""
+        self.broker_lock.taken()
         now = time.monotonic()
         interval = self.notifier.watchdog_interval
         if interval and now - self._last_watchdog >= interval:
@@ -273,7 +278,8 @@ class ServiceState:
         return {"startOffset": first, "endOffset": end, "messages": self.dispatched_messages,
                 "bytes": end - first, "seconds": round(time.monotonic() - self.started_at, 3),
                 "checkpointOffset": self.session.checkpoint_offset if self.session is not None else None,
-                "caughtUp": self.caught_up_at is not None, "error": self.exit_error}
+                "caughtUp": self.caught_up_at is not None, "error": self.exit_error,
+                "brokerLockTakenBy": self.broker_lock.holder}  # a broker's PID (0: not said) when one took it
 
     def _retrying(self) -> bool:
         return self.health.state == DEGRADED and RESTARTING in self.health.reason
