@@ -109,6 +109,49 @@ def test_run_stops_writing_when_a_broker_takes_the_lock_of_the_root_it_writes(tm
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_a_rebuild_into_the_root_stops_when_a_broker_takes_the_lock(tmp_path):
+    """`rebuild` into a store root (a slow plug-in keeps it in the middle of the CommitLog) while a broker
+    takes `lock`: it stops after the batch in hand with what it wrote flushed and checkpointed, its summary
+    line says `interrupted:`, one line says why and where, exit 2."""
+    results = make_store(tmp_path, n=2000)
+    root = tmp_path / "store"
+    started = tmp_path / "started"
+    config = _root_config(tmp_path)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["logging"] = {"level": "warning"}
+    cfg["dispatchers"] = ["consumequeue", "index", {"name": "tests.plugins.slow:SlowDispatchDispatcher",
+                                                    "options": {"dispatch_seconds": 0.1, "started": str(started)}}]
+    config.write_text(yaml.safe_dump(cfg))
+    (root / "lock").write_bytes(b"lock")
+    proc = subprocess.Popen([*REPUTD, "rebuild", "--config", str(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=clean_env())
+    broker = None
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (started.exists() and len(started.read_text().split()) >= 2):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        broker = hold_broker_lock(root / "lock")
+        out, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if broker is not None:
+            broker.stdin.close()
+            broker.wait(10)
+    assert proc.returncode == EXIT_BROKER_RUNNING, err
+    stopped = read_checkpoint(str(root)).reput_from_offset
+    assert 0 < stopped < results[-1].phy_offset
+    assert out.startswith("interrupted: rebuilt ")
+    assert f"[0, {stopped})" in out
+    assert err.splitlines()[-1] == (
+        f"reputd: error: output directory {root} became the store root of a running broker (PID {broker.pid} took "
+        f"{root / 'lock'}), which writes consumequeue/ and index/ there itself: the rebuild stopped at CommitLog "
+        f"offset {stopped} (a record boundary; everything before it is written and flushed) and the broker's reput "
+        "dispatches the rest; rebuild elsewhere with --out DIR")
+
+
 def test_the_guard_reports_once_counts_and_stops(tmp_path):
     """BrokerLockGuard: nothing while the lock is free (or absent); once a process holds it, health down with
     the reason, the counter at 1, the stop asked for once, and `taken` stays true (also with the lock freed
