@@ -169,8 +169,8 @@ def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool
 def _check_store_root_sizes(config: Config) -> None:
     """With the output elsewhere, the store root's own ConsumeQueue files and IndexFiles held to the configured
     sizes before anything is written (SizeMismatchError, exit 2: the files written would not be the broker's;
-    daemon/engine/filesizes.py)."""
-    from daemon.engine.filesizes import check_store_root_sizes
+    daemon/engine/sizes.py)."""
+    from daemon.engine.sizes import check_store_root_sizes
 
     check_store_root_sizes(config)
 

@@ -94,7 +94,7 @@ def cmd_handoff(args, config: Config) -> int:
 
     from daemon.commands.brokerfiles import BrokerRunning, broker_lock_held, hold_broker_lock
     from daemon.commands.handoff import HandoffInterrupted, HandoffRefused, handoff
-    from daemon.engine.filesizes import check_store_root_sizes
+    from daemon.engine.sizes import check_store_root_sizes
     from daemon.ops.logs import configure_logging
     from daemon.ops.outlock import LOCK_FILE
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -58,14 +57,7 @@ def cmd_run(args, config: Config) -> int:
             print(f"{state}: dispatched {s['messages']:,} messages, {s['bytes']:,} bytes [{s['startOffset']}, "
                   f"{s['endOffset']}) in {s['seconds']:.2f} s ({s['messages'] / seconds:,.0f} msgs/s); checkpoint "
                   f"at {s['checkpointOffset']}; output {config.output.dir}", file=sys.stderr)
-            if s.get("error"):
-                print(f"reputd: error: {s['error']}", file=sys.stderr)
-        if s.get("brokerLockTakenBy") is not None:  # in every mode (exit 2: daemon/engine/brokerlock.py)
-            out = config.output.dir
-            who = f"PID {s['brokerLockTakenBy']}" if s["brokerLockTakenBy"] else "another process"
-            print(f"reputd: error: output directory {out} became the store root of a running broker ({who} took "
-                  f"{os.path.join(out, 'lock')}), which writes consumequeue/ and index/ there itself: reputd stopped "
-                  f"writing, checkpoint at CommitLog offset {s['checkpointOffset']}; write elsewhere with --out DIR, "
-                  "or run reputd there only while the broker is stopped", file=sys.stderr)
+        if s.get("error"):  # in every mode: a broker that took the lock (daemon/engine/brokerlock.py) ends any run
+            print(f"reputd: error: {s['error']}", file=sys.stderr)
 
     return run_daemon(config, until_caught_up=args.until_caught_up, on_exit=summary)

@@ -46,9 +46,9 @@ from daemon.commands.verify_text import format_text
 from daemon.config import Config
 from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint
-from daemon.engine.filesizes import check_store_root_sizes
 from daemon.engine.reading import make_reader, open_commit_log
 from daemon.engine.rebuild import RebuildFailed, rebuild, written_end_of
+from daemon.engine.sizes import check_store_root_sizes
 from daemon.ops.logs import get_logger
 from indexcore.checkpoint import CHECKPOINT_FILE
 from indexcore.consumequeue import CONSUME_QUEUE_DIR

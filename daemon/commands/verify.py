@@ -38,10 +38,10 @@ from daemon.commands.frontier import Frontier, _read_broker_checkpoint, _same_di
 from daemon.config import Config
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint
 from daemon.engine.dledgermode import open_commit_log, reput_offset
-from daemon.engine.filesizes import check_file_sizes, check_store_root_sizes, written_kinds
 from daemon.engine.readahead import ReadAhead
 from daemon.engine.reading import make_reader
 from daemon.engine.rebuild import REBUILD_BATCH_BYTES, widen_thin_batches, written_end_of
+from daemon.engine.sizes import check_output_sizes, check_store_root_sizes
 from daemon.ops.outlock import lock_held, writer_holding
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
@@ -176,8 +176,8 @@ def verify(config: Config, *, from_offset: int | None = None,
     if not os.path.isdir(out):
         raise VerifyUsageError(f"{out}: no such output directory (output.dir)")
     names = {d.name for d in config.dispatchers}
-    queues, index = written_kinds(config)
-    check_file_sizes(out, store, queues=queues, index=index)
+    check_output_sizes(out, store, queues="consumequeue" in names,
+                       index="index" in names and store.message_index_enable)
     check_store_root_sizes(config)
     started = time.perf_counter()
     notes: list[str] = []

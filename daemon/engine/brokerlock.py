@@ -56,5 +56,14 @@ class BrokerLockGuard:
             self._stop("broker_lock_taken")
         return True
 
+    def error(self, directory: str, checkpoint_offset: int | None) -> str:
+        """The one line `run` exits with once a broker took the lock (after its last checkpoint)."""
+        who = f"PID {self.holder}" if self.holder else "another process"
+        where = (f"checkpoint at CommitLog offset {checkpoint_offset}" if checkpoint_offset is not None and
+                 checkpoint_offset >= 0 else "before its recovery wrote anything")
+        return (f"output directory {directory} became the store root of a running broker ({who} took "
+                f"{self.watch.path}), which writes consumequeue/ and index/ there itself: reputd stopped writing, "
+                f"{where}; write elsewhere with --out DIR, or run reputd there only while the broker is stopped")
+
 
 __all__ = ["BROKER_LOCK_CHECK_S", "BROKER_RUNNING", "EXIT_BROKER_RUNNING", "BrokerLockGuard"]

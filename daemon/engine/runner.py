@@ -143,7 +143,10 @@ class SessionRunner(ServiceState):
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
             return code
-        return EXIT_BROKER_RUNNING if self.broker_lock.holder is not None else EXIT_OK
+        if self.broker_lock.holder is not None:  # taken before a session opened (its recovery writes)
+            self.exit_error = self.exit_error or self.broker_lock.error(self.config.output.dir, None)
+            return EXIT_BROKER_RUNNING
+        return EXIT_OK
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -200,6 +203,8 @@ class SessionRunner(ServiceState):
         s.reader.close()
         self._log.info("session_closed", outcome=outcome.value, reput_from_offset=s.dispatched_offset,
                        checkpoint_offset=s.checkpoint_offset)
+        if self.broker_lock.holder is not None:
+            self.exit_error = self.broker_lock.error(self.config.output.dir, s.checkpoint_offset)
         return code
 
     def _watch(self, dirs):

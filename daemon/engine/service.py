@@ -105,7 +105,7 @@ class ServiceState:
         self.dispatched_messages = 0
         self.started_at = time.monotonic()
         self.caught_up_at: float | None = None
-        self.exit_error: str | None = None  # why `run --until-caught-up` stopped before the end, for its summary
+        self.exit_error: str | None = None  # why `run` stopped before the end (a broker's lock), for stderr
         self.broker_lock = BrokerLockGuard(config.output.dir, self.metrics, self._log, self._set_health, self.notifier,
                                            self.request_stop, lambda: getattr(self.session, "dispatched_offset", None))
 
@@ -278,8 +278,7 @@ class ServiceState:
         return {"startOffset": first, "endOffset": end, "messages": self.dispatched_messages,
                 "bytes": end - first, "seconds": round(time.monotonic() - self.started_at, 3),
                 "checkpointOffset": self.session.checkpoint_offset if self.session is not None else None,
-                "caughtUp": self.caught_up_at is not None, "error": self.exit_error,
-                "brokerLockTakenBy": self.broker_lock.holder}  # a broker's PID (0: not said) when one took it
+                "caughtUp": self.caught_up_at is not None, "error": self.exit_error}
 
     def _retrying(self) -> bool:
         return self.health.state == DEGRADED and RESTARTING in self.health.reason
