@@ -84,8 +84,9 @@ def test_a_signal_while_any_command_starts_is_one_line(store, tmp_path, command,
 @pytest.mark.parametrize("command", ["run", "rebuild"])
 def test_signals_at_several_early_instants_never_kill_or_trace(store, tmp_path, command):
     """SIGTERM or SIGINT at 0, 20, 50, 100, 200 and 400 ms past reputd's first line, whatever the command is
-    doing then (importing, recovering, reading): the command's exit code for a stop (run 0, rebuild 130),
-    at most the lines of its documented stop, never a traceback, never a death by the signal."""
+    doing then (importing, recovering, reading): the command's exit code for a stop (run 0, rebuild 130, or
+    0 for a rebuild already done), at most the lines of its documented stop, never a traceback, never a death
+    by the signal."""
     _base, config = store
     seen = []
     for i, after in enumerate((0.0, 0.02, 0.05, 0.1, 0.2, 0.4)):
@@ -95,11 +96,15 @@ def test_signals_at_several_early_instants_never_kill_or_trace(store, tmp_path, 
         _out, err = _signal_after_first_line(proc, sig, after)
         seen.append((after, proc.returncode, err))
         assert "Traceback" not in err, (after, err)
-        assert proc.returncode == (0 if command == "run" else 130), (after, err)
         lines = err.splitlines()
         if command == "run":  # before its service runs: the start-up line; after: a normal stop, silent
+            assert proc.returncode == 0, (after, err)
             assert lines == [] or (len(lines) == 1 and RUN_STOPPED.fullmatch(lines[0])), (after, err)
+        elif proc.returncode == 0:  # a rebuild done before the signal (a fast host): it says nothing of one
+            assert after > 0.1, (after, err)
+            assert lines == [], (after, err)
         else:  # before it reads: the start-up line; after: where it stopped and how to continue
+            assert proc.returncode == 130, (after, err)
             assert lines == ["reputd: interrupted"] or lines[-1].startswith(
                 f"reputd: interrupted by {signal.Signals(sig).name}: stopped at CommitLog offset"), (after, err)
     assert len(seen) == 6
