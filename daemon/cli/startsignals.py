@@ -48,19 +48,22 @@ def own_command() -> str | None:
 
 def _interrupted_while_starting(signum, _frame) -> None:
     """A signal before the command handed the signals over: remove what taking the output lock created, one
-    line, and the command's exit code for a stop by a signal."""
-    import contextlib
-
+    line, and the command's exit code for a stop by a signal. It imports nothing: it may run in the middle of
+    an import (`contextlib` here met `types` half imported: an ImportError and a traceback)."""
     if _starting.get("command") == "run":  # `run`'s documented stop: exit 0, as once it runs
         line, code = f"reputd: stopped by {_NAMES.get(signum, signum)} while starting: nothing was read or written", 0
     else:
         line, code = INTERRUPTED_LINE, 130
-    with contextlib.suppress(OSError):  # stderr a pipe whose reader is gone: the exit code still says it
+    try:  # noqa: SIM105 - contextlib is an import
         os.write(2, line.encode() + b"\n")
+    except OSError:  # stderr a pipe whose reader is gone: the exit code still says it
+        pass
     lock = getattr(_starting.get("args"), "output_lock", None)
     if lock is not None:
-        with contextlib.suppress(Exception):  # ending anyway; forget() leaves everything as it is on doubt
+        try:  # noqa: SIM105 - contextlib is an import
             lock.forget()
+        except Exception:  # ending anyway; forget() leaves everything as it is on doubt
+            pass
     os._exit(code)
 
 
