@@ -173,7 +173,7 @@ def cmd_handoff(args, config: Config) -> int:
     try:
         handoff(config, dry_run=args.dry_run, broker_files=args.broker_files,
                 handoff_command=_handoff_command(args, config), say=say, progress=progress if terminal else None,
-                stop=stop, reputd_lock_before=lock is None or lock.before is None or LOCK_FILE in lock.before)
+                stop=stop, reputd_lock_before=lock is None or LOCK_FILE in (lock.before or ()))
     except HandoffRefused as e:
         print(f"reputd: error: handoff refused: {e}", file=sys.stderr)
         return EXIT_FAILURE
