@@ -30,12 +30,12 @@ from daemon.cli.common import (  # noqa: E402
     OWN_PACKAGES,
     QUERY_KINDS,
     TIME_OPTIONS,
+    SettingsMismatch,
     UsageError,
     _config,
     _config_in_use,
     _HelpFormatter,
     _quiet_stdout,
-    _size_setting,
     quiet,
 )
 
@@ -160,8 +160,12 @@ def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
         print(f"reputd: config error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except SizeMismatchError as e:
-        print(f"reputd: config error: {e}: set {_size_setting(e.path)} to the broker's values "
-              f"({_config_in_use(args)})", file=sys.stderr)
+        from daemon.engine.sizes import size_advice
+
+        print(f"reputd: config error: {size_advice(e)} ({_config_in_use(args)})", file=sys.stderr)
+        return EXIT_USAGE
+    except SettingsMismatch as e:
+        print(f"reputd: config error: {e} ({_config_in_use(args)})", file=sys.stderr)
         return EXIT_USAGE
     except UsageError as e:
         print(f"reputd: error: {e}", file=sys.stderr)
