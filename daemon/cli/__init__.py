@@ -36,6 +36,7 @@ from daemon.cli.common import (  # noqa: E402
     _config_in_use,
     _HelpFormatter,
     _quiet_stdout,
+    created_note,
     quiet,
 )
 
@@ -127,8 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         startsignals.starting(args)  # this process's own command line: a signal forgets the lock it takes
     code = _main(argv, args)
     lock = getattr(args, "output_lock", None)
-    if code != EXIT_OK and lock is not None:
-        lock.forget()
+    if code != EXIT_OK and lock is not None and lock.forget():
+        args.output_created = None  # removed again: nothing came of it
+    if code in (EXIT_OK, EXIT_INTERRUPTED):
+        created_note(args)  # the output directory it created and kept: a mistyped --out shows
     return code
 
 

@@ -245,12 +245,11 @@ def command_line(args, config: Config, *words: str, out: str | None = None) -> s
     return runnable(*words, *chosen)
 
 
-def _lock_output(args, config: Config, *, say_created: bool = True) -> None:
+def _lock_output(args, config: Config) -> None:
     """Take the output directory's writer lock for the rest of the process (daemon/ops/outlock.py); a running
     broker's store root is refused before anything is created. `main` removes what taking it created when
-    the command fails having written nothing. A directory it creates is said at once on stderr (a mistyped
-    --out shows before a whole rebuild goes into it), unless `say_created` is False: `created_note` then
-    says it when the caller is ready to."""
+    the command fails having written nothing, and says that it created it when it is kept (`created_note`;
+    `run` says it once its first session has opened the output)."""
     from daemon.ops.outlock import BrokerRunning, OutputLocked, OutputNotWritable, lock_output
 
     create = _check_output(args, config, create=True)
@@ -260,16 +259,18 @@ def _lock_output(args, config: Config, *, say_created: bool = True) -> None:
         raise UsageError(str(e)) from None
     except OutputNotWritable as e:
         raise UsageError(f"{_output_flag(args)}: {e}") from None
-    args.output_created = create
-    if create and say_created:
-        created_note(args, config)
+    args.output_created = os.path.abspath(config.output.dir) if create else None
 
 
-def created_note(args, config: Config) -> None:
-    """`reputd: note: created the output directory ...`, when this command created it."""
-    if getattr(args, "output_created", False):
-        print(f"reputd: note: created the output directory {os.path.abspath(config.output.dir)} (it did not exist)",
-              file=sys.stderr)
+def created_note(args) -> None:
+    """`reputd: note: created the output directory ...`, when this command created it (once)."""
+    import contextlib
+
+    created = getattr(args, "output_created", None)
+    if created:
+        args.output_created = None
+        with contextlib.suppress(OSError):  # stderr's reader gone: the exit code still says it all
+            print(f"reputd: note: created the output directory {created} (it did not exist)", file=sys.stderr)
 
 
 def _check_commit_log(config: Config) -> None:

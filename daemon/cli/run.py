@@ -46,13 +46,13 @@ def cmd_run(args, config: Config) -> int:
         config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, enabled=False))
     if args.until_caught_up:  # the daemon waits for a CommitLog that is not there yet (a mount, a new broker)
         _check_inputs(args, config, data=False)  # a missing commitlog/ it logs (recovery_failed) and exits 1
-    _lock_output(args, config, say_created=False)  # said once the service has opened it (a config error first)
+    _lock_output(args, config)  # a directory it creates is said once the service has opened it
     _warn_abort(args, config)
     raise_open_files_limit()
 
     ended: dict = {}
     code = run_daemon(config, until_caught_up=args.until_caught_up, on_exit=ended.update,
-                      on_started=lambda: created_note(args, config))
+                      on_started=lambda: created_note(args))
     if args.until_caught_up and code != EXIT_USAGE:  # a config error dispatched nothing: its line is all
         s = ended
         seconds = max(s["seconds"], 1e-9)
