@@ -162,7 +162,6 @@ def _n(count: int, one: str, many: str | None = None) -> str:
     return f"{count:,} {one if count == 1 else many or one + 's'}"
 
 
-
 def verify(config: Config, *, from_offset: int | None = None,
            progress: Callable[[int, int, int], None] | None = None,
            rebuild_command: Callable[[str], str] | None = None, complete: bool = False) -> VerifyReport:
@@ -220,7 +219,9 @@ def verify(config: Config, *, from_offset: int | None = None,
                                 (INDEX_DIR, "index" in names and store.message_index_enable)) if on]
     if used and not any(os.path.isdir(os.path.join(out, sub)) for sub in used):
         written = written_end_of(commit_log)
-        if written > start:  # nothing dispatched where a CommitLog has data: not consistent, whoever writes it
+        # nothing dispatched where a CommitLog has data: not consistent, whoever writes it; unless no record is
+        # readable there (bytes that are no CommitLog), which the pass below reports as a rebuild would
+        if written > start and _readable_at(config, commit_log, start):
             findings = Findings()
             findings.add(OUTPUT_MISSING, ".", None, missing=[f"{sub}/" for sub in used], commitLogData=[start, written])
             report.findings = list(findings)
@@ -347,10 +348,31 @@ def verify(config: Config, *, from_offset: int | None = None,
                         f"{index_file_size(store.max_hash_slot_num, store.max_index_num)} that maxHashSlotNum "
                         f"{store.max_hash_slot_num} and maxIndexNum {store.max_index_num} give: the config's sizes "
                         "must be the broker's")
+    if _unreadable_from_start(report):
+        notes.append(f"no record can be read at the CommitLog's first offset {start} (see {COMMIT_LOG_CORRUPT}): a "
+                     "rebuild stops there too, so there is nothing to rebuild until the segment is repaired or "
+                     "restored")
     report.notes = notes
     report.seconds = time.perf_counter() - started
     report.repair = repair_plan(config, report, rebuild_command)
     return report
+
+
+def _readable_at(config: Config, commit_log: CommitLog, offset: int) -> bool:
+    """Whether the CommitLog's reader reads anything at `offset` (a record, a BLANK, the end): False when the
+    first record there is corrupt."""
+    reader = make_reader(config, commit_log, config.reput.batch_bytes)
+    try:
+        result = reader.read(offset)
+    finally:
+        reader.close()
+    return result.status is not ReadStatus.CORRUPT or result.next_offset > offset
+
+
+def _unreadable_from_start(report: VerifyReport) -> bool:
+    """The only finding is a corrupt record where the pass started: nothing before it to rebuild."""
+    return bool(report.findings) and all(f.kind == COMMIT_LOG_CORRUPT and f.details.get("offset") == report.from_offset
+                                         for f in report.findings)
 
 
 def _corrupt(findings: Findings, commit_log: CommitLog, offset: int, error: Exception | None) -> None:
@@ -366,7 +388,7 @@ def repair_plan(config: Config, report: VerifyReport,
     """What to run and what to copy where to make the files what the CommitLog implies. The command is
     `rebuild_command(dir)` (the CLI's: with the options that chose the config and store), by default the
     config file's rebuild; every path in it is quoted for a shell."""
-    if report.consistent:
+    if report.consistent or _unreadable_from_start(report):
         return None
     if rebuild_command is None:
         def rebuild_command(into: str) -> str:

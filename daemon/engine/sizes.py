@@ -83,4 +83,28 @@ def check_store_root_sizes(config: Config) -> None:
                                                          "output's files are to replace) ", 1)) from None
 
 
-__all__ = ["check_output_sizes", "check_store_root_sizes"]
+def size_setting(path: str) -> str:
+    """The store setting that fixes the size of the file at `path`."""
+    parts = os.path.normpath(path).split(os.sep)
+    if INDEX_DIR in parts[-2:-1]:
+        return "store.maxHashSlotNum and store.maxIndexNum"
+    if CONSUME_QUEUE_DIR in parts[:-1]:
+        return "store.mappedFileSizeConsumeQueue"
+    return "store.mappedFileSizeCommitLog"
+
+
+def size_advice(error: SizeMismatchError) -> str:
+    """The one line every command gives for a size that is not the broker's: the file, the sizes, the keys."""
+    keys = size_setting(error.path)
+    return f"{error}: set {keys} to the broker's {'values' if ' and ' in keys else 'value'}"
+
+
+def settings_or_damage(error: SizeMismatchError, out: str, store: StoreConfig) -> None:
+    """For a file of the output refused for its size: raise the SizeMismatchError that names the setting when
+    every file of its kind has that size; return when it is one damaged file among right ones."""
+    parts = os.path.relpath(os.path.abspath(error.path), os.path.abspath(out)).split(os.sep)
+    if parts[0] in (CONSUME_QUEUE_DIR, INDEX_DIR):
+        check_output_sizes(out, store, queues=parts[0] == CONSUME_QUEUE_DIR, index=parts[0] == INDEX_DIR)
+
+
+__all__ = ["check_output_sizes", "check_store_root_sizes", "settings_or_damage", "size_advice", "size_setting"]
