@@ -92,6 +92,7 @@ def test_signals_at_several_early_instants_never_kill_or_trace(store, tmp_path, 
     for i, after in enumerate((0.0, 0.02, 0.05, 0.1, 0.2, 0.4)):
         sig = (signal.SIGTERM, signal.SIGINT)[i % 2]
         out_dir = tmp_path / f"out-{i}"
+        out_dir.mkdir()  # an output that exists: no note that the command created it
         proc = _spawn([command, "--config", str(config), "--out", str(out_dir)])
         _out, err = _signal_after_first_line(proc, sig, after)
         seen.append((after, proc.returncode, err))

@@ -129,7 +129,7 @@ def test_handoff_out_refuses_files_of_other_sizes_than_the_roots(root_and_other_
     assert res.stderr.startswith(f"reputd: config error: {tmp / 'store' / 'consumequeue'}"), res.stderr
     assert ("every ConsumeQueue file in the store root (the broker's, which the output's files are to replace) is "
             "400 bytes, mappedFileSizeConsumeQueue is 800: set store.mappedFileSizeConsumeQueue to the broker's "
-            "values") in res.stderr
+            "value") in res.stderr
     assert len(res.stderr.splitlines()) == 1
     assert snapshot(tmp) == before
 
@@ -157,7 +157,7 @@ def test_an_output_beside_a_root_with_files_of_other_sizes_is_refused(root_and_o
     res = run(*command, "--config", str(other), "--out", str(out), env=NO_JAVA if command[0] == "backfill" else None)
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.startswith(f"reputd: config error: {tmp / 'store' / 'consumequeue'}"), res.stderr
-    assert "set store.mappedFileSizeConsumeQueue to the broker's values" in res.stderr
+    assert "set store.mappedFileSizeConsumeQueue to the broker's value " in res.stderr
     assert snapshot(tmp) == before
 
 
