@@ -16,6 +16,7 @@ from daemon.cli.common import (
     UsageError,
     _check_inputs,
     _check_record_boundaries,
+    _check_store_root_sizes,
     _lock_output,
     _non_negative,
     _positive,
@@ -85,6 +86,9 @@ def _backfill_checks(args, config: Config) -> None:
         parent = os.path.dirname(os.path.abspath(args.catalog))
         if os.path.isdir(parent) and not os.access(parent, os.W_OK):
             raise UsageError(f"--catalog {args.catalog}: its directory {parent} is not writable")
+    from daemon.engine.sizes import check_output_sizes
+
+    check_output_sizes(config.output.dir, config.store)  # the output's files against the sizes, before Spark
     if args.segments is None:  # the configured CommitLog, on this machine: its paths and offsets can be checked now
         _check_inputs(args, config)
         _check_record_boundaries(config, {"--from": args.from_offset, "--to": args.to_offset})
@@ -134,6 +138,7 @@ def cmd_backfill(args, config: Config) -> int:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a caller's main(argv): SIGTERM as SIGINT from here,
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # until backfill() handles both
     _backfill_checks(args, config)
+    _check_store_root_sizes(config)
     _lock_output(args, config)
     try:
         from daemon.backfill import backfill  # PySpark is the optional [backfill] extra
