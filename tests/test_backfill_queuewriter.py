@@ -67,7 +67,7 @@ def test_many_queues_are_written_from_bucket_spans_as_rebuild_writes_them(many_q
     read a piece of at most WRITE_PIECE_UNITS units from every range at once (the hot queue's bucket, over it,
     a few ranges at a time), put each queue once and sync by syncing the file system once (a file is synced on
     its own only when its queue rolls to the next, ConsumeQueue's rule); the driver renames each queue's
-    directory into place. Every file is the rebuild's."""
+    directory into place, counting its units' messages as new. Every file is the rebuild's."""
     monkeypatch.setattr(queuewriter, "WRITE_PIECE_UNITS", 1000)
     syncs = {"syncfs": 0, "fdatasync": 0}
     monkeypatch.setattr(queuewriter, "_sync_file_system", lambda path: syncs.__setitem__("syncfs", syncs["syncfs"] + 1))
@@ -93,18 +93,21 @@ def test_many_queues_are_written_from_bucket_spans_as_rebuild_writes_them(many_q
     assert len(reads[0]) > 1  # the hot queue's piece is read a few ranges at a time
     out = tmp_path / "out" / "consumequeue"
     counts = {LINKED: 0}
+    new_offsets = []  # as a rerun into an output holding other files asks (newMessages)
     for i, w in enumerate(work):
         stats, staged = queuewriter.write_queues(w, stage_dir=str(tmp_path / f"task{i}"), file_size=CQ_FILE,
                                                  attempt=Attempt(i, i, 0))
         assert stats.queues == len(staged) > queuewriter.SYNC_WHOLE_FS_FILES
         for q in staged:
             inode = os.stat(q.directory).st_ino
-            counts[LINKED] += commit_queue_dir(q.directory, str(out / q.topic / str(q.queue_id)), q.files)[LINKED]
+            counts[LINKED] += commit_queue_dir(q.directory, str(out / q.topic / str(q.queue_id)), q.files,
+                                               new_offsets)[LINKED]
             assert os.stat(out / q.topic / str(q.queue_id)).st_ino == inode  # renamed whole
     assert syncs == {"syncfs": 3, "fdatasync": HOT // 20 - 1}
     expected = {k: v for k, v in files_under(reference).items() if k.startswith("consumequeue/")}
     assert counts[LINKED] == len(expected) == TOPICS * QUEUES + HOT // 20
     assert files_under(tmp_path / "out") == expected
+    assert len(np.unique(np.concatenate(new_offsets))) == TOPICS * QUEUES * ROUNDS + HOT  # every message is new
 
 
 def test_a_task_of_few_queues_syncs_each_file(many_queues, tmp_path, monkeypatch):

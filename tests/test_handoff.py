@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.cli.common import program
 from indexcore.checkpoint import StoreCheckpoint
 from indexcore.commitlog import TRANSACTION_PREPARED_TYPE, TRANSACTION_ROLLBACK_TYPE
 from indexcore.indexfile import INDEX_HEADER_SIZE, IndexHeader
@@ -71,7 +73,7 @@ def hold_lock(path: Path) -> subprocess.Popen:
 def test_handoff_sets_the_checkpoint_to_what_the_files_hold_and_removes_abort_last(broker_store):
     """In the store root: the output is already complete, it checks clean, the broker's checkpoint gets
     the store times of the last record, of the last record with a unit and the end of the newest full
-    IndexFile, reputd.checkpoint and abort go, and each change is printed."""
+    IndexFile, reputd.checkpoint, reputd.lock and abort go, and each change is printed."""
     store, config, results = broker_store
     res = run("handoff", "--config", str(config), "--store", str(store))
     assert res.returncode == 0, res.stderr
@@ -88,9 +90,12 @@ def test_handoff_sets_the_checkpoint_to_what_the_files_hold_and_removes_abort_la
     assert lines[1].endswith(": consistent")
     assert lines[2].startswith(f"wrote {store / 'checkpoint'} (there was none): physicMsgTimestamp {last} (")
     assert lines[3].startswith(f"removed {store / 'reputd.checkpoint'} ")
-    assert lines[4].startswith(f"removed {store / 'abort'} (the broker's mark of an unclean exit)")
-    assert lines[5].startswith(f"handed off: the broker started next on {store} takes its consumequeue/ and "
+    assert lines[4].startswith(f"removed {store / 'reputd.lock'} (reputd's writer lock: nothing of reputd's stays "
+                               "in the broker's store root)")
+    assert lines[5].startswith(f"removed {store / 'abort'} (the broker's mark of an unclean exit)")
+    assert lines[6].startswith(f"handed off: the broker started next on {store} takes its consumequeue/ and "
                                "index/ as its own")
+    assert not (store / "reputd.lock").exists()
     # again: nothing left to change
     res = run("handoff", "--config", str(config), "--store", str(store))
     assert res.returncode == 0, res.stderr
@@ -151,7 +156,8 @@ def test_a_partial_output_is_completed_to_a_rebuilds_bytes(tmp_path, broker_stor
 
 
 def test_dry_run_prints_the_changes_and_makes_none(broker_store):
-    """--dry-run: the three changes as "would ...", then "dry run: nothing was changed"; no byte changes."""
+    """--dry-run: the four changes as "would ..." (the checkpoint, then reputd.checkpoint, reputd.lock and
+    abort removed), then "dry run: nothing was changed"; no byte changes."""
     store, config, _ = broker_store
     before = snapshot(store)
     res = run("handoff", "--config", str(config), "--store", str(store), "--dry-run")
@@ -159,7 +165,7 @@ def test_dry_run_prints_the_changes_and_makes_none(broker_store):
     assert snapshot(store) == before
     lines = res.stdout.splitlines()
     assert [x.split(" ", 2)[:2] for x in lines if x.startswith("would")] == [
-        ["would", "write"], ["would", "remove"], ["would", "remove"]]
+        ["would", "write"], ["would", "remove"], ["would", "remove"], ["would", "remove"]]
     assert lines[-1] == "dry run: nothing was changed"
 
 
@@ -245,9 +251,8 @@ def test_an_output_elsewhere_prints_the_moves_and_the_handoff_to_run(tmp_path):
     assert commands == [f"mv {store / 'consumequeue'} {store / 'consumequeue.before-handoff'}",
                         f"mv {out / 'consumequeue'} {store / 'consumequeue'}",
                         f"mv {out / 'index'} {store / 'index'}",
-                        f"reputd handoff --config {config} --store {store}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+                        shlex.join([*program(), "handoff", "--config", str(config), "--store", str(store)])]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}  # no PATH of its own: as printed
     for command in commands:
         done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=120,
                               check=False)
@@ -293,7 +298,8 @@ def test_writing_into_a_root_with_abort_warns_once(tmp_path, command):
     warnings = [x for x in res.stderr.splitlines() if x.startswith("reputd: warning:")]
     assert warnings == [f"reputd: warning: {store / 'abort'} exists (the broker's last exit was not clean): a 4.9.3 "
                         "broker started on this store discards these IndexFiles and re-dispatches over these "
-                        f"ConsumeQueues unless `reputd handoff --config {config} --store {store}` runs first"]
+                        f"ConsumeQueues unless `{shlex.join(program())} handoff --config {config} --store {store}` "
+                        "runs first"]
     logged = [json.loads(x) for x in (res.stdout + res.stderr).splitlines() if x.startswith("{")]
     events = [e for e in logged if e.get("event") == "broker_abort_present"]
     assert len(events) == 1
@@ -331,8 +337,8 @@ def test_a_store_without_a_commitlog_is_exit_2_and_nothing_is_created(tmp_path):
     config = write_config(tmp_path)
     res = run("handoff", "--config", str(config), "--store", str(tmp_path / "typo"))
     assert res.returncode == 2
-    assert res.stderr == (f"reputd: error: {tmp_path / 'typo' / 'commitlog'}: no CommitLog directory "
-                          "(store.storePathCommitLog / --store); nothing was changed\n")
+    assert res.stderr == (f"reputd: error: {tmp_path / 'typo'}: no such store root directory (--store); nothing was "
+                          "changed\n")
     assert not (tmp_path / "typo").exists()
 
 

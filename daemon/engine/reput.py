@@ -164,6 +164,8 @@ class ReputService(SessionRunner):
                 self.metrics.skipped.labels(reason=SkipReason.RETENTION).inc(skipped)
                 self._log.warning("offset_below_oldest_segment", requested=result.skipped_from,
                                   resumed_at=result.next_offset, skipped_bytes=skipped)
+            if len(result.batch) and self.broker_lock.taken(now=True):  # a broker writes its root now: not one unit
+                return Outcome.BROKER_RUNNING
             if not self._dispatch(s, result):
                 return Outcome.FAILED
             self.dispatched_messages += len(result.batch)
@@ -349,11 +351,13 @@ class ReputService(SessionRunner):
 
 
 def run_daemon(config: Config, *, until_caught_up: bool = False,
-               on_exit: Callable[[dict], None] | None = None) -> int:
+               on_exit: Callable[[dict], None] | None = None, on_started: Callable[[], None] | None = None) -> int:
     """Run the service in this process, stopping cleanly on SIGTERM/SIGINT within the shutdown timeout;
-    `on_exit` gets the service's `summary()` once it has stopped."""
+    `on_started` is called once the first session has opened the output, `on_exit` gets the service's
+    `summary()` once it has stopped."""
     failpoint.install_from_env()
     service = ReputService(config, until_caught_up=until_caught_up)
+    service.on_started = on_started
     timeout = config.reput.shutdown_timeout_ms / MS_PER_SECOND
     finished = threading.Event()
 
@@ -363,6 +367,9 @@ def run_daemon(config: Config, *, until_caught_up: bool = False,
                  "detail": "exiting without a final checkpoint; the next start recovers from the last one"}
         with contextlib.suppress(OSError):
             os.write(sys.stdout.fileno(), json.dumps(event).encode() + b"\n")
+        with contextlib.suppress(OSError):  # and the one line on stderr every failing command gives
+            os.write(sys.stderr.fileno(), f"reputd: error: the stop took longer than reput.shutdownTimeoutMs "
+                                          f"({config.reput.shutdown_timeout_ms} ms): {event['detail']}\n".encode())
         os._exit(EXIT_FAILURE)
 
     def guard() -> None:

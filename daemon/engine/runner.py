@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import gc
-import os
 import threading
 import time
 
@@ -27,12 +26,14 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
+from daemon.engine.brokerlock import EXIT_BROKER_RUNNING
 from daemon.engine.cleaner import Cleaner
-from daemon.engine.dledgermode import commit_log_path, dledger_settings_hint
+from daemon.engine.dledgermode import commit_log_path, store_mode_problem
 from daemon.engine.flusher import Flusher
 from daemon.engine.service import (
     EXIT_FAILURE,
     EXIT_OK,
+    EXIT_USAGE,
     RESTARTING,
     ServiceState,
     _errno_name,
@@ -62,6 +63,7 @@ class Outcome(enum.Enum):
     CORRUPT = "corrupt"  # --until-caught-up met corruption under onCorruption: stop
     FAILED = "failed"  # a dispatcher or the loop failed; nothing past the last checkpoint is trusted
     UNAVAILABLE = "unavailable"  # --until-caught-up lost the CommitLog directory
+    BROKER_RUNNING = "broker-running"  # a broker took its lock in the output directory: stop writing (exit 2)
 
 
 class SessionRunner(ServiceState):
@@ -76,11 +78,11 @@ class SessionRunner(ServiceState):
         self._log.info("reputd_started", store=commit_log_path(self.config.store), output=self.config.output.dir,
                        metrics=f"{metrics_cfg.host}:{metrics_cfg.port}" if metrics_cfg.enabled else None,
                        until_caught_up=self.until_caught_up)
-        store = self.config.store
-        if not store.enable_d_leger_commit_log and not any(os.path.isdir(d) for d in store.commit_log_dirs):
-            hint = dledger_settings_hint(store.store_path_root_dir)
-            if hint:  # a DLedger broker's store read as a plain one: say so once, not only "no commitlog/"
-                self._log.warning("dledger_settings_missing", detail=hint.removeprefix("; "))
+        mismatch = store_mode_problem(self.config.store)
+        if mismatch:  # a CommitLog of the other kind (DLedger or plain) than the config reads: no wait fixes it
+            self.metrics.errors.labels(kind=ErrorKind.RECOVERY).inc()
+            self._set_health(DOWN, mismatch)
+            return self._config_mismatch(mismatch, self.config.store.store_path_root_dir)
         if self.notifier.enabled:
             self._starting.set()
             threading.Thread(target=self._startup_beats, name="reputd-startup-beats", daemon=True).start()
@@ -97,7 +99,7 @@ class SessionRunner(ServiceState):
 
     def _run_sessions(self) -> int:
         backoff = RETRY_MIN_S
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.broker_lock.taken(now=True):  # recovery writes the output
             try:
                 self.session = open_session(self.config, self.metrics)
             except (StoreError, OSError) as e:
@@ -110,11 +112,7 @@ class SessionRunner(ServiceState):
                 reason = self._report_no_space(OutputStage.RECOVERY, e) or str(e)
                 self._set_health(DOWN, reason)
                 if mismatch:
-                    # no waiting fixes a setting: exit 1 lets systemd's Restart= and start limit end the
-                    # retries (systemd/README.md)
-                    self._log.error("commitlog_size_mismatch", path=e.path, error=mismatch, exit_code=EXIT_FAILURE)
-                    self.notifier.status(f"failed: {mismatch}")
-                    return EXIT_FAILURE
+                    return self._config_mismatch(mismatch, e.path)
                 if self.until_caught_up:
                     self.exit_error = str(e)
                     return EXIT_FAILURE
@@ -123,6 +121,9 @@ class SessionRunner(ServiceState):
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
             self._failure_reason = ""
+            if self.on_started is not None:
+                self.on_started()
+                self.on_started = None
             if not gc.get_freeze_count():
                 # what start-up and recovery left alive stays so: out of the collector's way, so that a full
                 # collection in the loop scans only what the loop allocates (one took 22 ms at 100,000 msgs/s)
@@ -140,8 +141,22 @@ class SessionRunner(ServiceState):
                 self._sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
+            if code != EXIT_OK and self.exit_error is None:  # why, for the line on stderr (daemon/cli/run.py)
+                self.exit_error = self._failure_reason or "closing the session failed: see the log's error events"
             return code
+        if self.broker_lock.holder is not None:  # taken before a session opened (its recovery writes)
+            self.exit_error = self.exit_error or self.broker_lock.error(self.config.output.dir, None)
+            return EXIT_BROKER_RUNNING
         return EXIT_OK
+
+    def _config_mismatch(self, error: str, path: str) -> int:
+        """Settings that do not read these files: no waiting fixes a setting. Exit 2, the configuration
+        error every command gives for it, which systemd's unit does not restart (RestartPreventExitStatus=2,
+        docs/systemd.md); STATUS= and the log say why."""
+        self._log.error("config_mismatch", path=path, error=error, exit_code=EXIT_USAGE)
+        self.notifier.status(f"failed: {error}")
+        self.exit_error = error
+        return EXIT_USAGE
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -164,6 +179,7 @@ class SessionRunner(ServiceState):
             s.poisoned = True
             self.metrics.errors.labels(kind=ErrorKind.LOOP).inc()
             self._log.exception("reput_loop_failed", error=f"{type(e).__name__}: {e}", offset=s.dispatched_offset)
+            self._failure_reason = f"the reput loop failed at offset {s.dispatched_offset}: {type(e).__name__}: {e}"
             return Outcome.FAILED
         finally:
             cleaner.stop()
@@ -177,6 +193,8 @@ class SessionRunner(ServiceState):
         if outcome is not Outcome.FAILED:
             self.notify_stopping()
         code = EXIT_OK if outcome in (Outcome.STOPPED, Outcome.CAUGHT_UP) else EXIT_FAILURE
+        if self.broker_lock.holder is not None:  # whatever ended the session, the output is the broker's now
+            code = EXIT_BROKER_RUNNING
         if not s.poisoned:
             try:
                 Flusher(s, self._flush_failed).flush_once(thorough=True, whole_fs=True)
@@ -186,16 +204,20 @@ class SessionRunner(ServiceState):
                     Cleaner(s).clean_reported(pause=False)
             except Exception as e:
                 self._flush_failed(e)
+                self._failure_reason = self._failure_reason or f"the final flush failed: {type(e).__name__}: {e}"
                 code = EXIT_FAILURE
         for d in s.dispatchers:
             try:
                 d.close()
             except Exception as e:
                 self._log.error("dispatcher_close_failed", dispatcher=d.name, error=str(e))
+                self._failure_reason = self._failure_reason or f"closing dispatcher {d.name} failed: {e}"
                 code = EXIT_FAILURE
         s.reader.close()
         self._log.info("session_closed", outcome=outcome.value, reput_from_offset=s.dispatched_offset,
                        checkpoint_offset=s.checkpoint_offset)
+        if self.broker_lock.holder is not None:
+            self.exit_error = self.broker_lock.error(self.config.output.dir, s.checkpoint_offset)
         return code
 
     def _watch(self, dirs):
