@@ -130,7 +130,7 @@ class Flusher(Periodic):
     """Flushes a session's dispatchers on a timer and checkpoints what the flushes made durable."""
 
     def __init__(self, session: Session, on_error: Callable[[Exception], None],
-                 on_success: Callable[[], None] | None = None):
+                 on_success: Callable[[], None] | None = None, *, thorough_first: bool = False):
         store = session.config.store
         super().__init__("reputd-flusher", store.flush_interval_consume_queue / MS_PER_SECOND)
         self.session = session
@@ -138,7 +138,9 @@ class Flusher(Periodic):
         self.thorough_interval = store.flush_consume_queue_thorough_interval / MS_PER_SECOND
         self._on_error = on_error
         self._on_success = on_success
-        self._last_thorough = time.monotonic()
+        # `thorough_first`: the first cycle is thorough, so a session's first checkpoint comes one interval after
+        # its start (the clean-up keeps what a recovery to an older one would need: `daemon.engine.cleanplan`)
+        self._last_thorough = time.monotonic() - (self.thorough_interval if thorough_first else 0)
         self._log = get_logger(component="flusher")
 
     def tick(self) -> None:

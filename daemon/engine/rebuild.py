@@ -238,7 +238,7 @@ def rebuild(config: Config, *, from_offset: int | None = None,
             # everything dispatched is flushed and checkpointed: the next rebuild or run goes on from here
             final_checkpoint(out, dispatchers, offset)
             # the broker's retention rule, as `run` applies it: files whose records the CommitLog no longer holds
-            clean_output(dispatchers, commit_log.dirs, offset, log)
+            clean_output(dispatchers, commit_log.dirs, log)
         if failure is not None:
             raise failure
     finally:

@@ -150,7 +150,7 @@ class SessionRunner(ServiceState):
             self._stop.wait(min(1.0, deadline - time.monotonic()))
 
     def _run_session(self, s: Session) -> Outcome:
-        flusher = Flusher(s, self._flush_failed, self._flush_succeeded)
+        flusher = Flusher(s, self._flush_failed, self._flush_succeeded, thorough_first=True)
         cleaner = Cleaner(s)
         observer = self._watch(s.commit_log.dirs)
         flusher.start()
@@ -183,7 +183,7 @@ class SessionRunner(ServiceState):
                 self._log.info("final_flush", reput_from_offset=s.dispatched_offset,
                                checkpoint_offset=s.checkpoint_offset)
                 if outcome is Outcome.CAUGHT_UP:  # a one-off run applies the retention rule once, unpaced
-                    Cleaner(s).clean_reported(pause=False)
+                    Cleaner(s).clean_reported(paced=False)
             except Exception as e:
                 self._flush_failed(e)
                 code = EXIT_FAILURE
