@@ -222,8 +222,9 @@ class Cleaner(Periodic):
         cq = _named(s.dispatchers, ConsumeQueueDispatcher)
         if cq is None:
             return [], [], {}
+        # a queue with one file has nothing to lose: passed over unlocked (an LMQ store has 100,000 of them)
+        queues = {key: q for key, q in list(cq.queues.queues.items()) if q.file_count >= 2}
         with s.lock:  # every deferred write of the last batch is in its file
-            queues = {key: q for key, q in cq.queues.queues.items() if q.file_count >= 2}
             files = [QueueFiles(key, q, q.file_starts) for key, q in queues.items()]
             recover_to = s.checkpoint_offset  # where a recovery after a kill now would cut back to
         plan, held = expired_queue_plan(files, first, self.facts, recover_to if recover_to >= 0 else None)
