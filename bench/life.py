@@ -371,7 +371,8 @@ def main() -> int:
         daemon.start()
         sample_lag(daemon.lives)
         sample("restarted across a retention gap")
-        writer.join(timeout=max(1.0, d - (time.monotonic() - t0) + 30))
+        wait_until(d)  # sampling on to the writer's end
+        writer.join(timeout=30)
         stop_writer.set()
         writer.join(timeout=30)
         stop_retention.set()

@@ -307,6 +307,25 @@ def test_the_expired_output_left_on_disk_is_exposed_at_scrape_time():
     assert empty.registry.get_sample_value("reputd_retention_behind_seconds") == 0
 
 
+def test_files_kept_for_the_checkpoint_ask_for_a_new_one_and_go_at_the_next_pass(tmp_path):
+    """IndexFiles kept because the checkpoint names an older one: the pass asks the flusher for a checkpoint
+    (its next cycle is thorough whatever the dirty pages), and the pass after it deletes them."""
+    config = cleaned_store(tmp_path)
+    s = open_session(config, ReputMetrics(lambda: None))
+    names = list(s.dispatchers[1].service.names)
+    s.checkpoint_states = {**s.checkpoint_states, "index": {"name": names[1]}}  # as a trailing checkpoint has it
+    first = Cleaner(s).clean_once(paced=False)
+    assert first.index_files_kept > 0
+    assert s.checkpoint_wanted.is_set()
+    assert Flusher(s, pytest.fail).flush_once() is True  # not thorough by the clock, by the request
+    assert s.checkpoint_states["index"]["name"] == names[-1]
+    second = Cleaner(s).clean_once(paced=False)
+    assert (second.files["index"], second.index_files_kept) == (first.index_files_kept, 0)
+    assert s.retention_behind == RetentionBehind()
+    assert not s.checkpoint_wanted.is_set()
+    close(s)
+
+
 def test_expired_files_kept_too_long_are_logged_and_so_is_the_end_of_it(tmp_path):
     """IndexFiles the checkpoint keeps stay expired: once they have waited past the threshold, one
     `retention_behind` warning (not one per pass); once they are gone, one `retention_caught_up`."""

@@ -16,7 +16,9 @@ broker deletes for that offset (`indexcore.retention`):
 It deletes for the CommitLog's first offset as it is now, not for the checkpoint's, and keeps what a
 recovery to the checkpoint after a kill needs: the IndexFile the checkpoint names, and in each queue the
 file the recovery would leave as its newest (docs/recovery.md, "Retention and recovery", says why the rest
-is safe to delete).
+is safe to delete). When it keeps expired files for that reason (the checkpoint trails: after a restart, or
+while reputd is behind, or a retention shorter than flushConsumeQueueThoroughInterval) it asks for a
+checkpoint (`Session.checkpoint_wanted`): the flusher's next cycle is thorough, and the next pass deletes them.
 
 How it stays out of the way of the rest of the session:
 * the loop: file lists are read and changed under the dispatch lock, for a moment; files are read and
@@ -241,6 +243,8 @@ class Cleaner(Periodic):
         for i in range(len(plan) - 1, -1, -1):
             since = self._since[plan[i].path]
             oldest[i] = since if oldest[i + 1] is None else min(since, oldest[i + 1])
+        if kept:  # a newer checkpoint frees them: the flusher writes one at its next cycle, the next pass deletes
+            self.session.checkpoint_wanted.set()
         left = [len(plan) + len(held), sum(e.size for e in plan) + sum(e.size for e in held)]
         total = Counter(e.key for e in plan)
         planned = total.copy()

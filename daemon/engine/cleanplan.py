@@ -9,8 +9,8 @@
 * **What stays for a recovery.** A queue keeps the file a recovery to the checkpoint would leave as its
   newest (the last one starting below the checkpoint's offset) and the ones after it: while the checkpoint
   trails the CommitLog's first offset (a restart across a retention gap, until the new life's first
-  checkpoint), a queue whose units past the checkpoint all point at deleted records would otherwise lose
-  its place (docs/recovery.md, "Retention and recovery").
+  checkpoint, which the cleaner asks for), a queue whose units past the checkpoint all point at deleted
+  records would otherwise lose its place (docs/recovery.md, "Retention and recovery").
 * **What it reads.** A file older than a queue's newest is written no more, so its last unit and its size
   are read once a session (`FileFacts`); a pass walks only each queue's expired prefix and the next file,
   from the cache, and reads from disk only files it has not met. File lists are taken under the dispatch

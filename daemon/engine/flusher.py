@@ -130,7 +130,7 @@ class Flusher(Periodic):
     """Flushes a session's dispatchers on a timer and checkpoints what the flushes made durable."""
 
     def __init__(self, session: Session, on_error: Callable[[Exception], None],
-                 on_success: Callable[[], None] | None = None, *, thorough_first: bool = False):
+                 on_success: Callable[[], None] | None = None):
         store = session.config.store
         super().__init__("reputd-flusher", store.flush_interval_consume_queue / MS_PER_SECOND)
         self.session = session
@@ -138,9 +138,7 @@ class Flusher(Periodic):
         self.thorough_interval = store.flush_consume_queue_thorough_interval / MS_PER_SECOND
         self._on_error = on_error
         self._on_success = on_success
-        # `thorough_first`: the first cycle is thorough, so a session's first checkpoint comes one interval after
-        # its start (the clean-up keeps what a recovery to an older one would need: `daemon.engine.cleanplan`)
-        self._last_thorough = time.monotonic() - (self.thorough_interval if thorough_first else 0)
+        self._last_thorough = time.monotonic()
         self._log = get_logger(component="flusher")
 
     def tick(self) -> None:
@@ -156,7 +154,10 @@ class Flusher(Periodic):
         """One flush cycle; True when it wrote a checkpoint. `whole_fs`: as `sync_plans`, for the last one."""
         s = self.session
         now = time.monotonic()
-        thorough = thorough or now - self._last_thorough >= self.thorough_interval
+        # the clean-up asks for a checkpoint when expired files wait for one (`Session.checkpoint_wanted`)
+        thorough = thorough or now - self._last_thorough >= self.thorough_interval or s.checkpoint_wanted.is_set()
+        if thorough:
+            s.checkpoint_wanted.clear()
         least_pages = 0 if thorough else self.least_pages
         with s.files_lock:  # from plan to sync, the cleaner deletes none of the files planned (`daemon.engine.cleaner`)
             with s.lock:

@@ -150,7 +150,7 @@ class SessionRunner(ServiceState):
             self._stop.wait(min(1.0, deadline - time.monotonic()))
 
     def _run_session(self, s: Session) -> Outcome:
-        flusher = Flusher(s, self._flush_failed, self._flush_succeeded, thorough_first=True)
+        flusher = Flusher(s, self._flush_failed, self._flush_succeeded)
         cleaner = Cleaner(s)
         observer = self._watch(s.commit_log.dirs)
         flusher.start()
