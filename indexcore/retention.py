@@ -14,9 +14,10 @@ cleaned for, and then, with that offset:
   below `minPhyOffset`; then, oldest first and never the newest, each file whose endPhyOffset is below
   it, up to the first that is not.
 
-The functions here are that rule on plain values (no I/O, no clock), and the small reads that feed it;
-`ConsumeQueue.expired_files` and `IndexService.expired_files` apply it to a store, and the daemon's
-cleaner (`daemon.engine.cleaner`) paces the deletions and counts them.
+The functions here are that rule on plain values (no I/O, no clock), and the small reads that feed it.
+The daemon's clean-up (`daemon.engine.cleaner`) applies the same rule but looks every interval, not only
+once the offset has moved (a queue's file that rolls after its records expired, and a pass stopped part-way,
+are deleted without waiting for the broker's next deletion), and orders and paces the deletions.
 """
 
 from __future__ import annotations
@@ -55,12 +56,6 @@ def expired_index_prefix(files: int, end_phy_offset: Callable[[int], int], min_p
     while n < files - 1 and end_phy_offset(n) < min_phy_offset:
         n += 1
     return n
-
-
-def should_clean(min_phy_offset: int, last_cleaned: int) -> bool:
-    """`CleanConsumeQueueService.deleteExpiredFiles`: a pass only once the CommitLog's first offset has moved
-    past the one the last pass cleaned for (0 at start, so a CommitLog still starting at 0 cleans nothing)."""
-    return min_phy_offset > last_cleaned
 
 
 def last_unit_offset(path: str, file_size: int) -> int | None:
@@ -138,4 +133,4 @@ def disk_bytes(path: str) -> int:
 
 
 __all__ = ["UNWRITTEN", "delete_expired", "disk_bytes", "expired_index_files", "expired_index_prefix", "expired_prefix",
-           "expired_queue_files", "expired_queue_prefix", "last_unit_offset", "remove_files", "should_clean"]
+           "expired_queue_files", "expired_queue_prefix", "last_unit_offset", "remove_files"]

@@ -26,7 +26,7 @@ from indexcore.indexservice import IndexService, index_file_name
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.queuefiles import ConsumeQueue
 from indexcore.queuestore import ConsumeQueueStore
-from indexcore.retention import delete_expired, expired_index_prefix, expired_prefix, should_clean
+from indexcore.retention import delete_expired, expired_index_prefix, expired_prefix
 from indexcore.writer import CommitLogWriter, Message
 
 UNIT = struct.Struct(">qiq")  # the model's own layout (STORE_FORMAT.md §7.2)
@@ -102,14 +102,6 @@ def test_expired_index_prefix_is_the_brokers_walk(seed):
     ends = sorted(rng.randrange(0, 10_000) for _ in range(rng.randint(0, 8)))
     offset = rng.randrange(0, 12_000)
     assert expired_index_prefix(len(ends), ends.__getitem__, offset) == model_kept_index_files(ends, offset)
-
-
-def test_a_pass_runs_only_once_the_first_offset_moves():
-    """`minOffset > lastPhysicalMinOffset`: a CommitLog still starting at 0 never cleans."""
-    assert not should_clean(0, 0)
-    assert should_clean(1024, 0)
-    assert not should_clean(1024, 1024)
-    assert should_clean(2048, 1024)
 
 
 # --- real files -------------------------------------------------------------------------------------------------
