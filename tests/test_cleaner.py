@@ -10,6 +10,7 @@ import dataclasses
 import random
 import shutil
 import struct
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import yaml
 
 from daemon.config import OutputConfig, load_config
 from daemon.engine import cleaner as cleaner_module
+from daemon.engine.brokerlock import BrokerLockGuard
 from daemon.engine.cleaner import Cleaner, clean_output, commit_log_min_offset
 from daemon.engine.cleanplan import PACE_BURST_SECONDS, Expired, FileFacts, Pace, QueueFiles, expired_queue_plan
 from daemon.engine.dispatchers import ConsumeQueueDispatcher
@@ -27,6 +29,7 @@ from daemon.ops.metrics import Lag, ReputMetrics, RetentionBehind
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.queuestore import ConsumeQueueStore
 from indexcore.writer import CommitLogWriter, Message
+from tests.test_cli_papercuts import hold_broker_lock
 from tests.test_daemon import output_files
 from tests.test_retention import model_kept_queue_files, write_queue
 
@@ -288,6 +291,48 @@ def test_index_files_go_first_and_a_stopped_pass_goes_on_in_the_next_life(tmp_pa
     out = tmp_path / "out"
     assert [Path(p).relative_to(out).as_posix() for p in first_life + seen] == one_pass
     assert output_files(out) == output_files(whole)
+
+
+def test_a_broker_that_takes_the_outputs_lock_stops_the_pass(tmp_path, monkeypatch):
+    """Deleting is writing: a broker started on the output directory (reputd's store root) takes `lock`
+    after the pass's IndexFiles and first group of ConsumeQueue files went; the pass deletes nothing more
+    (the broker's own retention cleans there now), says it was cut short, and the service is told once. A
+    pass that starts with the lock taken deletes nothing at all."""
+    config = cleaned_store(tmp_path)
+    out = tmp_path / "out"
+    stops: list[str] = []
+    metrics = ReputMetrics(lambda: None)
+    guard = BrokerLockGuard(str(out), metrics, structlog.get_logger(), lambda *_: None,
+                            types.SimpleNamespace(status=lambda _: None), stops.append, lambda: 0)
+    seen = deletions(monkeypatch)
+    holders = []
+
+    def after_delete() -> None:
+        if not holders and any("/consumequeue/" in p for p in seen):
+            holders.append(hold_broker_lock(out / "lock"))
+
+    monkeypatch.setattr(cleaner_module, "report", lambda *_: None)
+    slow = dataclasses.replace(config, retention=dataclasses.replace(config.retention, delete_files_per_second=40))
+    s = open_session(slow, metrics)
+    real = cleaner_module.remove_files
+    monkeypatch.setattr(cleaner_module, "remove_files", lambda paths: (real(paths), after_delete()))
+    try:
+        result = Cleaner(s, broker_lock=guard).clean_once()
+        assert holders, "no ConsumeQueue file was deleted"
+        group = max(1, int(40 * PACE_BURST_SECONDS))  # the files of one group at 40 a second
+        assert result.files["index"] > 0
+        assert result.files["consumequeue"] == group
+        assert result.interrupted
+        assert stops == ["broker_lock_taken"]
+        again = Cleaner(s, broker_lock=guard).clean_once()
+        assert (again.deleted, again.interrupted) == (0, True)
+    finally:
+        close(s)
+        for h in holders:
+            h.stdin.close()
+            h.wait()
+    assert stops == ["broker_lock_taken"]
+    assert metrics.registry.get_sample_value("reputd_broker_lock_taken_total") == 1
 
 
 # --- what it tells -------------------------------------------------------------------------------------------------

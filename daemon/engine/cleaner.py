@@ -28,7 +28,10 @@ How it stays out of the way of the rest of the session:
   to the end of its syncs, so no file it plans to sync disappears under it (both take `files_lock` before
   the dispatch lock);
 * a kill at any point leaves no hole: a queue loses a prefix of its files, oldest first, so a kill between
-  two deletions leaves its newer files, which the next start loads and the next pass deletes.
+  two deletions leaves its newer files, which the next start loads and the next pass deletes;
+* a broker started on the output directory: deleting is writing, so the broker's lock is asked before
+  the IndexFiles and before each group of ConsumeQueue files (`broker_lock`, daemon/engine/brokerlock.py),
+  and once it is taken the pass deletes nothing more (the broker's own retention cleans there now).
 
 What it publishes: the expired output still on disk, as of its last look (`reputd_retention_behind_*`,
 `Session.retention_behind`), and a `retention_behind` event when some of it has waited too long.
@@ -54,6 +57,7 @@ from indexcore.mappedfile import list_queue_files
 from indexcore.retention import disk_bytes, expired_index_files, remove_files
 
 if TYPE_CHECKING:
+    from daemon.engine.brokerlock import BrokerLockGuard
     from daemon.engine.dispatchers import Dispatcher
     from daemon.engine.session import Session
     from daemon.ops.metrics import ReputMetrics
@@ -125,7 +129,7 @@ class Cleaner(Periodic):
     """Deletes expired output files of a session, paced; `clean_once` is one pass."""
 
     def __init__(self, session: Session, metrics: ReputMetrics | None = None, *, interval_ms: int | None = None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, broker_lock: BrokerLockGuard | None = None):
         store = session.config.store
         interval = (store.clean_resource_interval if interval_ms is None else interval_ms) / MS_PER_SECOND
         super().__init__("reputd-cleaner", interval)
@@ -141,6 +145,7 @@ class Cleaner(Periodic):
         self._warned_at: float | None = None
         self._log = get_logger(component="cleaner")
         self._failed: str | None = None
+        self._broker_lock = broker_lock
 
     def _run(self) -> None:
         self.tick()  # a start meets what expired while reputd was stopped: at once, not an interval later
@@ -175,7 +180,7 @@ class Cleaner(Periodic):
         index_kept = self._clean_index(first, result, paced)
         plan, held, queues = self._plan(first)
         self._delete(plan, queues, first, held, index_kept, result, paced)
-        result.interrupted = self._stop.is_set()
+        result.interrupted = self._halted()
         if not result.interrupted:
             self.last_cleaned = first
         result.seconds = self._clock() - started
@@ -198,7 +203,7 @@ class Cleaner(Periodic):
         allowed = n if keep_from is None else sum(1 for name in names[:n] if name < keep_from)
         kept = [os.path.join(service.directory, name) for name in names[allowed:n]]
         result.index_files_kept = len(kept)
-        if allowed:
+        if allowed and not self._halted():
             with s.files_lock:
                 with s.lock:
                     paths = service.forget_oldest(allowed)
@@ -250,12 +255,12 @@ class Cleaner(Periodic):
         planned = total.copy()
         self._publish(left, len(index_kept), index_sizes, oldest[0])
         at = 0
-        while at < len(plan) and not self._stop.is_set():
+        while at < len(plan) and not self._halted():
             group = plan[at : at + (self.pace.group(plan, at) if paced else GROUP_MAX_FILES)]
             size = sum(e.size for e in group)
             if paced:
                 wait = self.pace.book(len(group), size)
-                if wait > 0 and self._stop.wait(wait):
+                if wait > 0 and (self._stop.wait(wait) or self._halted()):
                     break
             deleted = self._delete_group(group, queues)
             result.add(FileKind.CONSUME_QUEUE, [e.path for e in deleted], sum(e.size for e in deleted))
@@ -296,6 +301,10 @@ class Cleaner(Periodic):
             self.facts.forget(path)
             self._since.pop(path, None)
         return deleted
+
+    def _halted(self) -> bool:
+        """A stop, or a broker that took the lock of the output directory: no more deletions."""
+        return self._stop.is_set() or (self._broker_lock is not None and self._broker_lock.taken(now=True))
 
     # --- what it tells -------------------------------------------------------------------------------------
 
