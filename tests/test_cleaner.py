@@ -10,6 +10,7 @@ import dataclasses
 import random
 import shutil
 import struct
+import time
 import types
 from pathlib import Path
 
@@ -292,6 +293,43 @@ def test_index_files_go_first_and_a_stopped_pass_goes_on_in_the_next_life(tmp_pa
     assert [Path(p).relative_to(out).as_posix() for p in first_life + seen] == one_pass
     assert output_files(out) == output_files(whole)
 
+
+def test_a_started_clean_up_looks_at_once_and_a_pass_with_nothing_to_delete_says_nothing(tmp_path, monkeypatch):
+    """A start meets what expired while reputd was stopped: the thread's first pass runs as it starts, not
+    cleanResourceInterval later, and logs `expired_files_deleted`; a pass that finds nothing to delete logs
+    nothing (the clean-up looks every interval: one line each time would bury the ones that matter)."""
+    config = cleaned_store(tmp_path)
+    seen = deletions(monkeypatch)
+    s = open_session(config, ReputMetrics(lambda: None))
+    with structlog.testing.capture_logs() as logs:
+        c = Cleaner(s, interval_ms=3_600_000)
+        c.start()
+        try:
+            deadline = time.monotonic() + 10
+            while not [e for e in logs if e["event"] == "expired_files_deleted"] and time.monotonic() < deadline:
+                c._stop.wait(0.01)
+        finally:
+            c.stop()
+        assert seen, "the first pass waited for the interval"
+        again = Cleaner(s).clean_once(paced=False)
+    close(s)
+    assert (again.deleted, again.interrupted) == (0, False)
+    assert [e["event"] for e in logs if e["event"] == "expired_files_deleted"] == ["expired_files_deleted"]
+
+def test_a_queue_whose_files_changed_since_the_plan_keeps_them(tmp_path):
+    """A group deletes a queue's planned files only while they are still its oldest: a file list that moved
+    since the plan (its oldest gone by other means) leaves the queue's files alone until the next pass plans
+    again, never a file the plan did not name."""
+    config = cleaned_store(tmp_path)
+    s = open_session(config, ReputMetrics(lambda: None))
+    c = Cleaner(s)
+    plan, _, queues = c._plan(commit_log_min_offset(s.commit_log.dirs))
+    key = plan[0].key
+    queues[key].forget_oldest(1)
+    before = list(queues[key].file_starts)
+    assert c._delete_group([e for e in plan if e.key == key], queues) == []
+    assert queues[key].file_starts == before
+    close(s)
 
 def test_a_broker_that_takes_the_outputs_lock_stops_the_pass(tmp_path, monkeypatch):
     """Deleting is writing: a broker started on the output directory (reputd's store root) takes `lock`
