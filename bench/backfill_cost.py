@@ -224,6 +224,7 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool,
     set of the same messages over many queues) each round ends with its fixed job and whole backfill too."""
     slots = int(master.split("[")[1].split("]", maxsplit=1)[0].split(",", maxsplit=1)[0]) if "[" in master else 2
     store, messages = ensure_data_set(work, data_set, scale)
+    (work / "out").mkdir(exist_ok=True)  # the parent of every output here (a writing command makes only the last)
     reference = work / "out" / "cost-reference"
     config = write_config(work / "cost.yaml", store, reference)
     raw_read_seconds(store, commitlog_bytes(store)[1])

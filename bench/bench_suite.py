@@ -226,6 +226,7 @@ def bench_rebuild(work: Path, scenario: str, scale: float, repeat: int) -> dict:
     store, messages = ensure_data_set(work, data, scale)
     outs = work / "out" / scenario
     shutil.rmtree(outs, ignore_errors=True)
+    outs.mkdir(parents=True)  # a writing command creates its output directory only when its parent exists
     runs = []
     # Each run writes a directory of its own, all removed after the last: ext4 without a journal (this
     # machine's root) passes over inodes freed in the last minute when it allocates one, so the thousands of
@@ -738,7 +739,7 @@ def main() -> int:
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _interrupted)  # so each scenario's `finally` stops its servers and cluster
     work = args.workdir.resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    (work / "out").mkdir(parents=True, exist_ok=True)  # the parent of every scenario's output
     scale = 0.1 if args.quick else 1.0
     wanted = args.only.split(",")
     results: list[dict] = []
