@@ -17,6 +17,8 @@ def _add_produce(sub) -> None:
     p.add_argument("--store", help="store root, overrides store.storePathRootDir (the CommitLog is written there)")
     p.add_argument("--messages", type=_positive, required=True, help="how many messages to append")
     p.add_argument("--topics", type=_csv, default=["TopicTest"], help="comma-separated topics (default TopicTest)")
+    p.add_argument("--topic-count", type=_positive, default=None, metavar="N",
+                   help="N topics per --topics name, NAME0 ... NAME{N-1} (a broker's thousands of topics)")
     p.add_argument("--queues", type=_positive, default=4, help="queues per topic (default 4)")
     p.add_argument("--body-size", type=_non_negative, default=256, help="body bytes (default 256)")
     p.add_argument("--keys", type=_non_negative, default=1, help="KEYS per message (default 1)")
@@ -39,7 +41,9 @@ def cmd_produce(args, config: Config) -> int:
         from daemon.engine.rebuild import ProgressBar
 
         bar = ProgressBar(unit="messages")
-    s = produce(config, args.messages, topics=args.topics, queues=args.queues, body_size=args.body_size,
+    topics = args.topics if args.topic_count is None else \
+        [f"{name}{i}" for name in args.topics for i in range(args.topic_count)]
+    s = produce(config, args.messages, topics=topics, queues=args.queues, body_size=args.body_size,
                 keys=args.keys, seed=args.seed, uniq_key=not args.no_uniq_key, lmq_queues=args.lmq_queues,
                 lmq_per_message=args.lmq_per_message if args.lmq_queues else 0,
                 progress=(lambda done, total: bar(done, total, done)) if bar is not None else None)
