@@ -340,11 +340,14 @@ class ConsumeQueueStore:
         the bounded set); how many were made."""
         return self._create(((g.topic, g.queue_id), int(g.queue_offset[0])) for g in groups)
 
-    def _create(self, firsts: Iterable[tuple[tuple[str, int], int]]) -> int:
-        """`create_queues` of (queue, its first unit's queue offset)."""
+    def _create(self, firsts: Iterable[tuple[tuple[str, int], int]], stats: PutStats | None = None) -> int:
+        """`create_queues` of (queue, its first unit's queue offset); the pre-blank units the new first files
+        were created with are counted in `stats` (`PutStats.pre_blanks`, as `place_units` counts them)."""
         new = self._new_queues(firsts)
         if new:
             self.made_queues(zip(new, self.create_queue_files(new), strict=True))
+            if stats is not None:
+                stats.pre_blanks += sum(q.blanks for q in new)
         return len(new)
 
     def _made_topic_dir(self, topic: str) -> bool:
@@ -385,7 +388,7 @@ class ConsumeQueueStore:
         cqs = [get(key) for key in keys]
         if None in cqs:
             first = g.queue_offset[g.bounds[:-1]].tolist()
-            self._create([(keys[i], first[i]) for i, cq in enumerate(cqs) if cq is None])
+            self._create([(keys[i], first[i]) for i, cq in enumerate(cqs) if cq is None], stats)
             cqs = [cq or self.queue(*key) for cq, key in zip(cqs, keys, strict=True)]
         t, size = self.table, self.file_size
         slots = np.fromiter((cq._slot for cq in cqs), dtype=np.int64, count=len(cqs))
