@@ -78,7 +78,8 @@ CONFIG_HELP = ("YAML config file (default: $REPUTD_CONFIG, else ./config/reputd.
 
 COMMIT_LOG_DIR = "commitlog"  # under the store root, where storePathCommitLog points by default
 COMMANDS = ("run", "rebuild", "verify", "handoff", "backfill", "query", "inspect", "produce")
-QUERY_KINDS = ("key", "queue", "msgid")
+QUERY_KINDS = ("key", "queue", "msgid", "time", "offset", "trace")
+QUERYTIME_KINDS = ("time", "offset", "trace")  # the kinds daemon/cli/querytime.py defines
 OUT_HELP = "output directory for consumequeue/ and index/, overrides output.dir (default: the store root)"
 
 

@@ -34,31 +34,27 @@ _QUERY_HELP = {
     "msgid": "The message of a msgId: an offset msgId (store host + CommitLog offset) or a client msgId (the "
              "UNIQ_KEY), as mqadmin queryMsgById takes them.",
 }
+TIME_HELP = ("epoch milliseconds, ISO 8601 (2026-11-21T10:00:00, local time unless it has an offset or Z) or "
+             "relative (-1h, -30m, -2d)")
 
 
-def _add_query(sub, kind: str | None) -> None:
-    q = sub.add_parser("query", formatter_class=_HelpFormatter, help="Query messages by key, queue offset or msgId.",
-                       description="Query messages by key, queue offset or msgId. On a terminal the answer is "
-                                   "laid out as mqadmin lays it out; piped, or with --json, it is one JSON object "
-                                   "per message.")
+def _add_query(sub, kind: str | None):
+    """The `query` command and its key, queue and msgid kinds (or `kind` alone); returns its subparsers, to
+    which daemon/cli/querytime.py adds the time, offset and trace kinds."""
+    q = sub.add_parser("query", formatter_class=_HelpFormatter,
+                       help="Query messages by key, queue offset, msgId or store time, and message traces.",
+                       description="Query messages by key, queue offset, msgId or store time, and message traces. "
+                                   "On a terminal the answer is laid out as mqadmin lays it out; piped, or with "
+                                   "--json, it is one JSON object per message.")
     qs = q.add_subparsers(dest="query", required=True, metavar="KIND", help="how to find the messages")
     for name in QUERY_KINDS:
-        if kind is not None and kind != name:
+        if (kind is not None and kind != name) or name not in _QUERY_HELP:
             continue
-        p = _subparser(qs, name, _QUERY_HELP[name])
-        p.add_argument("--config", help=CONFIG_HELP)
-        p.add_argument("--store", help="store root, overrides store.storePathRootDir")
-        p.add_argument("--out", help="directory holding consumequeue/ and index/, overrides output.dir")
-        p.add_argument("--format", choices=FORMATS,
-                       help="text: mqadmin's layout; json: one JSON object per message (default: text on a "
-                            "terminal, json otherwise)")
-        p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
+        p = kind_parser(qs, name, _QUERY_HELP[name])
         if name == "key":
             p.add_argument("topic", help="the topic the key was indexed under")
             p.add_argument("key", help="a KEYS token or a UNIQ_KEY")
-            p.add_argument("--begin", default="0",
-                           help="earliest store time: epoch milliseconds, ISO 8601 (2026-11-21T10:00:00, local "
-                                "time unless it has an offset or Z) or relative (-1h, -30m, -2d) (default 0)")
+            p.add_argument("--begin", default="0", help=f"earliest store time: {TIME_HELP} (default 0)")
             p.add_argument("--end", default=None, help="latest store time, written as --begin (default: no limit)")
             p.add_argument("--max", dest="max_num", type=_positive, default=64,
                            help="maximum number of candidates (clamped to maxMsgsNumBatch, as the broker does)")
@@ -83,6 +79,20 @@ def _add_query(sub, kind: str | None) -> None:
                        help="write each message's body to DIR/<offset msgId>, as mqadmin does (decompressed)")
         p.add_argument("--raw-body", action="store_true",
                        help="show (implies --body) and save a compressed body as stored, without decompressing it")
+    return qs
+
+
+def kind_parser(qs, name: str, help_text: str):
+    """A `query` kind's parser with the options every kind takes: --config, --store, --out, --format, --json."""
+    p = _subparser(qs, name, help_text)
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--store", help="store root, overrides store.storePathRootDir")
+    p.add_argument("--out", help="directory holding consumequeue/ and index/, overrides output.dir")
+    p.add_argument("--format", choices=FORMATS,
+                   help="text: mqadmin's layout; json: one JSON object per message (default: text on a "
+                        "terminal, json otherwise)")
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
+    return p
 
 
 def _format(args) -> str:
