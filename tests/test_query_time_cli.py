@@ -7,16 +7,19 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from daemon.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
+from daemon.cli import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from indexcore.consumequeue import CQ_UNIT_SIZE
 from indexcore.writer import CommitLogWriter, Message
 from tests.test_cli import REPUTD, SEGMENT, run, write_config
+from tests.tools import catches
 
 T0 = 1_800_000_000_000
 STEP = 10  # ms between messages, two messages each time: store times repeat
@@ -205,3 +208,18 @@ def test_a_damaged_unit_in_the_window_is_named_after_the_messages_before_it(tmp_
     assert found == [r.phy_offset for r in q1[5:12]]
     assert res.stderr.strip() == (f"reputd: error: {unit_file}: unit at queue offset {victim.queue_offset}: field "
                                   f"commit_log_offset: no record starts at CommitLog offset {victim.phy_offset + 1}")
+
+
+@pytest.mark.parametrize("kind", ["time", "offset", "trace"])
+def test_a_signal_while_the_query_runs_is_one_line_and_130(store, kind):
+    config, _ = store
+    args = {"time": ["TT", "--begin", "0", "--scan"], "offset": ["TT", "0", "0"],
+            "trace": ["C0A8000100002A9F0000000000000001"]}[kind]
+    proc = subprocess.Popen([*REPUTD, "query", kind, "--config", str(config), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and not catches(proc.pid, signal.SIGTERM) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (EXIT_INTERRUPTED, "reputd: interrupted\n")
