@@ -130,13 +130,17 @@ def bench_timequery(work: Path, scale: float, runs: int = DEFAULT_RUNS) -> dict:
     first, last = topic_times(config)
     script = [str(REPUTD_SCRIPT)] if REPUTD_SCRIPT.exists() else REPUTD
     rng = random.Random(7)
+
+    def begin() -> int:  # a 1-second window inside the topic's times
+        return rng.randint(first, max(first, last - 999))
+
     kinds = {
         "offset": lambda: [*script, "query", "offset", "--config", str(config), TOPIC, str(rng.randrange(8)),
                            str(rng.randint(first, last))],
-        "time": lambda: [*script, "query", "time", "--config", str(config), TOPIC, "--begin", str(b := rng.randint(
-            first, last - 999)), "--end", str(b + 999)],
-        "time-all": lambda: [*script, "query", "time", "--config", str(config), TOPIC, "--begin", str(b := rng.randint(
-            first, last - 999)), "--end", str(b + 999), "--count", "1000000"],
+        "time": lambda: [*script, "query", "time", "--config", str(config), TOPIC, "--begin", str(b := begin()),
+                         "--end", str(b + 999)],
+        "time-all": lambda: [*script, "query", "time", "--config", str(config), TOPIC, "--begin", str(b := begin()),
+                             "--end", str(b + 999), "--count", "1000000"],
         "queue": lambda: [*script, "query", "queue", "--config", str(config), TOPIC, str(rng.randrange(8)),
                           str(rng.randrange(240_000 if scale == 1 else 1_000))],
     }
@@ -152,7 +156,7 @@ def bench_timequery(work: Path, scale: float, runs: int = DEFAULT_RUNS) -> dict:
               1), **{kind: summary(r) for kind, r in got.items()}, "targets_ms": TARGET_MS,
               "load_before": [round(x, 2) for x in load_before], "load_after": [round(x, 2) for x in load_after],
               "cli_command": "reputd" if script != REPUTD else "python -m daemon.cli",
-              **search_reads(config, rng.randint(first, last - 999))}
+              **search_reads(config, begin())}
     (work / "timequery.json").write_text(json.dumps(result, indent=2))
     return result
 

@@ -205,13 +205,14 @@ def _tag_counts(args, config: Config, begin: int, end: int, tags) -> int:
 
 
 def cmd_query_offset(args, config: Config) -> int:
-    from daemon.commands.render import human_time
     from daemon.commands.timequery import query_offset
 
     _check_inputs(args, config, commit_log=False, output=True)
     timestamp = parse_time("TIME", args.time)
     r = query_offset(config, args.topic, args.queue_id, timestamp)
     where = f"{args.topic}/{args.queue_id}"
+    if r.out_of_order is not None or _format(args) != "json":
+        from daemon.commands.render import human_time
     if r.out_of_order is not None:
         a, b = r.out_of_order
         print(f"reputd: warning: store times go down in {where} (queue offset {a.queue_offset} at "

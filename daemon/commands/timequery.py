@@ -168,6 +168,8 @@ class _Search:
         except StoreError as e:
             return QueueWindow(qt.queue_id, qt.min_offset, qt.min_offset, qt.min_offset, qt.max_offset, qt.reads,
                                damage=e)
+        finally:
+            qt.close()  # its files are opened again when its window is read: a topic may have many queues
         return QueueWindow(qt.queue_id, first, end, qt.min_offset, qt.max_offset, qt.reads, None, removed)
 
     def read_through(self, qt: QueueTimes, pair: tuple[Probe, Probe] | None) -> QueueWindow:
