@@ -223,3 +223,24 @@ def test_a_signal_while_the_query_runs_is_one_line_and_130(store, kind):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (EXIT_INTERRUPTED, "reputd: interrupted\n")
+
+
+def test_an_invalid_unit_is_damage_wherever_the_search_lands(tmp_path):
+    """The newest file's end is found by bisection: whether it stops at the invalid unit (written units follow
+    it: damage, as the queue's recovery says for `query queue`) or past it (the unit is met when read), the
+    answer names the same file, unit and field as `query queue`'s."""
+    config, results = build(tmp_path)
+    q1 = [r for r in results if r.topic == "TT" and r.queue_id == 1]
+    unit_file = tmp_path / "out" / "consumequeue" / "TT" / "1" / f"{400:020d}"  # the newest of two files of 20
+    pristine = unit_file.read_bytes()
+    for index in (27, 30):  # the bisection over the file's 20 units passes its unit 7 and stops at unit 10
+        victim = q1[index]
+        data = bytearray(pristine)
+        struct.pack_into(">qiq", data, (victim.queue_offset - 20) * CQ_UNIT_SIZE, -1, victim.msg_size, 0)
+        unit_file.write_bytes(bytes(data))
+        by_time = run("query", "time", "--config", str(config), "TT", "--queue", "1", "--begin", "0", "--json")
+        by_queue = run("query", "queue", "--config", str(config), "TT", "1", "0", "--json")
+        assert by_time.returncode == by_queue.returncode == EXIT_FAILURE
+        named = f"reputd: error: {unit_file}: unit at queue offset {victim.queue_offset}: field commit_log_offset: -1 "
+        assert by_time.stderr.startswith(named), by_time.stderr
+        assert by_queue.stderr.startswith(named), by_queue.stderr

@@ -100,7 +100,9 @@ class QueueTimes:
             self.files: list[int] = []
             self.removed = 0
             return
-        self.max_offset = (files[-1][0] + written_units(files[-1][1]) * CQ_UNIT_SIZE) // CQ_UNIT_SIZE
+        newest = written_units(files[-1][1])
+        self.max_offset = (files[-1][0] + newest * CQ_UNIT_SIZE) // CQ_UNIT_SIZE
+        self._check_end(files[-1][0], newest)
         first = log.min_offset
         # the files the broker's clean-up deletes once the CommitLog starts at `first` (indexcore.retention)
         gone = expired_prefix(len(files), lambda i: self._last_unit_offset(files[i][0]), first) \
@@ -116,6 +118,26 @@ class QueueTimes:
         # units whose records retention deleted: before min_offset in its file, past its pre-blank units
         blanks = bisect.bisect_left(range(lo, self.min_offset), False, key=lambda i: self.is_blank(self.unit(i)))
         self.removed = self.min_offset - lo - blanks
+
+    def _check_end(self, start: int, written: int) -> None:
+        """The newest file's write position was found by bisection: when it stops at an invalid unit that
+        written units follow (looked at 1, 2, 4, ... units on), the file is damaged there, as the broker's
+        recovery would find it (`QueueRecovery._recover`); a unit a kill left torn is followed by zeros."""
+        per_file = self.file_size // CQ_UNIT_SIZE
+        step = 1
+        while written + step < per_file:
+            u = self.units_in(start, written + step)
+            if u.commit_log_offset >= 0 and u.msg_size > 0:
+                bad = self.units_in(start, written)
+                field, value = (("commit_log_offset", bad.commit_log_offset) if bad.commit_log_offset < 0
+                                else ("msg_size", bad.msg_size))
+                raise _unit_damage(self, start // CQ_UNIT_SIZE + written, field,
+                                   f"{value} makes it no valid unit, and written units follow it")
+            step *= 2
+
+    def units_in(self, start: int, index: int) -> ConsumeQueueUnit:
+        """Unit `index` of the file starting at `start`, whatever the queue's bounds."""
+        return ConsumeQueueUnit(*CQ_UNIT.unpack(os.pread(self._file_fd(start), CQ_UNIT_SIZE, index * CQ_UNIT_SIZE)))
 
     def _last_unit_offset(self, start: int) -> int | None:
         """The commit_log_offset of the last unit of a full file, None when it is not written (all zeros),

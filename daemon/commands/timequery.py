@@ -29,6 +29,7 @@ from typing import NamedTuple
 from daemon.commands.query import (
     _check_output,
     _listing,
+    _unit_fault,
     _unit_record,
     check_queue,
     is_removed,
@@ -225,7 +226,8 @@ class _Search:
         for q, u in self.units(queue_id):
             if self.no_message(queue_id, u):
                 continue
-            rec, damage = _unit_record(self.config, self.log, qt, q, u)
+            damage = _unit_fault(self.config, self.log, qt, q, u)
+            rec, damage = (None, damage) if damage is not None else _unit_record(self.config, self.log, qt, q, u)
             if damage is not None:
                 raise _Damaged(damage)
             qt.probes.setdefault(q, Probe(q, u, rec.store_timestamp))
