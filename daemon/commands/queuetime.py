@@ -168,10 +168,13 @@ class QueueTimes:
         return [ConsumeQueueUnit(*u) for u in CQ_UNIT.iter_unpack(data[: len(data) - len(data) % CQ_UNIT_SIZE])]
 
     def unit(self, queue_offset: int) -> ConsumeQueueUnit:
-        got = self.units(queue_offset, 1)
-        if not got:
+        """The unit at `queue_offset` (one read; a search step's)."""
+        logical = queue_offset * CQ_UNIT_SIZE
+        start = logical - logical % self.file_size
+        data = os.pread(self._file_fd(start), CQ_UNIT_SIZE, logical - start) if start in self._paths else b""
+        if len(data) < CQ_UNIT_SIZE or queue_offset >= self.max_offset:
             raise _unit_damage(self, queue_offset, "commit_log_offset", "the unit is not there (the file ends)")
-        return got[0]
+        return ConsumeQueueUnit._make(CQ_UNIT.unpack(data))
 
     # --- store times -------------------------------------------------------------------------------
 
