@@ -50,10 +50,10 @@ def lines(text: str) -> list[dict]:
 
 
 def rerun(command: str) -> subprocess.CompletedProcess:
-    """A printed command, run as printed (its `reputd` is this interpreter's)."""
+    """A printed command, run as printed but for the program (this interpreter's reputd): its words from
+    `query` on."""
     words = shlex.split(command)
-    assert words[0] == "reputd"
-    return run(*words[1:])
+    return run(*words[words.index("query"):])
 
 
 def test_piped_messages_then_the_command_that_continues(store):
