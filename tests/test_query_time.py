@@ -14,7 +14,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.commands.timequery import query_offset, query_time, tag_counts, tag_filter
+from daemon.commands.queuetime import query_offset
+from daemon.commands.timequery import query_time, tag_counts, tag_filter
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
 from indexcore.consumequeue import CQ_UNIT_SIZE

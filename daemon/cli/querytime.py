@@ -205,7 +205,7 @@ def _tag_counts(args, config: Config, begin: int, end: int, tags) -> int:
 
 
 def cmd_query_offset(args, config: Config) -> int:
-    from daemon.commands.timequery import query_offset
+    from daemon.commands.queuetime import query_offset
 
     _check_inputs(args, config, commit_log=False, output=True)
     timestamp = parse_time("TIME", args.time)

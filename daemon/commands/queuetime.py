@@ -1,5 +1,6 @@
 """One ConsumeQueue searched by store time: the broker's `searchOffset` (4.9.3's
-`ConsumeQueue.getOffsetInQueueByTime`, step by step) and reputd's own bounds of a time window.
+`ConsumeQueue.getOffsetInQueueByTime`, step by step: `query offset`) and reputd's own bounds of a time window
+(`query time`, daemon/commands/timequery.py).
 
 A unit holds no time; its record's STORETIMESTAMP is read from the CommitLog, one record head per step
 (`indexcore.recordhead`), so a search costs O(log n) CommitLog reads and never reads the queue through.
@@ -19,7 +20,7 @@ import bisect
 import os
 from typing import NamedTuple
 
-from daemon.commands.query import _unit_damage, _unit_fault, is_removed
+from daemon.commands.query import _unit_damage, _unit_fault, check_queue, is_removed, open_commit_log
 from daemon.config import Config
 from indexcore.commitlog import is_record_start
 from indexcore.consumequeue import BLANK_UNIT_MSG_SIZE, CQ_UNIT, CQ_UNIT_SIZE, ConsumeQueueUnit, written_units
@@ -321,6 +322,39 @@ class QueueTimes:
         self._fds.clear()
 
 
+class OffsetResult(NamedTuple):
+    """`query offset`: the broker's answer (`queue_offset`, found in the file starting at `file_start`),
+    the store time of the unit there (None past the queue's units), the first unit stored at or after the
+    time (`first_at_or_after`), the queue's bounds, the CommitLog reads, and two units out of order when met."""
+
+    queue_offset: int
+    store_timestamp: int | None
+    first_at_or_after: int
+    min_offset: int
+    max_offset: int
+    file_start: int
+    reads: int
+    out_of_order: tuple[Probe, Probe] | None
+
+
+def query_offset(config: Config, topic: str, queue_id: int, timestamp: int) -> OffsetResult:
+    """The queue offset the broker's `searchOffset` (4.9.3 `getOffsetInQueueByTime`) gives for `timestamp`."""
+    check_queue(config, topic, queue_id)
+    log = open_commit_log(config)
+    heads = LogHeads(log, config.store.max_message_size)
+    qt = QueueTimes(config, os.path.join(config.output.dir, "consumequeue", topic, str(queue_id)), topic, queue_id,
+                    log, heads)
+    try:
+        offset, file_start = qt.search_offset(timestamp)
+        at = qt.probe(offset).store_timestamp if qt.min_offset <= offset < qt.max_offset else None
+        first = qt.lower_bound(timestamp)
+        return OffsetResult(offset, at, first, qt.min_offset, qt.max_offset, file_start, qt.reads, qt.out_of_order())
+    finally:
+        qt.close()
+        heads.close()
+
+
+
 def _at_or_after(store_timestamp: int | None, timestamp: int) -> bool:
     return store_timestamp is not None and store_timestamp >= timestamp
 
@@ -331,4 +365,4 @@ def _java_div(a: int, b: int) -> int:
     return q if (a >= 0) == (b > 0) else -q
 
 
-__all__ = ["LogHeads", "Probe", "QueueTimes"]
+__all__ = ["LogHeads", "OffsetResult", "Probe", "QueueTimes", "query_offset"]

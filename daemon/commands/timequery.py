@@ -1,5 +1,6 @@
 """Queries by store time: the messages of a topic (or one queue) stored in a time window, optionally of some
-tags (`query time`), how many of each tag (`--tag-counts`), and a queue's offset for a time (`query offset`).
+tags (`query time`), and how many of each tag (`--tag-counts`); a queue's offset for a time (`query offset`)
+is daemon/commands/queuetime.py's.
 
 Each queue's window is found by two binary searches over store times (`daemon.commands.queuetime`): its
 first unit stored at or after the window's begin and its first after the end, O(log n) CommitLog reads;
@@ -378,37 +379,5 @@ def tag_counts(config: Config, topic: str, begin: int, end: int, *, queue_id: in
         search.close()
 
 
-class OffsetResult(NamedTuple):
-    """`query offset`: the broker's answer (`queue_offset`, found in the file starting at `file_start`),
-    the store time of the unit there (None past the queue's units), the first unit stored at or after the
-    time (`first_at_or_after`), the queue's bounds, the CommitLog reads, and two units out of order when met."""
-
-    queue_offset: int
-    store_timestamp: int | None
-    first_at_or_after: int
-    min_offset: int
-    max_offset: int
-    file_start: int
-    reads: int
-    out_of_order: tuple[Probe, Probe] | None
-
-
-def query_offset(config: Config, topic: str, queue_id: int, timestamp: int) -> OffsetResult:
-    """The queue offset the broker's `searchOffset` (4.9.3 `getOffsetInQueueByTime`) gives for `timestamp`."""
-    check_queue(config, topic, queue_id)
-    log = open_commit_log(config)
-    heads = LogHeads(log, config.store.max_message_size)
-    qt = QueueTimes(config, os.path.join(config.output.dir, "consumequeue", topic, str(queue_id)), topic, queue_id,
-                    log, heads)
-    try:
-        offset, file_start = qt.search_offset(timestamp)
-        at = qt.probe(offset).store_timestamp if qt.min_offset <= offset < qt.max_offset else None
-        first = qt.lower_bound(timestamp)
-        return OffsetResult(offset, at, first, qt.min_offset, qt.max_offset, file_start, qt.reads, qt.out_of_order())
-    finally:
-        qt.close()
-        heads.close()
-
-
-__all__ = ["OffsetResult", "QueueWindow", "TagCountResult", "TagCounts", "TagFilter", "TimeQueryResult",
-           "query_offset", "query_time", "tag_counts", "tag_filter", "topic_queues"]
+__all__ = ["QueueWindow", "TagCountResult", "TagCounts", "TagFilter", "TimeQueryResult", "query_time", "tag_counts",
+           "tag_filter", "topic_queues"]
