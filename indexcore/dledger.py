@@ -158,7 +158,8 @@ def decode_entry_header(buf, at: int, offset: int, *, path: str | None = None,
     checks it (magic 1, pos = its offset, size = bodyLen + 48, room in the file); CorruptEntryHeaderError
     otherwise. A DLedger BLANK is not an entry: callers look for it first (`is_blank`)."""
     left = len(buf) - at if bytes_left is None else bytes_left
-    if left < ENTRY_HEADER_SIZE:
+    if min(left, len(buf) - at) < ENTRY_HEADER_SIZE:  # the room in the file, or what a short read holds
+        left = min(left, len(buf) - at)
         raise CorruptEntryHeaderError("entry.size", f"only {left} bytes left, an entry header is {ENTRY_HEADER_SIZE}",
                                       path=path, offset=offset)
     h = EntryHeader._make(ENTRY_HEADER.unpack_from(buf, at))

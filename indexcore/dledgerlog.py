@@ -77,9 +77,12 @@ class DLedgerLog(CommitLog):
         self.divided_offset = divided
         self._old_end = old[-1][0] + self.segment_size if old else 0
         self._has_dledger = bool(dledger)
+        # the files' sizes first: the committed position is found at offsets computed with the segment size,
+        # so files of another size (mappedFileSizeCommitLog not the broker's) must be refused before it
+        segments = super().refresh()
         if self.use_committed:
             self._update_committed()
-        return super().refresh()
+        return segments
 
     def _checkpoint_stamp(self) -> tuple:
         """What changes when DLedger rewrites its checkpoint (it renames a new file in)."""

@@ -254,6 +254,7 @@ def test_handoff_daemon_first_then_backfill_below_it(spark, generated, tmp_path)
         daemon.send_signal(signal.SIGTERM)
         assert daemon.wait(60) == 0
     summary = backfill(config, spark=spark, to_offset=handoff)
+    assert summary.new_messages == summary.messages > 0  # merged into the daemon's queues, all new to them
     res = run_cli("run", "--config", str(tmp_path / "out.yaml"), "--until-caught-up")  # started again
     assert res.returncode == 0, res.stderr
     reference = make_config(tmp_path, "reference", tmp_path / "store")
@@ -679,13 +680,14 @@ def test_a_failed_backfill_leaves_no_staged_catalog_file(spark, spark_sql, gener
 def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
     """`reputd backfill --master local[1]` exits 0 with messages, bytes, segments, seconds and msgs/s. The
     first run records the driver JVM's class archive as it ends, a one-off its summary line leaves out of
-    the time and the rate and states on a note of its own (issue 33.9); the second maps it and writes the
-    same files; the JVM's messages about the archive stay off standard output, which holds the JSON summary."""
+    the time and the rate and states on a note of its own (issue 33.9); the second maps it and, into the same
+    output, finds the same files there: all its messages read, none new (as `rebuild` counts them, issue
+    44.12); the JVM's messages about the archive stay off standard output, which holds the JSON summary."""
     tmp, results, expected = generated
     cache = tmp_path / "cache"
+    out = tmp_path / "out"
+    config = config_file(tmp_path, out.name, tmp / "store")
     for run in ("records the archive", "maps it"):
-        out = tmp_path / run.replace(" ", "-")
-        config = config_file(tmp_path, out.name, tmp / "store")
         first = run == "records the archive"  # the human summary, with the summary as a log event too
         res = run_cli("backfill", "--config", str(config), "--master", "local[1]", "--conf", "spark.ui.enabled=false",
                       *([] if first else ["--json"]),
@@ -715,7 +717,8 @@ def test_cli_backfill_prints_a_summary_and_matches_rebuild(generated, tmp_path):
         else:
             summary = json.loads(res.stdout)
             assert summary["classArchiveSaved"] is None
-        assert summary["messages"] == summary["newMessages"] == len(results)  # the human line says "0 new" at 0
+        assert summary["messages"] == len(results)
+        assert summary["newMessages"] == (len(results) if first else 0)
         assert summary["segments"] > 3
         assert summary["msgsPerSecond"] > 0
         assert summary["master"] == "local[1]"

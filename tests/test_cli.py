@@ -222,12 +222,12 @@ def test_cli_rebuild_of_a_conformance_store_is_byte_identical(tmp_path):
 
 def test_inspect_reports_a_corrupt_record(store):
     """inspect of a damaged segment prints the records before the damage and exits 1 naming it."""
-    tmp, _config, results = store
+    tmp, config, results = store
     segment = tmp / "store" / "commitlog" / f"{0:020d}"
     with open(segment, "r+b") as f:
         f.seek(results[3].phy_offset + PHYSICAL_OFFSET_OFFSET)
         f.write((12345).to_bytes(8, "big"))
-    res = run("inspect", str(segment), "--json")
+    res = run("inspect", str(segment), "--json", "--config", str(config))
     assert res.returncode == 1
     assert len(res.stdout.splitlines()) == 1 + 3
     assert f"offset {results[3].phy_offset}" in res.stderr

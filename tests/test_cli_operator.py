@@ -203,7 +203,7 @@ def test_inspect_calls_a_record_being_written_the_end_of_the_data(tmp_path):
     exits 0 with `end of written data`, as rebuild does."""
     results = make_store(tmp_path)
     segment = _tear_last_record(tmp_path, results)
-    res = run("inspect", str(segment), "--json")
+    res = run("inspect", str(segment), "--json", "--config", str(write_config(tmp_path)))
     assert res.returncode == 0, res.stderr
     rows = json_lines(res.stdout)[1:]
     assert rows[-1]["commitLogOffset"] == results[-2].phy_offset
@@ -564,7 +564,7 @@ def test_default_config_rule_and_size_mismatch(tmp_path):
     assert "(config: built-in defaults (no --config, REPUTD_CONFIG or ./config/reputd.yaml))" in res.stderr
     res = run("rebuild", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out2"), cwd=elsewhere)
     assert res.returncode == 2
-    assert "set store.mappedFileSizeCommitLog to the broker's values" in res.stderr
+    assert "set store.mappedFileSizeCommitLog to the broker's value (" in res.stderr
     no_traceback(res)
 
 
@@ -632,7 +632,7 @@ def test_backfill_refuses_bad_arguments_before_spark_starts(tmp_path):
     assert not (tmp_path / "out").exists()
     res = run("backfill", "--config", str(config), "--out", str(tmp_path / "reputd.yaml" / "out"), env=env)
     assert res.returncode == 2
-    assert f"--out: output directory {tmp_path / 'reputd.yaml' / 'out'} cannot be created or written" in res.stderr
+    assert f"{tmp_path / 'reputd.yaml' / 'out'}: no such output directory, and no directory " in res.stderr
 
 
 def test_backfill_into_a_read_only_output_names_out(tmp_path):

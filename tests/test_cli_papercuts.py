@@ -41,17 +41,22 @@ def listing(path: Path) -> list[str]:
 # --- 33.2: a command that fails before writing leaves no trace ----------------------------------------
 
 def test_a_rebuild_refused_by_its_config_creates_no_output_directory(tmp_path):
-    """Exit 2 on a size setting that is not the broker's: neither the output directory nor the parents
-    it would have made are left behind."""
+    """Exit 2 on a size setting that is not the broker's, found before the new output directory is made
+    (no note saying it was), and a path whose parent does not exist is refused, not made."""
     make_store(tmp_path, n=40)
     config = write_config(tmp_path, mappedFileSizeCommitLog=SEGMENT // 2)
-    out = tmp_path / "new" / "w1out"
+    out = tmp_path / "new"
     res = run("rebuild", "--config", str(config), "--out", str(out))
     assert res.returncode == 2
     assert res.stderr.startswith("reputd: config error: ")
     assert "mappedFileSizeCommitLog" in res.stderr
     no_traceback(res)
-    assert not (tmp_path / "new").exists()
+    assert not out.exists()
+    res = run("rebuild", "--config", str(write_config(tmp_path)), "--out", str(out / "w1out"))
+    assert res.returncode == 2
+    assert res.stderr == (f"reputd: error: {out / 'w1out'}: no such output directory, and no directory {out} to "
+                          "create it in (--out): a writing command creates the output directory, not the path to it\n")
+    assert not out.exists()
 
 
 def test_run_on_a_busy_metrics_port_creates_no_output_directory(tmp_path):

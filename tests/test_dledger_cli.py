@@ -48,29 +48,27 @@ def whole_store(tmp_path) -> tuple[Path, Path]:
 
 def test_a_dledger_store_read_without_the_dledger_settings_names_them(tmp_path):
     """An operator who points reputd at a DLedger broker's store with only --store is told which settings
-    read it, not only that commitlog/ is missing: once as a command's error, once as run's warning."""
+    read it, not only that commitlog/ is missing: a configuration error (exit 2), in `rebuild` and in `run`
+    (which no waiting would help: its log's `config_mismatch` and the same line on stderr)."""
     root = tmp_path / "store"
     shutil.copytree(STORE.store / "dledger-n0", root / "dledger-n0")
     rebuild = reputd("rebuild", "--store", str(root), "--out", str(tmp_path / "out"))
-    assert rebuild.returncode == 1, rebuild.stderr
+    assert rebuild.returncode == 2, rebuild.stderr
     assert "has no commitlog/ directory" in rebuild.stderr
     assert ("it has dledger-n0/data, a DLedger CommitLog: set store.enableDLegerCommitLog: true and "
             "store.dLegerSelfId: n0") in rebuild.stderr
     assert not (tmp_path / "out").exists()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}, "REPUTD_METRICS_ENABLED": "false"}
-    run = subprocess.Popen([*REPUTD, "run", "--store", str(root), "--out", str(tmp_path / "run-out")],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        events = []
-        for line in run.stdout:  # its first lines: started, this warning, then the retries of the missing dir
-            events.append(json.loads(line))
-            if events[-1]["event"] in ("dledger_settings_missing", "recovery_failed"):
-                break
-    finally:
-        run.terminate()
-        run.communicate(timeout=60)
-    warning = next(e for e in events if e["event"] == "dledger_settings_missing")
-    assert "store.enableDLegerCommitLog: true and store.dLegerSelfId: n0" in warning["detail"]
+    run = subprocess.run([*REPUTD, "run", "--store", str(root), "--out", str(tmp_path / "run-out")],
+                         capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert run.returncode == 2, run.stderr
+    line = run.stderr.splitlines()[-1]
+    assert line.startswith("reputd: config error: "), run.stderr
+    assert "store.dLegerSelfId: n0" in line
+    event = next(json.loads(x) for x in run.stdout.splitlines() if '"config_mismatch"' in x)
+    assert "store.enableDLegerCommitLog: true and store.dLegerSelfId: n0" in event["error"]
+    assert event["exit_code"] == 2
+    assert not (tmp_path / "run-out").exists()
 
 
 def test_rebuild_writes_the_brokers_files(workspace):
@@ -80,6 +78,19 @@ def test_rebuild_writes_the_brokers_files(workspace):
     assert res.stdout.startswith("rebuilt 3,015 messages, 1,591,901 bytes [0, 1591901)")
     assert files_under(root / "consumequeue") == files_under(STORE.store / "consumequeue")
     assert list(files_under(root / "index").values()) == list(files_under(STORE.store / "index").values())
+
+
+def test_run_on_the_brokers_own_files_resumes_at_an_entry(whole_store):
+    """`run` on the broker's store without a reputd checkpoint resumes where the files end, at the last indexed
+    message's entry (its store offset, pos + 48, is not a reput offset): not "corrupt" 48 bytes into the entry
+    (what it said before), and the files stay the broker's."""
+    root, config = whole_store
+    res = reputd("run", "--until-caught-up", "--config", str(config))
+    assert res.returncode == 0, res.stderr
+    assert "caught up: dispatched 1 messages, 298 bytes [1591603, 1591901)" in res.stderr
+    assert files_under(root / "consumequeue") == files_under(STORE.store / "consumequeue")
+    assert list(files_under(root / "index").values()) == list(files_under(STORE.store / "index").values())
+    assert reputd("verify", "--config", str(config)).returncode == 0
 
 
 def test_queries_answer_as_the_broker(workspace):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.cli.common import program
 from indexcore.checkpoint import StoreCheckpoint
 from indexcore.commitlog import TRANSACTION_PREPARED_TYPE, TRANSACTION_ROLLBACK_TYPE
 from indexcore.indexfile import INDEX_HEADER_SIZE, IndexHeader
@@ -245,9 +247,8 @@ def test_an_output_elsewhere_prints_the_moves_and_the_handoff_to_run(tmp_path):
     assert commands == [f"mv {store / 'consumequeue'} {store / 'consumequeue.before-handoff'}",
                         f"mv {out / 'consumequeue'} {store / 'consumequeue'}",
                         f"mv {out / 'index'} {store / 'index'}",
-                        f"reputd handoff --config {config} --store {store}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+                        shlex.join([*program(), "handoff", "--config", str(config), "--store", str(store)])]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}  # no PATH of its own: as printed
     for command in commands:
         done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=120,
                               check=False)
@@ -293,7 +294,8 @@ def test_writing_into_a_root_with_abort_warns_once(tmp_path, command):
     warnings = [x for x in res.stderr.splitlines() if x.startswith("reputd: warning:")]
     assert warnings == [f"reputd: warning: {store / 'abort'} exists (the broker's last exit was not clean): a 4.9.3 "
                         "broker started on this store discards these IndexFiles and re-dispatches over these "
-                        f"ConsumeQueues unless `reputd handoff --config {config} --store {store}` runs first"]
+                        f"ConsumeQueues unless `{shlex.join(program())} handoff --config {config} --store {store}` "
+                        "runs first"]
     logged = [json.loads(x) for x in (res.stdout + res.stderr).splitlines() if x.startswith("{")]
     events = [e for e in logged if e.get("event") == "broker_abort_present"]
     assert len(events) == 1
@@ -331,8 +333,8 @@ def test_a_store_without_a_commitlog_is_exit_2_and_nothing_is_created(tmp_path):
     config = write_config(tmp_path)
     res = run("handoff", "--config", str(config), "--store", str(tmp_path / "typo"))
     assert res.returncode == 2
-    assert res.stderr == (f"reputd: error: {tmp_path / 'typo' / 'commitlog'}: no CommitLog directory "
-                          "(store.storePathCommitLog / --store); nothing was changed\n")
+    assert res.stderr == (f"reputd: error: {tmp_path / 'typo'}: no such store root directory (--store); nothing was "
+                          "changed\n")
     assert not (tmp_path / "typo").exists()
 
 

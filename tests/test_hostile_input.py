@@ -184,8 +184,9 @@ def events(stdout: str) -> list[dict]:
 
 
 def one_line_error(stderr: str) -> str:
-    """The one line that is not a JSON log event (rebuild logs its events to stderr)."""
-    lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("{")]
+    """The one line that is not a JSON log event (rebuild logs its events to stderr) nor the note that the
+    output directory was created."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith(("{", "reputd: note: "))]
     assert len(lines) == 1, stderr
     assert lines[0].startswith("reputd: error: "), stderr
     return lines[0]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from daemon.cli.common import program
 from tests.conformance import files_under
 from tests.test_cli import REPUTD, make_store, run, write_config
 
@@ -81,7 +82,8 @@ def test_a_second_writer_is_refused_and_readers_are_not(tmp_path):
         res = run("query", "msgid", results[9].msg_id, "--config", str(config), "--json")
         assert res.returncode == 0, res.stderr
         assert json.loads(res.stdout)["commitLogOffset"] == results[9].phy_offset
-        res = run("inspect", str(out / "consumequeue" / "TopicA" / "0" / f"{0:020d}"), "--json")
+        queue_file = out / "consumequeue" / "TopicA" / "0" / f"{0:020d}"
+        res = run("inspect", str(queue_file), "--json", "--config", str(config))
         assert res.returncode == 0, res.stderr
     finally:
         _stop(daemon)
@@ -135,10 +137,9 @@ def test_sigterm_stops_a_rebuild_at_a_batch_boundary_and_says_how_to_continue(tm
     assert 0 < stopped < results[-1].phy_offset
     assert stopped in {r.phy_offset for r in results}  # a record boundary
     assert re.match(rf"interrupted: rebuilt [\d,]+ messages, {stopped:,} bytes \[0, {stopped}\)", out)
-    command = shlex.split(m[2])
-    assert command[0] == "reputd"
-    assert command[-2:] == ["--from", str(stopped)]
-    res = subprocess.run([*REPUTD, *command[1:]], capture_output=True, text=True, cwd=ROOT, timeout=300,
+    command = shlex.split(m[2])  # run as printed, from another directory
+    assert command == [*program(), "rebuild", "--from", str(stopped), "--config", str(config)]
+    res = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300,
                          env=_env(REPUTD_DISPATCHERS="consumequeue,index"), check=False)
     assert res.returncode == 0, res.stderr
     assert re.match(rf"rebuilt [\d,]+ messages, [\d,]+ bytes \[{stopped}, ", res.stdout)

@@ -460,7 +460,8 @@ def test_stdout_is_json_on_the_error_exits(tmp_path):
     assert missing.returncode == 2  # a configured path that does not exist: a configuration error
     assert missing.stdout == ""
     assert missing.stderr.count("\n") == 1
-    assert "no such store root directory (store.storePathRootDir)" in missing.stderr
+    assert ("no such store root directory (store.storePathRootDir, from REPUTD_STORE_STORE_PATH_ROOT_DIR)"
+            in missing.stderr)
     (tmp_path / "empty-root").mkdir()
     no_data = run_cli("run", "--config", str(store.config), "--until-caught-up", cwd=tmp_path,
                       env={"REPUTD_STORE_STORE_PATH_ROOT_DIR": str(tmp_path / "empty-root")})

@@ -68,7 +68,10 @@ def test_events_a_run_logs_are_in_the_table(tmp_path):
     seen = {json.loads(line)["event"] for line in res.stdout.splitlines()}
     res = run("rebuild", "--config", str(config), "--out", str(tmp_path / "again"), env=env)
     assert res.returncode == 0, res.stderr
-    seen |= {json.loads(line)["event"] for line in res.stderr.splitlines()}
+    # stderr: the log's JSON lines, and the note that the new output directory was created
+    note = f"reputd: note: created the output directory {tmp_path / 'again'} (it did not exist)"
+    assert res.stderr.splitlines()[-1] == note
+    seen |= {json.loads(line)["event"] for line in res.stderr.splitlines()[:-1]}
     assert {"reputd_started", "recovered", "caught_up", "final_flush", "session_closed", "reputd_stopped",
             "rebuild_started", "rebuild_finished"} <= seen
     assert sorted(seen - set(readme_events())) == []

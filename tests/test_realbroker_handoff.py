@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon.cli.common import program
 from daemon.engine.checkpoint import read_checkpoint
 from indexcore.checkpoint import StoreCheckpoint
 from tests import stress
@@ -182,8 +184,8 @@ def reputd(*args: str) -> subprocess.CompletedProcess:
 
 
 def run_printed(commands: list[str]) -> list[str]:
-    """Run the commands handoff printed, each as printed, with `reputd` on PATH; what they print."""
-    env = clean_env({"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
+    """Run the commands handoff printed, each as printed (reputd's by the path it printed); what they print."""
+    env = clean_env({})
     printed = []
     for command in commands:
         res = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=600,
@@ -258,7 +260,7 @@ def hand_off(store: Path, followed: Path, tmp_path: Path, broker: str, source: s
             assert res.returncode == 0, res.stdout + res.stderr
             printed = res.stdout.splitlines()
             commands = printed_commands(res.stdout, f"to hand {out} to the broker")
-            assert commands[-1].startswith("reputd handoff"), commands
+            assert commands[-1].startswith(f"{shlex.join(program())} handoff"), commands
             printed += run_printed(commands)
         assert not (out / "consumequeue").exists()
         assert not (out / "index").exists()

@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon.cli.common import program
 from indexcore.indexfile import HASH_SLOT_SIZE, INDEX_ENTRY_SIZE, INDEX_HEADER_SIZE
 from indexcore.mappedfile import offset_to_file_name
 from tests.conformance import discover
 from tests.dledger_live import broker_files
 
 REPUTD = [sys.executable, "-m", "daemon.cli"]
+PROGRAM = program()  # what the commands reputd prints start with, as this environment runs them
 STORE = next((s for s in discover() if s.name == "visible"), None)
 _COUNT_AT = INDEX_HEADER_SIZE - 4  # indexCount, the header's last field
 
@@ -41,10 +43,11 @@ def reputd(*args: str, cwd: Path | None = None, **popen) -> subprocess.Completed
 
 
 def run_printed(command: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """A command line reputd printed, run as a shell would split it."""
+    """A command line reputd printed, run as printed (split as a shell splits it, with no other PATH than the
+    test's): it starts with the program that printed it (`program()`: the venv's `reputd` script here)."""
     words = shlex.split(command)
-    assert words[0] == "reputd", command
-    return reputd(*words[1:], cwd=cwd)
+    assert words[:len(PROGRAM)] == PROGRAM, command
+    return subprocess.run(words, capture_output=True, text=True, env=_env(), cwd=cwd, timeout=300, check=False)
 
 
 def closed_stdout(*args: str) -> tuple[int, str]:
@@ -142,7 +145,7 @@ def test_the_query_queue_continuation_reads_the_same_output(tmp_path, store):
     m = re.search(r"^note: more from queue offset 3: (.+)$", res.stderr, re.MULTILINE)
     assert m, res.stderr
     words = shlex.split(m[1])
-    assert words[:6] == ["reputd", "query", "queue", "TopicTest", "0", "3"]
+    assert words[:len(PROGRAM) + 5] == [*PROGRAM, "query", "queue", "TopicTest", "0", "3"]
     assert {"--config", "--store", "--out"} <= set(words)
     after = run_printed(m[1] + " --format json")
     assert after.returncode == 0, after.stderr
@@ -169,7 +172,8 @@ def test_verify_with_sizes_that_are_not_the_brokers_is_a_config_error(tmp_path, 
     assert res.stdout == ""
     assert res.stderr.startswith("reputd: config error: ")
     assert needle in res.stderr
-    assert f"set {keys} to the broker's values (config: {config} (--config))" in res.stderr
+    value = "values" if " and " in keys else "value"
+    assert f"set {keys} to the broker's {value} (config: {config} (--config))" in res.stderr
     assert "Traceback" not in res.stderr
 
 
@@ -329,13 +333,12 @@ def test_run_until_caught_up_refuses_a_newest_segment_cut_short_as_rebuild_does(
 @pytest.mark.parametrize("command", [["verify"], ["rebuild"], ["run", "--until-caught-up"], ["query", "key", "T", "k"],
                                      ["query", "queue", "T", "0", "0"], ["backfill", "--to", "5000"]])
 def test_a_store_root_that_does_not_exist_is_a_usage_error_naming_store(tmp_path, store, command):
-    """Queries look at the output (the store root here) first: what they cannot find there is named."""
+    """The same line in every command, queries included (they look at the store root before the output)."""
     _root, config = store
     missing = tmp_path / "nonexist"
     res = reputd(*command, "--config", str(config), "--store", str(missing))
     assert res.returncode == 2, res.stderr
-    what = "output directory" if command[0] == "query" else "store root directory"
-    assert res.stderr.strip() == f"reputd: error: {missing}: no such {what} (--store)"
+    assert res.stderr.strip() == f"reputd: error: {missing}: no such store root directory (--store)"
     assert not missing.exists()
 
 
@@ -355,8 +358,9 @@ def test_inspect_of_a_directory_says_what_inspect_takes(store):
     root, config = store
     res = reputd("inspect", str(root / "commitlog"), "--config", str(config))
     assert res.returncode == 2
-    assert res.stderr.startswith(f"reputd: error: {root / 'commitlog'}: is a directory; inspect decodes one file: "
-                                 "a CommitLog segment")
+    assert res.stderr.startswith(f"reputd: error: {root / 'commitlog'}: is a directory; inspect decodes a CommitLog "
+                                 "segment (commitlog/<20 digits>)")
+    assert "a data file (dledger-<selfId>/data/<20 digits>)" in res.stderr
     res = reputd("inspect", str(root / "nonexist"), "--config", str(config))
     assert res.returncode == 2
     assert res.stderr.strip() == f"reputd: error: {root / 'nonexist'}: no such file"

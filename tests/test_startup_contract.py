@@ -114,10 +114,11 @@ def test_missing_commitlog_directory_is_ready_and_down_then_follows(store, liste
     assert any(e["event"] == "recovery_failed" and e["retry_in_s"] for e in events(out))
 
 
-def test_segment_size_setting_mismatch_exits_1_without_ready(store, listener):
-    """Every segment is 256 KiB, the config says 128 KiB: only a config change fixes that, so exit 1 at
-    once with STATUS= saying why and never READY=1 (systemd's Restart= and start limit then end the
-    retries; a unit that never becomes ready and never exits would loop on TimeoutStartSec= forever)."""
+def test_segment_size_setting_mismatch_exits_2_without_ready(store, listener):
+    """Every segment is 256 KiB, the config says 128 KiB: only a config change fixes that, so exit 2 at
+    once, the configuration error every command gives (systemd's RestartPreventExitStatus=2 does not
+    restart it), with STATUS= and one line on stderr saying why and never READY=1 (a unit that never
+    becomes ready and never exits would loop on TimeoutStartSec= forever)."""
     while store.end < SEGMENT:
         store.append(200)
     store.writer.close()
@@ -126,17 +127,19 @@ def test_segment_size_setting_mismatch_exits_1_without_ready(store, listener):
     store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
     proc = store.start(env={"NOTIFY_SOCKET": listener.path})
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1, err
+    assert proc.returncode == 2, err
     assert "Traceback" not in out + err
+    assert err.splitlines()[-1].startswith("reputd: config error: "), err
+    assert "set store.mappedFileSizeCommitLog to the broker's value" in err
     assert listener.first("READY=1") is None, listener.timeline()
     assert listener.fields()[-1].startswith("STATUS=failed"), "the last word systemd shows is why"
     status = listener.first("STATUS=failed")
     assert status is not None, listener.timeline()
     assert f"the segments here are {SEGMENT} bytes" in status
     assert "mappedFileSizeCommitLog is 131072" in status
-    mismatch = [e for e in events(out) if e["event"] == "commitlog_size_mismatch"]
+    mismatch = [e for e in events(out) if e["event"] == "config_mismatch"]
     assert mismatch
-    assert mismatch[0]["exit_code"] == 1
+    assert mismatch[0]["exit_code"] == 2
 
 
 def test_one_segment_of_another_size_is_ready_and_down_until_repaired(store, listener):

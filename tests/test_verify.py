@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from daemon.cli.common import program
 from daemon.commands.verify import MODE_CRASHED, MODE_REPUTD, MODE_STOPPED, VerifyReport, verify
 from daemon.config import load_config
 from daemon.engine.rebuild import rebuild
@@ -681,7 +683,7 @@ def test_cli_json_lists_findings_then_a_summary(broker_store):
     assert summary["byKind"] == {CQ_UNIT_MISSING: {"findings": 1, "count": 1},
                                  INDEX_FILE_MISSING: {"findings": 1, "count": 1}}
     repair = summary["repair"]
-    assert repair["command"].startswith("reputd rebuild --config ")
+    assert repair["command"].startswith(f"{shlex.join(program())} rebuild --config ")
     targets = {r["to"] for r in repair["replace"]}
     assert targets == {str((root / zeroed).parent), str(root / "index")}
 
@@ -692,7 +694,7 @@ def test_cli_human_summary_per_kind(broker_store):
     res = cli("--config", str(config))
     assert res.returncode == 1
     assert "cqUnitWrong: 1 finding, 2 in all" in res.stdout
-    assert "repair: reputd rebuild" in res.stdout
+    assert f"repair: {shlex.join(program())} rebuild" in res.stdout
     assert "Traceback" not in res.stderr
 
 

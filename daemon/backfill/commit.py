@@ -27,6 +27,14 @@ import numpy as np
 
 from daemon.backfill.plan import BackfillError
 from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT_SIZE
+from indexcore.indexfile import (
+    FIRST_INDEX,
+    HASH_SLOT_SIZE,
+    INDEX_ENTRY_DTYPE,
+    INDEX_ENTRY_SIZE,
+    INDEX_HEADER_SIZE,
+    IndexHeader,
+)
 from indexcore.mappedfile import list_queue_files, pwrite_all
 
 STAGING_DIR = ".reputd-backfill"
@@ -80,9 +88,22 @@ def _units(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).reshape(-1, CQ_UNIT_SIZE)
 
 
-def commit_queue_file(staged: str, final: str) -> str:
-    """Link a staged ConsumeQueue file into place, or merge its units into the file already there."""
+def _real_offsets(units: np.ndarray) -> np.ndarray:
+    """The CommitLog offsets of the real units (not blank, not unwritten) of a unit array."""
+    blank = _units(BLANK_UNIT)[0]
+    real = units[~(units == blank).all(axis=1) & units.any(axis=1)]
+    return real[:, :8].copy().view(">i8").ravel()
+
+
+def commit_queue_file(staged: str, final: str, new_offsets: list | None = None) -> str:
+    """Link a staged ConsumeQueue file into place, or merge its units into the file already there. With
+    `new_offsets`, the CommitLog offsets of the units it put there are appended to it (an array)."""
+    if new_offsets is not None:
+        with open(staged, "rb") as f:
+            ours = _units(f.read())
     if _link(staged, final):
+        if new_offsets is not None:
+            new_offsets.append(_real_offsets(ours))
         return LINKED
     with open(staged, "rb") as f:
         ours = _units(f.read())
@@ -106,6 +127,8 @@ def commit_queue_file(staged: str, final: str) -> str:
         write = np.flatnonzero(ours_real & ~same)
         if len(write) == 0:
             return PRESENT
+        if new_offsets is not None:
+            new_offsets.append(_real_offsets(ours[write]))
         runs = np.split(write, np.flatnonzero(np.diff(write) != 1) + 1)
         for run in runs:
             lo, hi = int(run[0]), int(run[-1]) + 1
@@ -116,11 +139,11 @@ def commit_queue_file(staged: str, final: str) -> str:
     return MERGED
 
 
-def commit_queue_dir(staged_dir: str, final_dir: str) -> dict[str, int]:
-    """Commit every file of one staged queue; counts by outcome."""
+def commit_queue_dir(staged_dir: str, final_dir: str, new_offsets: list | None = None) -> dict[str, int]:
+    """Commit every file of one staged queue; counts by outcome (`new_offsets`: as commit_queue_file)."""
     counts = file_counts()
     for _, path in list_queue_files(staged_dir):
-        counts[commit_queue_file(path, os.path.join(final_dir, os.path.basename(path)))] += 1
+        counts[commit_queue_file(path, os.path.join(final_dir, os.path.basename(path)), new_offsets)] += 1
     return counts
 
 
@@ -136,9 +159,22 @@ def _same_contents(a: str, b: str) -> bool:
                 return True
 
 
-def commit_index_file(staged: str, final: str) -> str:
-    """Link a staged IndexFile into place; a file already there must be the same bytes."""
+def index_entry_offsets(path: str, hash_slot_num: int) -> np.ndarray:
+    """The CommitLog offsets of an IndexFile's entries (indexCount - 1 of them, from its header)."""
+    with open(path, "rb") as f:
+        header = IndexHeader.decode(f.read(INDEX_HEADER_SIZE))
+        count = max(0, header.index_count - FIRST_INDEX)
+        start = INDEX_HEADER_SIZE + hash_slot_num * HASH_SLOT_SIZE + FIRST_INDEX * INDEX_ENTRY_SIZE
+        data = os.pread(f.fileno(), count * INDEX_ENTRY_SIZE, start)
+    return np.frombuffer(data, dtype=INDEX_ENTRY_DTYPE)["phy_offset"].astype(np.int64)
+
+
+def commit_index_file(staged: str, final: str, new_offsets: list | None = None, hash_slot_num: int = 0) -> str:
+    """Link a staged IndexFile into place; a file already there must be the same bytes. With `new_offsets`,
+    the CommitLog offsets of the entries of a file it put there are appended to it."""
     if _link(staged, final):
+        if new_offsets is not None:
+            new_offsets.append(index_entry_offsets(final, hash_slot_num))
         return LINKED
     if not _same_contents(staged, final):
         raise BackfillError(f"{final}: an IndexFile of this name already exists with other contents")

@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 from pyarrow import fs
 
 from daemon.backfill.catalog import catalog_filesystem, file_name, write_marker
-from daemon.backfill.commit import commit_index_file, commit_queue_dir, file_counts, staging_root
+from daemon.backfill.commit import PRESENT, commit_index_file, commit_queue_dir, file_counts, staging_root
 from daemon.backfill.outputs import first_real_unit
 from daemon.backfill.plan import (
     BackfillError,
@@ -272,17 +273,24 @@ class Phases:
             self.log.warning("queue_offsets_blanked", blanks=stats.gap_blanks,
                              detail="units of records the CommitLog no longer holds, blank at their queue offsets")
         s.write_task_seconds = stats.seconds + sum(seconds for _, seconds in results[CATALOG_FILES])
+        # an output that has some of these files already (a rerun): the messages new to it are those whose units
+        # or keys this commit puts (newMessages, 0 when it held them all, as `rebuild` counts); into an empty
+        # output, or merged into a daemon's queues that start after the range, every message is
+        new_offsets = [] if self._output_has_any(queues, index_dir, names) else None
         counts = file_counts()
         for q in queues:
             for k, v in commit_queue_dir(q.directory, os.path.join(self.out, CONSUME_QUEUE_DIR, q.topic,
-                                                                   str(q.queue_id))).items():
+                                                                   str(q.queue_id)), new_offsets).items():
                 counts[k] += v
         if build_cq:
             s.files["consumequeue"] = sum(counts.values())
             self.log.info("consumequeues_written", queues=stats.queues, units=stats.units, **counts)
         index_counts = file_counts()
         for f, name in zip(staged_files, names, strict=True):
-            index_counts[commit_index_file(f.path, os.path.join(index_dir, name))] += 1
+            index_counts[commit_index_file(f.path, os.path.join(index_dir, name), new_offsets,
+                                           store.max_hash_slot_num)] += 1
+        if new_offsets is not None and counts[PRESENT] + index_counts[PRESENT]:  # a rerun: what it put is new
+            s.new_messages = len(np.unique(np.concatenate(new_offsets))) if new_offsets else 0
         if build_index:
             s.files["index"] = len(names)
             self.log.info("index_files_written", files=len(names), keys=stats.keys, **index_counts)
@@ -302,6 +310,12 @@ class Phases:
             write_marker(filesystem, base, s.start_offset, s.end_offset)
             s.files["catalog"] = sum(len(w) for w, _ in results[CATALOG_FILES])
             self.log.info("catalog_written", path=catalog, files=s.files["catalog"], rows=rows)
+
+    def _output_has_any(self, queues, index_dir: str, names: list[str]) -> bool:
+        """Whether any file this commit puts is in the output already (a queue directory, an IndexFile)."""
+        root = os.path.join(self.out, CONSUME_QUEUE_DIR)
+        return any(os.path.isdir(os.path.join(root, q.topic, str(q.queue_id))) for q in queues) or any(
+            os.path.exists(os.path.join(index_dir, name)) for name in names)
 
     def _check_existing_queues(self, queues) -> None:
         """A queue already in the output must be a daemon's that started at or after the range's end (its

@@ -32,12 +32,13 @@ from daemon.cli.common import (  # noqa: E402
     QUERY_KINDS,
     QUERYTIME_KINDS,
     TIME_OPTIONS,
+    SettingsMismatch,
     UsageError,
     _config,
     _config_in_use,
     _HelpFormatter,
     _quiet_stdout,
-    _size_setting,
+    created_note,
     quiet,
 )
 
@@ -143,8 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         startsignals.starting(args)  # this process's own command line: a signal forgets the lock it takes
     code = _main(argv, args)
     lock = getattr(args, "output_lock", None)
-    if code != EXIT_OK and lock is not None:
-        lock.forget()
+    if code != EXIT_OK and lock is not None and lock.forget():
+        args.output_created = None  # removed again: nothing came of it
+    if code in (EXIT_OK, EXIT_INTERRUPTED):
+        created_note(args)  # the output directory it created and kept: a mistyped --out shows
     return code
 
 
@@ -176,8 +179,12 @@ def _main(argv: Sequence[str] | None, args: argparse.Namespace) -> int:
         print(f"reputd: config error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except SizeMismatchError as e:
-        print(f"reputd: config error: {e}: set {_size_setting(e.path)} to the broker's values "
-              f"({_config_in_use(args)})", file=sys.stderr)
+        from daemon.engine.sizes import size_advice
+
+        print(f"reputd: config error: {size_advice(e)} ({_config_in_use(args)})", file=sys.stderr)
+        return EXIT_USAGE
+    except SettingsMismatch as e:
+        print(f"reputd: config error: {e} ({_config_in_use(args)})", file=sys.stderr)
         return EXIT_USAGE
     except UsageError as e:
         print(f"reputd: error: {e}", file=sys.stderr)

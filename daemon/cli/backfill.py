@@ -81,6 +81,9 @@ def _backfill_checks(args, config: Config) -> None:
         parent = os.path.dirname(os.path.abspath(args.catalog))
         if os.path.isdir(parent) and not os.access(parent, os.W_OK):
             raise UsageError(f"--catalog {args.catalog}: its directory {parent} is not writable")
+    from daemon.engine.sizes import check_output_sizes
+
+    check_output_sizes(config.output.dir, config.store)  # the output's files against the sizes, before Spark
     if args.segments is None:  # the configured CommitLog, on this machine: its paths and offsets can be checked now
         _check_inputs(args, config)
         _check_record_boundaries(config, {"--from": args.from_offset, "--to": args.to_offset})

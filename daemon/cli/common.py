@@ -24,6 +24,11 @@ class UsageError(Exception):
     """Arguments that cannot work, found before anything is read or written: exit 2."""
 
 
+class SettingsMismatch(UsageError):
+    """Settings that do not read the files there (a CommitLog of the other kind, a DLedger log of another
+    id): a configuration error, exit 2, printed with the config in use."""
+
+
 def _int(text: str) -> int:
     try:
         return int(text, 0)
@@ -116,85 +121,165 @@ def _config_in_use(args) -> str:
     return f"config: {args.config_file} ({args.config_origin})"
 
 
-def _size_setting(path: str) -> str:
-    """The store setting that fixes the size of the file at `path`."""
-    from indexcore.consumequeue import CONSUME_QUEUE_DIR
-    from indexcore.indexservice import INDEX_DIR
-
-    parts = os.path.normpath(path).split(os.sep)
-    if INDEX_DIR in parts[-2:-1]:
-        return "store.maxHashSlotNum and store.maxIndexNum"
-    if CONSUME_QUEUE_DIR in parts[:-1]:
-        return "store.mappedFileSizeConsumeQueue"
-    return "store.mappedFileSizeCommitLog"
-
-
 def _output_flag(args) -> str:
     return "--out" if getattr(args, "out", None) else "--store" if getattr(args, "store", None) else "output.dir"
+
+
+def _whence(args, option: str) -> str:
+    """What gave a path, for an error about it: the command-line option, or the config key with the variable
+    that set it, or, when no config file was found, the built-in defaults (a path the operator never set)."""
+    if option.startswith("--"):
+        return option
+    from daemon.config.model import env_var_name
+
+    section, _, key = option.partition(".")
+    variable = env_var_name(section, key)
+    if variable in os.environ:
+        return f"{option}, from {variable}"
+    return f"{option}; {_config_in_use(args)}" if args.config_file is None else option
 
 
 def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool = False,
                   data: bool = True) -> None:
     """The directories a command reads, looked at before anything is read or written. One rule for every
     command: a path named by an option or a config key that does not exist is a usage error (exit 2, naming
-    the option or key); a store root that exists without its `commitlog/` is data missing (StoreLayoutError,
-    exit 1), as a missing segment is (with `data` False left to the command, which reports it its way)."""
+    the option or key); a store root holding a CommitLog of the other kind than the config reads (a DLedger
+    log without the DLedger keys, a plain `commitlog/` with them) is a configuration error (exit 2, naming
+    the settings that read it), whether or not the command reads the CommitLog first; a store root that
+    exists without its `commitlog/` is data missing (StoreLayoutError, exit 1), as a missing segment is (with
+    `data` False left to the command, which reports it its way)."""
+    from daemon.engine.dledgermode import input_problem, store_mode_problem
     from indexcore.errors import StoreLayoutError
 
     store = config.store
     root = store.store_path_root_dir
+    root_option = _whence(args, "--store" if getattr(args, "store", None) else "store.storePathRootDir")
+    mismatch = store_mode_problem(store)
+    if mismatch:
+        raise SettingsMismatch(mismatch)
     if store.enable_d_leger_commit_log:  # settings that locate no DLedger log: a usage error, for queries too
-        from daemon.engine.dledgermode import input_problem
-
-        problem = input_problem(store, "--store" if getattr(args, "store", None) else "store.storePathRootDir")
+        problem = input_problem(store, root_option)
         if problem:
             raise UsageError(problem)
-    elif commit_log:
+    else:
+        if not os.path.isdir(root):
+            raise UsageError(f"{root}: no such store root directory ({root_option})")
         for d in store.commit_log_dirs:
             if os.path.isdir(d):
                 continue
-            if os.path.normpath(d) != os.path.normpath(os.path.join(root, COMMIT_LOG_DIR)):
-                raise UsageError(f"{d}: no such CommitLog directory (store.storePathCommitLog)")
-            if not os.path.isdir(root):
-                option = "--store" if getattr(args, "store", None) else "store.storePathRootDir"
-                raise UsageError(f"{root}: no such store root directory ({option})")
-            if data:
-                from daemon.engine.dledgermode import dledger_settings_hint
-
+            if os.path.normpath(d) != os.path.normpath(os.path.join(root, COMMIT_LOG_DIR)):  # a key names it
+                raise UsageError(f"{d}: no such CommitLog directory ({_whence(args, 'store.storePathCommitLog')})")
+            if commit_log and data:
                 raise StoreLayoutError(d, f"the store root {root} has no {COMMIT_LOG_DIR}/ directory: no CommitLog to "
-                                          f"read{dledger_settings_hint(root)}")
-    if output and not os.path.isdir(config.output.dir):
-        raise UsageError(f"{config.output.dir}: no such output directory ({_output_flag(args)})")
+                                          "read")
+    if output:
+        _check_output(args, config, create=False)
+
+
+def _check_output(args, config: Config, *, create: bool) -> bool:
+    """The output directory: it must be a directory. A reader needs it to exist (exit 2 naming what gave it);
+    a writer (`create`) makes it when its parent exists, so that `--out NEW` starts a new output, and
+    refuses a path whose parent does not exist (a mistyped path, not a new directory). True when the
+    writer is to create it."""
+    out = config.output.dir
+    whence = _whence(args, _output_flag(args))
+    if os.path.isdir(out):
+        return False
+    if os.path.lexists(out):
+        raise UsageError(f"{out}: not a directory ({whence}): the output directory is where consumequeue/ and "
+                         "index/ are")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not create:
+        raise UsageError(f"{out}: no such output directory ({whence})")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{out}: no such output directory, and no directory {parent} to create it in ({whence}): "
+                         "a writing command creates the output directory, not the path to it")
+    return True
+
+
+PROGRAM = "reputd"
+
+
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def program() -> list[str]:
+    """The words that start this very reputd again, for the command lines it prints: `reputd` when the
+    first `reputd` on PATH is this program, else the path of the `reputd` script that is running (after
+    `make run` `.venv/bin/reputd`, which is not on PATH); for `python -m daemon.cli` the `reputd` script
+    beside that interpreter (the same installation), else the interpreter with `-m daemon.cli`."""
+    argv0 = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.basename(argv0) == PROGRAM and _executable(argv0):
+        script = argv0
+    else:  # `python -m daemon.cli`, or main(argv) called by another program
+        script = os.path.join(os.path.dirname(sys.executable), PROGRAM)
+        if not _executable(script):
+            return [sys.executable, "-m", "daemon.cli"]
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        found = os.path.join(directory or ".", PROGRAM)
+        if _executable(found):  # the first one on PATH is what a shell runs
+            return [PROGRAM] if os.path.realpath(found) == os.path.realpath(script) else [script]
+    return [script]
+
+
+def runnable(*words: str) -> str:
+    """A reputd command line as printed for the operator: this program (`program()`), then `words`, quoted
+    for a shell. Every command line reputd prints (repair plans, `continue with:`, a query's `more from`,
+    hand-off steps) is built here or by `command_line`, so that it runs as printed from any directory."""
+    import shlex
+
+    return shlex.join([*program(), *words])
 
 
 def command_line(args, config: Config, *words: str, out: str | None = None) -> str:
-    """`reputd WORDS...` with the options that chose this command's config, store and output (`out`
-    instead of the output when given), as absolute paths quoted for a shell: printed for the operator to
-    run, it reads and writes what it says."""
-    import shlex
-
+    """`reputd WORDS...` (`runnable`) with the options that chose this command's config, store and output
+    (`out` instead of the output when given), as absolute paths quoted for a shell: printed for the operator
+    to run, it reads and writes what it says."""
     chosen = []
     if config.source:  # also when $REPUTD_CONFIG or ./config/reputd.yaml chose it: another directory may not
-        chosen += ["--config", config.source]
+        chosen += ["--config", os.path.abspath(config.source)]
     if getattr(args, "store", None):
-        chosen += ["--store", config.store.store_path_root_dir]
+        chosen += ["--store", os.path.abspath(config.store.store_path_root_dir)]
     if out is not None or getattr(args, "out", None):
-        chosen += ["--out", out if out is not None else config.output.dir]
-    return shlex.join(["reputd", *words, *chosen])
+        chosen += ["--out", os.path.abspath(out if out is not None else config.output.dir)]
+    return runnable(*words, *chosen)
 
 
 def _lock_output(args, config: Config) -> None:
     """Take the output directory's writer lock for the rest of the process (daemon/ops/outlock.py); a running
     broker's store root is refused before anything is created. `main` removes what taking it created when
-    the command fails having written nothing."""
+    the command fails having written nothing, and says that it created it when it is kept (`created_note`;
+    `run` says it once its first session has opened the output)."""
     from daemon.ops.outlock import BrokerRunning, OutputLocked, OutputNotWritable, lock_output
 
+    create = _check_output(args, config, create=True)
     try:
         args.output_lock = lock_output(config.output.dir, args.command)
     except (BrokerRunning, OutputLocked) as e:
         raise UsageError(str(e)) from None
     except OutputNotWritable as e:
         raise UsageError(f"{_output_flag(args)}: {e}") from None
+    args.output_created = os.path.abspath(config.output.dir) if create else None
+
+
+def created_note(args) -> None:
+    """`reputd: note: created the output directory ...`, when this command created it (once)."""
+    import contextlib
+
+    created = getattr(args, "output_created", None)
+    if created:
+        args.output_created = None
+        with contextlib.suppress(OSError):  # stderr's reader gone: the exit code still says it all
+            print(f"reputd: note: created the output directory {created} (it did not exist)", file=sys.stderr)
+
+
+def _check_commit_log(config: Config) -> None:
+    """Open the CommitLog as the command will: its segments' size against mappedFileSizeCommitLog
+    (SizeMismatchError, the configuration error), found before the output directory is created."""
+    from daemon.engine.dledgermode import open_commit_log
+
+    open_commit_log(config.store)
 
 
 def _freeze_start_up() -> None:
@@ -232,13 +317,11 @@ def raise_open_files_limit() -> None:
 
 def _handoff_command(args, config: Config) -> str:
     """The `reputd handoff` command for this config's store root, runnable as printed."""
-    import shlex
-
-    words = ["reputd", "handoff"]
+    words = ["handoff"]
     if args.config_file:
         words += ["--config", os.path.abspath(args.config_file)]
     words += ["--store", os.path.abspath(config.store.store_path_root_dir)]
-    return shlex.join(words)
+    return runnable(*words)
 
 
 def _warn_abort(args, config: Config) -> None:
@@ -258,46 +341,32 @@ def _warn_abort(args, config: Config) -> None:
     get_logger(command=args.command).warning("broker_abort_present", path=abort, handoff=command)
 
 
-def _command_with_out(directory: str) -> str:
-    """This command line with `--out directory` instead of its own."""
-    import shlex
-
-    argv, out, skip = sys.argv[1:], ["reputd"], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--out", "--from"):
-            skip = True
-        elif not a.startswith(("--out=", "--from=")):
-            out.append(a)
-    return shlex.join([*out, "--out", directory])
+def _command_with_out(args, config: Config, directory: str) -> str:
+    """This rebuild's command line with `--out directory` instead of its own (and no --from)."""
+    return command_line(args, config, "rebuild", out=directory)
 
 
-def _continue_command(offset: int) -> str:
-    """This command line with `--from offset`, for a rebuild stopped at `offset`."""
-    import shlex
-
-    argv, out, skip = sys.argv[1:], ["reputd"], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--from":
-            skip = True
-        elif not a.startswith("--from="):
-            out.append(a)
-    return shlex.join([*out, "--from", str(offset)])
+def _continue_command(args, config: Config, offset: int) -> str:
+    """This rebuild's command line with `--from offset`, for a rebuild stopped at `offset`."""
+    return command_line(args, config, "rebuild", "--from", str(offset), *(["--json"] if args.json else []))
 
 
-def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, where: str = "") -> None:
-    """The closing line of rebuild and backfill (or the summary as JSON), then the notes."""
+def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, where: str = "",
+                   error: Exception | None = None) -> None:
+    """The closing line of rebuild and backfill (or the summary as JSON), then the notes. With `error` (the
+    command failed there: its line on stderr follows) the line starts `failed:` and says how far it got, so
+    that read alone (a log, `| tail -1`) it is not a success."""
     import json
 
     if args.json:
-        print(json.dumps(summary.as_dict()))
+        print(json.dumps(summary.as_dict() | ({"failed": True, "error": str(error)} if error is not None else {})))
         return
     files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
     restored = getattr(summary, "restored_units", 0)
-    if getattr(summary, "new_messages", summary.messages) == 0 and not restored and not summary.interrupted:
+    if error is not None:
+        print(f"failed: {verb} {summary.messages:,} messages, {summary.bytes:,} bytes [{summary.start_offset}, "
+              f"{summary.end_offset}){where} before the error below; {files}; output {config.output.dir}")
+    elif summary.messages == 0 and not restored and not summary.interrupted:
         print(f"{verb} 0 new messages: nothing to dispatch from CommitLog offset {summary.start_offset}{where}; "
               f"{files}; output {config.output.dir}")
     else:  # a stopped rebuild says so on this line too: read alone (a log, `| tail -1`) it is not a success
@@ -309,8 +378,8 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
     if restored:
         print(f"note: restored {restored:,} ConsumeQueue units below the output's end ({summary.output_end}): "
               "queues whose files were missing or ended early")
-    for lo, hi, error in summary.skipped:
-        print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {error}")
+    for lo, hi, skipped in summary.skipped:
+        print(f"note: skipped [{lo}, {hi}) (onCorruption: skip-segment): {skipped}")
     if summary.pending is not None:
         print(f"note: stopped before an incomplete record at the end of the CommitLog: {summary.pending}")
     if getattr(summary, "class_archive_saved", None):

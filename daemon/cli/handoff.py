@@ -10,6 +10,8 @@ from daemon.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     UsageError,
+    _check_inputs,
+    _check_output,
     _freeze_start_up,
     _handoff_command,
     _lock_output,
@@ -41,17 +43,16 @@ def cmd_handoff(args, config: Config) -> int:
     from daemon.commands.brokerfiles import BrokerRunning, broker_lock_held, hold_broker_lock
     from daemon.commands.handoff import HandoffRefused, handoff
     from daemon.ops.logs import configure_logging
+    from indexcore.errors import StoreLayoutError
 
     root = config.store.store_path_root_dir
-    for d in () if config.store.enable_d_leger_commit_log else config.store.commit_log_dirs:
-        if not os.path.isdir(d):
-            raise UsageError(f"{d}: no CommitLog directory (store.storePathCommitLog / --store); nothing was changed")
-    if config.store.enable_d_leger_commit_log:
-        from daemon.engine.dledgermode import input_problem
-
-        problem = input_problem(config.store)
-        if problem:
-            raise UsageError(f"{problem}; nothing was changed")
+    try:  # what every command checks first; the output a writer's rule (the hand-off completes a new one)
+        _check_inputs(args, config)
+        _check_output(args, config, create=True)
+    except UsageError as e:
+        raise type(e)(f"{e}; nothing was changed") from None
+    except StoreLayoutError as e:
+        raise StoreLayoutError(e.path, f"{e.detail}; nothing was changed") from None
     if broker_lock_held(root):
         raise UsageError(f"{os.path.join(root, 'lock')} is held: the broker is running; stop it first (handoff "
                          "prepares the files for its next start); nothing was changed")

@@ -6,16 +6,26 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from daemon.cli.common import CONFIG_HELP, EXIT_FAILURE, EXIT_OK, UsageError, _non_negative, _positive, _subparser
+from daemon.cli.common import (
+    CONFIG_HELP,
+    EXIT_FAILURE,
+    EXIT_OK,
+    UsageError,
+    _non_negative,
+    _positive,
+    _subparser,
+)
 
 if TYPE_CHECKING:
     from daemon.config import Config
 
 
 def _add_inspect(sub) -> None:
-    p = _subparser(sub, "inspect", "Decode a CommitLog segment, ConsumeQueue file, IndexFile or checkpoint file.")
+    p = _subparser(sub, "inspect", "Decode a CommitLog segment, ConsumeQueue file, IndexFile, checkpoint file or "
+                                   "a DLedger CommitLog's file.")
     p.add_argument("path", help="the file: a segment, consumequeue/TOPIC/QUEUE/FILE, an IndexFile, the broker's "
-                                "checkpoint or reputd.checkpoint")
+                                "checkpoint, reputd.checkpoint, or dledger-ID/data/FILE, dledger-ID/index/FILE, "
+                                "dledger-ID/checkpoint")
     p.add_argument("--config", help=CONFIG_HELP + "; its maxHashSlotNum/maxIndexNum shape IndexFiles")
     p.add_argument("--hash-slot-num", type=_positive, help="IndexFile slots (default: from the config)")
     p.add_argument("--index-num", type=_positive, help="IndexFile entries (default: from the config)")
@@ -27,16 +37,17 @@ def _add_inspect(sub) -> None:
 def cmd_inspect(args, config: Config) -> int:
     import json
 
-    from daemon.commands.inspect_file import inspect_path, text_line, text_value
+    from daemon.commands.inspect_file import ACCEPTED_KINDS, UnknownFileKind, inspect_path, text_line, text_value
 
     if os.path.isdir(args.path):
-        raise UsageError(f"{args.path}: is a directory; inspect decodes one file: a CommitLog segment "
-                         "(commitlog/<20 digits>), a ConsumeQueue file (consumequeue/TOPIC/QUEUE/<20 digits>), an "
-                         "IndexFile (index/<17 digits>), the broker's checkpoint or reputd.checkpoint")
+        raise UsageError(f"{args.path}: is a directory; {ACCEPTED_KINDS}")
     if not os.path.isfile(args.path):
         raise UsageError(f"{args.path}: no such file")
-    info = inspect_path(args.path, config, limit=args.limit, hash_slot_num=args.hash_slot_num,
-                        index_num=args.index_num)
+    try:
+        info = inspect_path(args.path, config, limit=args.limit, hash_slot_num=args.hash_slot_num,
+                            index_num=args.index_num)
+    except UnknownFileKind as e:
+        raise UsageError(str(e)) from None
     if args.json:
         print(json.dumps(info.header, ensure_ascii=False))
         for row in info.rows:

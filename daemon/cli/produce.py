@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING
 
-from daemon.cli.common import CONFIG_HELP, EXIT_OK, _csv, _int, _non_negative, _positive, _subparser
+from daemon.cli.common import (
+    CONFIG_HELP,
+    EXIT_OK,
+    SettingsMismatch,
+    UsageError,
+    _check_commit_log,
+    _csv,
+    _int,
+    _non_negative,
+    _positive,
+    _subparser,
+    _whence,
+)
 
 if TYPE_CHECKING:
     from daemon.config import Config
@@ -31,8 +44,37 @@ def _add_produce(sub) -> None:
     p.set_defaults(handler=cmd_produce)
 
 
+def _check_new_store(args, config: Config) -> None:
+    """The writers' rule for what produce may create: a new store root (and its commitlog/) when the root's
+    parent exists, a configured CommitLog directory when its parent exists; a path whose parent does not exist
+    is a mistyped one (exit 2), not a store to make."""
+    store = config.store
+    root = os.path.abspath(store.store_path_root_dir)
+    paths = [(root, "--store" if args.store else "store.storePathRootDir")]
+    paths += [(os.path.abspath(d), "store.storePathCommitLog") for d in store.commit_log_dirs
+              if os.path.dirname(os.path.abspath(d)) != root]
+    for path, option in paths:
+        parent = os.path.dirname(path)
+        if not os.path.exists(path) and not os.path.isdir(parent):
+            raise UsageError(f"{path}: no such directory, and no directory {parent} to create it in "
+                             f"({_whence(args, option)})")
+
+
 def cmd_produce(args, config: Config) -> int:
     from daemon.commands.produce import produce
+    from daemon.engine.dledgermode import commit_log_path, store_mode_problem
+    from daemon.engine.sizes import check_output_sizes
+
+    mismatch = store_mode_problem(config.store)  # a DLedger broker's root: a plain commitlog/ there is a mistake
+    if mismatch:
+        raise SettingsMismatch(mismatch)
+    if any(os.path.isdir(d) for d in (commit_log_path(config.store), *config.store.commit_log_dirs)):
+        _check_commit_log(config)  # the segments' size, as every command checks it
+    check_output_sizes(config.output.dir, config.store)  # settings that are not the broker's, as every command
+    if config.store.enable_d_leger_commit_log:
+        raise SettingsMismatch("store.enableDLegerCommitLog is true: produce writes a plain CommitLog "
+                               f"({config.store.commit_log_dirs[0]}), not a DLedger log")
+    _check_new_store(args, config)
 
     bar = None
     if sys.stderr.isatty():

@@ -145,10 +145,21 @@ def parse_time(option: str, text: str, now_ms: int | None = None) -> int:
     return int(when.timestamp() * 1000)  # a naive time is local, as datetime.timestamp takes it
 
 
+def _check_sizes(config: Config, *, queues: bool = False, index: bool = False, topic: str | None = None) -> None:
+    """The files of the kinds a query does not read held to the config's sizes all the same (one stat when
+    they are right): one mistake, one answer (a configuration error, exit 2) in every command."""
+    from daemon.engine.sizes import check_output_sizes
+
+    check_output_sizes(config.output.dir, config.store, queues=queues,
+                       index=index and config.store.message_index_enable, topic=topic)
+
+
 def cmd_query_key(args, config: Config) -> int:
     from daemon.commands.query import check_topic, query_key_result, query_offsets
 
     _check_inputs(args, config, commit_log=False, output=True)  # the index first: the CommitLog when it is read
+    _check_sizes(config, index=True)  # the files it reads first, then the topic's queues, which it does not read
+    _check_sizes(config, queues=True, topic=args.topic)
     begin = parse_time("--begin", args.begin)
     end = LONG_MAX if args.end is None else parse_time("--end", args.end)
     if begin > end:
@@ -188,6 +199,8 @@ def cmd_query_key(args, config: Config) -> int:
     if not result.messages:
         _note(args, f"no message with key {args.key!r} in topic {args.topic!r}"
                     + (" in that time range" if (begin, end) != (0, LONG_MAX) else ""))
+        if result.damage is None:
+            _index_time_hint(args, config, begin, end)
     if result.cut:
         why = (f"--max {args.max_num}" if args.max_num < config.store.max_msgs_num_batch
                else f"maxMsgsNumBatch {config.store.max_msgs_num_batch}, the most one index query returns")
@@ -195,6 +208,22 @@ def cmd_query_key(args, config: Config) -> int:
                     "with this key may exist: narrow the time range with --begin/--end")
     _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")
     return _damaged(result.damage)
+
+
+def _index_time_hint(args, config: Config, begin: int, end: int) -> None:
+    """After an empty answer for a time range: the messages stored inside it that the index times before
+    --begin (whole seconds, as the broker's IndexFile), with the --begin that finds them. Stderr, every format."""
+    from daemon.commands.query import INDEX_TIME_UNIT_MS, stored_in_window
+    from daemon.commands.render import human_time
+
+    missed = stored_in_window(config, args.topic, args.key, args.max_num, begin, end)
+    if missed:
+        first = min(rec.store_timestamp for rec in missed)
+        print(f"reputd: note: {len(missed)} message{'s' * (len(missed) > 1)} with this key stored inside the range "
+              f"(the first at {human_time(first)}, {first}) {'are' if len(missed) > 1 else 'is'} left out: the index "
+              "keeps store times in whole seconds, as the broker's IndexFile does, and times "
+              f"{'them' if len(missed) > 1 else 'it'} before --begin; widen the range by a second: --begin "
+              f"{begin - INDEX_TIME_UNIT_MS}", file=sys.stderr)
 
 
 def _damaged(damage: Exception | None) -> int:
@@ -228,6 +257,7 @@ def cmd_query_queue(args, config: Config) -> int:
     from daemon.commands.query import check_queue, query_queue
 
     _check_inputs(args, config, commit_log=False, output=True)
+    _check_sizes(config, queues=True, index=True, topic=args.topic)  # its queue's, and the IndexFiles it does not read
     check_queue(config, args.topic, args.queue_id)
     result = query_queue(config, args.topic, args.queue_id, args.offset, args.count)
     where = f"{args.topic}/{args.queue_id} holds queue offsets [{result.min_offset}, {result.max_offset})"
@@ -267,6 +297,7 @@ def cmd_query_msgid(args, config: Config) -> int:
     if why is not None:
         raise UsageError(why)
     _check_inputs(args, config, commit_log=False, output=True)
+    _check_sizes(config, queues=True, index=True, topic=args.topic)
     result = query_msgid(config, args.msgid.strip(), args.topic)
     if not result.messages:  # one line saying what was tried (and the damage that stopped a look)
         _removed_note(args, result.removed, result.commit_log_min_offset, "index candidate")

@@ -13,6 +13,7 @@ from daemon.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     UsageError,
+    _check_commit_log,
     _check_inputs,
     _check_record_boundaries,
     _command_with_out,
@@ -48,6 +49,8 @@ def cmd_rebuild(args, config: Config) -> int:
     _check_inputs(args, config)
     if args.from_offset is not None:  # inside a record is a usage error found before anything is written
         _check_record_boundaries(config, {"--from": args.from_offset})
+    else:
+        _check_commit_log(config)  # its size setting, before an output directory is created
     _lock_output(args, config)
     raise_open_files_limit()
     bar = ProgressBar() if sys.stderr.isatty() else None
@@ -74,14 +77,14 @@ def cmd_rebuild(args, config: Config) -> int:
         raise UsageError(str(e)) from None
     except IndexSequenceGap as e:
         fresh = os.path.join(os.path.dirname(os.path.abspath(config.output.dir)), "reputd-rebuilt")
-        command = _command_with_out(fresh)
+        command = _command_with_out(args, config, fresh)
         print(f"reputd: error: {e}; rebuild the index into an empty directory, then, with reputd and the broker "
               f"stopped, replace {os.path.dirname(e.after)} by its index/: {command}", file=sys.stderr)
         return EXIT_FAILURE
     except RebuildFailed as e:
         if bar is not None:
             bar.finish()
-        _print_summary(args, config, "rebuilt", e.summary)
+        _print_summary(args, config, "rebuilt", e.summary, error=e)
         raise
     finally:
         for sig, handler in previous.items():
@@ -93,6 +96,6 @@ def cmd_rebuild(args, config: Config) -> int:
     if summary.interrupted:
         print(f"reputd: interrupted by {signals[0]}: stopped at CommitLog offset {summary.end_offset} (a record "
               f"boundary; everything before it is written and flushed); continue with: "
-              f"{_continue_command(summary.end_offset)}", file=sys.stderr)
+              f"{_continue_command(args, config, summary.end_offset)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_OK

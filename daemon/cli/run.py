@@ -6,11 +6,15 @@ import sys
 from typing import TYPE_CHECKING
 
 from daemon.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
     UsageError,
     _check_inputs,
+    _config_in_use,
     _lock_output,
     _store_command,
     _warn_abort,
+    created_note,
     raise_open_files_limit,
 )
 
@@ -42,19 +46,26 @@ def cmd_run(args, config: Config) -> int:
         config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, enabled=False))
     if args.until_caught_up:  # the daemon waits for a CommitLog that is not there yet (a mount, a new broker)
         _check_inputs(args, config, data=False)  # a missing commitlog/ it logs (recovery_failed) and exits 1
-    _lock_output(args, config)
+    _lock_output(args, config)  # a directory it creates is said once the service has opened it
     _warn_abort(args, config)
     raise_open_files_limit()
 
-    def summary(s: dict) -> None:
-        if not args.until_caught_up:
-            return
+    ended: dict = {}
+    code = run_daemon(config, until_caught_up=args.until_caught_up, on_exit=ended.update,
+                      on_started=lambda: created_note(args))
+    if args.until_caught_up and code != EXIT_USAGE:  # a config error dispatched nothing: its line is all
+        s = ended
         seconds = max(s["seconds"], 1e-9)
         state = "caught up" if s["caughtUp"] else "stopped before the end"
+        checkpoint = "no checkpoint written" if s["checkpointOffset"] is None else \
+            f"checkpoint at {s['checkpointOffset']}"
         print(f"{state}: dispatched {s['messages']:,} messages, {s['bytes']:,} bytes [{s['startOffset']}, "
-              f"{s['endOffset']}) in {s['seconds']:.2f} s ({s['messages'] / seconds:,.0f} msgs/s); checkpoint "
-              f"at {s['checkpointOffset']}; output {config.output.dir}", file=sys.stderr)
-        if s.get("error"):
-            print(f"reputd: error: {s['error']}", file=sys.stderr)
-
-    return run_daemon(config, until_caught_up=args.until_caught_up, on_exit=summary)
+              f"{s['endOffset']}) in {s['seconds']:.2f} s ({s['messages'] / seconds:,.0f} msgs/s); {checkpoint}; "
+              f"output {config.output.dir}", file=sys.stderr)
+    if code != EXIT_OK:  # the log on stdout has the events; stderr has the one line every command gives
+        why = ended.get("error") or "see the log's error events"
+        if code == EXIT_USAGE:
+            print(f"reputd: config error: {why} ({_config_in_use(args)})", file=sys.stderr)
+        else:
+            print(f"reputd: error: {why}", file=sys.stderr)
+    return code

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from daemon.commands.inspection import Inspection, _limited, _where_it_stopped
+from daemon.commands.inspection import Inspection, _limited, _where_it_stopped, check_file_size
 from daemon.config import Config
 from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint
@@ -50,6 +50,18 @@ def camel_keys(value: Any) -> Any:
     return value
 
 
+# what `inspect` takes, told by name and place, as the broker lays the files out (the usage errors list them)
+ACCEPTED_KINDS = (
+    "inspect decodes a CommitLog segment (commitlog/<20 digits>), a ConsumeQueue file "
+    "(consumequeue/TOPIC/QUEUE/<20 digits>), an IndexFile (index/<17 digits>), the broker's checkpoint, "
+    f"{REPUTD_CHECKPOINT_FILE}, or a DLedger CommitLog's files: a data file (dledger-<selfId>/data/<20 digits>), "
+    "its index file (dledger-<selfId>/index/<20 digits>) and its checkpoint (dledger-<selfId>/checkpoint)")
+
+
+class UnknownFileKind(ValueError):
+    """A path whose name and place say no kind `inspect` decodes: a usage error (exit 2), as a missing path."""
+
+
 def file_kind(path: str) -> str:
     name = os.path.basename(path)
     parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
@@ -61,9 +73,7 @@ def file_kind(path: str) -> str:
         return "indexfile"
     if _QUEUE_FILE_NAME.fullmatch(name):
         return "consumequeue" if len(parts) >= 4 and parts[-4] == CONSUME_QUEUE_DIR else "commitlog"
-    raise StoreLayoutError(path, "cannot tell the kind of file: expected a CommitLog segment (20-digit name), "
-                                 "a ConsumeQueue file (consumequeue/TOPIC/QUEUE/20-digit), an IndexFile "
-                                 f"(17-digit name), {CHECKPOINT_FILE} or {REPUTD_CHECKPOINT_FILE}")
+    raise UnknownFileKind(f"{path}: cannot tell the kind of file from its name: {ACCEPTED_KINDS}")
 
 
 def inspect_path(path: str, config: Config, *, limit: int | None = None, hash_slot_num: int | None = None,
@@ -73,16 +83,19 @@ def inspect_path(path: str, config: Config, *, limit: int | None = None, hash_sl
 
     store = config.store
     kind = inspect_dledger.dledger_kind(path) or file_kind(path)
+    if kind in ("dledger-data", "commitlog"):  # the size rule of every command; one odd file is decoded as it is
+        check_file_size(path, store.mapped_file_size_commit_log, "mappedFileSizeCommitLog")
     if kind == "dledger-data":
         return inspect_dledger.inspect_dledger_data(path, limit, DelayLevelTable(store.message_delay_level),
-                                                    store.max_message_size, store.mapped_file_size_commit_log)
+                                                    store.max_message_size, os.path.getsize(path))
+    if kind == "commitlog":
+        return inspect_commitlog(path, limit, DelayLevelTable(store.message_delay_level), store.max_message_size)
     if kind == "dledger-index":
         return inspect_dledger.inspect_dledger_index(path, limit)
     if kind == "dledger-checkpoint":
         return inspect_dledger.inspect_dledger_checkpoint(path)
-    if kind == "commitlog":
-        return inspect_commitlog(path, limit, DelayLevelTable(store.message_delay_level), store.max_message_size)
     if kind == "consumequeue":
+        check_file_size(path, store.mapped_file_size_consume_queue, "mappedFileSizeConsumeQueue")
         return inspect_consumequeue(path, limit)
     if kind == "indexfile":
         return inspect_indexfile(path, hash_slot_num or store.max_hash_slot_num, index_num or store.max_index_num,

@@ -64,3 +64,24 @@ def _where_it_stopped(mm, path: str, base: int, size: int, max_message_size: int
         where = "before the end of a segment that has a successor" if successor else "with data after it"
         trailer["error"] = f"{path} @ offset {base + pos}: zero TOTALSIZE {where}"
     return trailer
+
+
+def check_file_size(path: str, expected: int, what: str) -> None:
+    """The size rule every command follows, for the one file `inspect` decodes: a file of another size than
+    the setting `what` gives (`mappedFileSizeCommitLog` for a CommitLog segment or DLedger data file,
+    `mappedFileSizeConsumeQueue` for a ConsumeQueue file), like every file of its directory, means the
+    setting is not the broker's: SizeMismatchError, the configuration error (exit 2) the other commands
+    give. One file of another size among right ones is damage: decoded as it is."""
+    from indexcore.errors import SizeMismatchError  # noqa: PLC0415 - only for this message
+
+    size = os.path.getsize(path)
+    if size == expected:
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    names = [n for n in os.listdir(directory) if _SEGMENT_FILE_NAME.fullmatch(n)]
+    if {os.path.getsize(os.path.join(directory, n)) for n in names} != {size}:
+        return
+    if what == "mappedFileSizeCommitLog":
+        raise SizeMismatchError(path, f"segment is {size} bytes, mappedFileSizeCommitLog is {expected}; the segments "
+                                      f"here are {size} bytes")
+    raise SizeMismatchError(path, f"every ConsumeQueue file here is {size} bytes, {what} is {expected}")

@@ -179,6 +179,20 @@ def query_key_result(config: Config, topic: str, key: str, max_num: int = 64, be
                           min(max_num, config.store.max_msgs_num_batch), len(removed), log.min_offset, damage)
 
 
+INDEX_TIME_UNIT_MS = 1000  # an IndexFile entry keeps its store time as whole seconds after the file's first
+
+
+def stored_in_window(config: Config, topic: str, key: str, max_num: int, begin: int, end: int) -> list[MessageRecord]:
+    """The messages of this topic and key whose real store time lies in [begin, end] but which an index
+    query for that range leaves out, as the broker's does: an entry's time is its file's first store time
+    plus whole seconds (IndexFile.putKey), up to 999 ms before the real one, so a message stored less than a
+    second after `begin` may be timed before it. Their candidates are read anyway to check their keys."""
+    if begin <= 0:
+        return []
+    wider = query_key_result(config, topic, key, max_num, max(0, begin - INDEX_TIME_UNIT_MS + 1), end)
+    return [rec for rec in wider.messages if begin <= rec.store_timestamp <= end]
+
+
 def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
               end: int = LONG_MAX) -> list[MessageRecord]:
     """Messages whose topic and key match exactly, newest first, each listed once."""

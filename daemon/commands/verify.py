@@ -41,16 +41,17 @@ from daemon.engine.dledgermode import open_commit_log, reput_offset
 from daemon.engine.readahead import ReadAhead
 from daemon.engine.reading import make_reader
 from daemon.engine.rebuild import REBUILD_BATCH_BYTES, widen_thin_batches, written_end_of
+from daemon.engine.sizes import check_output_sizes
 from daemon.ops.outlock import lock_held, writer_holding
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.dispatch import index_keys_of
 from indexcore.dledgerlog import DLedgerLog
-from indexcore.errors import SizeMismatchError, StoreError
+from indexcore.errors import StoreError
 from indexcore.indexcheck import IndexCheck
 from indexcore.indexfile import index_file_size
 from indexcore.indexservice import INDEX_DIR
-from indexcore.mappedfile import FILE_NAME_DIGITS, offset_to_file_name
+from indexcore.mappedfile import offset_to_file_name
 from indexcore.queuecheck import ConsumeQueueCheck
 from indexcore.reader import CommitLog, ReadStatus
 from indexcore.verify import (
@@ -137,49 +138,6 @@ class VerifyReport:
         }
 
 
-def _check_file_sizes(out: str, store, *, queues: bool, index: bool) -> None:
-    """SizeMismatchError when every ConsumeQueue file, or every IndexFile, has one size other than the
-    configured one: the setting is not the broker's. A file of another size among right ones is damage,
-    a finding. Stops at the first file of the right size, so a right config costs one stat."""
-    def uniform(paths, expected: int) -> tuple[str, int] | None:
-        seen = None
-        for path in paths:
-            size = os.path.getsize(path)
-            if size == expected or (seen is not None and size != seen[1]):
-                return None
-            seen = seen or (path, size)
-        return seen
-
-    def queue_files():
-        root = os.path.join(out, CONSUME_QUEUE_DIR)
-        for topic in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-            tdir = os.path.join(root, topic)
-            for qid in sorted(os.listdir(tdir)) if os.path.isdir(tdir) else []:
-                qdir = os.path.join(tdir, qid)
-                for name in sorted(os.listdir(qdir)) if os.path.isdir(qdir) else []:
-                    if len(name) == FILE_NAME_DIGITS and name.isdigit():
-                        yield os.path.join(qdir, name)
-
-    def index_files():
-        root = os.path.join(out, INDEX_DIR)
-        for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-            path = os.path.join(root, name)
-            if name.isdigit() and os.path.isfile(path) and os.path.getsize(path):  # 0 bytes: being created
-                yield path
-
-    try:
-        if queues and (u := uniform(queue_files(), store.mapped_file_size_consume_queue)):
-            raise SizeMismatchError(u[0], f"every ConsumeQueue file here is {u[1]} bytes, mappedFileSizeConsumeQueue "
-                                          f"is {store.mapped_file_size_consume_queue}")
-        expected = index_file_size(store.max_hash_slot_num, store.max_index_num)
-        if index and (u := uniform(index_files(), expected)):
-            raise SizeMismatchError(u[0], f"every IndexFile here is {u[1]} bytes; maxHashSlotNum "
-                                          f"{store.max_hash_slot_num} and maxIndexNum {store.max_index_num} give "
-                                          f"{expected}")
-    except FileNotFoundError:  # a broker deleting files meanwhile: the pass will say what it finds
-        return
-
-
 def _newest_record_left_out(out: str, mode: str, checkpoint, frontier: Frontier | None) -> str | None:
     """Why the index comparison leaves out the last record before the frontier (a writer may be between
     its units and its keys), or None when the output is finished and it is judged like every other."""
@@ -204,7 +162,6 @@ def _n(count: int, one: str, many: str | None = None) -> str:
     return f"{count:,} {one if count == 1 else many or one + 's'}"
 
 
-
 def verify(config: Config, *, from_offset: int | None = None,
            progress: Callable[[int, int, int], None] | None = None,
            rebuild_command: Callable[[str], str] | None = None, complete: bool = False) -> VerifyReport:
@@ -218,8 +175,8 @@ def verify(config: Config, *, from_offset: int | None = None,
     if not os.path.isdir(out):
         raise VerifyUsageError(f"{out}: no such output directory (output.dir)")
     names = {d.name for d in config.dispatchers}
-    _check_file_sizes(out, store, queues="consumequeue" in names,
-                      index="index" in names and store.message_index_enable)
+    check_output_sizes(out, store, queues="consumequeue" in names,
+                       index="index" in names and store.message_index_enable)
     started = time.perf_counter()
     notes: list[str] = []
     broker_store = _same_dir(out, store.store_path_root_dir)
@@ -261,7 +218,9 @@ def verify(config: Config, *, from_offset: int | None = None,
                                 (INDEX_DIR, "index" in names and store.message_index_enable)) if on]
     if used and not any(os.path.isdir(os.path.join(out, sub)) for sub in used):
         written = written_end_of(commit_log)
-        if written > start:  # nothing dispatched where a CommitLog has data: not consistent, whoever writes it
+        # nothing dispatched where a CommitLog has data: not consistent, whoever writes it; unless no record is
+        # readable there (bytes that are no CommitLog), which the pass below reports as a rebuild would
+        if written > start and _readable_at(config, commit_log, start):
             findings = Findings()
             findings.add(OUTPUT_MISSING, ".", None, missing=[f"{sub}/" for sub in used], commitLogData=[start, written])
             report.findings = list(findings)
@@ -388,10 +347,31 @@ def verify(config: Config, *, from_offset: int | None = None,
                         f"{index_file_size(store.max_hash_slot_num, store.max_index_num)} that maxHashSlotNum "
                         f"{store.max_hash_slot_num} and maxIndexNum {store.max_index_num} give: the config's sizes "
                         "must be the broker's")
+    if _unreadable_from_start(report):
+        notes.append(f"no record can be read at the CommitLog's first offset {start} (see {COMMIT_LOG_CORRUPT}): a "
+                     "rebuild stops there too, so there is nothing to rebuild until the segment is repaired or "
+                     "restored")
     report.notes = notes
     report.seconds = time.perf_counter() - started
     report.repair = repair_plan(config, report, rebuild_command)
     return report
+
+
+def _readable_at(config: Config, commit_log: CommitLog, offset: int) -> bool:
+    """Whether the CommitLog's reader reads anything at `offset` (a record, a BLANK, the end): False when the
+    first record there is corrupt."""
+    reader = make_reader(config, commit_log, config.reput.batch_bytes)
+    try:
+        result = reader.read(offset)
+    finally:
+        reader.close()
+    return result.status is not ReadStatus.CORRUPT or result.next_offset > offset
+
+
+def _unreadable_from_start(report: VerifyReport) -> bool:
+    """The only finding is a corrupt record where the pass started: nothing before it to rebuild."""
+    return bool(report.findings) and all(f.kind == COMMIT_LOG_CORRUPT and f.details.get("offset") == report.from_offset
+                                         for f in report.findings)
 
 
 def _corrupt(findings: Findings, commit_log: CommitLog, offset: int, error: Exception | None) -> None:
@@ -407,7 +387,7 @@ def repair_plan(config: Config, report: VerifyReport,
     """What to run and what to copy where to make the files what the CommitLog implies. The command is
     `rebuild_command(dir)` (the CLI's: with the options that chose the config and store), by default the
     config file's rebuild; every path in it is quoted for a shell."""
-    if report.consistent:
+    if report.consistent or _unreadable_from_start(report):
         return None
     if rebuild_command is None:
         def rebuild_command(into: str) -> str:

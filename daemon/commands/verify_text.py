@@ -7,6 +7,7 @@ import shlex
 
 from daemon.commands.verify import VerifyReport, _n
 from indexcore.verify import (
+    COMMIT_LOG_CORRUPT,
     OUTPUT_MISSING,
     Finding,
 )
@@ -37,6 +38,9 @@ def format_text(report: VerifyReport, examples: int = 3) -> list[str]:
             lines.append(f"  ... and {len(fs) - examples} more (--json lists them all)")
     if report.consistent:
         lines.append("consistent: no difference from what the CommitLog implies")
+    elif all(f.kind == COMMIT_LOG_CORRUPT for f in report.findings):
+        lines.append(f"{len(report.findings)} finding{'s' * (len(report.findings) != 1)}: the CommitLog is corrupt "
+                     "(what `rebuild` and `run` stop at too)")
     else:
         lines.append(f"{len(report.findings)} finding{'s' * (len(report.findings) != 1)}: the files differ from "
                      "what the CommitLog implies")

@@ -58,9 +58,44 @@ def input_problem(store: StoreConfig, root_option: str = "store.storePathRootDir
         return None
     others = _dledger_homes(root)
     hint = f"; this store has {', '.join(f'{n}/data' for n in others)}" if others else ""
+    if not others and any(os.path.isdir(d) for d in store.commit_log_dirs):
+        hint = (f"; it has {_plain_dirs(store)}, a plain CommitLog: set store.enableDLegerCommitLog: false (or "
+                "leave it out), as in the broker's broker.conf")
     held = (f"names {home}, which holds no data/" if os.path.isdir(home) else
             f"under {root} locates no DLedger CommitLog")
     return f"{data}: no such directory: store.dLegerSelfId {store.d_leger_self_id!r} {held}{hint}"
+
+
+def _plain_dirs(store: StoreConfig) -> str:
+    """The plain CommitLog directories that exist, named as the operator knows them (`commitlog/` in the
+    store root, else the path)."""
+    root = os.path.abspath(store.store_path_root_dir)
+    names = [os.path.relpath(d, root) + "/" if os.path.dirname(os.path.abspath(d)) == root else d
+             for d in store.commit_log_dirs if os.path.isdir(d)]
+    return ", ".join(names)
+
+
+def store_mode_problem(store: StoreConfig) -> str | None:
+    """The one line saying that the store root holds a CommitLog of the other kind than the config reads (a
+    DLedger log read without the DLedger keys, a plain `commitlog/` read with them, a DLedger log of another
+    `dLegerSelfId`), naming the settings that read it; None otherwise, a store root or CommitLog that is
+    not there among them (each command says its own way what is missing: `run` waits for it)."""
+    root = store.store_path_root_dir
+    if not os.path.isdir(root):
+        return None
+    if enabled(store):
+        if os.path.isdir(data_dir(root, store.d_leger_self_id)):
+            return None
+        if not _dledger_homes(root) and not any(os.path.isdir(d) for d in store.commit_log_dirs):
+            return None  # nothing there yet: not a mistake of kind
+        return input_problem(store)
+    if any(os.path.isdir(d) for d in store.commit_log_dirs):
+        return None
+    hint = dledger_settings_hint(root)
+    if not hint:
+        return None
+    plain = store.commit_log_dirs[0]
+    return f"{plain}: the store root {root} has no {os.path.basename(plain)}/ directory: no CommitLog to read{hint}"
 
 def _dledger_homes(root: str) -> list[str]:
     """The `dledger-<id>` directories of a store root that hold a data directory."""
@@ -83,4 +118,4 @@ def dledger_settings_hint(root: str) -> str:
 
 
 __all__ = ["commit_log_path", "dledger_settings_hint", "enabled", "input_problem", "open_commit_log",
-           "reput_offset"]
+           "reput_offset", "store_mode_problem"]

@@ -43,9 +43,11 @@ would pass it over (`ConsumeQueueDispatcher.drop_torn_tails`); a load zeroes an 
 Before any of it, each kind's load removes what a kill during a file's creation left: the temporary
 file of a creation cut short and, from an older reputd or a broker, a 0-byte newest file, a queue's
 only file allocated without its pre-blank units, a newest IndexFile allocated without its header. They
-hold nothing, so the checkpoint stays good. An output file of the wrong size or with a garbage header is
-damage: `run` moves it to `quarantine/` in the output directory with what depends on it (a ConsumeQueue's
-whole queue directory, an IndexFile and every newer one), after a replay marker at the CommitLog's first
+hold nothing, so the checkpoint stays good. Files of a kind all of one size the config does not give
+are the config's mistake, refused and left as they are (daemon/engine/sizes.py: exit 2); one output file
+of the wrong size among right ones, or one with a garbage header, is damage: `run` moves it to
+`quarantine/` in the output directory with what depends on it (a ConsumeQueue's whole queue directory, an
+IndexFile and every newer one), after a replay marker at the CommitLog's first
 offset, and what it held is dispatched again.
 """
 
@@ -59,11 +61,13 @@ from typing import Any
 from daemon.config import Config
 from daemon.engine.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
 from daemon.engine.dispatchers import Dispatcher, build_dispatchers
+from daemon.engine.dledgermode import reput_offset
 from daemon.engine.dledgeroutput import cut_after_quarantine, plugins_not_cut, repair_at_start
+from daemon.engine.sizes import settings_or_damage
 from daemon.ops.logs import get_logger
 from daemon.ops.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
-from indexcore.errors import StoreError, StoreLayoutError
+from indexcore.errors import SizeMismatchError, StoreError, StoreLayoutError
 from indexcore.indexservice import INDEX_DIR
 from indexcore.reader import CommitLog
 
@@ -132,6 +136,11 @@ def _build_with_quarantine(config: Config, output_dir: str, commit_log: CommitLo
         try:
             return build_dispatchers(config, output_dir), moved
         except StoreLayoutError as e:
+            if isinstance(e, SizeMismatchError) and _inside(e.path, output_dir):
+                # every file of its kind that size: the config is not the broker's (raised, exit 2); else damage
+                settings_or_damage(e, output_dir, config.store)
+                if not enabled:
+                    raise StoreLayoutError(e.path, e.detail) from None
             if not enabled or not _inside(e.path, output_dir) or \
                     os.path.abspath(e.path) == os.path.abspath(output_dir):
                 raise
@@ -145,12 +154,13 @@ def _build_with_quarantine(config: Config, output_dir: str, commit_log: CommitLo
     raise StoreLayoutError(output_dir, f"still damaged after quarantining {len(moved)} paths")
 
 
-def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: dict[str, Any], first_offset: int,
+def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: dict[str, Any], commit_log: CommitLog,
                            log) -> int:
     """Cut the dispatchers that the checkpoint covers back to it; a dispatcher it does not cover (one
     added to the config since, or every one under a replay marker) needs records from its own resume
     offset, which may be lower, and one that lost files the checkpoint counted (a deleted queue) needs the
     CommitLog from its first offset."""
+    first_offset = commit_log.min_offset
     start = offset
     for d in dispatchers:
         if d.name in states and hasattr(d, "recover"):
@@ -168,7 +178,7 @@ def _recover_to_checkpoint(dispatchers: list[Dispatcher], offset: int, states: d
                 log.warning("torn_units_removed", dispatcher=d.name, paths=torn, reput_from_offset=offset,
                             detail="last units a kill may have left half written; the replay writes them again")
             resume = d.resume_offset()
-            start = min(start, first_offset if resume is None else resume)
+            start = min(start, first_offset if resume is None else reput_offset(commit_log, resume))
             log.info("dispatcher_not_in_checkpoint", dispatcher=d.name, resume_offset=resume)
     return start
 
@@ -220,13 +230,14 @@ def recover_output(config: Config, commit_log: CommitLog, *, metrics: ReputMetri
     if checkpoint is not None:
         try:
             start = _recover_to_checkpoint(dispatchers, checkpoint.reput_from_offset, checkpoint.dispatchers,
-                                           commit_log.min_offset, log)
+                                           commit_log, log)
             decision = RecoveryDecision.CHECKPOINT if checkpoint.dispatchers else RecoveryDecision.REPLAY
         except (StoreError, ValueError) as e:
             log.error("checkpoint_distrusted", reason=str(e))
             _count(metrics, "errors", kind=ErrorKind.RECOVERY)
     if start is None:
-        offsets = [d.resume_offset() for d in dispatchers if hasattr(d, "resume_offset")]
+        # a record's store offset as the reader takes it (in a DLedger log, its entry's position: pos + 48 - 48)
+        offsets = [reput_offset(commit_log, d.resume_offset()) for d in dispatchers if hasattr(d, "resume_offset")]
         start = min((commit_log.min_offset if o is None else o for o in offsets), default=commit_log.min_offset)
         if rescan:
             start = commit_log.min_offset

@@ -349,11 +349,13 @@ class ReputService(SessionRunner):
 
 
 def run_daemon(config: Config, *, until_caught_up: bool = False,
-               on_exit: Callable[[dict], None] | None = None) -> int:
+               on_exit: Callable[[dict], None] | None = None, on_started: Callable[[], None] | None = None) -> int:
     """Run the service in this process, stopping cleanly on SIGTERM/SIGINT within the shutdown timeout;
-    `on_exit` gets the service's `summary()` once it has stopped."""
+    `on_started` is called once the first session has opened the output, `on_exit` gets the service's
+    `summary()` once it has stopped."""
     failpoint.install_from_env()
     service = ReputService(config, until_caught_up=until_caught_up)
+    service.on_started = on_started
     timeout = config.reput.shutdown_timeout_ms / MS_PER_SECOND
     finished = threading.Event()
 
@@ -363,6 +365,9 @@ def run_daemon(config: Config, *, until_caught_up: bool = False,
                  "detail": "exiting without a final checkpoint; the next start recovers from the last one"}
         with contextlib.suppress(OSError):
             os.write(sys.stdout.fileno(), json.dumps(event).encode() + b"\n")
+        with contextlib.suppress(OSError):  # and the one line on stderr every failing command gives
+            os.write(sys.stderr.fileno(), f"reputd: error: the stop took longer than reput.shutdownTimeoutMs "
+                                          f"({config.reput.shutdown_timeout_ms} ms): {event['detail']}\n".encode())
         os._exit(EXIT_FAILURE)
 
     def guard() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import gc
-import os
 import threading
 import time
 
@@ -28,11 +27,12 @@ from watchdog.events import (
 from watchdog.observers import Observer
 
 from daemon.engine.cleaner import Cleaner
-from daemon.engine.dledgermode import commit_log_path, dledger_settings_hint
+from daemon.engine.dledgermode import commit_log_path, store_mode_problem
 from daemon.engine.flusher import Flusher
 from daemon.engine.service import (
     EXIT_FAILURE,
     EXIT_OK,
+    EXIT_USAGE,
     RESTARTING,
     ServiceState,
     _errno_name,
@@ -76,11 +76,11 @@ class SessionRunner(ServiceState):
         self._log.info("reputd_started", store=commit_log_path(self.config.store), output=self.config.output.dir,
                        metrics=f"{metrics_cfg.host}:{metrics_cfg.port}" if metrics_cfg.enabled else None,
                        until_caught_up=self.until_caught_up)
-        store = self.config.store
-        if not store.enable_d_leger_commit_log and not any(os.path.isdir(d) for d in store.commit_log_dirs):
-            hint = dledger_settings_hint(store.store_path_root_dir)
-            if hint:  # a DLedger broker's store read as a plain one: say so once, not only "no commitlog/"
-                self._log.warning("dledger_settings_missing", detail=hint.removeprefix("; "))
+        mismatch = store_mode_problem(self.config.store)
+        if mismatch:  # a CommitLog of the other kind (DLedger or plain) than the config reads: no wait fixes it
+            self.metrics.errors.labels(kind=ErrorKind.RECOVERY).inc()
+            self._set_health(DOWN, mismatch)
+            return self._config_mismatch(mismatch, self.config.store.store_path_root_dir)
         if self.notifier.enabled:
             self._starting.set()
             threading.Thread(target=self._startup_beats, name="reputd-startup-beats", daemon=True).start()
@@ -110,11 +110,7 @@ class SessionRunner(ServiceState):
                 reason = self._report_no_space(OutputStage.RECOVERY, e) or str(e)
                 self._set_health(DOWN, reason)
                 if mismatch:
-                    # no waiting fixes a setting: exit 1 lets systemd's Restart= and start limit end the
-                    # retries (systemd/README.md)
-                    self._log.error("commitlog_size_mismatch", path=e.path, error=mismatch, exit_code=EXIT_FAILURE)
-                    self.notifier.status(f"failed: {mismatch}")
-                    return EXIT_FAILURE
+                    return self._config_mismatch(mismatch, e.path)
                 if self.until_caught_up:
                     self.exit_error = str(e)
                     return EXIT_FAILURE
@@ -123,6 +119,9 @@ class SessionRunner(ServiceState):
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
             self._failure_reason = ""
+            if self.on_started is not None:
+                self.on_started()
+                self.on_started = None
             if not gc.get_freeze_count():
                 # what start-up and recovery left alive stays so: out of the collector's way, so that a full
                 # collection in the loop scans only what the loop allocates (one took 22 ms at 100,000 msgs/s)
@@ -140,8 +139,19 @@ class SessionRunner(ServiceState):
                 self._sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX_S)
                 continue
+            if code != EXIT_OK and self.exit_error is None:  # why, for the line on stderr (daemon/cli/run.py)
+                self.exit_error = self._failure_reason or "closing the session failed: see the log's error events"
             return code
         return EXIT_OK
+
+    def _config_mismatch(self, error: str, path: str) -> int:
+        """Settings that do not read these files: no waiting fixes a setting. Exit 2, the configuration
+        error every command gives for it, which systemd's unit does not restart (RestartPreventExitStatus=2,
+        systemd/README.md); STATUS= and the log say why."""
+        self._log.error("config_mismatch", path=path, error=error, exit_code=EXIT_USAGE)
+        self.notifier.status(f"failed: {error}")
+        self.exit_error = error
+        return EXIT_USAGE
 
     def _sleep(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -164,6 +174,7 @@ class SessionRunner(ServiceState):
             s.poisoned = True
             self.metrics.errors.labels(kind=ErrorKind.LOOP).inc()
             self._log.exception("reput_loop_failed", error=f"{type(e).__name__}: {e}", offset=s.dispatched_offset)
+            self._failure_reason = f"the reput loop failed at offset {s.dispatched_offset}: {type(e).__name__}: {e}"
             return Outcome.FAILED
         finally:
             cleaner.stop()
@@ -186,12 +197,14 @@ class SessionRunner(ServiceState):
                     Cleaner(s).clean_reported(pause=False)
             except Exception as e:
                 self._flush_failed(e)
+                self._failure_reason = self._failure_reason or f"the final flush failed: {type(e).__name__}: {e}"
                 code = EXIT_FAILURE
         for d in s.dispatchers:
             try:
                 d.close()
             except Exception as e:
                 self._log.error("dispatcher_close_failed", dispatcher=d.name, error=str(e))
+                self._failure_reason = self._failure_reason or f"closing dispatcher {d.name} failed: {e}"
                 code = EXIT_FAILURE
         s.reader.close()
         self._log.info("session_closed", outcome=outcome.value, reput_from_offset=s.dispatched_offset,

@@ -13,13 +13,13 @@ import time
 
 from daemon.config import Config
 from daemon.engine import dledgerfollow
-from daemon.engine.dledgermode import commit_log_path
 from daemon.engine.head import (
     oldest_undispatched_timestamp,
     segments_now,
     written_end,
 )
 from daemon.engine.session import Session
+from daemon.engine.sizes import size_advice
 from daemon.ops.logs import RepeatedFailures, get_logger
 from daemon.ops.metrics import (
     DEGRADED,
@@ -36,7 +36,7 @@ from daemon.ops.sdnotify import Notifier
 from indexcore.dledgerlog import DLedgerLog
 from indexcore.errors import SizeMismatchError, StoreLayoutError
 
-EXIT_OK, EXIT_FAILURE = 0, 1
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 MS_PER_SECOND = 1000
 STATUS_INTERVAL_S = 2.0
 FLUSH_FAILED = "flush failed"
@@ -104,7 +104,8 @@ class ServiceState:
         self.dispatched_messages = 0
         self.started_at = time.monotonic()
         self.caught_up_at: float | None = None
-        self.exit_error: str | None = None  # why `run --until-caught-up` stopped before the end, for its summary
+        self.exit_error: str | None = None  # why `run` ended with a failure, for its line on stderr
+        self.on_started = None  # called once, when the first session has opened the output
 
 
     @property
@@ -213,17 +214,14 @@ class ServiceState:
             self._log.warning("sd_notify_failed", socket=self.notifier.address, error=str(self.notifier.last_error))
 
     def _size_setting_mismatch(self, error: BaseException) -> str | None:
-        """Why the CommitLog cannot be read with these settings, when its segments all have one size that is
-        not mappedFileSizeCommitLog (SizeMismatchError from the CommitLog): the setting is not the broker's,
-        which no waiting fixes. A single segment of another size, or a stray file, is damage an operator can
-        repair: that is waited out."""
+        """Why the files cannot be read with these settings: every CommitLog segment (the reader's rule), or
+        every ConsumeQueue file or IndexFile of the output (recovery's, daemon/engine/sizes.py), has one size
+        the config does not give (SizeMismatchError): the setting is not the broker's, which no waiting
+        fixes. A single file of another size is damage an operator can repair (a segment: waited out) or
+        recovery quarantines (an output file)."""
         if not isinstance(error, SizeMismatchError):
             return None
-        dirs = [os.path.abspath(d) for d in (*self.config.store.commit_log_dirs, commit_log_path(self.config.store))]
-        path = os.path.abspath(error.path)
-        if not any(path.startswith(d + os.sep) for d in dirs):
-            return None
-        return f"{error}: set mappedFileSizeCommitLog to the broker's value"
+        return size_advice(error)
 
     def _flush_succeeded(self) -> None:
         if self.health.state == DEGRADED and self.health.reason.startswith(FLUSH_FAILED):
