@@ -92,6 +92,9 @@ def _commands(store: str, mistake: str, root: Path, msg_id: str) -> dict[str, li
         "query key": ["query", "key", TOPIC, KEY],
         "query queue": ["query", "queue", TOPIC, "0", "0"],
         "query msgid": ["query", "msgid", msg_id],
+        "query time": ["query", "time", TOPIC, "--begin", "0"],
+        "query offset": ["query", "offset", TOPIC, "0", "0"],
+        "query trace": ["query", "trace", msg_id],
         "inspect": ["inspect", _inspected(store, mistake, root), "--limit", "1"],
         "produce": ["produce", "--messages", "1"],
     }

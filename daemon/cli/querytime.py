@@ -16,7 +16,17 @@ from daemon.cli.common import (
     _positive,
     command_line,
 )
-from daemon.cli.query import TIME_HELP, _damaged, _format, _note, _print_records, _removed_note, kind_parser, parse_time
+from daemon.cli.query import (
+    TIME_HELP,
+    _check_sizes,
+    _damaged,
+    _format,
+    _note,
+    _print_records,
+    _removed_note,
+    kind_parser,
+    parse_time,
+)
 
 if TYPE_CHECKING:
     from daemon.commands.timequery import QueueWindow
@@ -107,6 +117,7 @@ def cmd_query_time(args, config: Config) -> int:
         raise UsageError("--tag-counts reads no body and prints no message: it takes no --body, --save-body, "
                          "--raw-body or --from")
     _check_inputs(args, config, commit_log=False, output=True)
+    _check_sizes(config, queues=True, index=True, topic=args.topic)  # the topic's queues, and the IndexFiles too
     begin, end = _window(args)
     try:
         tags = tag_filter(args.tags)
@@ -208,6 +219,7 @@ def cmd_query_offset(args, config: Config) -> int:
     from daemon.commands.queuetime import query_offset
 
     _check_inputs(args, config, commit_log=False, output=True)
+    _check_sizes(config, queues=True, index=True, topic=args.topic)
     timestamp = parse_time("TIME", args.time)
     r = query_offset(config, args.topic, args.queue_id, timestamp)
     where = f"{args.topic}/{args.queue_id}"
@@ -246,6 +258,8 @@ def cmd_query_offset(args, config: Config) -> int:
 
 
 def cmd_query_trace(args, config: Config) -> int:
+    import os
+
     from daemon.commands.query import check_topic
     from daemon.commands.trace import query_trace
     from indexcore.msgid import msg_id_shape_error
@@ -255,6 +269,10 @@ def cmd_query_trace(args, config: Config) -> int:
     if why is not None:
         raise UsageError(why)
     _check_inputs(args, config, commit_log=False, output=True)
+    _check_sizes(config, index=True)  # the files it reads first, then the trace topic's queues (every topic's
+    # when there is none: that the topic is missing is the answer only when the sizes are right)
+    traced = os.path.isdir(os.path.join(config.output.dir, "consumequeue", args.trace_topic))
+    _check_sizes(config, queues=True, topic=args.trace_topic if traced else None)
     result = query_trace(config, msg_id, args.trace_topic)
     if not result.views and result.damage is None:
         check_topic(config, args.trace_topic)
