@@ -73,7 +73,7 @@ def hold_lock(path: Path) -> subprocess.Popen:
 def test_handoff_sets_the_checkpoint_to_what_the_files_hold_and_removes_abort_last(broker_store):
     """In the store root: the output is already complete, it checks clean, the broker's checkpoint gets
     the store times of the last record, of the last record with a unit and the end of the newest full
-    IndexFile, reputd.checkpoint and abort go, and each change is printed."""
+    IndexFile, reputd.checkpoint, reputd.lock and abort go, and each change is printed."""
     store, config, results = broker_store
     res = run("handoff", "--config", str(config), "--store", str(store))
     assert res.returncode == 0, res.stderr
@@ -90,9 +90,12 @@ def test_handoff_sets_the_checkpoint_to_what_the_files_hold_and_removes_abort_la
     assert lines[1].endswith(": consistent")
     assert lines[2].startswith(f"wrote {store / 'checkpoint'} (there was none): physicMsgTimestamp {last} (")
     assert lines[3].startswith(f"removed {store / 'reputd.checkpoint'} ")
-    assert lines[4].startswith(f"removed {store / 'abort'} (the broker's mark of an unclean exit)")
-    assert lines[5].startswith(f"handed off: the broker started next on {store} takes its consumequeue/ and "
+    assert lines[4].startswith(f"removed {store / 'reputd.lock'} (reputd's writer lock: nothing of reputd's stays "
+                               "in the broker's store root)")
+    assert lines[5].startswith(f"removed {store / 'abort'} (the broker's mark of an unclean exit)")
+    assert lines[6].startswith(f"handed off: the broker started next on {store} takes its consumequeue/ and "
                                "index/ as its own")
+    assert not (store / "reputd.lock").exists()
     # again: nothing left to change
     res = run("handoff", "--config", str(config), "--store", str(store))
     assert res.returncode == 0, res.stderr
@@ -153,7 +156,8 @@ def test_a_partial_output_is_completed_to_a_rebuilds_bytes(tmp_path, broker_stor
 
 
 def test_dry_run_prints_the_changes_and_makes_none(broker_store):
-    """--dry-run: the three changes as "would ...", then "dry run: nothing was changed"; no byte changes."""
+    """--dry-run: the four changes as "would ..." (the checkpoint, then reputd.checkpoint, reputd.lock and
+    abort removed), then "dry run: nothing was changed"; no byte changes."""
     store, config, _ = broker_store
     before = snapshot(store)
     res = run("handoff", "--config", str(config), "--store", str(store), "--dry-run")
@@ -161,7 +165,7 @@ def test_dry_run_prints_the_changes_and_makes_none(broker_store):
     assert snapshot(store) == before
     lines = res.stdout.splitlines()
     assert [x.split(" ", 2)[:2] for x in lines if x.startswith("would")] == [
-        ["would", "write"], ["would", "remove"], ["would", "remove"]]
+        ["would", "write"], ["would", "remove"], ["would", "remove"], ["would", "remove"]]
     assert lines[-1] == "dry run: nothing was changed"
 
 

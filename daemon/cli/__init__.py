@@ -1,5 +1,5 @@
 """The `reputd` command line. Exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, 130
-interrupted (SIGINT or SIGTERM during rebuild or backfill).
+interrupted (SIGINT or SIGTERM; `run` stops on them with 0).
 
 Operators run `reputd query` by hand in an incident, so its start-up counts: this package's modules import
 only argparse at the top, a command line defines and imports only its own command's module
@@ -11,15 +11,14 @@ output directory first (daemon/ops/outlock.py); readers never do.
 
 from __future__ import annotations
 
-import os
-import sys
-
 from daemon.cli import startsignals
 
-startsignals.install()  # first of all: the rest of the start-up takes a good part of a second
+startsignals.install()  # first of all, every command: the rest of the start-up takes a good part of a second
 
 import argparse  # noqa: E402 - after the handlers above
+import os  # noqa: E402
 import re  # noqa: E402
+import sys  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
 from daemon.cli.common import (  # noqa: E402
@@ -142,12 +141,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = argparse.Namespace()
     if argv is None:
         startsignals.starting(args)  # this process's own command line: a signal forgets the lock it takes
-    code = _main(argv, args)
-    lock = getattr(args, "output_lock", None)
-    if code != EXIT_OK and lock is not None and lock.forget():
-        args.output_created = None  # removed again: nothing came of it
-    if code in (EXIT_OK, EXIT_INTERRUPTED):
-        created_note(args)  # the output directory it created and kept: a mistyped --out shows
+    try:
+        code = _main(argv, args)
+        lock = getattr(args, "output_lock", None)
+        if code != EXIT_OK and lock is not None and lock.forget():
+            args.output_created = None  # removed again: nothing came of it
+        if code in (EXIT_OK, EXIT_INTERRUPTED):
+            created_note(args)  # the output directory it created and kept: a mistyped --out shows
+    finally:
+        if argv is None:
+            startsignals.process_ending()  # the exit code is decided: a signal now changes nothing
     return code
 
 

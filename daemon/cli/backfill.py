@@ -15,6 +15,7 @@ from daemon.cli.common import (
     UsageError,
     _check_inputs,
     _check_record_boundaries,
+    _check_store_root_sizes,
     _lock_output,
     _non_negative,
     _positive,
@@ -107,6 +108,7 @@ def cmd_backfill(args, config: Config) -> int:
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a caller's main(argv): SIGTERM as SIGINT from here,
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # until backfill() handles both
     _backfill_checks(args, config)
+    _check_store_root_sizes(config)
     _lock_output(args, config)
     try:
         from daemon.backfill import backfill  # PySpark is the optional [backfill] extra

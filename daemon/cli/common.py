@@ -232,6 +232,15 @@ def runnable(*words: str) -> str:
     return shlex.join([*program(), *words])
 
 
+def _check_store_root_sizes(config: Config) -> None:
+    """With the output elsewhere, the store root's own ConsumeQueue files and IndexFiles held to the configured
+    sizes before anything is written (SizeMismatchError, exit 2: the files written would not be the broker's;
+    daemon/engine/sizes.py)."""
+    from daemon.engine.sizes import check_store_root_sizes
+
+    check_store_root_sizes(config)
+
+
 def command_line(args, config: Config, *words: str, out: str | None = None) -> str:
     """`reputd WORDS...` (`runnable`) with the options that chose this command's config, store and output
     (`out` instead of the output when given), as absolute paths quoted for a shell: printed for the operator

@@ -6,8 +6,10 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from daemon.cli import startsignals
 from daemon.cli.common import (
     CONFIG_HELP,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     SettingsMismatch,
     UsageError,
@@ -41,6 +43,9 @@ def _add_produce(sub) -> None:
                         "store.enableLmq)")
     p.add_argument("--lmq-per-message", type=_non_negative, default=1,
                    help="distinct LMQ queues each message names in INNER_MULTI_DISPATCH (default 1)")
+    p.add_argument("--broker-store", action="store_true",
+                   help="append even though the store root holds a broker's files (lock, checkpoint, "
+                        "consumequeue/): a stopped broker started there serves the sample messages as real ones")
     p.set_defaults(handler=cmd_produce)
 
 
@@ -61,7 +66,10 @@ def _check_new_store(args, config: Config) -> None:
 
 
 def cmd_produce(args, config: Config) -> int:
-    from daemon.commands.produce import produce
+    import signal
+    import threading
+
+    from daemon.commands.produce import broker_files, broker_running, produce
     from daemon.engine.dledgermode import commit_log_path, store_mode_problem
     from daemon.engine.sizes import check_output_sizes
 
@@ -75,18 +83,44 @@ def cmd_produce(args, config: Config) -> int:
         raise SettingsMismatch("store.enableDLegerCommitLog is true: produce writes a plain CommitLog "
                                f"({config.store.commit_log_dirs[0]}), not a DLedger log")
     _check_new_store(args, config)
-
+    root = config.store.store_path_root_dir
+    refused = broker_running(root)  # a live broker's CommitLog: never, whatever the options say
+    if refused:
+        raise UsageError(refused)
+    found = broker_files(root)
+    if found and not args.broker_store:
+        raise UsageError(f"{root} holds a broker's files ({', '.join(found)}): produce appends sample messages to "
+                         "its CommitLog, which a broker started there serves as real ones; produce into another "
+                         "store root (--store DIR), or pass --broker-store to append anyway; nothing was written")
     bar = None
     if sys.stderr.isatty():
         from daemon.engine.rebuild import ProgressBar
 
         bar = ProgressBar(unit="messages")
-    s = produce(config, args.messages, topics=args.topics, queues=args.queues, body_size=args.body_size,
-                keys=args.keys, seed=args.seed, uniq_key=not args.no_uniq_key, lmq_queues=args.lmq_queues,
-                lmq_per_message=args.lmq_per_message if args.lmq_queues else 0,
-                progress=(lambda done, total: bar(done, total, done)) if bar is not None else None)
+    stop = threading.Event()
+    signals: list[str] = []
+
+    def on_signal(signum, _frame) -> None:
+        """Stop after the message in hand: the CommitLog then ends at a message boundary, flushed."""
+        signals.append(signal.Signals(signum).name)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        s = produce(config, args.messages, topics=args.topics, queues=args.queues, body_size=args.body_size,
+                    keys=args.keys, seed=args.seed, uniq_key=not args.no_uniq_key, lmq_queues=args.lmq_queues,
+                    lmq_per_message=args.lmq_per_message if args.lmq_queues else 0,
+                    progress=(lambda done, total: bar(done, total, done)) if bar is not None else None, stop=stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        startsignals.command_finished()  # the CommitLog is as the summary will say
     if bar is not None:
         bar.finish()
-    print(f"produced {s.messages:,} messages, {s.bytes:,} bytes at CommitLog offsets "
-          f"[{s.first_offset}, {s.end_offset})")
+    print(f"{'interrupted: ' * s.interrupted}produced {s.messages:,} messages, {s.bytes:,} bytes at CommitLog "
+          f"offsets [{s.first_offset}, {s.end_offset})")
+    if s.interrupted:
+        print(f"reputd: interrupted by {signals[0]}: stopped after {s.messages:,} of {args.messages:,} messages; the "
+              f"CommitLog ends at offset {s.end_offset}, a message boundary", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK

@@ -12,10 +12,12 @@ from daemon.cli.common import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_USAGE,
     UsageError,
     _check_commit_log,
     _check_inputs,
     _check_record_boundaries,
+    _check_store_root_sizes,
     _command_with_out,
     _continue_command,
     _freeze_start_up,
@@ -45,12 +47,14 @@ def cmd_rebuild(args, config: Config) -> int:
 
     from daemon.engine.rebuild import FromOffsetError, IndexSequenceGap, ProgressBar, RebuildFailed, rebuild
     from daemon.ops.logs import configure_logging
+    from daemon.ops.outlock import BrokerLockWatch
 
     _check_inputs(args, config)
     if args.from_offset is not None:  # inside a record is a usage error found before anything is written
         _check_record_boundaries(config, {"--from": args.from_offset})
     else:
         _check_commit_log(config)  # its size setting, before an output directory is created
+    _check_store_root_sizes(config)
     _lock_output(args, config)
     raise_open_files_limit()
     bar = ProgressBar() if sys.stderr.isatty() else None
@@ -71,8 +75,9 @@ def cmd_rebuild(args, config: Config) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     _freeze_start_up()
+    broker = BrokerLockWatch(config.output.dir, 0.0)  # asked after every batch: a broker started on the root
     try:
-        summary = rebuild(config, from_offset=args.from_offset, progress=bar, stop=stop)
+        summary = rebuild(config, from_offset=args.from_offset, progress=bar, stop=stop, broker=broker)
     except FromOffsetError as e:
         raise UsageError(str(e)) from None
     except IndexSequenceGap as e:
@@ -93,6 +98,14 @@ def cmd_rebuild(args, config: Config) -> int:
     if bar is not None:
         bar.finish()
     _print_summary(args, config, "rebuilt", summary)
+    if broker.holder is not None:
+        out = config.output.dir
+        who = f"PID {broker.holder}" if broker.holder else "another process"
+        print(f"reputd: error: output directory {out} became the store root of a running broker ({who} took "
+              f"{broker.path}), which writes consumequeue/ and index/ there itself: the rebuild stopped at CommitLog "
+              f"offset {summary.end_offset} (a record boundary; everything before it is written and flushed) and "
+              "the broker's reput dispatches the rest; rebuild elsewhere with --out DIR", file=sys.stderr)
+        return EXIT_USAGE
     if summary.interrupted:
         print(f"reputd: interrupted by {signals[0]}: stopped at CommitLog offset {summary.end_offset} (a record "
               f"boundary; everything before it is written and flushed); continue with: "

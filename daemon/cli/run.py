@@ -5,11 +5,13 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from daemon.cli import startsignals
 from daemon.cli.common import (
     EXIT_OK,
     EXIT_USAGE,
     UsageError,
     _check_inputs,
+    _check_store_root_sizes,
     _config_in_use,
     _lock_output,
     _store_command,
@@ -46,6 +48,7 @@ def cmd_run(args, config: Config) -> int:
         config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, enabled=False))
     if args.until_caught_up:  # the daemon waits for a CommitLog that is not there yet (a mount, a new broker)
         _check_inputs(args, config, data=False)  # a missing commitlog/ it logs (recovery_failed) and exits 1
+    _check_store_root_sizes(config)
     _lock_output(args, config)  # a directory it creates is said once the service has opened it
     _warn_abort(args, config)
     raise_open_files_limit()
@@ -53,7 +56,9 @@ def cmd_run(args, config: Config) -> int:
     ended: dict = {}
     code = run_daemon(config, until_caught_up=args.until_caught_up, on_exit=ended.update,
                       on_started=lambda: created_note(args))
-    if args.until_caught_up and code != EXIT_USAGE:  # a config error dispatched nothing: its line is all
+    startsignals.command_finished()  # the service has stopped: a signal now changes nothing
+    broker = ended.get("brokerLockTaken")  # exit 2 too, but no config error (daemon/engine/brokerlock.py)
+    if args.until_caught_up and (code != EXIT_USAGE or broker):  # a config error dispatched nothing: its line is all
         s = ended
         seconds = max(s["seconds"], 1e-9)
         state = "caught up" if s["caughtUp"] else "stopped before the end"
@@ -64,7 +69,7 @@ def cmd_run(args, config: Config) -> int:
               f"output {config.output.dir}", file=sys.stderr)
     if code != EXIT_OK:  # the log on stdout has the events; stderr has the one line every command gives
         why = ended.get("error") or "see the log's error events"
-        if code == EXIT_USAGE:
+        if code == EXIT_USAGE and not broker:
             print(f"reputd: config error: {why} ({_config_in_use(args)})", file=sys.stderr)
         else:
             print(f"reputd: error: {why}", file=sys.stderr)

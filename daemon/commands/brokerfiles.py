@@ -18,6 +18,7 @@ from daemon.config import Config
 from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.engine.dledgermode import commit_log_path
 from daemon.engine.reading import make_reader, open_commit_log
+from daemon.ops.outlock import LOCK_FILE as REPUTD_LOCK_FILE
 from indexcore.checkpoint import CHECKPOINT_FILE, CHECKPOINT_FILE_SIZE, StoreCheckpoint
 from indexcore.consumequeue import CONSUME_QUEUE_DIR, last_written_unit
 from indexcore.errors import StoreError
@@ -237,10 +238,13 @@ class Change:
 
 
 def broker_file_changes(config: Config, times: CheckpointTimes, *, in_root: bool,
-                        reputd_checkpoint_before: bool = True) -> list[Change]:
-    """Each change to the broker's files, `abort` last. `reputd_checkpoint_before`: whether the store root
-    held `reputd.checkpoint` before the handoff completed the output (which writes one): one the handoff
-    wrote itself is removed without being listed as a change."""
+                        reputd_checkpoint_before: bool = True, reputd_lock_before: bool = True) -> list[Change]:
+    """Each change to the broker's files, `abort` last. In the store root reputd's own files go (the files
+    are the broker's now): `reputd.checkpoint` and `reputd.lock`. `reputd_checkpoint_before`: whether the
+    store root held `reputd.checkpoint` before the handoff completed the output (which writes one), and
+    `reputd_lock_before` `reputd.lock` before the handoff locked it: one the handoff made itself is removed
+    without being listed as a change (the lock is still held through the descriptor; a writer that opens
+    the path afterwards locks a new file, which daemon/ops/outlock.py allows for)."""
     root = config.store.store_path_root_dir
     path = os.path.join(root, CHECKPOINT_FILE)
     page, current, problem = read_broker_checkpoint(root)
@@ -264,6 +268,13 @@ def broker_file_changes(config: Config, times: CheckpointTimes, *, in_root: bool
                                             "resumes where they end)", lambda: remove_file(reputd_checkpoint)))
         else:
             remove_file(reputd_checkpoint)
+    reputd_lock = os.path.join(config.output.dir, REPUTD_LOCK_FILE)
+    if in_root and os.path.exists(reputd_lock):
+        if reputd_lock_before:
+            changes.append(Change("remove", f"{reputd_lock} (reputd's writer lock: nothing of reputd's stays in the "
+                                            "broker's store root)", lambda: remove_file(reputd_lock)))
+        else:
+            remove_file(reputd_lock)
     abort = os.path.join(root, ABORT_FILE)
     if os.path.exists(abort):
         changes.append(Change("remove", f"{abort} (the broker's mark of an unclean exit): its next start recovers "

@@ -48,6 +48,7 @@ from daemon.engine.checkpoint import CHECKPOINT_FILE as REPUTD_CHECKPOINT_FILE
 from daemon.engine.checkpoint import CheckpointError, read_checkpoint
 from daemon.engine.reading import make_reader, open_commit_log
 from daemon.engine.rebuild import RebuildFailed, rebuild, written_end_of
+from daemon.engine.sizes import check_store_root_sizes
 from daemon.ops.logs import get_logger
 from indexcore.checkpoint import CHECKPOINT_FILE
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
@@ -59,6 +60,16 @@ MOVED_ASIDE_SUFFIX = ".before-handoff"
 
 class HandoffRefused(Exception):
     """The files cannot be handed over as they are; the broker's files were left as they were (exit 1)."""
+
+
+class HandoffInterrupted(Exception):
+    """A stop was asked for (`stop` set) before the broker's files were changed; str() says where it stopped.
+    What was completed of the output is flushed and checkpointed; nothing of the broker's was changed."""
+
+
+def _stop_asked(stop: threading.Event | None, where: str) -> None:
+    if stop is not None and stop.is_set():
+        raise HandoffInterrupted(where)
 
 
 @dataclass(slots=True)
@@ -161,18 +172,23 @@ def move_commands(config: Config, handoff_command: str | None) -> list[str]:
 
 def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False,
             handoff_command: str | None = None, say: Callable[[str], None] = print,
-            progress: Callable[[], contextlib.AbstractContextManager] | None = None) -> HandoffResult:
+            progress: Callable[[], contextlib.AbstractContextManager] | None = None,
+            stop: threading.Event | None = None, reputd_lock_before: bool = True) -> HandoffResult:
     """Complete, check and hand over (module docstring). Raises HandoffRefused, leaving the broker's files
     as they were. `handoff_command` is the command to print for finishing in the store root after the
     moves (an output elsewhere, without `broker_files`). `progress()`, when given, makes a context manager
     yielding the `progress(done, total, messages)` callback of each pass over the CommitLog (a terminal's
-    progress bar)."""
+    progress bar). `stop`, once set, ends the completion at a batch boundary and the check at once, raising
+    HandoffInterrupted; from the first change to the broker's files on, the handoff goes to its end.
+    `reputd_lock_before`: whether the output held `reputd.lock` before this handoff locked it (one it made
+    itself goes without being listed)."""
     passes = progress or (lambda: contextlib.nullcontext(None))
     log = get_logger(command="handoff")
     root, out = config.store.store_path_root_dir, config.output.dir
     in_root = _same_dir(out, root) if os.path.isdir(out) else os.path.realpath(out) == os.path.realpath(root)
     result = HandoffResult(dry_run=dry_run)
     reputd_checkpoint_before = os.path.exists(os.path.join(out, REPUTD_CHECKPOINT_FILE))
+    check_store_root_sizes(config)  # the output's files are to replace the store root's: the same sizes
     commit_log = open_commit_log(config)
     end = written_end_of(commit_log)
     if dry_run:
@@ -193,9 +209,12 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
     else:
         try:
             with passes() as bar:
-                summary = rebuild(config, progress=bar)
+                summary = rebuild(config, progress=bar, stop=stop)
         except RebuildFailed as e:
             raise HandoffRefused(f"completing the output stopped: {e}") from None
+        if summary.interrupted:
+            raise HandoffInterrupted(f"stopped completing the output {out} at CommitLog offset {summary.end_offset} "
+                                     "(everything before it written, flushed and checkpointed)")
         result.completed_messages = summary.new_messages
         if summary.new_messages:
             say(f"completed the output {out}: dispatched {summary.new_messages:,} messages up to CommitLog offset "
@@ -209,8 +228,18 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
         complete = True
     result.end_offset = end
     if complete:
+        _stop_asked(stop, f"stopped before checking the output {out}")
+
+        def checking(bar):
+            """The check's progress callback: the bar's, and where a stop ends the check."""
+            def step(done: int, total: int, messages: int) -> None:
+                _stop_asked(stop, f"stopped checking the output {out}")
+                if bar is not None:
+                    bar(done, total, messages)
+            return step if stop is not None else bar
+
         with passes() as bar:
-            report = verify(config, complete=True, progress=bar)
+            report = verify(config, complete=True, progress=checking(bar))
         result.report = report
         if not report.consistent:
             for line in format_text(report):
@@ -241,8 +270,10 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
                                  f"{'s' * (len(problems) != 1)}, listed above): nothing of the broker's was changed")
     if (in_root or broker_files) and complete:
         times = checkpoint_times(config, end)
+        _stop_asked(stop, f"stopped after checking the output {out}")
         changes = broker_file_changes(config, times, in_root=in_root,
-                                      reputd_checkpoint_before=dry_run or reputd_checkpoint_before)
+                                      reputd_checkpoint_before=dry_run or reputd_checkpoint_before,
+                                      reputd_lock_before=dry_run or reputd_lock_before)
         with _signals_held(not dry_run):  # the changes are made together: a Ctrl-C lands after them
             for change in changes:
                 if not dry_run:
@@ -273,5 +304,5 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
     return result
 
 
-__all__ = ["HandoffRefused", "HandoffResult", "first_dispatched_record", "handoff", "index_name_findings",
-           "move_commands"]
+__all__ = ["HandoffInterrupted", "HandoffRefused", "HandoffResult", "first_dispatched_record", "handoff",
+           "index_name_findings", "move_commands"]

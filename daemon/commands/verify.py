@@ -41,7 +41,7 @@ from daemon.engine.dledgermode import open_commit_log, reput_offset
 from daemon.engine.readahead import ReadAhead
 from daemon.engine.reading import make_reader
 from daemon.engine.rebuild import REBUILD_BATCH_BYTES, widen_thin_batches, written_end_of
-from daemon.engine.sizes import check_output_sizes
+from daemon.engine.sizes import check_output_sizes, check_store_root_sizes
 from daemon.ops.outlock import lock_held, writer_holding
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
@@ -177,6 +177,7 @@ def verify(config: Config, *, from_offset: int | None = None,
     names = {d.name for d in config.dispatchers}
     check_output_sizes(out, store, queues="consumequeue" in names,
                        index="index" in names and store.message_index_enable)
+    check_store_root_sizes(config)
     started = time.perf_counter()
     notes: list[str] = []
     broker_store = _same_dir(out, store.store_path_root_dir)

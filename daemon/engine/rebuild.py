@@ -31,6 +31,7 @@ from daemon.engine.reading import make_reader, open_commit_log
 from daemon.engine.recovery import recover_output
 from daemon.ops import failpoint
 from daemon.ops.logs import get_logger
+from daemon.ops.outlock import BrokerLockWatch
 from indexcore.errors import CorruptRecordError, StoreError, StoreLayoutError
 from indexcore.indexfile import INDEX_HEADER_SIZE, IndexHeader
 from indexcore.indexservice import IndexService
@@ -160,14 +161,16 @@ class FromOffsetError(ValueError):
 
 def rebuild(config: Config, *, from_offset: int | None = None,
             progress: Callable[[int, int, int], None] | None = None,
-            stop: threading.Event | None = None) -> RebuildSummary:
+            stop: threading.Event | None = None, broker: BrokerLockWatch | None = None) -> RebuildSummary:
     """Dispatch every record from where the output ends (an empty output: the CommitLog's first offset),
     or from `from_offset`, to the end.
 
     `progress(done, total, messages)` is called after each batch with bytes done and the bytes of written
     data from the start (the end of the written data as found at the start, or later if more came), and
     once more at the end with done == total. When `stop` is set, the rebuild ends after the batch in hand
-    at a record boundary, flushes, checkpoints, and returns with `interrupted` set."""
+    at a record boundary, flushes, checkpoints, and returns with `interrupted` set; so it does, without the
+    retention pass, once `broker` (the output's broker lock, asked after every batch) is taken: a broker
+    started on the output's store root writes its files itself."""
     failpoint.install_from_env()
     log = get_logger(command="rebuild")
     commit_log = open_commit_log(config)
@@ -231,14 +234,15 @@ def rebuild(config: Config, *, from_offset: int | None = None,
                     hint = f"--from {from_offset} may not be the start of a record"
                 failure = RebuildFailed(result.error, summary, hint)
                 break
-            if stop is not None and stop.is_set():
+            if (stop is not None and stop.is_set()) or (broker is not None and broker.taken(now=True) is not None):
                 summary.interrupted = True
                 break
         if from_offset is None or offset != from_offset:  # never a checkpoint at an unchecked --from alone
             # everything dispatched is flushed and checkpointed: the next rebuild or run goes on from here
             final_checkpoint(out, dispatchers, offset)
             # the broker's retention rule, as `run` applies it: files whose records the CommitLog no longer holds
-            clean_output(dispatchers, commit_log.dirs, offset, log)
+            if broker is None or broker.holder is None:
+                clean_output(dispatchers, commit_log.dirs, offset, log)
         if failure is not None:
             raise failure
     finally:

@@ -164,6 +164,8 @@ class ReputService(SessionRunner):
                 self.metrics.skipped.labels(reason=SkipReason.RETENTION).inc(skipped)
                 self._log.warning("offset_below_oldest_segment", requested=result.skipped_from,
                                   resumed_at=result.next_offset, skipped_bytes=skipped)
+            if len(result.batch) and self.broker_lock.taken(now=True):  # a broker writes its root now: not one unit
+                return Outcome.BROKER_RUNNING
             if not self._dispatch(s, result):
                 return Outcome.FAILED
             self.dispatched_messages += len(result.batch)

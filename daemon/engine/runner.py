@@ -26,6 +26,7 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
+from daemon.engine.brokerlock import EXIT_BROKER_RUNNING
 from daemon.engine.cleaner import Cleaner
 from daemon.engine.dledgermode import commit_log_path, store_mode_problem
 from daemon.engine.flusher import Flusher
@@ -62,6 +63,7 @@ class Outcome(enum.Enum):
     CORRUPT = "corrupt"  # --until-caught-up met corruption under onCorruption: stop
     FAILED = "failed"  # a dispatcher or the loop failed; nothing past the last checkpoint is trusted
     UNAVAILABLE = "unavailable"  # --until-caught-up lost the CommitLog directory
+    BROKER_RUNNING = "broker-running"  # a broker took its lock in the output directory: stop writing (exit 2)
 
 
 class SessionRunner(ServiceState):
@@ -97,7 +99,7 @@ class SessionRunner(ServiceState):
 
     def _run_sessions(self) -> int:
         backoff = RETRY_MIN_S
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.broker_lock.taken(now=True):  # recovery writes the output
             try:
                 self.session = open_session(self.config, self.metrics)
             except (StoreError, OSError) as e:
@@ -142,6 +144,9 @@ class SessionRunner(ServiceState):
             if code != EXIT_OK and self.exit_error is None:  # why, for the line on stderr (daemon/cli/run.py)
                 self.exit_error = self._failure_reason or "closing the session failed: see the log's error events"
             return code
+        if self.broker_lock.holder is not None:  # taken before a session opened (its recovery writes)
+            self.exit_error = self.exit_error or self.broker_lock.error(self.config.output.dir, None)
+            return EXIT_BROKER_RUNNING
         return EXIT_OK
 
     def _config_mismatch(self, error: str, path: str) -> int:
@@ -188,6 +193,8 @@ class SessionRunner(ServiceState):
         if outcome is not Outcome.FAILED:
             self.notify_stopping()
         code = EXIT_OK if outcome in (Outcome.STOPPED, Outcome.CAUGHT_UP) else EXIT_FAILURE
+        if self.broker_lock.holder is not None:  # whatever ended the session, the output is the broker's now
+            code = EXIT_BROKER_RUNNING
         if not s.poisoned:
             try:
                 Flusher(s, self._flush_failed).flush_once(thorough=True, whole_fs=True)
@@ -209,6 +216,8 @@ class SessionRunner(ServiceState):
         s.reader.close()
         self._log.info("session_closed", outcome=outcome.value, reput_from_offset=s.dispatched_offset,
                        checkpoint_offset=s.checkpoint_offset)
+        if self.broker_lock.holder is not None:
+            self.exit_error = self.broker_lock.error(self.config.output.dir, s.checkpoint_offset)
         return code
 
     def _watch(self, dirs):

@@ -13,6 +13,7 @@ import time
 
 from daemon.config import Config
 from daemon.engine import dledgerfollow
+from daemon.engine.brokerlock import BrokerLockGuard
 from daemon.engine.head import (
     oldest_undispatched_timestamp,
     segments_now,
@@ -106,6 +107,8 @@ class ServiceState:
         self.caught_up_at: float | None = None
         self.exit_error: str | None = None  # why `run` ended with a failure, for its line on stderr
         self.on_started = None  # called once, when the first session has opened the output
+        self.broker_lock = BrokerLockGuard(config.output.dir, self.metrics, self._log, self._set_health, self.notifier,
+                                           self.request_stop, lambda: getattr(self.session, "dispatched_offset", None))
 
 
     @property
@@ -194,7 +197,9 @@ class ServiceState:
         return {"reputFromOffset": offset, "checkpointOffset": s.checkpoint_offset, "commitLogMaxOffset": end}
 
     def _tick(self) -> None:
-        """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds."""
+        """Keep systemd informed: WATCHDOG=1 at half its interval, STATUS= every few seconds; look at the
+        broker's lock now and again (daemon/engine/brokerlock.py)."""
+        self.broker_lock.taken()
         now = time.monotonic()
         interval = self.notifier.watchdog_interval
         if interval and now - self._last_watchdog >= interval:
@@ -271,7 +276,8 @@ class ServiceState:
         return {"startOffset": first, "endOffset": end, "messages": self.dispatched_messages,
                 "bytes": end - first, "seconds": round(time.monotonic() - self.started_at, 3),
                 "checkpointOffset": self.session.checkpoint_offset if self.session is not None else None,
-                "caughtUp": self.caught_up_at is not None, "error": self.exit_error}
+                "caughtUp": self.caught_up_at is not None, "error": self.exit_error,
+                "brokerLockTaken": self.broker_lock.holder is not None}
 
     def _retrying(self) -> bool:
         return self.health.state == DEGRADED and RESTARTING in self.health.reason

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from daemon.config import StoreConfig
+from daemon.config import Config, StoreConfig
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.errors import SizeMismatchError
 from indexcore.indexfile import index_file_size
@@ -65,6 +65,24 @@ def check_output_sizes(out: str, store: StoreConfig, *, queues: bool = True, ind
         return
 
 
+def check_store_root_sizes(config: Config) -> None:
+    """With the output elsewhere (`rebuild`, `run`, `backfill`, `verify` and `handoff` with `--out`), the store
+    root's own ConsumeQueue files and IndexFiles held to the configured sizes: the output's files are to
+    replace them, and a 4.9.3 broker maps whatever file is there at its own sizes (IndexFile's constructor maps
+    40 + 4·slots + 20·entries bytes). SizeMismatchError (exit 2) naming the root's file, as for the output's."""
+    root, out = config.store.store_path_root_dir, config.output.dir
+    if not os.path.isdir(root) or os.path.realpath(root) == os.path.realpath(out) or (
+            os.path.isdir(out) and os.path.samefile(root, out)):
+        return
+    names = {d.name for d in config.dispatchers}
+    try:
+        check_output_sizes(root, config.store, queues="consumequeue" in names,
+                           index="index" in names and config.store.message_index_enable)
+    except SizeMismatchError as e:
+        raise SizeMismatchError(e.path, e.detail.replace(" here ", " in the store root (the broker's, which the "
+                                                         "output's files are to replace) ", 1)) from None
+
+
 def size_setting(path: str) -> str:
     """The store setting that fixes the size of the file at `path`."""
     parts = os.path.normpath(path).split(os.sep)
@@ -89,4 +107,4 @@ def settings_or_damage(error: SizeMismatchError, out: str, store: StoreConfig) -
         check_output_sizes(out, store, queues=parts[0] == CONSUME_QUEUE_DIR, index=parts[0] == INDEX_DIR)
 
 
-__all__ = ["check_output_sizes", "settings_or_damage", "size_advice", "size_setting"]
+__all__ = ["check_output_sizes", "check_store_root_sizes", "settings_or_damage", "size_advice", "size_setting"]

@@ -184,6 +184,9 @@ class ReputMetrics:
         self.dledger_truncated_bytes = Counter("reputd_dledger_truncated_bytes", "DLedger log bytes dispatched "
                                                "again after such a cut (from the cut to the old checkpoint).",
                                                registry=r)
+        self.broker_lock_taken = Counter("reputd_broker_lock_taken", "A broker took its lock in the output "
+                                         "directory (its store root) while reputd wrote there: reputd stopped "
+                                         "writing, checkpointed and exited 2.", registry=r)
         self.up = Gauge("reputd_health", "1 for the current health state.", ["state"], registry=r)
         self.set_health(DOWN)  # Health's state until the daemon has recovered
         info = Info("reputd_build", "Build information.", registry=r)

@@ -18,7 +18,9 @@ before stays.
 A broker's store root is not an output while the broker runs: the broker holds `lock` there (Java's
 `FileChannel.tryLock(0, 1, false)`, a POSIX fcntl record lock on Linux, which flock does not see), writes
 `consumequeue/` and `index/` itself, and a second writer corrupts them. Writers refuse such a directory
-before creating anything (`BrokerRunning`); `verify` uses the same test to know a live broker.
+before creating anything (`BrokerRunning`); `verify` uses the same test to know a live broker. A broker
+that starts there later is found by the same test, asked again for as long as the writer writes
+(`BrokerLockWatch`: `reputd run` then stops writing and exits 2).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import errno
 import fcntl
 import os
 import struct
+import time
 
 LOCK_FILE = "reputd.lock"
 BROKER_LOCK_FILE = "lock"  # DefaultMessageStore's `lock` in the store root
@@ -90,6 +93,28 @@ def lock_holder(path: str) -> int | None:
 def lock_held(path: str) -> bool:
     """Whether another process holds a POSIX lock on the file (the broker's `lock`)."""
     return lock_holder(path) is not None
+
+
+class BrokerLockWatch:
+    """The broker's `lock` in a directory a writer writes into, watched for as long as it writes (`reputd run`
+    for months): a broker started there later takes it (DefaultMessageStore.start(), after its load()) and
+    writes consumequeue/ and index/ itself. `taken()` asks the kernel (F_GETLK, 4 us) at most every
+    `interval` seconds, or at once with `now`; once taken it stays taken (the writer stops for good)."""
+
+    def __init__(self, directory: str, interval: float):
+        self.path = os.path.join(directory, BROKER_LOCK_FILE)
+        self.interval = interval
+        self.holder: int | None = None  # the PID that took it (0: not said), once seen
+        self._checked = float("-inf")
+
+    def taken(self, *, now: bool = False) -> int | None:
+        """The holder's PID once a broker holds the lock, else None."""
+        if self.holder is None:
+            t = time.monotonic()
+            if now or t - self._checked >= self.interval:
+                self._checked = t
+                self.holder = lock_holder(self.path)
+        return self.holder
 
 
 class OutputLock:
@@ -240,5 +265,5 @@ def _holder(fd: int) -> str:
     return f"PID {pid}" + (f", reputd {command}" if command else "")
 
 
-__all__ = ["BROKER_LOCK_FILE", "LOCK_FILE", "BrokerRunning", "OutputLock", "OutputLocked", "OutputNotWritable",
-           "lock_held", "lock_holder", "lock_output", "writer_holding"]
+__all__ = ["BROKER_LOCK_FILE", "LOCK_FILE", "BrokerLockWatch", "BrokerRunning", "OutputLock", "OutputLocked",
+           "OutputNotWritable", "lock_held", "lock_holder", "lock_output", "writer_holding"]
