@@ -103,11 +103,13 @@ def write(store: Path, messages: int, seed: int, log: Path, timeout: float = 300
     return last_json(res.stdout)
 
 
-def start_writer(store: Path, messages: int, seed: int, log: Path) -> subprocess.Popen:
-    """A `DLedgerLive write` that is writing (its `STARTED` line read): kill it with `kill_writer`, or `finish`."""
+def start_writer(store: Path, messages: int, seed: int, log: Path, index_num: int | None = None) -> subprocess.Popen:
+    """A `DLedgerLive write` that is writing (its `STARTED` line read): kill it with `kill_writer`, or `finish`.
+    `index_num` sets the writer's entries per IndexFile (SETTINGS' 400 otherwise)."""
+    extra = ["--index-num", str(index_num)] if index_num is not None else []
     with log.open("a") as err:
         proc = subprocess.Popen(java("DLedgerLive", "write", "--store", str(store), "--messages", str(messages),
-                                     "--seed", str(seed), "--peer-port", "{port}"),
+                                     "--seed", str(seed), "--peer-port", "{port}", *extra),
                                 stdout=subprocess.PIPE, stderr=err, text=True)
     line = proc.stdout.readline()
     if not line.startswith("STARTED"):

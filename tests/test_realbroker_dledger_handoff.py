@@ -47,9 +47,10 @@ MESSAGES = int(os.environ.get("STRESS_DLEDGER_HANDOFF_MESSAGES", stress.scale(60
 SEED = int(os.environ.get("STRESS_DLEDGER_HANDOFF_SEED", "31"))
 WRITES = stress.scale(300, 2000)
 MIXED = stress.scale(700, 2000)  # messages in each part of the upgraded store
-# the writer's sizes (dledger_live.SETTINGS), but 1,000 entries per IndexFile for reputd and the checks: the
-# store alone dispatching a whole log fills 400-entry files faster than one a millisecond and drops keys (see
-# test_realbroker_handoff.SIZES); the writer's own index/ is deleted, so its 400 does not matter
+# the writer's sizes (dledger_live.SETTINGS), but 1,000 entries per IndexFile for the writer, reputd and the
+# checks: the store alone dispatching a whole log fills 400-entry files faster than one a millisecond and drops
+# keys (see test_realbroker_handoff.SIZES); the writer writes 1,000 too, or `reputd run --out` following it
+# refuses its IndexFiles of another size (issue 44: the files an output is to replace are the config's sizes)
 STORE = {"maxIndexNum": 1000}
 SIZE_FLAGS = ["--commitlog-size", str(dl.SETTINGS["mappedFileSizeCommitLog"]),
               "--cq-size", str(dl.SETTINGS["mappedFileSizeConsumeQueue"]),
@@ -102,7 +103,7 @@ def written(harness, tmp_path_factory):
         base = tmp_path_factory.mktemp(f"dledger-writer-{broker}")
         store, out, log = base / "store", base / "followed", base / "writer.log"
         follow = config(base / "follow.yaml", store, out)
-        writer = dl.start_writer(store, MESSAGES, SEED, log)
+        writer = dl.start_writer(store, MESSAGES, SEED, log, index_num=STORE["maxIndexNum"])
         follower = None
         try:
             follower = start_follower(follow, out)
