@@ -18,6 +18,12 @@
 # match the broker's, or segments are refused as the wrong size (the daemon stays "down") and the files are
 # not the broker's. Any config key can be overridden with -e REPUTD_<SECTION>_<KEY>=...; for a whole config,
 # mount it over /etc/reputd/reputd.yaml.
+#
+#   docker run --rm -v /data/rocketmq/store:/store:ro -v reputd-out:/out -v reputd-cache:/cache \
+#       reputd-backfill backfill --config /etc/reputd/reputd.yaml --master 'local[*]'
+#
+# The backfill's driver JVM starts from the class archive the image holds under /cache (XDG_CACHE_HOME); a
+# named volume there (optional) also keeps the ones later backfills record, such as a cluster driver's.
 
 # Pinned to bookworm, not the floating python:3.11-slim: the Debian release under that tag moves, and
 # openjdk-17-jre-headless, which the backfill stage needs, is a bookworm package. All stages share this base so
@@ -46,20 +52,35 @@ COPY indexcore/ indexcore/
 RUN /opt/reputd/bin/pip install --no-cache-dir . \
     && /opt/reputd/bin/reputd --help > /dev/null
 
+# --- build-backfill: the same virtualenv with the [backfill] extra -------------------------------------
+FROM build AS build-backfill
+# PySpark (with pandas and pyarrow, its Arrow exchange) is the project's [backfill] extra (same specs as in
+# pyproject.toml), kept out of the daemon image. Then pip and setuptools leave the virtualenv: nothing in the
+# image installs anything, and they are about 20 MB.
+RUN /opt/reputd/bin/pip install --no-cache-dir "pyspark[sql]>=3.5,<5" "pyarrow>=15" "pandas>=2.2,<3" \
+    && /opt/reputd/bin/python -m pip uninstall --yes --quiet pip setuptools
+
+# --- build-runtime: the daemon's virtualenv without pip and setuptools ----------------------------------
+FROM build AS build-runtime
+RUN /opt/reputd/bin/python -m pip uninstall --yes --quiet pip setuptools \
+    && /opt/reputd/bin/reputd --help > /dev/null
+
 # --- base: what the daemon and the backfill images share -----------------------------------------------
 FROM ${PYTHON_IMAGE} AS base
 # A fixed, non-root uid/gid, so the owner of files on mounted volumes is predictable on the host
-# (chown 10001 the output directory when it is a bind mount).
+# (chown 10001 the output directory when it is a bind mount). /cache is its XDG_CACHE_HOME: the user has
+# no home, and without a cache directory the backfill's class archive (and the queries' parsed-config memo)
+# had nowhere to go.
 RUN groupadd --system --gid 10001 reputd \
     && useradd --system --uid 10001 --gid reputd --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin reputd \
-    && mkdir -p /store /out \
-    && chown reputd:reputd /store /out
-COPY --from=build /opt/reputd /opt/reputd
+    && mkdir -p /store /out /cache \
+    && chown reputd:reputd /store /out /cache
 COPY config/reputd.yaml /etc/reputd/reputd.yaml
 ENV PATH=/opt/reputd/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    XDG_CACHE_HOME=/cache \
     REPUTD_STORE_STORE_PATH_ROOT_DIR=/store \
     REPUTD_OUTPUT_DIR=/out \
     REPUTD_METRICS_HOST=0.0.0.0
@@ -73,9 +94,8 @@ VOLUME ["/store", "/out"]
 
 # --- backfill: `reputd backfill` runs PySpark, which needs a Java 17 runtime -------------------------
 FROM base AS backfill
-# PySpark (with pandas and pyarrow, its Arrow exchange) is the project's [backfill] extra (same specs as in
-# pyproject.toml), kept out of the daemon image.
-RUN /opt/reputd/bin/pip install --no-cache-dir "pyspark[sql]>=3.5,<5" "pyarrow>=15" "pandas>=2.2,<3"
+COPY --from=build-backfill /opt/reputd /opt/reputd
+ENV REPUTD_IMAGE=backfill
 # The man1 directory: some openjdk packages' postinst fails on slim images without it (harmless otherwise).
 # hadolint ignore=DL3008
 RUN mkdir -p /usr/share/man/man1 \
@@ -84,11 +104,24 @@ RUN mkdir -p /usr/share/man/man1 \
     && rm -rf /var/lib/apt/lists/* \
     && java -version
 USER 10001:10001
+# The driver JVM's class archive (backfill.jvmClassArchive: auto), recorded here once by a small local backfill as
+# the image's user: every container maps it from its first backfill. Without it each new container would record
+# its own as it ends (about 4 s more, and 2 s more of start), unless a volume on /cache kept it; a new named
+# volume there starts with this one.
+RUN work=$(mktemp -d) \
+    && export REPUTD_STORE_STORE_PATH_ROOT_DIR="$work/store" REPUTD_OUTPUT_DIR="$work/out" \
+    && reputd produce --config /etc/reputd/reputd.yaml --messages 2000 > /dev/null \
+    && reputd backfill --config /etc/reputd/reputd.yaml --master 'local[1]' --conf spark.ui.enabled=false > /dev/null \
+    && rm -rf "$work" \
+    && ls /cache/reputd/spark-driver-*.jsa
 ENTRYPOINT ["reputd"]
 CMD ["backfill", "--config", "/etc/reputd/reputd.yaml"]
 
 # --- runtime: the daemon, `reputd run` (last stage, so a plain `docker build .` produces it) -----------
 FROM base AS runtime
+COPY --from=build-runtime /opt/reputd /opt/reputd
+# REPUTD_IMAGE: `reputd backfill` here says to use the backfill image (this one has no PySpark, Java or pip).
+ENV REPUTD_IMAGE=runtime
 USER 10001:10001
 EXPOSE 9108
 # daemon/ops/healthcheck.py asks /healthz (slim images have no curl) and prints one line, e.g.

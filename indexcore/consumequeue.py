@@ -105,17 +105,24 @@ class Placement(NamedTuple):
 
 @dataclass(slots=True)
 class PutStats:
-    """What a put did: units written, units already present, blank units written into gaps of a queue's
-    offsets (units whose records the output never got: `place_units`)."""
+    """What a put did: units written, units already present, and the blank units written for units whose
+    records the output never got (`place_units`): in gaps of a queue's offsets, and the pre-blank units before
+    the first unit of a queue whose first file starts below it (`blanks` counts both, as the files hold them)."""
 
     written: int = 0
     already_built: int = 0
     gap_blanks: int = 0
+    pre_blanks: int = 0
 
     def add(self, other: PutStats) -> None:
         self.written += other.written
         self.already_built += other.already_built
         self.gap_blanks += other.gap_blanks
+        self.pre_blanks += other.pre_blanks
+
+    @property
+    def blanks(self) -> int:
+        return self.gap_blanks + self.pre_blanks
 
 
 def _last_real_unit_end(units: np.ndarray) -> int:
@@ -281,6 +288,7 @@ def place_units(cursor: QueueCursor, qo: np.ndarray, ends: np.ndarray, file_size
             created = True
             if q != 0:
                 blanks = (expect - cursor.file_start) // CQ_UNIT_SIZE
+                stats.pre_blanks += blanks
                 cursor.write_offset = expect
         elif cursor.write_offset - cursor.file_start >= file_size:
             cursor.file_start += file_size

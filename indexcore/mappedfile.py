@@ -349,12 +349,20 @@ class MappedFile:
         if not self.readonly:
             self._mm.flush()
 
-    def release(self) -> None:
-        """Drop this process's page-table entries for the whole mapping (MADV_DONTNEED). The data stays in
-        the page cache, dirty or not, and is faulted back in on the next access; a long-running writer
-        calls this after each flush so its RSS does not grow with the files it has written."""
-        if not self._mm.closed:
+    def release(self, start: int = 0, length: int | None = None) -> None:
+        """Drop this process's page-table entries for the mapping, or for the pages of [start, start + length)
+        (MADV_DONTNEED). The data stays in the page cache, dirty or not, and is faulted back in on the next
+        access; a long-running writer calls this after each flush so its RSS does not grow with the files it
+        has written, and a reader of a large part of a file after each window it has read."""
+        if self._mm.closed:
+            return
+        if start == 0 and length is None:
             self._mm.madvise(mmap.MADV_DONTNEED)
+            return
+        end = self.file_size if length is None else min(self.file_size, start + length)
+        start -= start % mmap.PAGESIZE
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         if not self._mm.closed:

@@ -93,9 +93,43 @@ def test_a_recording_that_died_leaves_no_temporary_archive_behind(tmp_path):
 
 
 def test_off_and_a_directory_that_cannot_be_made_mean_no_archive(tmp_path):
-    assert choose_archive(ARCHIVE_OFF, JAVA, "") is None
+    told = []
+    assert choose_archive(ARCHIVE_OFF, JAVA, "", lambda *why: told.append(why)) is None
+    assert told == []  # off is not a failure
     (tmp_path / "a-file").write_text("")
-    assert choose_archive(str(tmp_path / "a-file" / "driver.jsa"), JAVA, "") is None
+    assert choose_archive(str(tmp_path / "a-file" / "driver.jsa"), JAVA, "", lambda *why: told.append(why)) is None
+    assert told == [(str(tmp_path / "a-file"), "not a directory")]
+
+
+def test_a_backfill_says_once_that_auto_has_no_cache_directory(tmp_path, monkeypatch):
+    """A user without a home and without XDG_CACHE_HOME (a container image's) made `auto` give up silently: every
+    backfill paid the JVM's whole start. The backfill says so once, before Spark starts, naming the directory."""
+    import structlog
+
+    from daemon.backfill import job
+    from indexcore.writer import CommitLogWriter, Message
+
+    class SparkWouldStartHere(Exception):
+        pass
+
+    def create_context(*args):
+        raise SparkWouldStartHere
+
+    store = tmp_path / "store"
+    with CommitLogWriter(str(store / "commitlog"), 1 << 20) as writer:
+        writer.append(Message("T", 0, b"body", {"KEYS": "k"}))
+    config = tmp_path / "reputd.yaml"
+    config.write_text(f"store: {{storePathRootDir: {store}, mappedFileSizeCommitLog: {1 << 20}}}\n"
+                      f"output: {{dir: {tmp_path / 'out'}}}\n")
+    (tmp_path / "no-home").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-home" / ".cache"))
+    monkeypatch.setattr(job, "create_context", create_context)
+    with structlog.testing.capture_logs() as logs, pytest.raises(SparkWouldStartHere):
+        job.backfill(load_config(config, env={}), master="local[1]")
+    told = [e for e in logs if e["event"] == "jvm_class_archive_unavailable"]
+    assert [(e["log_level"], e["directory"], e["error"], e["setting"]) for e in told] == [
+        ("warning", str(tmp_path / "no-home" / ".cache" / "reputd"), "Not a directory", "auto")]
+    assert "XDG_CACHE_HOME" in told[0]["detail"]
 
 
 def test_an_archive_that_does_not_fit_is_ignored_quietly(tmp_path):

@@ -82,6 +82,7 @@ class CQModel:
             self.min_logic_offset = expect
             blanks = (expect % fs) // UNIT_SIZE
             self.files[self.last_start][: blanks * UNIT_SIZE] = BLANK * blanks
+            self.stats.pre_blanks += blanks
             self.write_pos = blanks * UNIT_SIZE
         if queue_offset != 0:  # step 7
             current = self.write_offset
@@ -242,12 +243,13 @@ def test_random_units_match_model(tmp_path: Path, seed: int) -> None:
     model = CQModel(fs)
     for n, batch in enumerate(chunks(rng, events)):
         msg = f"seed={seed} file_size={fs} batch={n} {batch}"
-        before = PutStats(model.stats.written, model.stats.already_built, model.stats.gap_blanks)
+        before = PutStats(model.stats.written, model.stats.already_built, model.stats.gap_blanks,
+                          model.stats.pre_blanks)
         for unit in batch:
             model.put(*unit)
         stats = put(cq, batch)
         expected = PutStats(model.stats.written - before.written, model.stats.already_built - before.already_built,
-                            model.stats.gap_blanks - before.gap_blanks)
+                            model.stats.gap_blanks - before.gap_blanks, model.stats.pre_blanks - before.pre_blanks)
         assert stats == expected, msg
         assert_matches(cq, model, directory, msg)
         if rng.random() < 0.2:
@@ -348,12 +350,14 @@ def test_gathered_appends_write_what_the_broker_writes_and_a_kill_loses_only_a_t
     kill_after = rng.randrange(len(batches))
     for n, batch in enumerate(batches):
         msg = f"seed={seed} file_size={fs} hold={hold} batch={n}"
-        before = PutStats(model.stats.written, model.stats.already_built, model.stats.gap_blanks)
+        before = PutStats(model.stats.written, model.stats.already_built, model.stats.gap_blanks,
+                          model.stats.pre_blanks)
         for unit in batch:
             model.put(*unit)
         stats = put_gathered(cq, files, batch, hold)
         assert stats == PutStats(model.stats.written - before.written, model.stats.already_built - before.already_built,
-                                 model.stats.gap_blanks - before.gap_blanks), msg
+                                 model.stats.gap_blanks - before.gap_blanks,
+                                 model.stats.pre_blanks - before.pre_blanks), msg
         assert cq.held_bytes < hold, msg
         assert (cq.max_offset, cq.max_physic_offset) == (model.max_offset, model.max_physic_offset), msg
         held_name = os.path.basename(cq.writing_path) if cq.held_bytes else None
@@ -577,7 +581,7 @@ def test_record_16_1_lands_at_position_100(tmp_path: Path) -> None:
     store = ConsumeQueueStore(str(tmp_path))
     rec = DispatchRec(phy_offset=0, msg_size=177, topic="TopicA", queue_id=1, queue_offset=5,
                       store_timestamp=1700000000123, tags_code=2598919)
-    assert store.dispatch(make_dispatch_batch([rec])) == PutStats(written=1)
+    assert store.dispatch(make_dispatch_batch([rec])) == PutStats(written=1, pre_blanks=5)
     store.close()
     path = tmp_path / "consumequeue" / "TopicA" / "1" / "00000000000000000000"
     assert sorted(os.listdir(path.parent)) == ["00000000000000000000"]
@@ -618,7 +622,7 @@ def test_first_unit_goes_to_its_position(tmp_path: Path, queue_offset: int, file
     """A fresh default-size queue puts its first unit in the §16.2 file and position (sparse 6 MB files)."""
     cq = ConsumeQueue(str(tmp_path), "T", 0)
     stats = put(cq, [(queue_offset, 4096, 300, 7)])
-    assert stats == PutStats(written=1)
+    assert stats == PutStats(written=1, pre_blanks=position // UNIT_SIZE)
     assert os.listdir(tmp_path) == [file_name]
     path = tmp_path / file_name
     assert path.stat().st_size == DEFAULT_FILE_SIZE
@@ -636,7 +640,7 @@ def test_pre_blank_scaled(tmp_path: Path) -> None:
     """§16.2 pre-blank scaled by 1/1000: 300 units per file, first unit 350 -> file 6000, 50 blanks, unit at 1000."""
     fs = 300 * UNIT_SIZE
     cq = ConsumeQueue(str(tmp_path), "T", 0, fs)
-    assert put(cq, [(350, 1 << 30, 200, 99)]) == PutStats(written=1)
+    assert put(cq, [(350, 1 << 30, 200, 99)]) == PutStats(written=1, pre_blanks=50)
     assert os.listdir(tmp_path) == ["00000000000000006000"]
     data = (tmp_path / "00000000000000006000").read_bytes()
     assert data[:1000] == BLANK * 50
@@ -686,7 +690,7 @@ def test_replayed_batch_is_already_built(tmp_path: Path) -> None:
     """Dispatching the same units again writes nothing: every one ends at or below maxPhysicOffset."""
     cq = ConsumeQueue(str(tmp_path), "T", 0, 100)
     units = [(q + 3, 1000 + 64 * q, 64, -q) for q in range(12)]
-    assert put(cq, units) == PutStats(written=12)
+    assert put(cq, units) == PutStats(written=12, pre_blanks=3)
     before = dir_bytes(tmp_path)
     assert put(cq, units) == PutStats(already_built=12)
     assert put(cq, units[4:9]) == PutStats(already_built=5)

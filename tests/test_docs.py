@@ -39,6 +39,35 @@ def test_the_configuration_page_is_the_one_the_key_table_generates():
         assert f"`{config.env_var_name(key.section, key.name)}`" in page, key.dotted
 
 
+def test_the_key_reference_says_each_comment_once_with_its_example():
+    """Keys that share one comment in config/reputd.yaml (the dLeger* keys, the s3* keys, ...) get their headings
+    together and the comment once; a section's opening comment stands under the section, not inside its first
+    key's text; a key the file shows commented out keeps its example (`output.dir` ended on "Set it to rebuild
+    into a separate directory:" with the example dropped)."""
+    page = (DOCS / "configuration.md").read_text().split("<!-- Generated below", 1)[1]
+    paragraphs = [p.strip() for p in re.sub(r"^```.*?^```", "", page, flags=re.MULTILINE | re.DOTALL).split("\n\n")
+                  if p.strip() and not p.lstrip().startswith(("#", "|"))]
+    assert [p for p in set(paragraphs) if paragraphs.count(p) > 1] == []
+    section, shown = "", []
+    for line in (ROOT / "config" / "reputd.yaml").read_text().splitlines():
+        if m := re.match(r"(\w+):", line):
+            section = m[1]
+        elif (m := re.match(r"  # (\w+): \S", line)) and (section, m[1]) in config._KEYS:
+            shown.append((section, line[4:]))
+    assert ("output", "dir: ../var/rebuilt") in shown
+    for section, line in shown:
+        assert f"```yaml\n{section}:\n  {line}\n```" in page, line
+    for section in {k.section for k in config._KEY_LIST}:
+        after = page.split(f"## `{section}:`\n\n", 1)[1]
+        first_key = next(k for k in config._KEY_LIST if k.section == section)
+        assert after.startswith(f"### `{first_key.dotted}`") or not after.startswith("#"), section
+    groups = {"store.dLegerSelfId": "store.enableDLegerCommitLog", "backfill.s3SecretAccessKey": "backfill.s3Endpoint"}
+    for key, leader in groups.items():
+        headings = re.search(rf"### `{re.escape(leader)}`\n\n(?:### `[\w.]+`\n\n)*", page)
+        assert headings, leader
+        assert f"### `{key}`" in headings[0], key
+
+
 def test_a_stale_configuration_page_is_reported(tmp_path, monkeypatch):
     """--check exits 1 and names the command when the page and the key table disagree."""
     sys.path.insert(0, str(ROOT / "tools"))
@@ -69,6 +98,15 @@ def test_the_readme_is_a_short_document_whose_links_resolve():
             assert anchor in anchors(file.read_text()), target
 
 
+def test_every_source_path_the_docs_name_exists():
+    """A module the pages name by path is there (docs/recovery.md named daemon/dledgerfollow.py and
+    daemon/dledgerfence.py after they moved to daemon/engine/)."""
+    source = r"`((?:daemon|indexcore|tools|bench|tests)/[\w/-]+\.py|(?:config|systemd)/[\w./-]+)`"
+    named = {m for page in [README, *DOCS.glob("*.md")] for m in re.findall(source, page.read_text())}
+    assert len(named) > 20
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
+
+
 def test_every_docs_page_is_in_the_mkdocs_nav():
     nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
     listed = {page for entry in nav for page in entry.values()}
@@ -83,17 +121,27 @@ def test_the_readme_links_every_docs_page():
 
 
 def test_the_version_is_written_once_and_read_everywhere():
-    """pyproject.toml holds the version; `reputd --version` and daemon.__version__ read it; the changelog's newest
-    release names it; no module writes a version of its own."""
+    """pyproject.toml holds the version; `reputd --version` and daemon.__version__ read it; no module writes a
+    version of its own. It says which release an operator has: the changelog's newest release, or, while
+    [Unreleased] lists changes, a development version of the next release (`0.2.0.dev0`, which pip orders
+    after 0.1.0 and before 0.2.0): 0.1.0 was printed by builds that held DLedger mode and `handoff`."""
     import daemon
 
     assert daemon.__version__ == VERSION
     done = subprocess.run([str(Path(sys.executable).parent / "reputd"), "--version"], capture_output=True, text=True,
                           timeout=60, check=False)
     assert (done.returncode, done.stdout) == (0, f"reputd {VERSION}\n")
-    releases = re.findall(r"^## \[(\d[^\]]*)\]", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[(\d[^\]]*)\]", changelog, re.MULTILINE)
     assert releases, "CHANGELOG.md names no release"
-    assert releases[0] == VERSION
+    unreleased = changelog.split("## [Unreleased]", 1)[1].split(f"## [{releases[0]}]", 1)[0]
+    if re.search(r"^- ", unreleased, re.MULTILINE):
+        m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)\.dev\d+", VERSION)
+        assert m, f"[Unreleased] lists changes: the version must be the next release's .devN, not {VERSION}"
+        newest = tuple(int(x) for x in releases[0].split("."))
+        assert tuple(int(x) for x in m.groups()) > newest, (VERSION, releases[0])
+    else:
+        assert releases[0] == VERSION
     for path in [*ROOT.glob("daemon/**/*.py"), *ROOT.glob("indexcore/**/*.py")]:
         # a version of its own, not a keyword that ends in one (`data_page_version="2.0"`)
         assert not re.search(r"""__version__\s*=|\bversion\s*=\s*["']\d""", path.read_text()), path

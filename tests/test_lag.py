@@ -193,6 +193,24 @@ def test_lag_seconds_after_idle_is_the_age_of_the_new_data(service):
 
 
 
+def test_lag_seconds_counts_only_what_the_commitlog_still_holds(service):
+    """What the gauge measures (docs/operations.md, "What the lag in seconds measures"): the age of the oldest
+    message the CommitLog still holds and reputd has not dispatched. Once the broker deleted the segment reputd
+    was to read next, that is the first message of the oldest segment left, however old the deleted ones were:
+    a stall longer than the broker keeps data shows as skipped bytes, not as more seconds."""
+    store, clock = service.store, service.clock
+    log_dir = store.tmp / "store" / "commitlog"
+    assert service.session.dispatched_offset == 0
+    clock.now_ms = START_MS + 3_600_000
+    oldest = oldest_age_s(log_dir, 0, clock.now_ms)
+    assert lag_of(service)[1] == oldest
+    os.unlink(log_dir / f"{0:020d}")  # retention, before reputd read it
+    behind, seconds = lag_of(service)
+    assert behind == store.end  # the bytes gauge still counts from reputd's offset
+    assert seconds == oldest_age_s(log_dir, SEGMENT, clock.now_ms)
+    assert seconds < oldest
+
+
 def _resident_pages(path: Path) -> int:
     """How many of the file's pages are in the page cache now."""
     return sum(resident(path))

@@ -5,20 +5,31 @@ that come only from the sets daemon/ops/metrics.py declares."""
 from __future__ import annotations
 
 import ast
+import http.client
 import importlib
+import socket
+import struct
+import sys
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+import structlog
 from prometheus_client import generate_latest
 
 from daemon.ops.metrics import (
+    CLIENT_GONE,
     CORRUPT_REASONS,
     DEGRADED,
     DOWN,
     HEALTH_STATES,
     HEALTHY,
     ErrorKind,
+    Health,
     Lag,
+    MetricsServer,
     OutputStage,
     RecoveryDecision,
     ReputMetrics,
@@ -100,6 +111,73 @@ def test_files_gauge_has_both_kinds_whenever_lag_is_known():
     assert registry.get_sample_value("reputd_files", {"kind": "consumequeue"}) == 3
     assert registry.get_sample_value("reputd_files", {"kind": "index"}) == 1
     assert registry.get_sample_value("rocketmq_storage_dispatch_behind_bytes") == 10
+
+
+def test_a_scrape_whose_client_left_mid_response_prints_nothing(capsys):
+    """A scrape that timed out while the daemon was stopped (SIGSTOP) or slow is answered when it resumes, to a
+    client that is gone: the write fails with a broken pipe or a reset, which socketserver printed as a raw
+    traceback on stderr. Here the collector holds the answer until the client has reset the connection."""
+    armed, asked, answer = threading.Event(), threading.Event(), threading.Event()
+
+    def lag():  # also called once as the registry describes its collectors
+        if armed.is_set():
+            asked.set()
+            answer.wait(10)
+
+    server = MetricsServer("127.0.0.1", 0, ReputMetrics(lag), Health())
+    failures, handle_error = [], server._server.handle_error
+
+    def recording(request, client_address):
+        failures.append(sys.exc_info()[1])
+        handle_error(request, client_address)
+
+    server._server.handle_error = recording
+    server.start()
+    armed.set()
+    try:
+        client = socket.create_connection(server.address[:2], timeout=5)
+        client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert asked.wait(5)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        client.close()
+        answer.set()
+        deadline = time.monotonic() + 5
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [type(e) for e in failures if not isinstance(e, CLIENT_GONE)] == []
+        assert failures  # the write did meet the client's reset
+        # the endpoint still answers the next scrape, and nothing reached stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.address[1]}/metrics", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        answer.set()
+        server.stop()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_request_that_fails_otherwise_is_one_event_not_a_traceback(capsys):
+    """Anything else a request raises (here a collector) is the `metrics_request_failed` event, one line."""
+    armed = threading.Event()
+
+    def lag():
+        if armed.is_set():
+            raise RuntimeError("collector broke")
+
+    server = MetricsServer("127.0.0.1", 0, ReputMetrics(lag), Health())
+    server.start()
+    armed.set()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+                urllib.request.urlopen(f"http://127.0.0.1:{server.address[1]}/metrics", timeout=5)
+            deadline = time.monotonic() + 5
+            while not logs and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        server.stop()
+    assert [(e["event"], e["log_level"], e["error"]) for e in logs] == [
+        ("metrics_request_failed", "error", "RuntimeError: collector broke")]
+    assert "Traceback" not in capsys.readouterr().err
 
 
 # --- label values come from the declared sets only ----------------------------------------------------------

@@ -1,5 +1,5 @@
 """The operations kit: Prometheus alert rules (config/prometheus/), the Grafana dashboard (config/grafana/)
-and the log recipe of systemd/README.md, each held to what a real `reputd run` exposes and writes.
+and the log recipe of docs/systemd.md, each held to what a real `reputd run` exposes and writes.
 
 One daemon runs through a whole life as a subprocess — started before its CommitLog directory exists,
 then following it across a corrupt record (skip-segment) and segment rolls, losing the directory mid-run,
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "config" / "prometheus" / "reputd-rules.yml"
 RULE_TESTS = ROOT / "config" / "prometheus" / "reputd-rules.test.yml"
 DASHBOARD = ROOT / "config" / "grafana" / "reputd-dashboard.json"
-SYSTEMD_README = ROOT / "systemd" / "README.md"
+SYSTEMD_README = ROOT / "docs" / "systemd.md"
 README = ROOT / "README.md"
 OPERATIONS = ROOT / "docs" / "operations.md"
 
@@ -264,6 +264,10 @@ def test_the_selector_and_runbook_base_are_settings(tmp_path):
             assert ("env", "=", "eu") in s.matchers, rule["expr"]
             assert SHIPPED_SELECTOR not in s.matchers, rule["expr"]
         assert rule["annotations"]["runbook_url"] == f"https://wiki.example/README.md#{rule['alert'].lower()}"
+    header = done.stdout.split("\ngroups:", 1)[0]  # it named the shipped selector whatever was rendered
+    assert 'job="reputd"' not in header.replace('job="reputd-prod"', "")
+    assert 'job="reputd-prod", env="eu"' in header
+    assert header.startswith("# Rendered by render_rules.py --selector 'job=\"reputd-prod\", env=\"eu\"'")
     bad = render_rules("--selector", "job=reputd")
     assert bad.returncode == 2
     assert bad.stdout == ""
@@ -478,10 +482,10 @@ SYSTEMD_LINES = (
 
 
 def readme_recipes() -> list[tuple[str, str]]:
-    """(jq flags, jq program) of systemd/README.md's `journalctl ... SYSLOG_IDENTIFIER=reputd | jq -R` lines."""
+    """(jq flags, jq program) of docs/systemd.md's `journalctl ... SYSLOG_IDENTIFIER=reputd | jq -R` lines."""
     recipes = re.findall(r"^journalctl [^|\n]*SYSLOG_IDENTIFIER=reputd[^|\n]*\| jq (-\w*R\w*) '([^']+)'",
                          SYSTEMD_README.read_text(), re.MULTILINE)
-    assert len(recipes) >= 2, "systemd/README.md gives the journalctl | jq -R 'fromjson? | ...' recipe"
+    assert len(recipes) >= 2, "docs/systemd.md gives the journalctl | jq -R 'fromjson? | ...' recipe"
     return recipes
 
 

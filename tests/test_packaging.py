@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from daemon.cli import EXIT_USAGE, build_parser
+from daemon.cli.backfill import IMAGE_ENV, RUNTIME_IMAGE, backfill_import_error
 from daemon.config import load_config
 from daemon.ops import healthcheck as image_healthcheck
 from daemon.ops.metrics import DOWN, HEALTH_PATH
@@ -32,7 +33,7 @@ from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "reputd.service"
-SYSTEMD_README = ROOT / "systemd" / "README.md"
+SYSTEMD_README = ROOT / "docs" / "systemd.md"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 CONFIG = ROOT / "config" / "reputd.yaml"
@@ -252,7 +253,7 @@ def test_unit_execstart_runs_the_daemon_from_the_readme_venv(unit):
     assert argv == ["/opt/reputd/bin/reputd", "run", "--config", CONFIG_IN_IMAGE]
     readme = SYSTEMD_README.read_text()
     venv = os.path.dirname(os.path.dirname(argv[0]))
-    assert f"-m venv {venv}\n" in readme, "systemd/README.md must install the venv the unit runs"
+    assert f"-m venv {venv}\n" in readme, "docs/systemd.md must install the venv the unit runs"
     assert f"{venv}/bin/pip install --no-cache-dir ." in readme
     assert f"install -m 0640 -o root -g reputd config/reputd.yaml {argv[3]}" in readme
     args = build_parser().parse_args(argv[1:])
@@ -302,7 +303,7 @@ def test_unit_sandbox(unit):
 def test_unit_gives_way_to_the_broker(unit):
     """A sidecar's manners (issue 28 §6): below-default CPU and I/O weight and priority, picked first by the
     OOM killer, throttled above a memory mark rather than killed at one, no IPC left behind, and network on
-    loopback only, where the metrics endpoint binds by default; each setting sized in systemd/README.md."""
+    loopback only, where the metrics endpoint binds by default; each setting sized in docs/systemd.md."""
     assert 1 < int(one(unit, "Service", "CPUWeight")) < 100
     assert 1 < int(one(unit, "Service", "IOWeight")) < 100
     assert int(one(unit, "Service", "Nice")) > 0
@@ -440,7 +441,7 @@ def test_docker_volumes_and_environment(stages):
     env = env_of(stages, "runtime")
     reputd_env = {k: v for k, v in env.items() if k.startswith("REPUTD_")}
     assert reputd_env == {"REPUTD_STORE_STORE_PATH_ROOT_DIR": "/store", "REPUTD_OUTPUT_DIR": "/out",
-                          "REPUTD_METRICS_HOST": "0.0.0.0"}
+                          "REPUTD_METRICS_HOST": "0.0.0.0", IMAGE_ENV: RUNTIME_IMAGE}
     assert env["PATH"].startswith("/opt/reputd/bin:")
     # Those variables, over the config copied into the image, give the paths the volumes provide.
     config = load_config(CONFIG, env=reputd_env)
@@ -448,8 +449,22 @@ def test_docker_volumes_and_environment(stages):
     assert config.store.commit_log_dirs == ("/store/commitlog",)
     assert config.output.dir == "/out"
     assert (config.metrics.host, config.metrics.port) == ("0.0.0.0", 9108)
-    # The volume directories belong to the runtime user, so a fresh named volume is writable by it.
-    assert "chown reputd:reputd /store /out" in " ".join(instructions(stages, "runtime", "RUN"))
+    # The volume directories belong to the runtime user, so a fresh named volume is writable by it; so does its
+    # cache directory (the user has no home): a backfill's class archive and the queries' memo go there.
+    assert "chown reputd:reputd /store /out /cache" in " ".join(instructions(stages, "runtime", "RUN"))
+    assert env["XDG_CACHE_HOME"] == "/cache" == env_of(stages, "backfill")["XDG_CACHE_HOME"]
+    assert env_of(stages, "backfill")[IMAGE_ENV] == "backfill"
+
+
+def test_the_backfill_image_holds_its_drivers_class_archive(stages):
+    """`jvmClassArchive: auto` in the image: recorded at build time by a local backfill run as the image's user
+    (the one that runs containers, so the archive is its own and in its XDG_CACHE_HOME), and checked there."""
+    steps = stage(stages, "backfill").instructions
+    (at,) = [i for i, (k, a) in enumerate(steps) if k == "RUN" and "reputd backfill" in a]
+    recording = steps[at][1]
+    assert [a for k, a in steps[:at] if k == "USER"] == [f"{RUNTIME_UID}:{RUNTIME_UID}"]
+    assert "--master 'local[1]'" in recording
+    assert recording.rstrip().endswith(f"ls {env_of(stages, 'backfill')['XDG_CACHE_HOME']}/reputd/spark-driver-*.jsa")
 
 
 def test_docker_java_only_in_the_backfill_stage(stages):
@@ -468,11 +483,15 @@ def test_docker_installs_the_project_without_test_extras(stages):
     assert re.findall(r"pip install ([^&;]*?)\s*(?:&&|$)", build_runs) == ["--no-cache-dir ."]
     assert "[" not in build_runs, "no extras: the image gets the runtime dependencies only"
     assert not re.search(r"pip install[^&]* (-e|--editable) ", build_runs)
-    # What the build stage installed is what the runtime image runs.
+    # What the build stage installed is what the runtime image runs, less pip and setuptools, which it does not
+    # use (about 20 MB): the runtime image copies the virtualenv of a stage built FROM build that removes them.
     venv_copies = [(flags, src, dest) for s, flags, src, dest in copies(stages) if s in chain(stages, "runtime")
-                   and flags.get("from") == "build"]
-    assert venv_copies == [({"from": "build"}, ["/opt/reputd"], "/opt/reputd")]
+                   and "from" in flags]
+    assert venv_copies == [({"from": "build-runtime"}, ["/opt/reputd"], "/opt/reputd")]
+    assert stage(stages, "build-runtime").base == "build"
     assert not [a for a in instructions(stages, "runtime", "RUN") if "pip install" in a]
+    for venv in ("build-runtime", "build-backfill"):
+        assert "-m pip uninstall --yes --quiet pip setuptools" in " ".join(stage(stages, venv).all("RUN")), venv
 
 
 def test_docker_backfill_stage_adds_the_backfill_extra(stages):
@@ -480,10 +499,36 @@ def test_docker_backfill_stage_adds_the_backfill_extra(stages):
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert not any("pyspark" in d for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
                    ["dependencies"]), "the daemon image must not carry PySpark"
-    runs = " ".join(stage(stages, "backfill").all("RUN"))
+    runs = " ".join(stage(stages, "build-backfill").all("RUN"))
     specs = [spec for line in re.findall(r'pip install --no-cache-dir ((?:"[^"]+" ?)+)', runs)
              for spec in re.findall(r'"([^"]+)"', line)]
     assert specs == extras["backfill"]
+    assert stage(stages, "build-backfill").base == "build"
+    venv_copies = [(flags, src, dest) for s, flags, src, dest in copies(stages) if s in chain(stages, "backfill")
+                   and "from" in flags]
+    assert venv_copies == [({"from": "build-backfill"}, ["/opt/reputd"], "/opt/reputd")]
+
+
+def test_backfill_in_the_daemon_image_points_at_the_backfill_image(stages, monkeypatch):
+    """`reputd backfill` without PySpark says how to get it: in the daemon image (no PySpark, Java or pip),
+    the backfill image; elsewhere, the command that installs the extra's requirements into the environment
+    running it (`pip install 'reputd[backfill]'` found reputd only with a checkout's own pip)."""
+    missing = ImportError("No module named 'pyspark'", name="pyspark")
+    monkeypatch.setenv(IMAGE_ENV, env_of(stages, "runtime")[IMAGE_ENV])
+    said = backfill_import_error(missing)
+    assert "docker build --target backfill" in said
+    assert "pip" not in said
+    monkeypatch.delenv(IMAGE_ENV)
+    said = backfill_import_error(missing)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["backfill"]
+    command = said.split(" install them with ", 1)[1].split(" (and Java", 1)[0]
+    argv = shlex.split(command)
+    assert argv[:4] == [sys.executable, "-m", "pip", "install"]
+    def spec(text: str) -> tuple[str, list[str]]:  # "pyspark[sql]<5,>=3.5" (the metadata's) == ">=3.5,<5"
+        name, versions = re.fullmatch(r"([\w.\-\[\]]+)(.*)", text.replace(" ", "")).groups()
+        return name, sorted(versions.split(","))
+
+    assert sorted(map(spec, argv[4:])) == sorted(map(spec, extras))
 
 
 def test_docker_copy_sources_exist_and_reach_the_context(stages):

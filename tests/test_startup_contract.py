@@ -1,7 +1,7 @@
 """What `reputd run` tells systemd while it starts and stops (issue 15 item 2), heard on a notification
 socket standing in for systemd's.
 
-The contract (systemd/README.md): READY=1 once start-up is over, either following the CommitLog or waiting
+The contract (docs/systemd.md): READY=1 once start-up is over, either following the CommitLog or waiting
 for something only the outside can fix (the CommitLog directory missing, a damaged segment, no room for the
 output); STATUS= and /healthz say which. Segments that all have another size than mappedFileSizeCommitLog
 (the setting is not the broker's) are exit 1 without READY=1, so Restart= and the start limit end the

@@ -227,7 +227,7 @@ def test_installed_backfill_without_pyspark_says_to_install_the_extra(installed,
     assert len(lines) == 1, result.stderr
     assert "needs PySpark" in lines[0]
     assert "No module named 'pyspark'" in lines[0]
-    assert "pip install 'reputd[backfill]'" in lines[0]
+    assert f"{installed.python} -m pip install 'pyspark[sql]" in lines[0]  # into this environment, from anywhere
     assert _output(tmp_path / "out") == {}
 
 

@@ -26,30 +26,54 @@ from daemon.config import keys as config  # noqa: E402 - the checkout's own daem
 PAGE = ROOT / "docs" / "configuration.md"
 EXAMPLE = ROOT / "config" / "reputd.yaml"
 MARKER = "<!-- Generated below by tools/config_reference.py from daemon/config/keys.py; do not edit by hand. -->"
-_KEY_LINE = re.compile(r"^  (?:# )?([A-Za-z][A-Za-z0-9]*):")
+_KEY_LINE = re.compile(r"^  (# )?([A-Za-z][A-Za-z0-9]*):")
 _SECTION_LINE = re.compile(r"^([a-z]+):")
 
 
-def key_comments(text: str) -> dict[tuple[str, str], str]:
-    """(section, key) -> the comment block above the key in the commented config; keys listed together under
-    one comment (no blank line between them) share it. A key shown commented out (`# dir: ...`) counts."""
-    found: dict[tuple[str, str], str] = {}
-    section, block, shared = "", [], ""
+@dataclasses.dataclass
+class Comments:
+    """What config/reputd.yaml says: each key's comment (keys listed together under one comment, with no blank
+    line between them, share it: `group` maps each key to the first of its group), the example a key shown
+    commented out gives (`# dir: ../var/rebuilt`), and each section's opening comment (a comment block right
+    below `section:`, ended by a blank line), which is about the section and not about its first key."""
+
+    text: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    group: dict[tuple[str, str], tuple[str, str]] = dataclasses.field(default_factory=dict)
+    example: dict[tuple[str, str], str] = dataclasses.field(default_factory=dict)
+    intro: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def read_comments(text: str) -> Comments:
+    found = Comments()
+    section, block, leader, started = "", [], None, False
     for line in text.splitlines():
         if m := _SECTION_LINE.match(line):
-            section, block, shared = m.group(1), [], ""
+            section, block, leader, started = m.group(1), [], None, False
             continue
-        if (m := _KEY_LINE.match(line)) and (section, m.group(1)) in config._KEYS:
-            shared = " ".join(block) or shared
-            found[(section, m.group(1))] = shared
-            block = []
+        if (m := _KEY_LINE.match(line)) and (section, m.group(2)) in config._KEYS:
+            key = (section, m.group(2))
+            if block or leader is None:
+                found.text[key], leader = " ".join(block), key
+            else:
+                found.text[key] = found.text[leader]
+            found.group[key] = leader
+            if m.group(1):
+                found.example[key] = line.strip().lstrip("#").strip()
+            block, started = [], True
             continue
         stripped = line.strip()
         if stripped.startswith("#") and line.startswith("  "):
             block.append(stripped.lstrip("#").strip())
         elif not stripped:
-            block, shared = [], ""
+            if block and not started:
+                found.intro[section] = " ".join(block)
+            block, leader, started = [], None, started or bool(block)
     return found
+
+
+def key_comments(text: str) -> dict[tuple[str, str], str]:
+    """(section, key) -> the comment above the key (a group's keys share theirs)."""
+    return read_comments(text).text
 
 
 def _checks(key: config._Key) -> str:
@@ -94,8 +118,11 @@ def _escape(text: str) -> str:
 
 
 def generate() -> str:
-    """The generated part of the page: one table of every key, then what each key does."""
-    comments = key_comments(EXAMPLE.read_text(encoding="utf-8"))
+    """The generated part of the page: one table of every key, then what each key does: under each section's
+    heading its opening comment, then a heading per key and its comment, said once for keys that share it
+    (their headings stand together above it), with the example of a key the file shows commented out."""
+    said = read_comments(EXAMPLE.read_text(encoding="utf-8"))
+    comments = said.text
     missing = [k.dotted for k in config._KEY_LIST if not comments.get((k.section, k.name))]
     if missing:
         raise SystemExit(f"config_reference: no comment in {EXAMPLE.relative_to(ROOT)} for {', '.join(missing)}")
@@ -111,11 +138,22 @@ def generate() -> str:
     out += ["", "What each key does is the comment above it in `config/reputd.yaml`, the commented config `make run` "
             "uses (whose values are the demo's where it says so):"]
     section = ""
-    for key in config._KEY_LIST:
+    keys = config._KEY_LIST
+    for i, key in enumerate(keys):
+        at = (key.section, key.name)
         if key.section != section:
             section = key.section
             out += ["", f"## `{section}:`"]
-        out += ["", f"### `{key.dotted}`", "", _escape(comments[(key.section, key.name)])]
+            if section in said.intro:
+                out += ["", _escape(said.intro[section])]
+        out += ["", f"### `{key.dotted}`"]
+        following = keys[i + 1] if i + 1 < len(keys) else None
+        if following is not None and said.group.get((following.section, following.name)) == said.group[at]:
+            continue  # the next key shares this comment: its heading goes here too, the text once after both
+        out += ["", _escape(comments[at])]
+        examples = [(k, said.example[k]) for k in said.example if said.group[k] == said.group[at]]
+        if examples:
+            out += ["", "```yaml", f"{section}:", *(f"  {line}" for _, line in examples), "```"]
     return "\n".join(out) + "\n"
 
 

@@ -5,8 +5,9 @@
 The rules next to this script are the rendering with the defaults below; every series selector in their
 expressions carries DEFAULT_SELECTOR, and every runbook_url starts with DEFAULT_RUNBOOK_BASE followed by
 `#`, so rendering is a replacement of those two, checked here (every expression must still name the
-selector) and in tests/test_ops_kit.py (promtool loads a rendering with another selector). Standard
-library only: run it with any python3.
+selector) and in tests/test_ops_kit.py (promtool loads a rendering with another selector). The header
+comment names the selector too, and a rendering says what it was rendered with. Standard library only: run
+it with any python3.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ def render(text: str, selector: str = DEFAULT_SELECTOR, runbook_base: str = DEFA
         return m.group(1) + m.group(2).replace(DEFAULT_SELECTOR, selector)
 
     text = EXPR.sub(expr, text)
-    return RUNBOOK.sub(lambda m: m.group(1) + runbook_base + "#", text)
+    text = RUNBOOK.sub(lambda m: m.group(1) + runbook_base + "#", text)
+    if (selector, runbook_base) == (DEFAULT_SELECTOR, DEFAULT_RUNBOOK_BASE):
+        return text
+    head, groups = text.split("\ngroups:", 1)  # the header comment: the selector it names is the rendering's
+    said = (f"# Rendered by render_rules.py --selector '{selector}' --runbook-base '{runbook_base}' "
+            "from the shipped rules.\n")
+    return said + head.replace(DEFAULT_SELECTOR, selector) + "\ngroups:" + groups
 
 
 def main(argv: list[str]) -> int:

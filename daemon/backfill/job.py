@@ -103,7 +103,13 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     interrupt = Interrupt(own=owns_context)  # from here a signal ends the backfill as an interruption
     try:
         if spark is None:
-            archive = choose_archive(config.backfill.jvm_class_archive, check_java(), archive_key(master))
+            archive = choose_archive(config.backfill.jvm_class_archive, check_java(), archive_key(master),
+                                     lambda directory, why: log.warning(
+                                         "jvm_class_archive_unavailable", directory=directory, error=why,
+                                         setting=config.backfill.jvm_class_archive,
+                                         detail="the driver JVM starts without a class archive (about twice as "
+                                                "long); set XDG_CACHE_HOME to a writable directory, or "
+                                                "backfill.jvmClassArchive to a writable path or off"))
             if archive is not None and archive.saving:
                 kind = "local" if master.startswith("local") else "cluster-driver"
                 say(f"this first {kind} backfill with this Java and Spark records the JVM's classes in "

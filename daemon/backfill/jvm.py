@@ -21,6 +21,7 @@ import hashlib
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 ARCHIVE_AUTO, ARCHIVE_OFF = "auto", "off"
@@ -90,8 +91,11 @@ def install_digest(java: str, java_options: str) -> str:
     return h.hexdigest()[:16]
 
 
-def choose_archive(setting: str, java: str, java_options: str) -> ClassArchive | None:
-    """The archive this backfill uses or records; None when it is off or its directory cannot be written."""
+def choose_archive(setting: str, java: str, java_options: str,
+                   unavailable: Callable[[str, str], None] | None = None) -> ClassArchive | None:
+    """The archive this backfill uses or records; None when it is off or its directory cannot be made or
+    written, which `unavailable(directory, why)` is told (a user without a home, as a container image's, gave
+    up silently: every backfill paid the JVM's full start)."""
     if setting == ARCHIVE_OFF:
         return None
     if setting == ARCHIVE_AUTO:
@@ -107,9 +111,15 @@ def choose_archive(setting: str, java: str, java_options: str) -> ClassArchive |
         return ClassArchive(path, saving=False)
     try:
         os.makedirs(directory, exist_ok=True)
-    except OSError:
-        return None
-    if not os.access(directory, os.W_OK):
+    except FileExistsError:
+        why = "not a directory"
+    except OSError as e:
+        why = e.strerror or str(e)
+    else:
+        why = None if os.access(directory, os.W_OK) else "not writable"
+    if why is not None:
+        if unavailable is not None:
+            unavailable(directory, why)
         return None
     remove_abandoned(path)
     if setting == ARCHIVE_AUTO:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,9 @@ from daemon.cli.common import (
 
 if TYPE_CHECKING:
     from daemon.config import Config
+
+# Set by the Dockerfile: which of its images this is, by stage (`runtime`, the daemon, or `backfill`).
+IMAGE_ENV, RUNTIME_IMAGE = "REPUTD_IMAGE", "runtime"
 
 
 def _add_backfill(sub) -> None:
@@ -92,12 +96,38 @@ def _backfill_checks(args, config: Config) -> None:
 
 def backfill_import_error(error: ImportError) -> str:
     """What a failed import of daemon.backfill means: the optional extra is not installed, or reputd's own
-    files are missing (an install that left out a module), which installing PySpark would not fix."""
+    files are missing (an install that left out a module), which installing PySpark would not fix. The command
+    it gives installs into the environment running this reputd, with requirements that pip finds anywhere
+    (`reputd[backfill]` names a package only a checkout's own environment knows); in the daemon's container
+    image, which has neither pip nor Java, the answer is the backfill image."""
     if (error.name or "").partition(".")[0] in OWN_PACKAGES:
         return (f"`reputd backfill` cannot load reputd's own module {error.name} ({error}): this reputd "
-                f"installation is incomplete; reinstall reputd (pip install --force-reinstall 'reputd[backfill]')")
+                f"installation is incomplete; reinstall reputd the way it was installed")
+    if os.environ.get(IMAGE_ENV) == RUNTIME_IMAGE:
+        return (f"`reputd backfill` needs PySpark and Java ({error}), which the daemon image leaves out: run it "
+                f"in the backfill image (docker build --target backfill -t reputd-backfill .)")
+    specs = " ".join(shlex.quote(spec) for spec in backfill_requirements())
     return (f"`reputd backfill` needs PySpark and the rest of the [backfill] extra ({error}); install them with "
-            f"pip install 'reputd[backfill]'")
+            f"{shlex.quote(sys.executable)} -m pip install {specs} (and Java 17 or later for the driver)")
+
+
+def backfill_requirements() -> list[str]:
+    """The [backfill] extra's requirements: the installed metadata's, or pyproject.toml's in a source tree."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        found = requires("reputd") or []
+    except PackageNotFoundError:
+        found = []
+    specs = [r.partition(";")[0].strip() for r in found if re.search(r"""extra\s*==\s*["']backfill["']""", r)]
+    if specs:
+        return specs
+    import tomllib
+
+    pyproject = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "pyproject.toml")
+    with open(pyproject, "rb") as f:
+        return list(tomllib.load(f)["project"]["optional-dependencies"]["backfill"])
 
 
 def cmd_backfill(args, config: Config) -> int:

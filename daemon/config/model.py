@@ -21,7 +21,8 @@ CONFIG_ENV = "REPUTD_CONFIG"
 DEFAULT_CONFIG_FILE = os.path.join("config", "reputd.yaml")  # relative to the current directory
 # Names under the prefix that are not config keys (the CLI may read the config file's path from it),
 # so the typo check must not reject them.
-ENV_IGNORED = frozenset({CONFIG_ENV, "REPUTD_DEBUG", "REPUTD_CONFORMANCE_DIR", "REPUTD_FAILPOINT"})
+ENV_IGNORED = frozenset({CONFIG_ENV, "REPUTD_DEBUG", "REPUTD_CONFORMANCE_DIR", "REPUTD_FAILPOINT",
+                         "REPUTD_IMAGE"})  # the container image's stage (Dockerfile), not a key
 
 CQ_STORE_UNIT_SIZE = CQ_UNIT_SIZE
 ON_CORRUPTION_STOP, ON_CORRUPTION_SKIP_SEGMENT = "stop", "skip-segment"

@@ -114,6 +114,11 @@ class ConsumeQueueDispatcher:
     def __init__(self, store: StoreConfig, output_dir: str):
         self.queues = ConsumeQueueStore(output_dir, store.mapped_file_size_consume_queue)
         self.queues.load()
+        # An output that holds queues already goes on from what it dispatched: a queue it meets now whose first
+        # unit is past queue offset 0 lost its earlier units to a gap (retention deleted their records before
+        # they were read), and its pre-blank units are blanked units like those of a gap inside a queue. In a
+        # new output they are the broker's own pre-blank of a queue whose history began before the data read.
+        self._continues_output = bool(self.queues.queues)
         self.stats = PutStats()
         self.spread = (0, 0)  # (queues, units) the last batch put units into
         self._log = get_logger(dispatcher=self.name)
@@ -137,9 +142,11 @@ class ConsumeQueueDispatcher:
                 self.queues.made_queues(create_queues(new[at : at + step], self.queues.file_size))
         stats = self.queues.dispatch(batch, units)
         self.spread = (len(units), stats.written + stats.already_built)
-        if stats.gap_blanks:
-            self._log.warning("queue_offsets_blanked", blanks=stats.gap_blanks, batch_start=batch.start_offset,
-                              detail="units of records the CommitLog no longer holds, blank at their queue offsets")
+        blanks = stats.gap_blanks + (stats.pre_blanks if self._continues_output else 0)
+        if blanks:
+            self._log.warning("queue_offsets_blanked", blanks=blanks, batch_start=batch.start_offset,
+                              detail="units of records the output never got (deleted before reputd read them), "
+                                     "blank at their queue offsets")
         for row in batch.multi_count_mismatch.tolist():  # the broker logs it and writes no extra unit
             self._log.warning("multi_dispatch_count_mismatch", commit_log_offset=int(batch.phy_offset[row]),
                               topic=batch.topic_of(row))

@@ -152,7 +152,7 @@ class SessionRunner(ServiceState):
     def _config_mismatch(self, error: str, path: str) -> int:
         """Settings that do not read these files: no waiting fixes a setting. Exit 2, the configuration
         error every command gives for it, which systemd's unit does not restart (RestartPreventExitStatus=2,
-        systemd/README.md); STATUS= and the log say why."""
+        docs/systemd.md); STATUS= and the log say why."""
         self._log.error("config_mismatch", path=path, error=error, exit_code=EXIT_USAGE)
         self.notifier.status(f"failed: {error}")
         self.exit_error = error

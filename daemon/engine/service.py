@@ -141,7 +141,7 @@ class ServiceState:
 
     def _notify_ready(self, status: str) -> None:
         """READY=1 with `status`, once: start-up is over, either following the CommitLog or waiting for
-        something only the outside can fix (health and STATUS= then say what); see systemd/README.md.
+        something only the outside can fix (health and STATUS= then say what); see docs/systemd.md.
         Later calls send the status alone."""
         self._starting.clear()
         if not self._ready_sent:

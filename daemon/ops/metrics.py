@@ -12,6 +12,7 @@ import errno
 import json
 import platform
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from daemon import __version__
 from daemon.config import ConfigError, env_var_name
+from daemon.ops.logs import get_logger
 from indexcore.errors import CORRUPT_RECORD_FIELDS
 
 HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
@@ -86,6 +88,10 @@ class RecoveryDecision(StrEnum):
     DERIVED = "derived"  # no checkpoint to trust: from where the files end
 
 
+# A client that went away before its answer was written (a scrape that timed out while the daemon was stopped or
+# slow, a `curl` interrupted): nothing to report, the next scrape asks again.
+CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
 LAYOUT_REASON = "layout"  # a CommitLog directory the broker would refuse (StoreLayoutError), not one record
 CORRUPT_REASONS = (*CORRUPT_RECORD_FIELDS, LAYOUT_REASON)
 
@@ -121,7 +127,8 @@ class _LagCollector:
                      "Dispatched CommitLog bytes whose output is not yet flushed (RocketMQ 5.x name).",
                      max(0, lag.reput_offset - lag.flushed_offset))
         yield _gauge("reputd_dispatch_behind_seconds",
-                     "Age by store timestamp of the oldest message not yet dispatched; 0 when caught up.",
+                     "Age by store timestamp of the oldest message the CommitLog still holds that is not yet "
+                     "dispatched (at most what the broker keeps); 0 when caught up.",
                      lag.behind_seconds if behind else 0.0)
         yield _gauge("reputd_reput_offset_bytes", "CommitLog offset the reput loop reads next (reputFromOffset).",
                      lag.reput_offset)
@@ -272,7 +279,7 @@ class MetricsServer:
                 pass
 
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            self._server = _Server((host, port), Handler)
         except OSError as e:
             raise _bind_error(host, port, e) from e
         self._server.daemon_threads = True
@@ -285,6 +292,18 @@ class MetricsServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class _Server(ThreadingHTTPServer):
+    """socketserver prints a traceback to stderr for any request that raises, a client's disconnect included;
+    the daemon's stderr is for one-line errors. A client gone is passed over, anything else is one event."""
+
+    def handle_error(self, request, client_address) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, CLIENT_GONE):
+            return
+        get_logger().error("metrics_request_failed", client=str(client_address[0]) if client_address else "",
+                           error=f"{type(error).__name__}: {error}")
 
 
 def _bind_error(host: str, port: int, error: OSError) -> ConfigError:
