@@ -9,7 +9,7 @@ piped so every answer is JSON), each run a new process from start to exit, in in
     offset     `reputd query offset BenchTopic0 Q T`, Q and T drawn at random (T within the topic's times)
     time       `reputd query time BenchTopic0 --begin T --end T+999`: a 1-second window of the topic's 8
                queues, the default --count (32 messages and the command that continues), a new window each
-               run: its ~540 record heads mostly not in the page cache (on this machine's disk about 1 ms each)
+               run: those of its ~540 record heads not in the page cache are read from the disk
     time-warm  the window the `time` run before it asked for, again: the same reads from the page cache
     time-all   a new window with --count 1000000: every message stored in it printed
     key        `reputd query key BenchTopic0 KEY`: the query kind with a start-up target of its own (p50 80 ms,
