@@ -158,7 +158,8 @@ class LoggingConfig:
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """The complete, validated configuration; ``source`` is the file it was loaded from, if any."""
+    """The complete, validated configuration; ``source`` is the file it was loaded from, if any; ``defaulted``
+    the dotted keys (``store.storePathRootDir``) no layer set, left at their built-in defaults."""
 
     store: StoreConfig
     output: OutputConfig
@@ -168,6 +169,7 @@ class Config:
     logging: LoggingConfig
     source: str | None
     backfill: BackfillConfig = BackfillConfig()
+    defaulted: frozenset[str] = frozenset()
 
 
 @functools.cache
