@@ -222,6 +222,10 @@ def _index_time_hint(args, config: Config, begin: int, end: int, listed: list) -
                   "times in whole seconds, as the broker's IndexFile does, and times "
                   f"{'them' if n > 1 else 'it'} inside the range; the broker's query lists "
                   f"{'them' if n > 1 else 'it'} too", file=sys.stderr)
+    if _format(args) == "json" and (facts.left_out or facts.after_end or facts.before_begin):
+        import json  # the machine formats: the same facts in a last object, as `{"type": "removed"}` is
+
+        print(json.dumps(facts.as_json(begin, end)))
 
 
 def _damaged(damage: Exception | None) -> int:

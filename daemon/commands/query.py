@@ -202,6 +202,15 @@ class WindowFacts(NamedTuple):
     after_end: list[MessageRecord]
     before_begin: list[MessageRecord]
 
+    def as_json(self, begin: int, end: int) -> dict:
+        """The `--json` answer's last object: the messages by CommitLog offset, and the --begin that finds those
+        left out."""
+        return {"type": "timeRange", "begin": begin, "end": end, "indexTimeUnitMs": INDEX_TIME_UNIT_MS,
+                "leftOut": [rec.physical_offset for rec in self.left_out],
+                "widerBegin": begin - INDEX_TIME_UNIT_MS if self.left_out else None,
+                "listedAfterEnd": [rec.physical_offset for rec in self.after_end],
+                "listedBeforeBegin": [rec.physical_offset for rec in self.before_begin]}
+
 
 def window_facts(config: Config, topic: str, key: str, max_num: int, begin: int, end: int,
                  listed: list[MessageRecord]) -> WindowFacts:
