@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 import yaml
 
 from daemon.engine.brokerlock import BROKER_RUNNING, EXIT_BROKER_RUNNING, BrokerLockGuard
@@ -349,9 +350,11 @@ def test_backfill_stopped_by_a_broker_exits_2_with_its_line(tmp_path, monkeypatc
 
     monkeypatch.setattr(job, "backfill", broker_started)
     sigterm = signal.getsignal(signal.SIGTERM)
+    logging = structlog.get_config()  # the command points the log at this test's captured stderr
     try:
         code = main(["backfill", "--config", str(config), "--master", "local[1]"])
     finally:
         signal.signal(signal.SIGTERM, sigterm)
+        structlog.configure(**logging)
     assert code == EXIT_BROKER_RUNNING
     assert capsys.readouterr().err.splitlines()[-1] == f"reputd: error: {stopped}"
