@@ -199,8 +199,8 @@ def cmd_query_key(args, config: Config) -> int:
     if not result.messages:
         _note(args, f"no message with key {args.key!r} in topic {args.topic!r}"
                     + (" in that time range" if (begin, end) != (0, LONG_MAX) else ""))
-        if result.damage is None:
-            _index_time_hint(args, config, begin, end)
+    if result.damage is None and (begin, end) != (0, LONG_MAX):
+        _index_time_hint(args, config, begin, end, result.messages)
     if result.cut:
         why = (f"--max {args.max_num}" if args.max_num < config.store.max_msgs_num_batch
                else f"maxMsgsNumBatch {config.store.max_msgs_num_batch}, the most one index query returns")
@@ -210,20 +210,32 @@ def cmd_query_key(args, config: Config) -> int:
     return _damaged(result.damage)
 
 
-def _index_time_hint(args, config: Config, begin: int, end: int) -> None:
-    """After an empty answer for a time range: the messages stored inside it that the index times before
-    --begin (whole seconds, as the broker's IndexFile), with the --begin that finds them. Stderr, every format."""
-    from daemon.commands.query import INDEX_TIME_UNIT_MS, stored_in_window
+def _index_time_hint(args, config: Config, begin: int, end: int, listed: list) -> None:
+    """After an answer for a time range: the messages stored inside it that the index times before --begin
+    (whole seconds, as the broker's IndexFile), with the --begin that finds them, and the listed ones stored
+    outside it. The answer stays the broker's; these notes go to stderr, every format."""
+    from daemon.commands.query import INDEX_TIME_UNIT_MS, window_facts
     from daemon.commands.render import human_time
 
-    missed = stored_in_window(config, args.topic, args.key, args.max_num, begin, end)
-    if missed:
-        first = min(rec.store_timestamp for rec in missed)
-        print(f"reputd: note: {len(missed)} message{'s' * (len(missed) > 1)} with this key stored inside the range "
-              f"(the first at {human_time(first)}, {first}) {'are' if len(missed) > 1 else 'is'} left out: the index "
-              "keeps store times in whole seconds, as the broker's IndexFile does, and times "
-              f"{'them' if len(missed) > 1 else 'it'} before --begin; widen the range by a second: --begin "
-              f"{begin - INDEX_TIME_UNIT_MS}", file=sys.stderr)
+    facts = window_facts(config, args.topic, args.key, args.max_num, begin, end, listed)
+    if facts.left_out:
+        first, n = min(rec.store_timestamp for rec in facts.left_out), len(facts.left_out)
+        print(f"reputd: note: {n} message{'s' * (n > 1)} with this key stored inside the range (the first at "
+              f"{human_time(first)}, {first}) {'are' if n > 1 else 'is'} left out: the index keeps store times in "
+              f"whole seconds, as the broker's IndexFile does, and times {'them' if n > 1 else 'it'} before --begin; "
+              f"widen the range by a second: --begin {begin - INDEX_TIME_UNIT_MS}", file=sys.stderr)
+    for outside, side, pick in ((facts.after_end, "after --end", max), (facts.before_begin, "before --begin", min)):
+        if outside:
+            at, n = pick(rec.store_timestamp for rec in outside), len(outside)
+            print(f"reputd: note: {n} message{'s' * (n > 1)} listed {'were' if n > 1 else 'was'} stored {side} ("
+                  f"{'the last' if pick is max else 'the first'} at {human_time(at)}, {at}): the index keeps store "
+                  "times in whole seconds, as the broker's IndexFile does, and times "
+                  f"{'them' if n > 1 else 'it'} inside the range; the broker's query lists "
+                  f"{'them' if n > 1 else 'it'} too", file=sys.stderr)
+    if _format(args) == "json" and (facts.left_out or facts.after_end or facts.before_begin):
+        import json  # the machine formats: the same facts in a last object, as `{"type": "removed"}` is
+
+        print(json.dumps(facts.as_json(begin, end)))
 
 
 def _damaged(damage: Exception | None) -> int:
