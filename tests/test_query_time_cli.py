@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from daemon.cli import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from daemon.commands.render import display_width
 from indexcore.consumequeue import CQ_UNIT_SIZE
 from indexcore.writer import CommitLogWriter, Message
 from tests.test_cli import REPUTD, SEGMENT, run, write_config
@@ -96,6 +97,24 @@ def test_on_a_terminal_a_table_and_notes_with_local_times(store):
     assert "2027-01-15 16:00:00,010" in rows[0]  # printed in local time (UTC+8)
     assert res.stderr.splitlines() == [f"{len(rows)} messages of TT tagged 'TagA || TagB' stored in [2027-01-15 "
                                        "16:00:00,010, 2027-01-15 16:00:00,030], by store time across its queues"]
+
+
+def test_the_table_lines_up_after_wide_tags(tmp_path):
+    """Tags of CJK and emoji characters take two terminal columns each: the #Keys column starts at the same
+    column on every line (it moved left by one column per wide character)."""
+    times = iter(range(T0, T0 + 100))
+    with CommitLogWriter(str(tmp_path / "store" / "commitlog"), SEGMENT, clock=lambda: next(times)) as w:
+        for i, tag in enumerate(("TagA", "标签A", "😀tag", "タグB", "e\u0301")):
+            w.append(Message("TT", 0, b"body", {"TAGS": tag, "KEYS": f"k{i}"}))
+    config = write_config(tmp_path)
+    assert run("rebuild", "--config", str(config)).returncode == EXIT_OK
+    res = run("query", "time", "--config", str(config), "TT", "--begin", str(T0), "--end", str(T0 + 10),
+              "--format", "text", env={"TZ": "UTC"})
+    assert res.returncode == EXIT_OK, res.stderr
+    header, *rows = res.stdout.splitlines()
+    assert len(rows) == 5
+    starts = {display_width(line[:line.rindex(" ") + 1]) for line in (header, *rows)}
+    assert len(starts) == 1, res.stdout
 
 
 def test_tag_counts_per_queue_and_in_all(store):

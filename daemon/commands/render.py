@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import unicodedata
 import zlib
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -137,6 +138,13 @@ def message_block(rec: MessageRecord, *, body: bool = False, body_path: str | No
     return lines
 
 
+def display_width(text: str) -> int:
+    """Terminal columns `text` takes: East Asian wide and full-width characters (CJK, most emoji) take two,
+    combining marks none, so a table's columns line up after tags such as 标签A or 😀tag."""
+    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+               for ch in text)
+
+
 def key_table(messages: Iterable[MessageRecord], *, tags: bool = False) -> list[str]:
     """mqadmin's `queryMsgByKey` table (`#Message ID  #QID  #Offset`), with the store time, the CommitLog
     offset, the tags (with `tags`) and the keys added. The message id is the UNIQ_KEY, or the offset msgId
@@ -150,12 +158,14 @@ def key_table(messages: Iterable[MessageRecord], *, tags: bool = False) -> list[
         rows.append((printable(msg_id), str(rec.queue_id), str(rec.queue_offset), human_time(rec.store_timestamp),
                      str(rec.physical_offset), *(printable(props.get(PROPERTY_TAGS, "")),) * tags,
                      printable(props.get(PROPERTY_KEYS, ""))))
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    widths = [max(display_width(r[i]) for r in (header, *rows)) for i in range(len(header))]
     right = {1, 2, 4}  # numbers
 
     def line(row: tuple[str, ...]) -> str:
-        cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths,
-                                                                                                  strict=True))]
+        cells = []
+        for i, (cell, w) in enumerate(zip(row, widths, strict=True)):
+            pad = " " * (w - display_width(cell))
+            cells.append(pad + cell if i in right else cell + pad)
         return "  ".join(cells).rstrip()
 
     return [line(header), *(line(r) for r in rows)]
