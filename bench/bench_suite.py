@@ -27,11 +27,17 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
                      the first data set's 64 (CPU-seconds, wall, peak RSS, mappings, descriptors); the 4.9.3
                      store's own rebuild of the 64- and 8,000-queue CommitLogs, files compared; `run` at
                      100,000 msgs/s over 64 and over 10,000 queues
+    timequery        `reputd query offset` and `query time` (a 1-second window of one topic's 8 queues) on the
+                     backfill-cost store, process start to exit, and the CommitLog reads of their searches
+                     against log2 of the queue's length (bench/timequery.py; targets 100 and 200 ms)
     backfill-cost    what a backfill message costs (bench/backfill_cost.py) on issue 29's store (16,000,000
                      messages, 7 segments of 1 GiB): CPU-seconds of the process tree for
                      the rebuild, a 10,000-message job and the whole data set on local[2], the marginal cost and
                      its parts, the serial fraction from Spark's event log and the projected speedup at 16/64,
                      and what a catalog (`--catalog`) adds per message
+    retention-life   an accelerated life (bench/retention_life.py, 15 minutes): 4 MiB segments, 10,000 queues,
+                     restarts across retention gaps; how long expired files wait, the output against what the
+                     live window needs
 
 Rebuilds are timed from process start to exit (`reputd rebuild` as an operator runs it, body CRCs
 checked); peak RSS is the child's own (wait4). Each is compared with a plain sequential read of the same
@@ -707,6 +713,10 @@ def print_table(results: list[dict]) -> None:
                   f"read_ahead_kb {r['store_read_ahead_kb']} of the store's disk): {r['writer_stalls']}, longest "
                   f"{r['writer_longest_write_ms']} ms, holding {r['writer_stalled_share']:.2%} of the records late "
                   f"before reputd can see them")
+        if r["scenario"] == "retention-life":
+            from bench.retention_life import print_line  # noqa: PLC0415
+
+            print_line(r)
         if r["scenario"] == "query":
             print(f"query: {r['queries']:,} keys against IndexFiles with {r['index_entries']} entries: library "
                   f"p50 {r['library_ms_p50']} ms p99 {r['library_ms_p99']} ms; CLI `{r['cli_command']}` "
@@ -720,7 +730,7 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench" / "results" / "suite")
     ap.add_argument("--only", default="rebuild,rebuild-3keys,rebuild-4k,rebuild-noindex,rebuild-dledger,verify,"
                                       "rebuild-lmq3,"
-                                      "rebuild-lmq100k,live,query,backfill,many-queues,backfill-cost")
+                                      "rebuild-lmq100k,live,query,timequery,backfill,many-queues,backfill-cost,retention-life")
     ap.add_argument("--quick", action="store_true", help="a tenth of every data set and short runs (a smoke test)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per rebuild scenario; the fastest is reported")
     ap.add_argument("--live-seconds", type=float, default=20.0)
@@ -757,6 +767,12 @@ def main() -> int:
                                    20 if args.quick else args.cli_queries))
         print(f"query: library p99 {results[-1]['library_ms_p99']} ms, CLI p50 {results[-1]['cli_ms_p50']} ms "
               f"p99 {results[-1]['cli_ms_p99']} ms", flush=True)
+    timequery = None
+    if "timequery" in wanted:
+        from bench.timequery import bench_timequery, report  # noqa: PLC0415
+
+        timequery = bench_timequery(work, scale, 5 if args.quick else 30)
+        print("\n".join(report(timequery)), flush=True)
     if "backfill" in wanted:
         results.extend(bench_backfill(work, scale, args.masters.split(",")))
     many = None
@@ -771,6 +787,10 @@ def main() -> int:
 
         cost = measure(work, COST_DATA_SET, scale, "local[2]", catalog=True,
                        rounds=1 if args.quick else DEFAULT_ROUNDS)
+    if "retention-life" in wanted:
+        from bench.retention_life import bench_retention_life  # noqa: PLC0415
+
+        results.append(bench_retention_life(work, args.quick))
     lmq_ratio(results)
     print_table(results)
     if many is not None:
@@ -779,6 +799,9 @@ def main() -> int:
     if cost is not None:
         print("\nbackfill cost (bench/backfill_cost.py):\n" + "\n".join(cost.pop("table")))
         results.append(cost)
+    if timequery is not None:
+        print("\n" + "\n".join(report(timequery)))
+        results.append(timequery)
     out = work / "results.json"
     out.write_text(json.dumps({"machine": info, "results": results}, indent=2))
     print(f"\nfigures: {out}")

@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.latency import LatencyHistogram  # noqa: E402
+from bench.retention_watch import OutputWatch, lines, pass_rates, verdict  # noqa: E402
 from indexcore.indexservice import IndexService  # noqa: E402
 from indexcore.queuestore import ConsumeQueueStore  # noqa: E402
 from indexcore.reader import CommitLog  # noqa: E402
@@ -56,8 +58,6 @@ except ImportError:
     report = None
 
 MIB = 1024 * 1024
-CQ_FILE_SIZE = 300 * 20  # 300 units: a queue rolls files within the run
-HASH_SLOTS, INDEX_NUM = 5_000, 20_000
 QUEUES = 4
 
 
@@ -74,36 +74,46 @@ def topic_count(elapsed: float, seconds: float, first: int, last: int) -> int:
 
 
 def write(directory: str, segment_size: int, rate: float, seconds: float, topics: tuple[int, int],
-          end, count, stop) -> None:
+          end, count, stop, keys_path: str, units_per_file: int) -> None:
     """Record by record at `rate`/s for `seconds`, topics growing from topics[0] to topics[1]; the end
-    offset and count are published in the shared values."""
+    offset and count are published in the shared values. Each record whose unit is the last of a
+    ConsumeQueue file is noted in `keys_path` (bench/retention_watch.py: when that file expires)."""
     w = RecordWriter(directory, segment_size)  # the wall clock: latency is measured from STORETIMESTAMP
     n = 0
     begin = time.monotonic()
     try:
-        while not stop.is_set():
-            elapsed = time.monotonic() - begin
-            if elapsed >= seconds:
-                break
-            if n >= elapsed * rate:
-                time.sleep(0.0005)
-                continue
-            t = n % topic_count(elapsed, seconds, *topics)
-            w.append(Message(f"LifeTopic{t}", n % QUEUES, bytes([n % 251 + 1]) * (100 + n % 60),
-                             {"TAGS": f"Tag{n % 5}", "KEYS": f"order-{n} k{n % 13}", "UNIQ_KEY": f"{n:032X}"}))
-            n += 1
-            if n % 64 == 0:
-                end.value, count.value = w.max_offset, n
-        end.value, count.value = w.max_offset, n
+        with open(keys_path, "w") as keys:
+            while not stop.is_set():
+                elapsed = time.monotonic() - begin
+                if elapsed >= seconds:
+                    break
+                if n >= elapsed * rate:
+                    time.sleep(0.0005)
+                    continue
+                t = n % topic_count(elapsed, seconds, *topics)
+                r = w.append(Message(f"LifeTopic{t}", n % QUEUES, bytes([n % 251 + 1]) * (100 + n % 60),
+                                     {"TAGS": f"Tag{n % 5}", "KEYS": f"order-{n} k{n % 13}", "UNIQ_KEY": f"{n:032X}"}))
+                if (r.queue_offset + 1) % units_per_file == 0:
+                    keys.write(f"LifeTopic{t} {n % QUEUES} {r.queue_offset} {r.phy_offset}\n")
+                n += 1
+                if n % 64 == 0:
+                    end.value, count.value = w.max_offset, n
+                    if n % 4096 == 0:
+                        keys.flush()
+            end.value, count.value = w.max_offset, n
     finally:
         w.close()
 
 
-def retain(directory: str, keep: int, stop: threading.Event, deleted: list[int]) -> None:
-    """CleanCommitLogService, reduced: every 0.5 s, delete the oldest segments beyond the newest `keep`."""
+def retain(directory: str, keep: int, stop: threading.Event, deleted: list[int], watch: OutputWatch) -> None:
+    """CleanCommitLogService, reduced: every 0.5 s, delete the oldest segments beyond the newest `keep`; each
+    new first offset is told to `watch` with the time just before the unlink that made it."""
     while not stop.wait(0.5):
         names = sorted(n for n in os.listdir(directory) if n.isdigit())
-        for name in names[: max(0, len(names) - keep)]:
+        gone = names[: max(0, len(names) - keep)]
+        if gone:
+            watch.first_moved(int(names[len(gone)]), at=watch.now())
+        for name in gone:
             try:
                 os.unlink(os.path.join(directory, name))
                 deleted.append(int(name))
@@ -114,21 +124,22 @@ def retain(directory: str, keep: int, stop: threading.Event, deleted: list[int])
 # --- the daemon ----------------------------------------------------------------------------------------
 
 class Daemon:
-    def __init__(self, work: Path, config: Path, port: int, log):
-        self.work, self.config, self.port, self.log = work, config, port, log
+    def __init__(self, work: Path, config: Path, port: int, log, root: Path, watch: OutputWatch):
+        self.work, self.config, self.port, self.log, self.root, self.watch = work, config, port, log, root, watch
         self.proc: subprocess.Popen | None = None
         self.lives = 0
 
     def start(self) -> None:
         self.lives += 1
+        self.watch.life_started()
         cfg = yaml.safe_load(self.config.read_text())
         cfg["dispatchers"][-1]["options"]["path"] = str(self.work / f"latency-{self.lives}.json")
         self.config.write_text(yaml.safe_dump(cfg))
         env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
-        env["PYTHONPATH"] = str(ROOT)
+        env["PYTHONPATH"] = str(self.root)
         env["PYTHONFAULTHANDLER"] = "1"
         self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", "--config", str(self.config)],
-                                     env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+                                     env=env, cwd=self.root, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -147,6 +158,7 @@ class Daemon:
             self.proc.send_signal(signal.SIGABRT)
             code = self.proc.wait(timeout=120)
         self.proc = None
+        self.watch.life_stopped()
         return code
 
 
@@ -230,9 +242,21 @@ def main() -> int:
     ap.add_argument("--keep-segments", type=int, default=16)
     ap.add_argument("--topics", default="20,400", help="topics at the start and at the end")
     ap.add_argument("--interval", type=float, default=10.0)
+    ap.add_argument("--cq-units", type=int, default=300, help="units per ConsumeQueue file (default 300)")
+    ap.add_argument("--index-num", type=int, default=20_000, help="maxIndexNum (default 20,000)")
+    ap.add_argument("--hash-slots", type=int, default=5_000, help="maxHashSlotNum (default 5,000)")
+    ap.add_argument("--clean-interval", type=int, default=2000, help="cleanResourceInterval ms (default 2,000)")
+    ap.add_argument("--delete-interval", type=int, default=1,
+                    help="deleteConsumeQueueFilesInterval ms (the broker's pause after each queue; default 1)")
+    ap.add_argument("--watch-interval", type=float, default=5.0, help="seconds between listings of the output")
+    ap.add_argument("--sample-every", type=float, default=30.0,
+                    help="seconds between weighings of the output against the live window")
+    ap.add_argument("--reputd-root", type=Path, default=ROOT,
+                    help="the checkout whose daemon runs (another worktree: a before/after pair)")
     ap.add_argument("--dir")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "life.json"))
     args = ap.parse_args()
+    cq_file_size = args.cq_units * 20
     first_topics, last_topics = (int(x) for x in args.topics.split(","))
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="reputd-life-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -243,8 +267,9 @@ def main() -> int:
     config = work / "reputd.yaml"
     config.write_text(yaml.safe_dump({
         "store": {"storePathRootDir": str(work / "store"), "mappedFileSizeCommitLog": args.segment_size,
-                  "mappedFileSizeConsumeQueue": CQ_FILE_SIZE, "maxHashSlotNum": HASH_SLOTS, "maxIndexNum": INDEX_NUM,
-                  "cleanResourceInterval": 2000, "deleteConsumeQueueFilesInterval": 1},
+                  "mappedFileSizeConsumeQueue": cq_file_size, "maxHashSlotNum": args.hash_slots,
+                  "maxIndexNum": args.index_num, "cleanResourceInterval": args.clean_interval,
+                  "deleteConsumeQueueFilesInterval": args.delete_interval},
         "output": {"dir": str(out)}, "metrics": {"port": port}, "logging": {"level": "info", "format": "json"},
         "dispatchers": ["consumequeue", "index",
                         {"name": "bench.latency:LatencyDispatcher", "options": {"path": ""}}]}))
@@ -263,13 +288,15 @@ def main() -> int:
 
     ctx = multiprocessing.get_context("fork")
     end, count, stop_writer = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Event()
+    watch = OutputWatch(out, cq_file_size, work / "file-ends.txt", args.watch_interval, args.sample_every)
     writer = ctx.Process(target=write, args=(str(commitlog), args.segment_size, args.rate, args.seconds,
-                                             (first_topics, last_topics), end, count, stop_writer), daemon=True)
+                                             (first_topics, last_topics), end, count, stop_writer,
+                                             str(work / "file-ends.txt"), args.cq_units), daemon=True)
     stop_retention, deleted_segments = threading.Event(), []
     retention = threading.Thread(target=retain, args=(str(commitlog), args.keep_segments, stop_retention,
-                                                      deleted_segments), daemon=True)
+                                                      deleted_segments, watch), daemon=True)
     log = open(work / "reputd.log", "a")  # noqa: SIM115 - every life of the daemon writes here
-    daemon = Daemon(work, config, port, log)
+    daemon = Daemon(work, config, port, log, args.reputd_root, watch)
     samples: list[dict] = []
     lag_samples: list[dict] = []
     exits: list[tuple[str, int]] = []
@@ -321,6 +348,7 @@ def main() -> int:
     ok = True
     verify_code = None
     try:
+        watch.start()
         daemon.start()
         writer.start()
         retention.start()
@@ -343,7 +371,8 @@ def main() -> int:
         daemon.start()
         sample_lag(daemon.lives)
         sample("restarted across a retention gap")
-        writer.join(timeout=max(1.0, d - (time.monotonic() - t0) + 30))
+        wait_until(d)  # sampling on to the writer's end
+        writer.join(timeout=30)
         stop_writer.set()
         writer.join(timeout=30)
         stop_retention.set()
@@ -354,17 +383,20 @@ def main() -> int:
         time.sleep(3.0)  # one more clean-up pass (cleanResourceInterval 2 s) for the last retention deletions
         sample("writer stopped, caught up")
         exits.append(("SIGTERM", daemon.stop(signal.SIGTERM)))
+        watch.life_started()  # the one-off run that follows cleans too
         # as an operator would before looking: one run to the end, which applies the retention rule once more
         # for the final checkpoint (the live clean-up trails the checkpoint, which trails by up to
         # flushConsumeQueueThoroughInterval)
         env = {k: v for k, v in os.environ.items() if not k.startswith("REPUTD_")}
         once = subprocess.run([sys.executable, "-m", "daemon.cli", "run", "--until-caught-up", "--config", str(config)],
-                              check=False, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=log,
-                              stderr=subprocess.STDOUT)
+                              check=False, cwd=args.reputd_root, env={**env, "PYTHONPATH": str(args.reputd_root)},
+                              stdout=log, stderr=subprocess.STDOUT)
         exits.append(("run --until-caught-up", once.returncode))
+        watch.life_stopped()
+        watch.stop()
         v = subprocess.run([sys.executable, "-m", "daemon.cli", "verify", "--config", str(config)], check=False,
-                           cwd=ROOT,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+                           cwd=args.reputd_root,
+                           env={**os.environ, "PYTHONPATH": str(args.reputd_root)}, capture_output=True, text=True)
         verify_code = v.returncode
         print(f"verify: exit {verify_code}: {v.stdout.strip().splitlines()[-1] if v.stdout.strip() else v.stderr}")
     finally:
@@ -379,11 +411,11 @@ def main() -> int:
 
     # what the broker's rule would still delete from the final output
     min_offset = CommitLog(str(commitlog), args.segment_size, follow=True).min_offset
-    store = ConsumeQueueStore(str(out), CQ_FILE_SIZE, readonly=True)
+    store = ConsumeQueueStore(str(out), cq_file_size, readonly=True)
     store.load()
     cq_kept = sum(len(q.file_starts) for q in store.queues.values())
     cq_expired = sum(expired_queue_files(q, min_offset) for q in store.queues.values())
-    service = IndexService(str(out), HASH_SLOTS, INDEX_NUM)
+    service = IndexService(str(out), args.hash_slots, args.index_num)
     service.load(readonly=True)
     index_kept, index_expired = len(service.names), expired_index_files(service, min_offset)
     service.close()
@@ -426,9 +458,17 @@ def main() -> int:
         "latency_first_life": following, "latency_per_life": lives, "latency_all": overall.summary(),
         "lag_while_behind": lag_samples, "samples": samples,
     }
+    kept_ratio = [(s["t"], round(s["output_bytes"] / s["commitlog_bytes"], 2)) for s in samples if s["commitlog_bytes"]]
+    summary["output_to_commitlog"] = kept_ratio
+    watch.recovered_at([datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+                        for e in events if e.get("event") == "recovered" and "timestamp" in e])
+    summary["retention"] = retention = watch.summary()
+    retention["passes"] = pass_rates(events)
+    missed = verdict(retention)
     ok = (verify_code == 0 and corrupt == 0 and all(code == 0 for _, code in exits) and cq_expired == 0
-          and index_expired == 0)
+          and index_expired == 0 and not missed)
     summary["ok"] = ok
+    summary["targets_missed"] = missed
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(summary, indent=1))
 
@@ -452,6 +492,11 @@ def main() -> int:
         print(f"lag after restart {s['life']} at {s['t']} s: behind_bytes gauge {s['behind_bytes_gauge']} "
               f"(true {s['behind_bytes_true']}), behind_seconds gauge {s['behind_seconds_gauge']} "
               f"(true {s['behind_seconds_true']})")
+    print("output / CommitLog: " + ", ".join(f"{t:.0f}s {r}x" for t, r in kept_ratio[:: max(1, len(kept_ratio) // 20)]))
+    for line in lines(retention):
+        print(line)
+    for line in missed:
+        print(f"target missed: {line}")
     print(f"verdict: {'ok' if ok else 'FAILED'}; figures in {args.json}")
     if report is not None:
         report("life", seconds=args.seconds, written=count.value, verify_exit=verify_code, corrupt=corrupt,

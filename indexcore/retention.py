@@ -14,9 +14,10 @@ cleaned for, and then, with that offset:
   below `minPhyOffset`; then, oldest first and never the newest, each file whose endPhyOffset is below
   it, up to the first that is not.
 
-The functions here are that rule on plain values (no I/O, no clock), and the small reads that feed it;
-`ConsumeQueue.expired_files` and `IndexService.expired_files` apply it to a store, and the daemon's
-cleaner (`daemon.engine.cleaner`) paces the deletions and counts them.
+The functions here are that rule on plain values (no I/O, no clock), and the small reads that feed it.
+The daemon's clean-up (`daemon.engine.cleaner`) applies the same rule but looks every interval, not only
+once the offset has moved (a queue's file that rolls after its records expired, and a pass stopped part-way,
+are deleted without waiting for the broker's next deletion), and orders and paces the deletions.
 """
 
 from __future__ import annotations
@@ -57,12 +58,6 @@ def expired_index_prefix(files: int, end_phy_offset: Callable[[int], int], min_p
     return n
 
 
-def should_clean(min_phy_offset: int, last_cleaned: int) -> bool:
-    """`CleanConsumeQueueService.deleteExpiredFiles`: a pass only once the CommitLog's first offset has moved
-    past the one the last pass cleaned for (0 at start, so a CommitLog still starting at 0 cleans nothing)."""
-    return min_phy_offset > last_cleaned
-
-
 def last_unit_offset(path: str, file_size: int) -> int | None:
     """The commit_log_offset of the last unit of a ConsumeQueue file, None when that unit is not written."""
     with open(path, "rb") as f:
@@ -74,9 +69,30 @@ def last_unit_offset(path: str, file_size: int) -> int | None:
 
 def expired_queue_files(cq: ConsumeQueue, min_phy_offset: int) -> int:
     """How many of the queue's oldest files `ConsumeQueue.deleteExpiredFile(min_phy_offset)` deletes."""
-    starts = cq.file_starts
-    return expired_prefix(len(starts), lambda i: last_unit_offset(cq.file_path(starts[i]), cq.file_size),
-                          min_phy_offset)
+    return len(expired_queue_prefix(cq.file_starts, lambda start: last_unit_offset(cq.file_path(start), cq.file_size),
+                                    min_phy_offset))
+
+
+def expired_queue_prefix(starts: list[int], last_unit: Callable[[int], int | None], min_phy_offset: int
+                         ) -> list[tuple[int, int]]:
+    """The files `ConsumeQueue.deleteExpiredFile(min_phy_offset)` deletes from a queue whose files start at
+    `starts` (oldest first), as (start, age): `last_unit(start)` is a file's last unit's commit_log_offset
+    (None: not written), asked for only as far as the walk goes. A file's age is the highest last unit of it
+    and the files before it: the queue's files in the order they go, so that files of many queues sorted by
+    age go oldest first and each queue still loses a prefix (a file ending in blank units, offset 0, sorts
+    after the real units before it)."""
+    seen: list[int | None] = []
+
+    def last(i: int) -> int | None:
+        seen.append(last_unit(starts[i]))  # the walk asks for each file once, in order
+        return seen[-1]
+
+    out: list[tuple[int, int]] = []
+    age = -1
+    for start, offset in zip(starts[: expired_prefix(len(starts), last, min_phy_offset)], seen, strict=False):
+        age = max(age, offset)
+        out.append((start, age))
+    return out
 
 
 def expired_index_files(service: IndexService, min_phy_offset: int) -> int:
@@ -117,4 +133,4 @@ def disk_bytes(path: str) -> int:
 
 
 __all__ = ["UNWRITTEN", "delete_expired", "disk_bytes", "expired_index_files", "expired_index_prefix", "expired_prefix",
-           "expired_queue_files", "last_unit_offset", "remove_files", "should_clean"]
+           "expired_queue_files", "expired_queue_prefix", "last_unit_offset", "remove_files"]

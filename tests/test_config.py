@@ -165,6 +165,8 @@ def test_shipped_config_mentions_every_key() -> None:
         ("metrics:\n  port: 0\n", "metrics.port", "0"),
         ("metrics:\n  port: 70000\n", "metrics.port", "65535"),
         ("metrics:\n  host: ''\n", "metrics.host", "empty"),
+        ("retention:\n  deleteFilesPerSecond: -1\n", "retention.deleteFilesPerSecond", ">= 0"),
+        ("retention:\n  deleteBytesPerSecond: -1\n", "retention.deleteBytesPerSecond", ">= 0"),
         ("logging:\n  level: verbose\n", "logging.level", "debug"),
         ("logging:\n  format: xml\n", "logging.format", "json"),
         ("dispatchers: consumequeue\n", "dispatchers", "list"),
@@ -447,7 +449,8 @@ def test_broker_runtime_store_keys_are_accepted_and_ignored(tmp_path):
     """A store: block copied from broker.conf loads: keys that only govern the broker's runtime are ignored."""
     path = tmp_path / "c.yaml"
     path.write_text("store:\n  flushDiskType: ASYNC_FLUSH\n  haListenPort: 10912\n  brokerRole: SLAVE\n"
-                    "  duplicationEnable: false\n  dLegerPeers: null\n  maxHashSlotNum: 97\n")
+                    "  duplicationEnable: false\n  dLegerPeers: null\n  maxHashSlotNum: 97\n"
+                    "  deleteConsumeQueueFilesInterval: 100\n")  # retention.* paces reputd's deletions
     config = load_config(path, env={})
     assert config.store.max_hash_slot_num == 97
 

@@ -84,6 +84,22 @@ def test_least_pages_defers_the_checkpoint_until_a_thorough_flush(tmp_path, metr
     close(session)
 
 
+def test_a_checkpoint_the_clean_up_asks_for_comes_at_the_next_cycle(tmp_path, metrics):
+    """Too few dirty pages defer the checkpoint, unless the clean-up waits for one (`checkpoint_wanted`,
+    daemon/engine/cleaner.py): that cycle is thorough, and the request is spent."""
+    config = make_config(tmp_path)
+    end = append(tmp_path, 10)
+    session = open_session(config, metrics)
+    dispatch_all(session)
+    flusher = Flusher(session, on_error=pytest.fail)
+    assert flusher.flush_once() is False
+    session.checkpoint_wanted.set()
+    assert flusher.flush_once() is True
+    assert read_checkpoint(str(tmp_path / "out")).reput_from_offset == end
+    assert not session.checkpoint_wanted.is_set()
+    close(session)
+
+
 def test_enough_dirty_pages_checkpoint_without_a_thorough_flush(tmp_path, metrics):
     config = make_config(tmp_path)
     end = append(tmp_path, 2000)  # 40,000 bytes of units in one queue: 9+ pages

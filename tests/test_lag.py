@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from daemon.engine.head import (
     written_below,
     written_end,
 )
+from daemon.ops.metrics import RetentionBehind
 from indexcore.errors import StoreError
 from indexcore.reader import CommitLog
 from indexcore.writer import CommitLogWriter, Message
@@ -215,6 +217,16 @@ def _resident_pages(path: Path) -> int:
     """How many of the file's pages are in the page cache now."""
     return sum(resident(path))
 
+
+def test_the_retention_gauges_are_the_clean_ups_last_look(service):
+    """The scrape shows what the session's clean-up published (`Session.retention_behind`): 0 before its
+    first look, its figures after."""
+    assert sample(service, "reputd_retention_behind_seconds") == 0
+    service.session.retention_behind = RetentionBehind(7, 8192, 2, 8_040_080, time.monotonic() - 30)
+    get = service.metrics.registry.get_sample_value
+    assert get("reputd_retention_behind_files", {"kind": "consumequeue"}) == 7
+    assert get("reputd_retention_behind_bytes", {"kind": "index"}) == 8_040_080
+    assert 30 <= sample(service, "reputd_retention_behind_seconds") < 60
 
 def test_looks_at_the_head_read_only_the_pages_they_look_at(tmp_path):
     """The frontier look and the lag gauges read a page or a record at and past the writer's head, over

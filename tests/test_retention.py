@@ -26,7 +26,7 @@ from indexcore.indexservice import IndexService, index_file_name
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.queuefiles import ConsumeQueue
 from indexcore.queuestore import ConsumeQueueStore
-from indexcore.retention import delete_expired, expired_index_prefix, expired_prefix, should_clean
+from indexcore.retention import delete_expired, expired_index_prefix, expired_prefix
 from indexcore.writer import CommitLogWriter, Message
 
 UNIT = struct.Struct(">qiq")  # the model's own layout (STORE_FORMAT.md §7.2)
@@ -102,14 +102,6 @@ def test_expired_index_prefix_is_the_brokers_walk(seed):
     ends = sorted(rng.randrange(0, 10_000) for _ in range(rng.randint(0, 8)))
     offset = rng.randrange(0, 12_000)
     assert expired_index_prefix(len(ends), ends.__getitem__, offset) == model_kept_index_files(ends, offset)
-
-
-def test_a_pass_runs_only_once_the_first_offset_moves():
-    """`minOffset > lastPhysicalMinOffset`: a CommitLog still starting at 0 never cleans."""
-    assert not should_clean(0, 0)
-    assert should_clean(1024, 0)
-    assert not should_clean(1024, 1024)
-    assert should_clean(2048, 1024)
 
 
 # --- real files -------------------------------------------------------------------------------------------------
@@ -268,9 +260,11 @@ def close(session) -> None:
     session.reader.close()
 
 
-def test_cleaner_cleans_only_below_the_checkpoint_and_keeps_its_index_file(tmp_path):
-    """A checkpoint behind the CommitLog's first offset bounds the pass, and the IndexFile it names stays:
-    a kill then leaves what recovering to that checkpoint needs."""
+def test_cleaner_cleans_below_the_first_offset_and_keeps_what_a_recovery_to_the_checkpoint_needs(tmp_path):
+    """A checkpoint behind the CommitLog's first offset no longer bounds the pass: every queue loses its files
+    whose last unit points below the first offset, but keeps the file a recovery to the checkpoint would leave
+    as its newest (the last starting below the checkpoint's offset); the IndexFile the checkpoint names and
+    the newer ones stay. What stays expired is published as behind."""
     config = session_store(tmp_path, 3000)
     metrics = ReputMetrics(lambda: None)
     s = open_session(config, metrics)
@@ -280,17 +274,29 @@ def test_cleaner_cleans_only_below_the_checkpoint_and_keeps_its_index_file(tmp_p
         os.unlink(tmp_path / "store" / "commitlog" / name)
     first = commit_log_min_offset(config.store.commit_log_dirs)
     assert first == int(segments[6])
-    s.checkpoint_offset = first // 2  # the checkpoint trails the CommitLog's first offset
-    s.checkpoint_states = {"index": {"name": s.dispatchers[1].service.names[1]}}
-    result = Cleaner(s).clean_once(pause=False)
-    assert result.cleaned_below == first // 2
-    assert s.dispatchers[1].service.names[0] == s.checkpoint_states["index"]["name"]
+    checkpoint = first // 2  # the checkpoint trails the CommitLog's first offset
+    s.checkpoint_offset = checkpoint
+    names = list(s.dispatchers[1].service.names)
+    s.checkpoint_states = {"index": {"name": names[1]}}
+    expired_index = model_kept_index_files([s.dispatchers[1].service.end_phy_offset_of(n) for n in names], first)
+    queues = {cq.queue_id: [Path(cq.file_path(st)).read_bytes() for st in cq.file_starts]
+              for cq in s.dispatchers[0].queues}
+    result = Cleaner(s).clean_once(paced=False)
+    assert result.cleaned_below == first
+    assert s.dispatchers[1].service.names == names[1:]
+    assert result.index_files_kept == expired_index - 1 > 0
+    kept_for_recovery = 0
     for cq in s.dispatchers[0].queues:
-        for start in cq.file_starts[:-1]:
-            with open(cq.file_path(start), "rb") as f:
-                f.seek(cq.file_size - UNIT_SIZE)
-                assert UNIT.unpack(f.read(UNIT_SIZE))[0] >= first // 2 or start == cq.file_starts[0]
-    assert metrics.registry.get_sample_value("reputd_deleted_files_total", {"kind": "consumequeue"}) > 0
+        files = queues[cq.queue_id]
+        firsts = [UNIT.unpack(f[:UNIT_SIZE])[0] for f in files]
+        recovery_keeps = max(i for i, phy in enumerate(firsts) if phy < checkpoint)
+        assert model_kept_queue_files(files, first) > recovery_keeps  # the rule alone would delete it
+        assert len(cq.file_starts) == len(files) - recovery_keeps, f"queue {cq.queue_id}"
+        kept_for_recovery += model_kept_queue_files(files, first) - recovery_keeps
+    behind = s.retention_behind
+    assert (behind.files, behind.index_files) == (kept_for_recovery, result.index_files_kept)
+    assert metrics.registry.get_sample_value("reputd_deleted_files_total", {"kind": "consumequeue"}) == \
+        result.files["consumequeue"] > 0
     close(s)
 
 

@@ -62,9 +62,12 @@ def _check_new_store(args, config: Config) -> None:
               if os.path.dirname(os.path.abspath(d)) != root]
     for path, option in paths:
         parent = os.path.dirname(path)
-        if not os.path.exists(path) and not os.path.isdir(parent):
-            raise UsageError(f"{path}: no such directory, and no directory {parent} to create it in "
-                             f"({_whence(args, option)})")
+        if os.path.exists(path) or os.path.isdir(parent):
+            continue
+        if path == root:  # the words every command uses for a store root that is not there
+            raise UsageError(f"{store.store_path_root_dir}: no such store root directory ({_whence(args, option)})")
+        raise UsageError(f"{path}: no such directory, and no directory {parent} to create it in "
+                         f"({_whence(args, option)})")
 
 
 def cmd_produce(args, config: Config) -> int:

@@ -33,6 +33,7 @@ from daemon.config.model import (
     MetricsConfig,
     OutputConfig,
     ReputConfig,
+    RetentionConfig,
     StoreConfig,
     env_var_name,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "MetricsConfig",
     "OutputConfig",
     "ReputConfig",
+    "RetentionConfig",
     "StoreConfig",
     "config_path",
     "default_config",

@@ -19,6 +19,7 @@ from daemon.config.model import (
     MetricsConfig,
     OutputConfig,
     ReputConfig,
+    RetentionConfig,
     StoreConfig,
     _camel_to_snake,
     env_var_name,
@@ -115,6 +116,7 @@ _SECTION_CLASSES: dict[str, type] = {
     "metrics": MetricsConfig,
     "logging": LoggingConfig,
     "backfill": BackfillConfig,
+    "retention": RetentionConfig,
 }
 
 _KEY_LIST = (
@@ -133,7 +135,6 @@ _KEY_LIST = (
     _Key("store", "flushConsumeQueueLeastPages", "int", (_java_int(0),)),
     _Key("store", "flushConsumeQueueThoroughInterval", "int", (_java_int(0),)),
     _Key("store", "cleanResourceInterval", "int", (_java_int(1),)),
-    _Key("store", "deleteConsumeQueueFilesInterval", "int", (_java_int(0),)),
     _Key("store", "enableMultiDispatch", "bool"),
     _Key("store", "enableLmq", "bool"),
     _Key("store", "maxTransferBytesOnMessageInMemory", "int", (_java_int(1),)),
@@ -152,6 +153,8 @@ _KEY_LIST = (
     _Key("metrics", "port", "int", (_in_range(1, 65535),)),
     _Key("logging", "level", "str", (_one_of("debug", "info", "warning", "error"),)),
     _Key("logging", "format", "str", (_one_of("json", "console", "auto"),)),
+    _Key("retention", "deleteFilesPerSecond", "int", (_in_range(0),)),
+    _Key("retention", "deleteBytesPerSecond", "int", (_in_range(0),)),
     _Key("backfill", "rangeBytes", "int", (_in_range(1),)),
     _Key("backfill", "readBytes", "int", (_in_range(1024 * 1024, 1024**3),)),
     _Key("backfill", "s3Endpoint", "str"),
@@ -173,7 +176,7 @@ BROKER_RUNTIME_STORE_KEYS = frozenset({
     "accessMessageInMemoryMaxRatio", "autoMessageVersionOnTopicLen", "bitMapLengthConsumeQueueExt", "brokerRole",
     "cleanFileForciblyEnable", "commitCommitLogLeastPages",
     "commitCommitLogThoroughInterval", "commitIntervalCommitLog", "debugLockEnable", "defaultQueryMaxNum",
-    "deleteCommitLogFilesInterval",
+    "deleteCommitLogFilesInterval", "deleteConsumeQueueFilesInterval",
     "deleteWhen", "destroyMapedFileIntervalForcibly", "diskFallRecorded", "diskMaxUsedSpaceRatio",
     "duplicationEnable", "enableBatchPush", "enableScheduleAsyncDeliver", "enableScheduleMessageStats",
     "enabledAppendPropCRC", "fastFailIfNoBufferInStorePool", "fileReservedTime", "flushCommitLogLeastPages",

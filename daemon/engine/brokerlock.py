@@ -14,6 +14,7 @@ dispatched in between are the units and keys the broker's own reput writes again
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from daemon.ops.metrics import DOWN
@@ -34,6 +35,7 @@ class BrokerLockGuard:
         self._metrics, self._log, self._set_health, self._notifier = metrics, log, set_health, notifier
         self._stop, self._offset = stop, offset
         self._reported = False
+        self._report_lock = threading.Lock()  # the loop and the clean-up both ask: one report
 
     @property
     def holder(self) -> int | None:
@@ -45,8 +47,9 @@ class BrokerLockGuard:
         holder = self.watch.taken(now=now)
         if holder is None:
             return False
-        if not self._reported:
-            self._reported = True
+        with self._report_lock:
+            first, self._reported = not self._reported, True
+        if first:
             self._metrics.broker_lock_taken.inc()
             self._log.error("broker_lock_taken", lock=self.watch.path, pid=holder, reput_from_offset=self._offset(),
                             action=f"stop writing, flush, checkpoint, exit {EXIT_BROKER_RUNNING}")

@@ -160,7 +160,10 @@ class Flusher(Periodic):
         """One flush cycle; True when it wrote a checkpoint. `whole_fs`: as `sync_plans`, for the last one."""
         s = self.session
         now = time.monotonic()
-        thorough = thorough or now - self._last_thorough >= self.thorough_interval
+        # the clean-up asks for a checkpoint when expired files wait for one (`Session.checkpoint_wanted`)
+        thorough = thorough or now - self._last_thorough >= self.thorough_interval or s.checkpoint_wanted.is_set()
+        if thorough:
+            s.checkpoint_wanted.clear()
         least_pages = 0 if thorough else self.least_pages
         with s.files_lock:  # from plan to sync, the cleaner deletes none of the files planned (`daemon.engine.cleaner`)
             with s.lock:

@@ -242,7 +242,7 @@ def rebuild(config: Config, *, from_offset: int | None = None,
             final_checkpoint(out, dispatchers, offset)
             # the broker's retention rule, as `run` applies it: files whose records the CommitLog no longer holds
             if broker is None or broker.holder is None:
-                clean_output(dispatchers, commit_log.dirs, offset, log)
+                clean_output(dispatchers, commit_log.dirs, log)
         if failure is not None:
             raise failure
     finally:

@@ -166,7 +166,7 @@ class SessionRunner(ServiceState):
 
     def _run_session(self, s: Session) -> Outcome:
         flusher = Flusher(s, self._flush_failed, self._flush_succeeded)
-        cleaner = Cleaner(s)
+        cleaner = Cleaner(s, broker_lock=self.broker_lock)  # deleting is writing: it stops once a broker took it
         observer = self._watch(s.commit_log.dirs)
         flusher.start()
         cleaner.start()
@@ -201,7 +201,7 @@ class SessionRunner(ServiceState):
                 self._log.info("final_flush", reput_from_offset=s.dispatched_offset,
                                checkpoint_offset=s.checkpoint_offset)
                 if outcome is Outcome.CAUGHT_UP:  # a one-off run applies the retention rule once, unpaced
-                    Cleaner(s).clean_reported(pause=False)
+                    Cleaner(s, broker_lock=self.broker_lock).clean_reported(paced=False)
             except Exception as e:
                 self._flush_failed(e)
                 self._failure_reason = self._failure_reason or f"the final flush failed: {type(e).__name__}: {e}"

@@ -183,7 +183,7 @@ class ServiceState:
                 if stored is not None:
                     behind_s = max(0.0, time.time() - stored / MS_PER_SECOND)
         return Lag(offset, end, s.flushed_offset, max(s.checkpoint_offset, 0),
-                   s.checkpoint_written_at, behind_s, s.files("consumequeue"), s.files("index"))
+                   s.checkpoint_written_at, behind_s, s.files("consumequeue"), s.files("index"), s.retention_behind)
 
     def progress(self) -> dict:
         s = self.session

@@ -17,7 +17,7 @@ from daemon.engine.dispatchers import Dispatcher
 from daemon.engine.dledgermode import open_commit_log
 from daemon.engine.reading import make_reader
 from daemon.engine.recovery import recover_output
-from daemon.ops.metrics import ReputMetrics
+from daemon.ops.metrics import ReputMetrics, RetentionBehind
 from indexcore.reader import CommitLog, CommitLogReader
 
 
@@ -43,6 +43,10 @@ class Session:
     files_lock: threading.Lock = field(default_factory=threading.Lock)
     synced_paths: set[str] = field(default_factory=set)  # files and directories whose entries are durable
     dispatched_counters: list = field(default_factory=list)  # per dispatcher, labels resolved once
+    retention_behind: RetentionBehind | None = None  # published by the clean-up (`daemon.engine.cleaner`)
+    # set by the clean-up when expired files wait for a newer checkpoint (a recovery to this one would need
+    # them): the flusher's next cycle is thorough, so that one comes within flushIntervalConsumeQueue
+    checkpoint_wanted: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         self.dispatched_counters = [self.metrics.dispatched.labels(dispatcher=d.name) for d in self.dispatchers]

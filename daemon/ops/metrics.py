@@ -97,6 +97,21 @@ CORRUPT_REASONS = (*CORRUPT_RECORD_FIELDS, LAYOUT_REASON)
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionBehind:
+    """Expired output still on disk, as the clean-up's last look found it (`daemon.engine.cleaner`): files the
+    CommitLog no longer needs that are not deleted yet (a pass under way, or IndexFiles the checkpoint needs)."""
+
+    files: int = 0  # ConsumeQueue files
+    bytes: int = 0  # their allocated bytes
+    index_files: int = 0
+    index_bytes: int = 0
+    oldest_since: float | None = None  # time.monotonic() when a look first found the longest-waiting one expired
+
+    def seconds(self, now: float) -> float:
+        return 0.0 if self.oldest_since is None else max(0.0, now - self.oldest_since)
+
+
+@dataclass(frozen=True, slots=True)
 class Lag:
     """What the scrape-time collector needs, taken from the loop's published progress."""
 
@@ -108,6 +123,7 @@ class Lag:
     behind_seconds: float
     consume_queue_files: int
     index_files: int
+    retention: RetentionBehind | None = None  # None before the clean-up's first look
 
 
 class _LagCollector:
@@ -145,6 +161,20 @@ class _LagCollector:
         files.add_metric([FileKind.CONSUME_QUEUE], lag.consume_queue_files)
         files.add_metric([FileKind.INDEX], lag.index_files)
         yield files
+        behind = lag.retention or RetentionBehind()
+        behind_files = GaugeMetricFamily("reputd_retention_behind_files", "Output files the CommitLog no longer "
+                                         "needs that are still on disk (retention not done yet), by kind.",
+                                         labels=["kind"])
+        behind_files.add_metric([FileKind.CONSUME_QUEUE], behind.files)
+        behind_files.add_metric([FileKind.INDEX], behind.index_files)
+        yield behind_files
+        behind_bytes = GaugeMetricFamily("reputd_retention_behind_bytes", "Allocated bytes of those files, by kind.",
+                                         labels=["kind"])
+        behind_bytes.add_metric([FileKind.CONSUME_QUEUE], behind.bytes)
+        behind_bytes.add_metric([FileKind.INDEX], behind.index_bytes)
+        yield behind_bytes
+        yield _gauge("reputd_retention_behind_seconds", "How long the longest-waiting of those files has been "
+                     "found expired; 0 when none is left.", behind.seconds(time.monotonic()))
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
