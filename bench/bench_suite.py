@@ -22,6 +22,14 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
                      p99 120 ms)
     backfill         `reputd backfill` on the rebuild data set: local[1], local[2], a standalone cluster of two
                      one-core workers, and local[2] reading the segments from an S3 server (moto)
+    many-queues      production shapes (bench/many_queues.py): what each step of creating a ConsumeQueue file
+                     costs; the rebuild of 2,000,000 messages over 8,000 queues and 1,000,000 over 100,000 beside
+                     the first data set's 64 (CPU-seconds, wall, peak RSS, mappings, descriptors); the 4.9.3
+                     store's own rebuild of the 64- and 8,000-queue CommitLogs, files compared; `run` at
+                     100,000 msgs/s over 64 and over 10,000 queues
+    timequery        `reputd query offset` and `query time` (a 1-second window of one topic's 8 queues) on the
+                     backfill-cost store, process start to exit, and the CommitLog reads of their searches
+                     against log2 of the queue's length (bench/timequery.py; targets 100 and 200 ms)
     backfill-cost    what a backfill message costs (bench/backfill_cost.py) on issue 29's store (16,000,000
                      messages, 7 segments of 1 GiB): CPU-seconds of the process tree for
                      the rebuild, a 10,000-message job and the whole data set on local[2], the marginal cost and
@@ -729,7 +737,7 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=ROOT / "bench" / "results" / "suite")
     ap.add_argument("--only", default="rebuild,rebuild-3keys,rebuild-4k,rebuild-noindex,rebuild-dledger,verify,"
                                       "rebuild-lmq3,"
-                                      "rebuild-lmq100k,live,query,backfill,backfill-cost,retention-life")
+                                      "rebuild-lmq100k,live,query,timequery,backfill,many-queues,backfill-cost,retention-life")
     ap.add_argument("--quick", action="store_true", help="a tenth of every data set and short runs (a smoke test)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per rebuild scenario; the fastest is reported")
     ap.add_argument("--live-seconds", type=float, default=20.0)
@@ -766,8 +774,20 @@ def main() -> int:
                                    20 if args.quick else args.cli_queries))
         print(f"query: library p99 {results[-1]['library_ms_p99']} ms, CLI p50 {results[-1]['cli_ms_p50']} ms "
               f"p99 {results[-1]['cli_ms_p99']} ms", flush=True)
+    timequery = None
+    if "timequery" in wanted:
+        from bench.timequery import bench_timequery, report  # noqa: PLC0415
+
+        timequery = bench_timequery(work, scale, 5 if args.quick else 30)
+        print("\n".join(report(timequery)), flush=True)
     if "backfill" in wanted:
         results.extend(bench_backfill(work, scale, args.masters.split(",")))
+    many = None
+    if "many-queues" in wanted:
+        from bench.many_queues import measure as measure_many_queues  # noqa: PLC0415
+
+        many = measure_many_queues(work, scale, 1 if args.quick else args.repeat,
+                                   live_seconds=5.0 if args.quick else args.live_seconds)
     cost = None
     if "backfill-cost" in wanted:
         from bench.backfill_cost import DEFAULT_ROUNDS, measure  # noqa: PLC0415
@@ -780,9 +800,15 @@ def main() -> int:
         results.append(bench_retention_life(work, args.quick))
     lmq_ratio(results)
     print_table(results)
+    if many is not None:
+        print("\nmany queues (bench/many_queues.py):" + "\n".join(many.pop("table")))
+        results.append(many)
     if cost is not None:
         print("\nbackfill cost (bench/backfill_cost.py):\n" + "\n".join(cost.pop("table")))
         results.append(cost)
+    if timequery is not None:
+        print("\n" + "\n".join(report(timequery)))
+        results.append(timequery)
     out = work / "results.json"
     out.write_text(json.dumps({"machine": info, "results": results}, indent=2))
     print(f"\nfigures: {out}")

@@ -104,12 +104,18 @@ class LatencyDispatcher:
 
     def __init__(self, options, store, output_dir):
         self.path = options["path"]
+        self.skip = int(options.get("skip", 0))  # the first records not counted: a warm-up before the measuring
         self.histogram = LatencyHistogram()
         self._written = time.monotonic()
 
     def dispatch(self, batch) -> None:
         now_ms = time.time() * 1000.0
-        self.histogram.add(now_ms - batch.store_timestamp.astype(np.float64))
+        latency_ms = now_ms - batch.store_timestamp.astype(np.float64)
+        if self.skip:
+            skipped = min(self.skip, len(latency_ms))
+            self.skip -= skipped
+            latency_ms = latency_ms[skipped:]
+        self.histogram.add(latency_ms)
 
     def flush(self) -> None:
         if time.monotonic() - self._written >= WRITE_EVERY_S:

@@ -11,10 +11,11 @@
  *                the backfill's IndexFile keys: staged as records by a decode task, put by a chunk's task
  *                into slots of its own, its chains linked to the chunks' before it.
  * group_units    the ConsumeQueue units of a batch, queue by queue in put order (consume_queue_units).
- * create_files   mappedfile.create_file for many sparse files at once (the first files of the hundreds of
- *                queues an LMQ batch meets), its steps in its order, with the GIL released throughout:
- *                the creating thread then does not wait for the GIL after every system call.
- * pwrite_many    the appends a batch makes to many ConsumeQueue files, in one call without the GIL.
+ * create_files   mappedfile.create_in_place for many files at once (the first files of the thousands of
+ *                queues a batch meets), its steps in its order, with the GIL released throughout: the
+ *                creating thread then does not wait for the GIL after every system call.
+ * pwrite_many    the appends a batch makes to many ConsumeQueue files, in one call without the GIL (through
+ *                the descriptor set's descriptors, or opening a file for its write).
  * syncfs         syncfs(2) on the file system holding a descriptor.
  * known_names    a window's topics looked up in the names a reader has checked already, in one call.
  *
@@ -1235,28 +1236,44 @@ static int make_dirs(char *dir) {
     return (mkdir(dir, 0777) == 0 || errno == EEXIST) ? 0 : -1;
 }
 
+/* create_files' flags of an item (mappedfile.CREATE_MAKE_PARENT, CREATE_KEEP_OPEN) */
+enum { MAKE_PARENT = 1, KEEP_OPEN = 2 };
+/* what create_files returns for an item instead of a descriptor (mappedfile.CREATE_EXISTED, CREATE_CLOSED) */
+enum { EXISTED = -1, CLOSED = -2 };
+
 typedef struct {
-    char *dir, *path, *tmp;
+    char *dir, *path;
     const char *header;
     Py_ssize_t header_len;
-    int fd;
+    int flags, fd;
 } CreateItem;
 
-/* One file: open `tmp`, size it (sparse), write the header, fdatasync, rename to `path`. -1 with errno and
- * *failed set to the path the error concerns; a temporary made is removed. */
-static int create_one(CreateItem *it, int64_t size, int sync_headerless, const char **failed) {
-    struct stat st;
+/* One file, in place: its directory (and, with MAKE_PARENT, the directory's parent first), then `path` opened
+ * O_EXCL, sized (sparse) and its header written: mappedfile.create_in_place's steps. -1 with errno and
+ * *failed set to the path the error concerns; a file made here is removed again. */
+static int create_one(CreateItem *it, int64_t size, const char **failed) {
     *failed = it->dir;
-    if (make_dirs(it->dir) != 0) return -1;
+    if (it->flags & MAKE_PARENT) {
+        char *slash = strrchr(it->dir, '/');
+        if (slash != NULL && slash != it->dir) {
+            *slash = '\0';
+            int r = mkdir(it->dir, 0777);
+            int e = errno;
+            *slash = '/';
+            if (r != 0 && e != EEXIST && e != ENOENT) {
+                errno = e;
+                return -1;
+            }
+        }
+    }
+    if (mkdir(it->dir, 0777) != 0 && errno != EEXIST && make_dirs(it->dir) != 0) return -1;
     *failed = it->path;
-    if (lstat(it->path, &st) == 0) {
-        it->fd = -1; /* made by someone else since the store was loaded */
+    int fd = open(it->path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        if (errno != EEXIST) return -1;
+        it->fd = EXISTED; /* made by someone else since the store was loaded */
         return 0;
     }
-    if (errno != ENOENT) return -1;
-    *failed = it->tmp;
-    int fd = open(it->tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return -1;
     if (ftruncate(fd, (off_t)size) != 0) goto fail;
     for (Py_ssize_t done = 0; done < it->header_len;) {
         ssize_t w = pwrite(fd, it->header + done, (size_t)(it->header_len - done), (off_t)done);
@@ -1267,29 +1284,32 @@ static int create_one(CreateItem *it, int64_t size, int sync_headerless, const c
         }
         done += w;
     }
-    if ((it->header_len > 0 || sync_headerless) && fdatasync(fd) != 0) goto fail;
-    if (rename(it->tmp, it->path) != 0) goto fail;
-    it->fd = fd;
+    if (it->flags & KEEP_OPEN) {
+        it->fd = fd;
+    } else {
+        close(fd);
+        it->fd = CLOSED;
+    }
     return 0;
 fail: {
         int e = errno;
         close(fd);
-        unlink(it->tmp);
+        unlink(it->path);
         errno = e;
         return -1;
     }
 }
 
+/* create_files(items, size): each (directory, path, header, flags) created in place (create_one), in order,
+ * with the GIL released once; a list of each one's descriptor (KEEP_OPEN), CLOSED or EXISTED. On an error
+ * the descriptors made are closed and OSError raised naming the path; the files made stay, complete. */
 static PyObject *py_create_files(PyObject *self, PyObject *args) {
     PyObject *items;
     long long size;
-    const char *suffix;
-    int sync_headerless;
-    if (!PyArg_ParseTuple(args, "O!Lsp", &PyList_Type, &items, &size, &suffix, &sync_headerless)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!L", &PyList_Type, &items, &size)) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(items);
-    size_t suffix_len = strlen(suffix);
     CreateItem *it = PyMem_Calloc((size_t)(n ? n : 1), sizeof(CreateItem));
-    PyObject **keep = PyMem_Calloc((size_t)(n ? 3 * n : 1), sizeof(PyObject *));
+    PyObject **keep = PyMem_Calloc((size_t)(n ? 2 * n : 1), sizeof(PyObject *));
     PyObject *out = NULL;
     if (it == NULL || keep == NULL) {
         PyErr_NoMemory();
@@ -1297,33 +1317,28 @@ static PyObject *py_create_files(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *dir = NULL, *path = NULL, *header = NULL;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(items, i), "O&O&O!", PyUnicode_FSConverter, &dir,
-                              PyUnicode_FSConverter, &path, &PyBytes_Type, &header)) {
+        int flags = 0;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(items, i), "O&O&O!i", PyUnicode_FSConverter, &dir,
+                              PyUnicode_FSConverter, &path, &PyBytes_Type, &header, &flags)) {
             Py_XDECREF(dir);
             Py_XDECREF(path);
             goto done;
         }
-        keep[3 * i] = dir;
-        keep[3 * i + 1] = path;
-        Py_ssize_t plen = PyBytes_GET_SIZE(path);
-        PyObject *tmp = PyBytes_FromStringAndSize(NULL, plen + (Py_ssize_t)suffix_len);
-        if (tmp == NULL) goto done;
-        keep[3 * i + 2] = tmp;
-        memcpy(PyBytes_AS_STRING(tmp), PyBytes_AS_STRING(path), (size_t)plen);
-        memcpy(PyBytes_AS_STRING(tmp) + plen, suffix, suffix_len);
+        keep[2 * i] = dir;
+        keep[2 * i + 1] = path;
         it[i].dir = PyBytes_AS_STRING(dir);
         it[i].path = PyBytes_AS_STRING(path);
-        it[i].tmp = PyBytes_AS_STRING(tmp);
         it[i].header = PyBytes_AS_STRING(header); /* `items` holds the header for the call */
         it[i].header_len = PyBytes_GET_SIZE(header);
-        it[i].fd = -1;
+        it[i].flags = flags;
+        it[i].fd = EXISTED;
     }
     Py_ssize_t made = 0;
     int err = 0;
     const char *failed = NULL;
     Py_BEGIN_ALLOW_THREADS
     for (; made < n; made++) {
-        if (create_one(&it[made], (int64_t)size, sync_headerless, &failed) != 0) {
+        if (create_one(&it[made], (int64_t)size, &failed) != 0) {
             err = errno;
             break;
         }
@@ -1350,23 +1365,25 @@ static PyObject *py_create_files(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(it[i].fd));
 done:
     if (keep != NULL)
-        for (Py_ssize_t i = 0; i < 3 * n; i++) Py_XDECREF(keep[i]);
+        for (Py_ssize_t i = 0; i < 2 * n; i++) Py_XDECREF(keep[i]);
     PyMem_Free(keep);
     PyMem_Free(it);
     return out;
 }
 
 /* pwrite_many: every (fd, data, position) written in full, in order, with the GIL released once; data is one
- * buffer or a list of buffers written back to back (pwritev). Returns None, or (index, bytes left, position
- * reached, errno) of the first write that failed. */
+ * buffer or a list of buffers written back to back (pwritev). A write may be (-1, data, position, path): the file
+ * is opened for it (O_WRONLY) and closed again, which a write to one of a hundred thousand queues that no
+ * descriptor set holds open asks for. Returns None, or (index, bytes left, position reached, errno) of the first
+ * write that failed. */
 static PyObject *py_pwrite_many(PyObject *self, PyObject *args) {
     PyObject *writes;
     if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &writes)) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(writes), nbufs = 0, got = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *w = PyList_GET_ITEM(writes, i);
-        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 3) {
-            PyErr_SetString(PyExc_TypeError, "pwrite_many: each write is (fd, data, position)");
+        if (!PyTuple_Check(w) || (PyTuple_GET_SIZE(w) != 3 && PyTuple_GET_SIZE(w) != 4)) {
+            PyErr_SetString(PyExc_TypeError, "pwrite_many: each write is (fd, data, position[, path])");
             return NULL;
         }
         PyObject *data = PyTuple_GET_ITEM(w, 1);
@@ -1377,8 +1394,9 @@ static PyObject *py_pwrite_many(PyObject *self, PyObject *args) {
     Py_ssize_t *first = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
     int *fds = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int));
     long long *pos = PyMem_Calloc((size_t)(n ? n : 1), sizeof(long long));
+    PyObject **paths = PyMem_Calloc((size_t)(n ? n : 1), sizeof(PyObject *));
     PyObject *out = NULL;
-    if (bufs == NULL || iov == NULL || first == NULL || fds == NULL || pos == NULL) {
+    if (bufs == NULL || iov == NULL || first == NULL || fds == NULL || pos == NULL || paths == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1388,7 +1406,9 @@ static PyObject *py_pwrite_many(PyObject *self, PyObject *args) {
         long fd = PyLong_AsLong(PyTuple_GET_ITEM(w, 0));
         pos[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 2));
         if (PyErr_Occurred()) goto done;
-        if (fd < 0 || fd > INT_MAX) {
+        if (fd < 0 && PyTuple_GET_SIZE(w) == 4) {
+            if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(w, 3), &paths[i])) goto done;
+        } else if (fd < 0 || fd > INT_MAX) {
             PyErr_SetString(PyExc_ValueError, "pwrite_many: not a descriptor");
             goto done;
         }
@@ -1412,9 +1432,18 @@ static PyObject *py_pwrite_many(PyObject *self, PyObject *args) {
         left = 0;
         for (int k = 0; k < count; k++) left += (Py_ssize_t)v[k].iov_len;
         at = pos[i];
+        int fd = fds[i];
+        if (fd < 0) {
+            fd = open(PyBytes_AS_STRING(paths[i]), O_WRONLY | O_CLOEXEC);
+            if (fd < 0) {
+                err = errno;
+                failed = i;
+                break;
+            }
+        }
         while (left > 0) {
             while (count > 0 && v->iov_len == 0) { v++; count--; }
-            ssize_t w = pwritev(fds[i], v, count < IOV_MAX ? count : IOV_MAX, (off_t)at);
+            ssize_t w = pwritev(fd, v, count < IOV_MAX ? count : IOV_MAX, (off_t)at);
             if (w < 0 && errno == EINTR) continue;
             if (w <= 0) {
                 err = w == 0 ? ENOSPC : errno;
@@ -1431,16 +1460,20 @@ static PyObject *py_pwrite_many(PyObject *self, PyObject *args) {
                 if (v->iov_len == 0 && w > 0) { v++; count--; }
             }
         }
+        if (fds[i] < 0) close(fd);
     }
     Py_END_ALLOW_THREADS
     out = failed < 0 ? Py_NewRef(Py_None) : Py_BuildValue("(nnLi)", failed, left, at, err);
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&bufs[i]);
+    if (paths != NULL)
+        for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(paths[i]);
     PyMem_Free(bufs);
     PyMem_Free(iov);
     PyMem_Free(first);
     PyMem_Free(fds);
     PyMem_Free(pos);
+    PyMem_Free(paths);
     return out;
 }
 
@@ -1480,12 +1513,13 @@ static PyMethodDef methods[] = {
     {"java_hash_utf8", py_java_hash_utf8, METH_VARARGS,
      "java_hash_utf8(data, h=0) -> String.hashCode of the UTF-8 data decoded as Java decodes it"},
     {"create_files", py_create_files, METH_VARARGS,
-     "create_files([(directory, path, header), ...], size, temp_suffix, sync_headerless) -> read-write "
-     "descriptors (-1: the path existed already); on an error every descriptor made is closed and OSError "
-     "names the path"},
+     "create_files([(directory, path, header, flags), ...], size) -> a read-write descriptor (KEEP_OPEN), "
+     "CLOSED, or EXISTED (the path existed already) for each; on an error every descriptor made is closed and "
+     "OSError names the path"},
     {"pwrite_many", py_pwrite_many, METH_VARARGS,
-     "pwrite_many([(fd, data, position), ...]) -> None, or (index, bytes left, position, errno) of the first "
-     "write that failed; data is a buffer or a list of buffers written back to back"},
+     "pwrite_many([(fd, data, position[, path]), ...]) -> None, or (index, bytes left, position, errno) of the "
+     "first write that failed; data is a buffer or a list of buffers written back to back; fd -1 with a path: "
+     "the file is opened for the write and closed"},
     {"syncfs", py_syncfs, METH_VARARGS, "syncfs(fd): sync the whole file system holding fd"},
     {NULL, NULL, 0, NULL},
 };
@@ -1544,7 +1578,8 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         {"R_UNIQ_LEN", R_UNIQ_LEN}, {"R_DELAY_AT", R_DELAY_AT}, {"R_DELAY_LEN", R_DELAY_LEN},
         {"RECORD_COLUMNS", RECORD_COLUMNS}, {"K_HASH", K_HASH}, {"K_OWNER", K_OWNER},
         {"KEY_COLUMNS", KEY_COLUMNS}, {"T_AT", T_AT}, {"T_LEN", T_LEN}, {"T_FIRST", T_FIRST}, {"TOPIC_COLUMNS", TOPIC_COLUMNS},
-        {"STATE_COLUMNS", STATE_COLUMNS},
+        {"STATE_COLUMNS", STATE_COLUMNS}, {"MAKE_PARENT", MAKE_PARENT}, {"KEEP_OPEN", KEEP_OPEN},
+        {"EXISTED", EXISTED}, {"CLOSED", CLOSED},
     };
     for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) {

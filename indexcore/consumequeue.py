@@ -24,12 +24,13 @@ mapping per queue: an LMQ broker has tens of thousands of queues, more than a pr
 files take a few hundred megabytes, not 600 GB); no room is then an OSError from the write, naming
 the file, never a SIGBUS.
 
-A file is created complete (its pre-blank units written) or not at all (`mappedfile.create_file`), a
-queue's first file with its pre-blank units as the header.
-Loading removes what a creation cut short by an older reputd left: a 0-byte newest file, or a queue's
-only file allocated but left without its pre-blank units (all zeros: a first file always gets its
-first unit or its blanks). Truncating removes a first file left with nothing but pre-blank units, as
-a run that stopped there would not have made it yet.
+A file is created in place, as the broker creates its own (`mappedfile.create_in_place`: opened O_EXCL,
+sized sparse, a queue's first file with its pre-blank units as the header), with no rename and no sync:
+loading removes what a creation cut short left, a 0-byte newest file or a queue's only file left without
+its pre-blank units (all zeros: a first file always gets its first unit or its blanks), and a first file
+left with a part of its pre-blank units ends where they end, the next put laying down the rest as the
+blanks of a gap. Truncating removes a first file left with nothing but pre-blank units, as a run that
+stopped there would not have made it yet.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE = 300_000 * CQ_UNIT_SIZE
 RECOVER_FROM_LAST_FILES = 3  # ConsumeQueue.recover starts at the third-newest file
 CONSUME_QUEUE_DIR = "consumequeue"
 PRIVATE_OPEN_FILES = 2  # a queue on its own: its writing file, and the one before it while rolling
-CREATE_LABEL = "consumequeue"  # names the steps of a file's creation (`mappedfile.create_file`'s fail points)
+CREATE_LABEL = "consumequeue"  # names the steps of a file's creation (`mappedfile.create_in_place`'s fail points)
 # The kernel copies a write into the page cache page by page, and a SIGKILL can stop it between two pages:
 # a unit that straddles a page boundary is the one a kill can leave torn, its first bytes written and the
 # rest not (`torn_unit_at`, `ConsumeQueue.drop_torn_tail`).

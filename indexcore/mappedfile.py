@@ -6,12 +6,17 @@ the broker's loader rejects any other size, and their write position is not stor
 rediscovered by scanning. A crash leaves whatever the page cache had written; formats built on this
 class define how to find their end again.
 
-An output file is created complete or not at all (`create_file`): built under a temporary name in its
-own directory, then renamed into place, so no reader and no recovery ever sees one half made.
+An IndexFile (and any file written through a mapping) is created complete or not at all (`create_file`):
+built under a temporary name in its own directory, then renamed into place, so no reader and no recovery
+ever sees one half made. A ConsumeQueue file is created in place (`create_in_place`), as the broker creates
+its own: what a kill can leave of that creation (an empty file, a file of zeros, a part of its pre-blank
+units) is what the queue's recovery takes for a creation cut short or a queue to complete, so a temporary
+name and a rename would buy nothing for the two system calls and the directory entry they cost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -87,17 +92,15 @@ def check_sizes(files: list[tuple[int, str]], file_size: int) -> None:
             raise SizeMismatchError(path, f"file is {actual} bytes, the configured size is {file_size}")
 
 
-def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file", allocate: bool = True,
-                keep_open: bool = False, temp_dir: str | None = None) -> int | None:
+def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file", keep_open: bool = False,
+                temp_dir: str | None = None) -> int | None:
     """Create `path`, `size` bytes with `header` at its start, so that it is complete or absent whatever
     instant a kill or a power loss strikes.
 
     Steps: open `path` + TEMP_SUFFIX, allocate it in full, write the header, fdatasync, rename. A kill
     before the rename leaves only the temporary file (removed at the next load, `remove_temporaries`);
     after it, the complete file. The data is synced before the rename, so a power loss cannot leave the
-    name with a file whose header never reached the disk. A sparse file without a header holds nothing
-    but its size, which the journal commits with the rename or before it; the sync is skipped for it (a
-    power loss can only leave it absent or all zeros, which every load takes as a creation cut short).
+    name with a file whose header never reached the disk.
 
     The directory is not synced here: until it
     is, a power loss may only lose the new name, i.e. leave the file absent, the other allowed outcome;
@@ -105,9 +108,9 @@ def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file
     costs one directory sync per flush instead of one per file created. `label` names the steps for the
     crash matrix's fail points (`indexcore._failpoints`).
 
-    `allocate` reserves the blocks now, which a file written through a mapping needs (no room later
-    would be SIGBUS); a file written with `pwrite` gets ENOSPC from the write and may stay sparse, as
-    the broker's ConsumeQueue files are. With `keep_open` the read-write descriptor is returned.
+    The blocks are reserved now, which a file written through a mapping needs (no room later would be
+    SIGBUS); a file written with `pwrite` gets ENOSPC from the write and may stay sparse, as the broker's
+    ConsumeQueue files are (`create_in_place`). With `keep_open` the read-write descriptor is returned.
 
     `temp_dir` builds the file in another directory of the same file system (`.{dir}.{name}.tmp` there) and
     renames it in: for a directory someone else reads and takes every name in it for a store file (a
@@ -120,32 +123,27 @@ def create_file(path: str, size: int, header: bytes = b"", *, label: str = "file
         parent, name = os.path.split(path)
         tmp = os.path.join(temp_dir, f".{os.path.basename(parent)}.{name}{TEMP_SUFFIX}")
         try:
-            return _create_via(tmp, path, size, header, label, allocate, keep_open)
+            return _create_via(tmp, path, size, header, label, keep_open)
         except OSError as e:
             if e.errno != errno.EXDEV:
                 raise
-    return _create_via(path + TEMP_SUFFIX, path, size, header, label, allocate, keep_open)
+    return _create_via(path + TEMP_SUFFIX, path, size, header, label, keep_open)
 
 
-def _create_via(tmp: str, path: str, size: int, header: bytes, label: str, allocate: bool,
-                keep_open: bool) -> int | None:
+def _create_via(tmp: str, path: str, size: int, header: bytes, label: str, keep_open: bool) -> int | None:
     """`create_file`'s steps, building the file as `tmp`."""
     _failpoints.reached(f"{label}.before_create")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _failpoints.reached(f"{label}.after_create")
-        if allocate:
-            _preallocate(fd, path, size)
-        else:
-            os.ftruncate(fd, size)
+        _preallocate(fd, path, size)
         _failpoints.reached(f"{label}.after_allocate")
         if header:
             written = os.pwrite(fd, header, 0)
             if written != len(header):
                 raise OSError(errno.ENOSPC, f"wrote {written} of {len(header)} header bytes", tmp)
         _failpoints.reached(f"{label}.after_header")
-        if header or allocate:
-            os.fdatasync(fd)
+        os.fdatasync(fd)
         _failpoints.reached(f"{label}.after_fsync")
         os.rename(tmp, path)
     except OSError:  # no room, say: nothing is left behind (anything else stands for a kill, in tests)
@@ -159,29 +157,72 @@ def _create_via(tmp: str, path: str, size: int, header: bytes, label: str, alloc
     return fd
 
 
-def create_sparse_files(files: list[tuple[str, str, bytes]], size: int, *, label: str = "file") -> list[int | bool]:
-    """`create_file(path, size, header, allocate=False, keep_open=True)` for many (directory, path, header),
-    each directory made first if missing: for each, its read-write descriptor, or False when the path
-    exists already.
+# `create_in_place_many`'s flags of a file: make the parent of its directory first (a new topic's directory),
+# keep its descriptor open; and what it gives instead of a descriptor: the file existed, the file was made and
+# closed
+CREATE_MAKE_PARENT = _kernels.MAKE_PARENT
+CREATE_KEEP_OPEN = _kernels.KEEP_OPEN
+CREATE_EXISTED = _kernels.EXISTED
+CREATE_CLOSED = _kernels.CLOSED
+
+
+def create_in_place(path: str, size: int, header: bytes = b"", *, label: str = "file",
+                    keep_open: bool = True) -> int:
+    """Create `path` where it will stay: opened O_EXCL (FileExistsError when it exists), sized sparse to `size`,
+    `header` written at its start; its read-write descriptor, or CREATE_CLOSED once closed without `keep_open`.
+
+    For a file written with `pwrite` whose recovery takes any prefix of a creation for one cut short (a
+    ConsumeQueue file: `indexcore.queuerecovery`): a kill after the open leaves an empty file, after the
+    size a file of zeros, during the header a part of its pre-blank units, a power loss any of these or no
+    name at all. Nothing is synced here: whoever checkpoints the file syncs it and its directory first
+    (`daemon.engine.flusher`). A failure after the open removes the file again. `label` names the steps
+    for the crash matrix's fail points (`indexcore._failpoints`).
+    """
+    _failpoints.reached(f"{label}.before_create")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        _failpoints.reached(f"{label}.after_create")
+        os.ftruncate(fd, size)
+        _failpoints.reached(f"{label}.after_allocate")
+        if header:
+            pwrite_all(fd, header, 0, path)
+        _failpoints.reached(f"{label}.after_header")
+    except OSError:  # no room, say: nothing is left behind (anything else stands for a kill, in tests)
+        os.close(fd)
+        os.unlink(path)
+        raise
+    if keep_open:
+        return fd
+    os.close(fd)
+    return CREATE_CLOSED
+
+
+def create_in_place_many(files: list[tuple[str, str, bytes, int]], size: int, *, label: str = "file") -> list[int]:
+    """`create_in_place(path, size, header)` for many (directory, path, header, flags), each directory made
+    first (and its parent, with CREATE_MAKE_PARENT): for each, its read-write descriptor (CREATE_KEEP_OPEN),
+    CREATE_CLOSED, or CREATE_EXISTED when the path exists already.
 
     The kernel (`_kernels.create_files`) takes the same steps in the same order for all of them with the
-    GIL released, so a thread creating a thousand LMQ queues does not queue for the GIL after each of its
-    six system calls while the dispatching thread runs; with a fail point hook installed (the crash matrix
-    stops the process at the steps), `create_file` does it file by file. On an error every descriptor made
-    is closed and the error raised; the files made stay, complete."""
+    GIL released, so a thread creating ten thousand queues does not queue for the GIL after each system
+    call while another thread runs; with a fail point hook installed (the crash matrix stops the process
+    at the steps), `create_in_place` does it file by file. On an error every descriptor made is closed and
+    the error raised; the files made stay, complete."""
     if _failpoints.hook is None:
-        return [fd if fd >= 0 else False for fd in _kernels.create_files(files, size, TEMP_SUFFIX, False)]
-    made: list[int | bool] = []
+        return _kernels.create_files(files, size)
+    made: list[int] = []
     try:
-        for directory, path, header in files:
+        for directory, path, header, flags in files:
+            if flags & CREATE_MAKE_PARENT:
+                with contextlib.suppress(FileExistsError, FileNotFoundError):
+                    os.mkdir(os.path.dirname(directory))
             os.makedirs(directory, exist_ok=True)
             try:
-                made.append(create_file(path, size, header, label=label, allocate=False, keep_open=True))
+                made.append(create_in_place(path, size, header, label=label, keep_open=bool(flags & CREATE_KEEP_OPEN)))
             except FileExistsError:
-                made.append(False)
+                made.append(CREATE_EXISTED)
     except BaseException:
         for fd in made:
-            if fd is not False:
+            if fd >= 0:
                 os.close(fd)
         raise
     return made
@@ -219,30 +260,32 @@ class OpenFiles:
 
     Writers that append through `pwrite` take their descriptor here, so a store of 100,000 queue files
     stays within the process's descriptor limit (and, unlike a mapping per file, within vm.max_map_count).
+    A descriptor with deferred writes (`write_later`) is closed only after they are made.
     """
 
-    __slots__ = ("_fds", "_pending", "_pending_paths", "limit")
+    __slots__ = ("_fds", "_pending", "_pending_fds", "_pending_paths", "limit")
 
     def __init__(self, limit: int):
         if limit < 1:
             raise ValueError(f"OpenFiles needs room for at least one descriptor, not {limit}")
         self.limit = limit
         self._fds: OrderedDict[str, int] = OrderedDict()
-        self._pending: list[tuple[int, object, int]] = []  # write_later's (fd, data, position), in order
+        self._pending: list[tuple] = []  # write_later's (fd, data, position) or (-1, data, position, path), in order
         self._pending_paths: list[str] = []
+        self._pending_fds: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._fds)
 
     def fd(self, path: str, *, create_size: int | None = None, header: bytes = b"", label: str = "file") -> int:
         """A read-write descriptor of `path`; with `create_size`, the file is created sparse with `header`
-        (`create_file`: it is written with `pwrite`)."""
+        (`create_in_place`: it is written with `pwrite`)."""
         fd = self._fds.get(path)
         if fd is not None:
             self._fds.move_to_end(path)
             return fd
         if create_size is not None:
-            fd = create_file(path, create_size, header, label=label, allocate=False, keep_open=True)
+            fd = create_in_place(path, create_size, header, label=label)
         else:
             fd = os.open(path, os.O_RDWR)
         self._make_room()
@@ -250,17 +293,30 @@ class OpenFiles:
         return fd
 
     def _make_room(self) -> None:
-        while len(self._fds) >= self.limit:
-            self.flush_writes()
-            os.close(self._fds.popitem(last=False)[1])
+        fds = self._fds
+        while len(fds) >= self.limit:
+            if next(iter(fds.values())) in self._pending_fds:
+                self.flush_writes()
+            os.close(fds.popitem(last=False)[1])
 
     def write_later(self, path: str, data, position: int) -> None:
         """`write`, deferred until `flush_writes` or until anything else is done here, whichever comes first
         (so writes keep their order): the appends a batch makes to a thousand LMQ queues then go to the
         kernel in one call, without the GIL. `data` (any contiguous buffer, or a list of them written back to
-        back) must not change until then."""
-        fd = self.fd(path)  # first: making room for it flushes, and replaces, the pending lists
-        self._pending.append((fd, data, position))
+        back) must not change until then. A file not held open is opened while the set has room; once it is
+        full, the write opens the file for itself and closes it (`_kernels.pwrite_many`), evicting nothing:
+        the gathered appends of 100,000 queues, written once each, would otherwise close and open a
+        descriptor of the set for every one of them."""
+        fd = self._fds.get(path)
+        if fd is not None:
+            self._fds.move_to_end(path)
+        elif len(self._fds) < self.limit:
+            fd = self.fd(path)
+        if fd is None:
+            self._pending.append((-1, data, position, path))
+        else:
+            self._pending.append((fd, data, position))
+            self._pending_fds.add(fd)
         self._pending_paths.append(path)
 
     def flush_writes(self) -> None:
@@ -270,6 +326,7 @@ class OpenFiles:
             return
         pending, paths = self._pending, self._pending_paths
         self._pending, self._pending_paths = [], []
+        self._pending_fds.clear()
         failed = _kernels.pwrite_many(pending)
         if failed is not None:
             at, left, position, err = failed

@@ -22,14 +22,24 @@ from indexcore.consumequeue import (
 )
 from indexcore.mappedfile import OpenFiles, offset_to_file_name
 from indexcore.queuerecovery import QueueRecovery
+from indexcore.queuetable import QueueRow, QueueTable
+
+NOTHING: list[str] = []  # shared, never appended to: `removed` and `torn` of a queue whose load found nothing
 
 
-class ConsumeQueue(QueueRecovery):
-    """One topic/queue: loads and recovers its files, appends units, reads units, truncates."""
+class ConsumeQueue(QueueRecovery, QueueRow):
+    """One topic/queue: loads and recovers its files, appends units, reads units, truncates.
+
+    Where it writes next lives in a row of a `QueueTable` (`indexcore.queuetable`): its store's, shared by
+    all its queues so that a batch's appends to thousands of them are placed at once, or one of its own."""
+
+    # a store holds one per queue (100,000 of them with LMQ): slots, and no container made until it is needed
+    __slots__ = ("_files", "_open", "_slot", "_table", "_writing", "directory", "file_size", "min_logic_offset",
+                 "queue_id", "readonly", "removed", "topic", "torn")
 
     def __init__(self, directory: str, topic: str, queue_id: int,
                  file_size: int = DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE, *, readonly: bool = False,
-                 open_files: OpenFiles | None = None, new: bool = False, made: int | None = None):
+                 open_files: OpenFiles | None = None, new: bool = False, table: QueueTable | None = None):
         if file_size <= 0 or file_size % CQ_UNIT_SIZE:
             raise ValueError(f"ConsumeQueue file size {file_size} is not a positive multiple of {CQ_UNIT_SIZE}")
         self.directory = directory
@@ -37,21 +47,36 @@ class ConsumeQueue(QueueRecovery):
         self.queue_id = queue_id
         self.file_size = file_size
         self.readonly = readonly
-        self.max_physic_offset = -1
         self.min_logic_offset = 0
-        self._files: list[int] = []  # start offsets, ascending
+        self._table = table if table is not None else QueueTable()
+        self._slot = self._table.add(self)  # max_physic_offset, the write position, dirty, gathered appends
+        self._files: list[int] = []  # start offsets, ascending (the last one's in the table too)
         self._open = open_files if open_files is not None else OpenFiles(PRIVATE_OPEN_FILES)
-        self._write_pos = 0  # in the last file
-        self._dirty = False  # the last file was written since it was last synced
         self._writing: str | None = None  # the last file's path
-        self._made = made  # the start of a first file the caller created (empty) for the first unit
-        self._held: list[np.ndarray] | None = None  # appends gathered for one write, up to the write position
-        self._held_at = 0  # where in the last file they go
-        self.held_bytes = 0
-        self.removed: list[str] = []  # what loading removed: leftovers of creations cut short
-        self.torn: list[str] = []  # files where loading zeroed a unit a kill left half written
+        self.removed: list[str] = NOTHING  # what loading removed: leftovers of creations cut short
+        self.torn: list[str] = NOTHING  # files where loading zeroed a unit a kill left half written
         if not new:  # `new`: the caller knows the directory holds no file (it just made it)
             self._recover()
+
+    @classmethod
+    def made(cls, directory: str, topic: str, queue_id: int, file_size: int, open_files: OpenFiles, first_file: int,
+             blanks: int, table: QueueTable | None = None, path: str | None = None) -> ConsumeQueue:
+        """A new queue whose first file (`path`) the caller has just created (sparse, full size, its `blanks`
+        pre-blank units written: `ConsumeQueueStore.create_queues`); its first unit goes after them."""
+        cq = cls(directory, topic, queue_id, file_size, open_files=open_files, new=True, table=table)
+        cq._files.append(first_file)
+        cq._writing = path or cq._path(first_file)
+        t, slot = cq._table, cq._slot
+        t.last_start[slot] = first_file
+        t.write_pos[slot] = blanks * CQ_UNIT_SIZE
+        cq.min_logic_offset = first_file + blanks * CQ_UNIT_SIZE
+        return cq
+
+    # --- the queue's row of its table (the rest: `QueueRow`) ---------------------------------------
+
+    def _files_changed(self) -> None:
+        """Tell the table where the last file starts, after `_files` changed at its end."""
+        self._table.last_start[self._slot] = self._files[-1] if self._files else -1
 
     # --- load and recovery ----------------------------------------------------------------------
 
@@ -66,11 +91,9 @@ class ConsumeQueue(QueueRecovery):
         if self._writing is not None:
             self._open.discard(self._writing)
         path = self._path(start)
-        if start == self._made and not self._files:
-            self._made = None  # created with its blanks and open already: `ConsumeQueueStore.made_queues`
-        else:
-            self._open.fd(path, create_size=self.file_size, header=BLANK_UNIT * blanks, label=CREATE_LABEL)
+        self._open.fd(path, create_size=self.file_size, header=BLANK_UNIT * blanks, label=CREATE_LABEL)
         self._files.append(start)
+        self._files_changed()
         self._writing = path
         self._write_pos = blanks * CQ_UNIT_SIZE
 
@@ -80,24 +103,25 @@ class ConsumeQueue(QueueRecovery):
         self._dirty = True
         self._open.write(self._writing, data, position)
 
+    def write_later(self, data, position: int) -> None:
+        """Write `data` (a buffer or a list of them, back to back) at `position` in the last file at the next
+        `OpenFiles.flush_writes` (`QueueTable.release` hands the gathered appends over through this)."""
+        self._open.write_later(self._writing, data, position)
+
     def _gather(self, units: np.ndarray, hold: int) -> None:
         """Add `units`, which go at the write position, to the gathered appends (the arrays themselves, not
         copies: copying costs a fresh page per 4 KiB), and let them go once they are `hold` bytes."""
-        if self._held is None:
-            self._held, self._held_at, self.held_bytes = [units], self._write_pos, units.nbytes
-        else:
-            self._held.append(units)
-            self.held_bytes += units.nbytes
+        slot = np.array([self._slot])
+        self._table.gather(units, slot, np.zeros(1, np.int64), np.array([len(units)]), np.array([self._write_pos]))
         if self.held_bytes >= hold:
             self.release_held()
 
     def release_held(self) -> None:
-        """Hand the gathered appends to the store's deferred writes (`OpenFiles.write_later`, one vectored
-        write): whatever writes, syncs, reads or closes the last file does this first, so the file is written
-        in order."""
-        if self._held is not None:
-            held, self._held, self.held_bytes = self._held, None, 0
-            self._open.write_later(self._writing, held, self._held_at)
+        """Hand the gathered appends to the deferred writes (`OpenFiles.write_later`, one vectored write per
+        queue): whatever writes, syncs, reads or closes the last file does this first, so the file is written in
+        order. In a store, every queue's gathered appends go."""
+        if self._table.held.item(self._slot):
+            self._table.release()
 
     def _write_held(self) -> None:
         """Write the gathered appends, and any other deferred write, now: before the file is read or cut."""
@@ -113,7 +137,7 @@ class ConsumeQueue(QueueRecovery):
     def _create_file(self, start: int, blanks: int = 0) -> None:
         """`getLastMappedFile` creating a file (the queue's directory too, for its first), created complete
         with its `blanks` pre-blank units (only ever a queue's first file has them)."""
-        if not self._files and self._made is None:
+        if not self._files:
             try:
                 os.mkdir(self.directory)
             except FileExistsError:
@@ -152,7 +176,7 @@ class ConsumeQueue(QueueRecovery):
             # the one placement place_units gives a streak that continues the queue inside its last file
             if later:
                 self._dirty = True
-                if hold and (self._held is not None or n * CQ_UNIT_SIZE < hold):
+                if hold and (self.held_bytes or n * CQ_UNIT_SIZE < hold):
                     self._gather(units, hold)
                 else:
                     self._open.write_later(self._writing, units, self._write_pos)

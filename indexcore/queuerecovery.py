@@ -27,10 +27,13 @@ from indexcore.mappedfile import check_sizes, list_queue_files, remove_temporari
 class QueueRecovery:
     """The recovery half of `ConsumeQueue`: it works on the queue's files (`_files`, `_open`) and its write position."""
 
+    __slots__ = ()
+
     def _recover(self) -> None:
         """`ConsumeQueue.recover`: scan from the third-newest file to the first invalid unit, after
         removing (or, read-only, passing over) what a creation cut short left."""
         self.removed = [] if self.readonly else remove_temporaries(self.directory)
+        self.torn = []
         files = list_queue_files(self.directory, temporaries=True)
         if files and os.path.getsize(files[-1][1]) == 0:
             self._drop_newest(files)
@@ -41,6 +44,7 @@ class QueueRecovery:
             self._drop_newest(files)
             newest = None
         self._files = [start for start, _ in files]
+        self._files_changed()
         if not files:
             return
         end = self._files[0]
@@ -97,6 +101,7 @@ class QueueRecovery:
             start = self._files.pop()
             if not self.readonly:
                 os.unlink(self._path(start))
+        self._files_changed()
         if self._files:
             self._write_pos = end - self._files[-1]
         self._writing = self._path(self._files[-1]) if self._files else None
@@ -148,6 +153,7 @@ class QueueRecovery:
                 self._open.discard(path)
                 os.unlink(path)
                 self._files.pop()
+                self._files_changed()
                 self._writing = self._path(self._files[-1]) if self._files else None
                 self._dirty = False  # a file before the last was synced when the next was created
                 self.max_physic_offset = -1

@@ -1,10 +1,12 @@
 """`ConsumeQueueStore`: every ConsumeQueue of an output, created on first use, and a dispatch batch's units
-grouped by queue for it (`consume_queue_units_flat` as flat arrays, `consume_queue_units` queue by queue);
-appends gathered within HELD_BYTES_BUDGET/HELD_BATCHES."""
+grouped by queue for it (`consume_queue_units_flat` as flat arrays, `consume_queue_units` queue by queue),
+put into every queue at once (`dispatch`, over the queues' `QueueTable`); appends gathered within
+HELD_BYTES_BUDGET."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -16,6 +18,7 @@ from indexcore.consumequeue import (
     CONSUME_QUEUE_DIR,
     CQ_UNIT_DTYPE,
     CQ_UNIT_SIZE,
+    CREATE_LABEL,
     DEFAULT_MAPPED_FILE_SIZE_CONSUME_QUEUE,
     PRIVATE_OPEN_FILES,
     PutStats,
@@ -24,16 +27,28 @@ from indexcore.consumequeue import (
 )
 from indexcore.dispatch import DispatchBatch
 from indexcore.errors import StoreLayoutError
-from indexcore.mappedfile import OpenFiles, offset_to_file_name
+from indexcore.mappedfile import (
+    CREATE_EXISTED,
+    CREATE_KEEP_OPEN,
+    CREATE_MAKE_PARENT,
+    OpenFiles,
+    create_in_place_many,
+    offset_to_file_name,
+)
 from indexcore.queuefiles import ConsumeQueue
+from indexcore.queuetable import QueueTable
 
 _RADIX_KEYS = 1 << 16
 MAX_QUEUE_KEYS = 1 << 22  # queue keys (topics x span of queue ids) of a batch counted in C
 MAX_OPEN_QUEUE_FILES = 65536
-# Appends a store gathers (`ConsumeQueueStore.hold_bytes`) are all written once they come to this many bytes,
-# or were gathered over this many batches: each gathered piece keeps its batch's array of units alive.
+# ConsumeQueue files a writing store keeps open by default (the queues written last): what a queue outside the
+# set costs is an open(2) and a close(2) when it is next written, and a rebuild writes each queue's gathered
+# appends rarely, while a process with one descriptor per queue needs 100,000 of them at 100,000 queues
+# (measured in bench/many_queues.py)
+OPEN_QUEUE_FILES = 512
+# Appends a store gathers (`ConsumeQueueStore.hold_bytes`) are all written once the batches' arrays of units
+# they keep alive come to this many bytes (a piece is a slice of its batch's array, never a copy).
 HELD_BYTES_BUDGET = 64 * 1024 * 1024
-HELD_BATCHES = 8
 
 
 class QueueUnits(NamedTuple):
@@ -51,16 +66,18 @@ class QueueUnits(NamedTuple):
 
 class NewQueue(NamedTuple):
     """A queue a batch creates: its key, its directory, the start of its first file and the pre-blank units
-    that file is created with (its first unit's place in it)."""
+    that file is created with (its first unit's place in it); `make_parent`: its topic's directory is not
+    known to exist."""
 
     key: tuple[str, int]
     directory: str
     first_file: int
     blanks: int
+    make_parent: bool = False
 
     @property
     def path(self) -> str:
-        return os.path.join(self.directory, offset_to_file_name(self.first_file))
+        return f"{self.directory}{os.sep}{offset_to_file_name(self.first_file)}"
 
     @property
     def header(self) -> bytes:
@@ -213,8 +230,8 @@ def _merge(at_a: np.ndarray, a: np.ndarray, at_b: np.ndarray, b: np.ndarray, n: 
 
 
 def open_queue_files_limit() -> int:
-    """How many queue files a store keeps open: half the descriptor limit, at most MAX_OPEN_QUEUE_FILES
-    (a queue outside the set costs an open(2) when it is next written)."""
+    """The most queue files a process should keep open (or mapped, `indexcore.verify`): half the descriptor
+    limit, at most MAX_OPEN_QUEUE_FILES; a writing store keeps at most OPEN_QUEUE_FILES of them open."""
     import resource  # noqa: PLC0415 - POSIX only, and only a store that writes needs it
 
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -229,19 +246,20 @@ class ConsumeQueueStore:
         self.root = os.path.join(root, CONSUME_QUEUE_DIR)
         self.file_size = file_size
         self.readonly = readonly
-        self.open_files = OpenFiles(open_files_limit or open_queue_files_limit())
+        self.open_files = OpenFiles(open_files_limit or min(OPEN_QUEUE_FILES, open_queue_files_limit()))
         self.queues: dict[tuple[str, int], ConsumeQueue] = {}
-        self.touched: set[tuple[str, int]] = set()  # queues `dispatch` put units to, for the flusher to take
-        # Appends to a queue smaller than this are gathered in memory until they reach it (0: none are), within
-        # HELD_BYTES_BUDGET and HELD_BATCHES for the store: a rebuild of an LMQ store puts a few kilobytes per
-        # batch into each of a thousand queues, and the kernel writes 160 MB to 1,064 files in 4.6 KiB pieces
-        # in 0.20-0.28 s, in 16-64 KiB ones in 0.07-0.09 s (ext4 here). What is gathered is written before
-        # any sync, read, or close.
+        # where every queue writes next, and what `dispatch` put units to (`touched`, for the flusher to take)
+        self.table = QueueTable(64)
+        # Appends to a queue are gathered in memory until they reach this many bytes (0: none are), within
+        # HELD_BYTES_BUDGET for the store: a rebuild of an LMQ store puts a few kilobytes per batch into each of
+        # a thousand queues, and the kernel writes 160 MB to 1,064 files in 4.6 KiB pieces in 0.20-0.28 s, in
+        # 16-64 KiB ones in 0.07-0.09 s (ext4 here); `run` over 10,000 queues would make a write per queue a
+        # batch. What is gathered is written before any sync, read, or close.
         self.hold_bytes = 0
-        self._holding: set[ConsumeQueue] = set()
-        self._held_total = 0
-        self._held_batches = 0
-        self._by_id: dict[tuple[int, str], ConsumeQueue] = {}
+        # ... and, when set, for at most this many seconds (`run`: so that each active queue is written about once
+        # in that time, and its file lags its dispatch by no more)
+        self.hold_seconds: float | None = None
+        self._topic_dirs: set[str] = set()  # topics whose directory this store has seen or made
 
     def load(self) -> None:
         """Open and recover every queue directory that exists (`DefaultMessageStore.loadConsumeQueue`)."""
@@ -251,6 +269,7 @@ class ConsumeQueueStore:
             tdir = os.path.join(self.root, topic)
             if not os.path.isdir(tdir):
                 raise StoreLayoutError(tdir, "not a topic directory")
+            self._topic_dirs.add(topic)
             for qid in sorted(os.listdir(tdir)):
                 if not qid.isdigit():
                     raise StoreLayoutError(os.path.join(tdir, qid), "queue directory name is not a queue id")
@@ -262,79 +281,159 @@ class ConsumeQueueStore:
         if cq is None:
             directory = self._queue_dir(topic, queue_id)
             cq = self.queues[key] = ConsumeQueue(directory, topic, queue_id, self.file_size, readonly=self.readonly,
-                                                 open_files=self.open_files, new=self._made_topic_dir(topic))
+                                                 open_files=self.open_files, new=self._made_topic_dir(topic),
+                                                 table=self.table)
         return cq
 
     def _queue_dir(self, topic: str, queue_id: int) -> str:
-        directory = os.path.join(self.root, topic, str(queue_id))
-        if os.path.dirname(os.path.dirname(os.path.abspath(directory))) != os.path.abspath(self.root):
+        directory = f"{self.root}{os.sep}{topic}{os.sep}{queue_id}"
+        if os.sep in topic or topic in ("", os.curdir, os.pardir):  # anything else is a name in consumequeue/
             raise StoreLayoutError(directory, "topic would leave the consumequeue directory")
         return directory
 
     def new_queues(self, groups: Iterable[QueueUnits]) -> list[NewQueue]:
         """The queues of `groups` this store does not hold yet, each with the file its first unit creates. A
-        caller may create their directories and files itself, many at once (each creation waits for the
-        file system's journal), and hand them over with `made_queues`; `dispatch` creates any it did not."""
+        caller may create their directories and files itself (`create_queue_files`) and hand them over with
+        `made_queues`, as `create_queues` does; `dispatch` creates any it did not."""
+        return self._new_queues(((g.topic, g.queue_id), int(g.queue_offset[0])) for g in groups)
+
+    def _new_queues(self, firsts: Iterable[tuple[tuple[str, int], int]]) -> list[NewQueue]:
+        """`new_queues` of (queue, its first unit's queue offset)."""
         out = []
-        for g in groups:
-            key = (g.topic, g.queue_id)
-            if key not in self.queues:
-                expect = int(g.queue_offset[0]) * CQ_UNIT_SIZE
-                first_file = expect - expect % self.file_size
-                out.append(NewQueue(key, self._queue_dir(*key), first_file, (expect - first_file) // CQ_UNIT_SIZE))
+        queues, topic_dirs, size = self.queues, self._topic_dirs, self.file_size
+        for key, first in firsts:
+            if key not in queues:
+                expect = first * CQ_UNIT_SIZE
+                first_file = expect - expect % size
+                out.append(NewQueue(key, self._queue_dir(*key), first_file, (expect - first_file) // CQ_UNIT_SIZE,
+                                    key[0] not in topic_dirs))
         return out
+
+    def create_queue_files(self, new: list[NewQueue], keep_open: int = 0) -> list[int]:
+        """Create the directory and first file of each of `new` (`create_in_place_many`: in place, in one call
+        without the GIL), each topic's directory first where it is not known to exist; the first `keep_open` of
+        them keep their descriptor. What `create_in_place_many` gives for each: hand them to `made_queues`."""
+        return create_in_place_many(
+            [(q.directory, q.path, q.header, (CREATE_MAKE_PARENT if q.make_parent else 0) |
+              (CREATE_KEEP_OPEN if i < keep_open else 0)) for i, q in enumerate(new)],
+            self.file_size, label=CREATE_LABEL)
 
     def made_queues(self, made: Iterable[tuple[NewQueue, int]]) -> None:
         """Queues whose directory and first file (sparse, full size, its pre-blank units as the header:
-        `create_file(allocate=False)`) the caller has just created, with a read-write descriptor of the file."""
+        `create_queue_files`) the caller has just created, each with what `create_in_place_many` gave for it: a
+        read-write descriptor of the file, CREATE_CLOSED, or CREATE_EXISTED (made by someone else since the
+        load: left to `queue` to load)."""
+        queues, size, files = self.queues, self.file_size, self.open_files
         for q, fd in made:
-            self.open_files.adopt(q.path, fd)
-            self.queues[q.key] = ConsumeQueue(q.directory, q.key[0], q.key[1], self.file_size,
-                                              open_files=self.open_files, new=True, made=q.first_file)
+            self._topic_dirs.add(q.key[0])
+            if fd == CREATE_EXISTED:
+                continue
+            path = q.path
+            queues[q.key] = ConsumeQueue.made(q.directory, q.key[0], q.key[1], size, files, q.first_file, q.blanks,
+                                              self.table, path)
+            if fd >= 0:
+                files.adopt(path, fd)
+
+    def create_queues(self, groups: Iterable[QueueUnits]) -> int:
+        """Create the first file of every queue of `groups` that the store does not hold yet, all in one call
+        (`create_queue_files`), their descriptors closed (their units are gathered, and written later through
+        the bounded set); how many were made."""
+        return self._create(((g.topic, g.queue_id), int(g.queue_offset[0])) for g in groups)
+
+    def _create(self, firsts: Iterable[tuple[tuple[str, int], int]], stats: PutStats | None = None) -> int:
+        """`create_queues` of (queue, its first unit's queue offset); the pre-blank units the new first files
+        were created with are counted in `stats` (`PutStats.pre_blanks`, as `place_units` counts them)."""
+        new = self._new_queues(firsts)
+        if new:
+            self.made_queues(zip(new, self.create_queue_files(new), strict=True))
+            if stats is not None:
+                stats.pre_blanks += sum(q.blanks for q in new)
+        return len(new)
 
     def _made_topic_dir(self, topic: str) -> bool:
         """Create the topic's directory if it is missing (a writing store only): then its queue has no file
         to recover, which spares a directory listing per queue of a store with 100,000 LMQ queues."""
-        if self.readonly:
+        if self.readonly or topic in self._topic_dirs:
             return False
         try:
             os.mkdir(os.path.join(self.root, topic))
         except FileExistsError:
+            self._topic_dirs.add(topic)
             return False
         except FileNotFoundError:  # no consumequeue/ yet
             os.makedirs(os.path.join(self.root, topic), exist_ok=True)
+        self._topic_dirs.add(topic)
         return True
 
-    def dispatch(self, batch: DispatchBatch, units: Iterable[QueueUnits] | None = None) -> PutStats:
-        """Put the units of the batch (`consume_queue_units`), queue by queue; the appends that continue a
-        queue are made together at the end, in one call (`OpenFiles.write_later`)."""
+    def dispatch(self, batch: DispatchBatch, units: FlatUnits | None = None) -> PutStats:
+        """Put the units of the batch (`consume_queue_units_flat`, or `units` grouped already) into every queue, the
+        queues it meets first created together (`create_queues`). The units that continue their queue inside its
+        last file, the common case, are placed for all queues at once and gathered (`hold_bytes`) or written at
+        the end, in one call (`OpenFiles.write_later`); the others queue by queue (`ConsumeQueue.put_packed`)."""
         stats = PutStats()
-        touched, queues, hold, holding = self.touched, self.queues, self.hold_bytes, self._holding
+        g = consume_queue_units_flat(batch) if units is None else units
+        if not len(g):
+            return stats
         try:
-            for group in consume_queue_units(batch) if units is None else units:
-                key = (group.topic, group.queue_id)
-                cq = queues.get(key) or self.queue(*key)
-                before = cq.held_bytes
-                cq.put_packed(group.queue_offset, group.units, group.ends, group.one_streak, later=True, stats=stats,
-                              hold=hold)
-                if cq.held_bytes:
-                    holding.add(cq)
-                self._held_total += cq.held_bytes - before
-                touched.add(key)
+            self._put_grouped(g, stats)
         finally:
-            if self._holding:
-                self._held_batches += 1
-                if self._held_total > HELD_BYTES_BUDGET or self._held_batches >= HELD_BATCHES:
-                    self.release_held()
+            if self.table.holding and (not self.hold_bytes or self.table.pinned > HELD_BYTES_BUDGET):
+                self.table.release()
             self.open_files.flush_writes()
         return stats
 
+    def _put_grouped(self, g: FlatUnits, stats: PutStats) -> None:
+        get, topics = self.queues.get, g.topics
+        keys = [(topics[t], q) for t, q in zip(g.topic_index.tolist(), g.queue_id.tolist(), strict=True)]
+        cqs = [get(key) for key in keys]
+        if None in cqs:
+            first = g.queue_offset[g.bounds[:-1]].tolist()
+            self._create([(keys[i], first[i]) for i, cq in enumerate(cqs) if cq is None], stats)
+            cqs = [cq or self.queue(*key) for cq, key in zip(cqs, keys, strict=True)]
+        t, size = self.table, self.file_size
+        slots = np.fromiter((cq._slot for cq in cqs), dtype=np.int64, count=len(cqs))
+        lo, hi = g.bounds[:-1], g.bounds[1:]
+        start, at = t.last_start[slots], t.write_pos[slots]
+        # the one placement place_units gives a streak that continues its queue inside its last file
+        fast = g.one_streak & (start >= 0) & (g.ends[lo] > t.max_phy[slots]) & \
+            (g.queue_offset[lo] * CQ_UNIT_SIZE == start + at) & ((hi - lo) * CQ_UNIT_SIZE <= size - at)
+        t.touched[slots] = True
+        slow = np.flatnonzero(~fast).tolist()
+        if slow:
+            if t.held[slots[slow]].any():  # what these queues gathered goes first
+                t.release()
+            qo, units, ends, streak = g.queue_offset, g.units, g.ends, g.one_streak
+            for i, a, b in zip(slow, lo[slow].tolist(), hi[slow].tolist(), strict=True):
+                cqs[i].put_packed(qo[a:b], units[a:b], ends[a:b], bool(streak[i]), later=True, stats=stats)
+        fs, flo, fhi, fat = slots[fast], lo[fast], hi[fast], at[fast]
+        count = fhi - flo
+        t.write_pos[fs] = fat + count * CQ_UNIT_SIZE
+        t.max_phy[fs] = g.ends[fhi - 1]
+        t.dirty[fs] = True
+        stats.written += int(count.sum())
+        now = time.monotonic()
+        t.gather(g.units, fs, flo, fhi, fat, now)
+        if self.hold_bytes:
+            full = fs[t.held[fs] >= self.hold_bytes]
+            if len(full):
+                t.release(full)
+            if self.hold_seconds is not None:
+                t.release_older(now - self.hold_seconds)
+
+    @property
+    def touched(self) -> np.ndarray:
+        """The slots of the queues `dispatch` put units to since `take_touched`."""
+        return np.flatnonzero(self.table.touched[: len(self.table)])
+
+    def take_touched(self) -> np.ndarray:
+        """`touched`, and forget them: the flusher's candidates."""
+        touched = self.touched
+        self.table.touched[touched] = False
+        return touched
+
     def release_held(self) -> None:
-        """Hand every queue's gathered appends to the deferred writes (`ConsumeQueue.release_held`)."""
-        for cq in self._holding:
-            cq.release_held()
-        self._holding.clear()
-        self._held_total = self._held_batches = 0
+        """Hand every queue's gathered appends to the deferred writes (`QueueTable.release`)."""
+        self.table.release()
 
     def write_held(self) -> None:
         """Write every gathered append now: before the files are synced or read by anyone else."""
@@ -366,7 +465,8 @@ class ConsumeQueueStore:
         """Sync every queue written since its last sync; `sync_paths`, when given, syncs the list of
         their files itself (in parallel, say: each sync of a file waits for a journal commit)."""
         self.write_held()
-        dirty = [cq for cq in self.queues.values() if cq.dirty]
+        table = self.table
+        dirty = [table.queues[slot] for slot in np.flatnonzero(table.dirty[: len(table)]).tolist()]
         if sync_paths is None:
             for cq in dirty:
                 cq.flush()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 import yaml
 
 from daemon.engine.brokerlock import BROKER_RUNNING, EXIT_BROKER_RUNNING, BrokerLockGuard
@@ -245,3 +247,114 @@ def test_the_real_broker_started_on_the_root_run_writes(tmp_path):
     assert "consistent" in res.stdout
     assert os.path.exists(root / "lock")
     assert sys.platform.startswith("linux")
+
+
+def test_a_backfill_into_the_root_puts_nothing_more_in_place_once_a_broker_takes_the_lock(spark, tmp_path,
+                                                                                         monkeypatch):
+    """`backfill` into a store root (one small Spark job): a broker takes `lock` just after the commit put the
+    first queue's files in place. The backfill puts nothing more there (no other queue, no IndexFile), logs
+    `broker_lock_taken` once, leaves no staging behind, and ends with the line `reputd backfill` prints."""
+    from structlog.testing import capture_logs
+
+    from daemon.backfill import BrokerLockTaken, backfill, phases
+    from daemon.backfill.commit import STAGING_DIR
+    from daemon.config import load_config
+
+    make_store(tmp_path, n=200)
+    root = tmp_path / "store"
+    (root / "lock").write_bytes(b"lock")
+    config = load_config(_root_config(tmp_path), env={})
+    holders = []
+    commit_queue_dir = phases.commit_queue_dir
+
+    def then_a_broker_starts(*args, **kwargs):
+        counts = commit_queue_dir(*args, **kwargs)
+        if not holders:
+            holders.append(hold_broker_lock(root / "lock"))
+        return counts
+
+    monkeypatch.setattr(phases, "commit_queue_dir", then_a_broker_starts)
+    try:
+        with capture_logs() as logs, pytest.raises(BrokerLockTaken) as caught:
+            backfill(config, spark=spark, partitions=2)
+    finally:
+        for h in holders:
+            h.stdin.close()
+            h.wait(10)
+    queues = sorted(p.parent.relative_to(root / "consumequeue") for p in (root / "consumequeue").glob("*/*/0*"))
+    assert len(set(queues)) == 1  # the first queue's files, nothing after the lock was seen
+    assert not (root / "index").exists()
+    assert not (root / STAGING_DIR).exists()
+    taken = [e for e in logs if e["event"] == "broker_lock_taken"]
+    assert [(e["log_level"], e["pid"], e["lock"]) for e in taken] == [("error", holders[0].pid, str(root / "lock"))]
+    assert re.fullmatch(
+        re.escape(f"output directory {root} became the store root of a running broker (PID {holders[0].pid} took "
+                  f"{root / 'lock'}), which writes consumequeue/ and index/ there itself: the backfill stopped after "
+                  "putting the files of 1 of 6 queues and 0 of ") + r"\d+" + re.escape(
+            " IndexFiles in place, and put nothing more; backfill elsewhere with --out DIR, or into "
+            f"{root} only while the broker is stopped"), str(caught.value)), str(caught.value)
+
+
+def test_the_backfills_watch_cancels_its_spark_jobs_when_a_broker_takes_the_lock(tmp_path):
+    """While Spark runs the backfill's jobs (the driver waits in them), the watch's thread sees the lock taken
+    within BROKER_LOCK_CHECK_S and cancels the job group until the driver leaves the jobs; the event once."""
+    from daemon.backfill.brokerwatch import BrokerWatch
+
+    (tmp_path / "lock").write_bytes(b"lock")
+    cancelled, events = [], []
+
+    class Context:
+        def cancelJobGroup(self, group):  # SparkContext.cancelJobGroup
+            cancelled.append(group)
+
+    class Log:
+        def error(self, event, **fields):
+            events.append((event, fields))
+
+    watch = BrokerWatch(str(tmp_path), Log())
+    watch.arm(Context(), "reputd-backfill-job")
+    holder = None
+    try:
+        watch.check()  # free: the jobs go on
+        holder = hold_broker_lock(tmp_path / "lock")
+        deadline = time.monotonic() + WAIT_S
+        while not cancelled:
+            assert time.monotonic() < deadline, "the jobs were not cancelled"
+            time.sleep(0.01)
+        with pytest.raises(Exception, match=f"PID {holder.pid} took {tmp_path / 'lock'}"):
+            watch.check()
+    finally:
+        watch.close()
+        if holder is not None:
+            holder.stdin.close()
+            holder.wait(10)
+    assert set(cancelled) == {"reputd-backfill-job"}
+    assert [(e, f["pid"]) for e, f in events] == [("broker_lock_taken", holder.pid)]
+
+
+def test_backfill_stopped_by_a_broker_exits_2_with_its_line(tmp_path, monkeypatch, capsys):
+    """The command line: the backfill's BrokerLockTaken is one `reputd: error:` line on stderr and exit 2, as
+    `run` and `rebuild` exit for the same reason (systemd's RestartPreventExitStatus=2)."""
+    import signal
+
+    from daemon.backfill import BrokerLockTaken, job
+    from daemon.cli import main
+
+    make_store(tmp_path, n=20)
+    config = _root_config(tmp_path)
+    root = tmp_path / "store"
+    stopped = BrokerLockTaken(str(root), str(root / "lock"), 4321, "before putting any file in place")
+
+    def broker_started(*_args, **_kwargs):
+        raise stopped
+
+    monkeypatch.setattr(job, "backfill", broker_started)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    logging = structlog.get_config()  # the command points the log at this test's captured stderr
+    try:
+        code = main(["backfill", "--config", str(config), "--master", "local[1]"])
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        structlog.configure(**logging)
+    assert code == EXIT_BROKER_RUNNING
+    assert capsys.readouterr().err.splitlines()[-1] == f"reputd: error: {stopped}"

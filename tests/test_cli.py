@@ -150,6 +150,18 @@ def test_produce_appends_and_resumes(tmp_path):
     assert offsets == list(range(2 * per_run))
 
 
+def test_produce_topic_count_makes_that_many_topics_of_each_name(tmp_path):
+    """`--topic-count 3` over `--topics A,B`: six topics A0-A2, B0-B2, the messages in turn, 2 queues each."""
+    config = write_config(tmp_path)
+    res = run("produce", "--config", str(config), "--messages", "24", "--topics", "A,B", "--topic-count", "3",
+              "--queues", "2")
+    assert res.returncode == 0, res.stderr
+    assert run("rebuild", "--config", str(config)).returncode == 0
+    queues = sorted(str(p.relative_to(tmp_path / "out" / "consumequeue"))
+                    for p in (tmp_path / "out" / "consumequeue").glob("*/*"))
+    assert queues == [f"{t}{i}/{q}" for t in "AB" for i in range(3) for q in range(2)]
+
+
 def test_config_error_names_the_key(tmp_path):
     """An impossible value exits 2 and names the key; so does a mistyped environment variable."""
     config = write_config(tmp_path, mappedFileSizeConsumeQueue=1234)

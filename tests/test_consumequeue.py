@@ -25,7 +25,7 @@ from indexcore.consumequeue import (
 from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import OpenFiles, offset_to_file_name
 from indexcore.queuefiles import ConsumeQueue
-from indexcore.queuestore import HELD_BATCHES, ConsumeQueueStore
+from indexcore.queuestore import ConsumeQueueStore
 from tests.conftest import DispatchRec, make_dispatch_batch
 
 # The model's own layout, straight from §7.2 (not imported from indexcore).
@@ -394,26 +394,22 @@ def test_gathered_appends_are_written_each_time_they_reach_the_hold(tmp_path: Pa
     cq.close()
 
 
-@pytest.mark.parametrize("budget", [None, 3 * UNIT_SIZE])
-def test_store_writes_what_it_gathered_after_a_few_batches_or_bytes(tmp_path: Path, monkeypatch, budget) -> None:
-    """A queue that gets a unit a batch is not gathered for ever (each piece keeps its batch's units in
-    memory): the store writes everything it gathered every HELD_BATCHES batches, or past its byte budget."""
-    if budget is not None:
-        monkeypatch.setattr("indexcore.queuestore.HELD_BYTES_BUDGET", budget)
+def test_store_writes_what_it_gathered_once_the_batches_it_keeps_pass_the_budget(tmp_path: Path, monkeypatch) -> None:
+    """A queue that gets a unit a batch is not gathered for ever (each piece keeps its batch's array of units
+    in memory): the store writes everything it gathered once those arrays pass HELD_BYTES_BUDGET, and the
+    rest when it closes."""
+    monkeypatch.setattr("indexcore.queuestore.HELD_BYTES_BUDGET", 3 * UNIT_SIZE)
     store = ConsumeQueueStore(str(tmp_path), 1000 * UNIT_SIZE)
     store.hold_bytes = 1 << 20
     path = tmp_path / "consumequeue" / "T" / "0" / offset_to_file_name(0)
     on_disk = []
-    for i in range(2 * HELD_BATCHES + 1):
+    for i in range(9):
         store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=100 * i, queue_offset=i)]))
         data = path.read_bytes()
         on_disk.append(sum(data[n * UNIT_SIZE : (n + 1) * UNIT_SIZE] != bytes(UNIT_SIZE) for n in range(i + 1)))
-    # the first unit creates the file and is written with it
-    every = HELD_BATCHES if budget is None else 4  # past the budget: a fourth unit held
-    assert on_disk == [1 + (i // every) * every for i in range(2 * HELD_BATCHES + 1)]
+    assert on_disk == [0, 0, 0, 4, 4, 4, 4, 8, 8]  # four batches' arrays pass the budget of three units
     store.close()
-    assert path.read_bytes()[: (2 * HELD_BATCHES + 1) * UNIT_SIZE] == b"".join(
-        CQ_UNIT.pack(100 * i, 100, 0) for i in range(2 * HELD_BATCHES + 1))
+    assert path.read_bytes()[: 9 * UNIT_SIZE] == b"".join(CQ_UNIT.pack(100 * i, 100, 0) for i in range(9))
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -40,13 +40,16 @@ CQ_FILE = 40 * 20  # 40 units a file
 PHASE_1, PHASE_2 = 130, 300  # records
 LATE_QUEUE_AT, LATE_QUEUE_OFFSET = 200, 57  # TopicC's first record, and its queue offset
 
+# an IndexFile is built under a temporary name and renamed in (`mappedfile.create_file`); a ConsumeQueue file is
+# created in place (`mappedfile.create_in_place`): no sync, no rename
 CREATE_STEPS = ("before_create", "after_create", "after_allocate", "after_header", "after_fsync", "after_rename")
+QUEUE_CREATE_STEPS = ("before_create", "after_create", "after_allocate", "after_header")
 # (fail point, what is created there); `@N`: the Nth time in the killed run
 CASES = [
     *((f"index.{step}", "IndexFile roll") for step in CREATE_STEPS),
     ("index.after_straddling_key", "IndexFile roll"),
-    *((f"consumequeue.{step}", "ConsumeQueue roll") for step in CREATE_STEPS),
-    *((f"consumequeue.{step}@5", "ConsumeQueue first file, pre-blanks") for step in CREATE_STEPS),
+    *((f"consumequeue.{step}", "ConsumeQueue roll") for step in QUEUE_CREATE_STEPS),
+    *((f"consumequeue.{step}@5", "ConsumeQueue first file, pre-blanks") for step in QUEUE_CREATE_STEPS),
 ]
 
 
@@ -132,9 +135,9 @@ def test_kill_at_every_step_of_a_creation(matrix, point, what, checkpoint):
 # --- LMQ: a batch's new queues created in parallel --------------------------------------------------------
 
 LMQ_PHASE_1, LMQ_PHASE_2 = 60, 140  # records
-OLD_ROOMS, NEW_ROOMS = 4, 16  # NEW_ROOMS >= dispatchers.PARALLEL_CREATE_MIN: made in parallel, one batch
+OLD_ROOMS, NEW_ROOMS = 4, 16  # the new rooms are made together, by one call (`ConsumeQueueStore.create_queues`)
 NEW_ROOM_FIRST_OFFSET = 3  # every other new room starts here: its first file is created with pre-blanks
-LMQ_CASES = [f"consumequeue.{step}@{n}" for step in CREATE_STEPS for n in (1, 9)]
+LMQ_CASES = [f"consumequeue.{step}@{n}" for step in QUEUE_CREATE_STEPS for n in (1, 9)]
 
 
 def append_lmq(writer: CommitLogWriter, first: int, last: int) -> None:
@@ -181,8 +184,8 @@ def lmq_matrix(tmp_path_factory):
 @pytest.mark.parametrize("checkpoint", ["with", "without"])
 @pytest.mark.parametrize("point", LMQ_CASES)
 def test_kill_while_a_batch_creates_its_new_lmq_queues(lmq_matrix, point, checkpoint):
-    """The kill strikes one creation while other threads are in the middle of theirs: whatever mix of
-    temporary, renamed and pre-blanked files that leaves, the restart ends in a clean rebuild's files."""
+    """The kill strikes the first or the ninth of the sixteen creations of a batch: whatever mix of made, empty,
+    zero and pre-blanked files that leaves, the restart ends in a clean rebuild's files."""
     root, config, phase1, reference = lmq_matrix
     out = root / f"{point}-{checkpoint}"
     shutil.copytree(phase1[checkpoint], out)
@@ -254,7 +257,7 @@ def gap_matrix(tmp_path_factory):
     for checkpoint, phase in phase1.items():  # killed reading phase 2: units and keys past the checkpoint
         shutil.copytree(phase, root / f"kill-{checkpoint}")
         killed = reputd("run", config, "--until-caught-up", "--out", str(root / f"kill-{checkpoint}"),
-                        env={"REPUTD_FAILPOINT": "consumequeue.after_rename@4"})
+                        env={"REPUTD_FAILPOINT": "consumequeue.after_header@4"})
         assert killed.returncode == -9, killed.stderr[-500:]
     assert reputd("rebuild", config, "--out", str(root / "reference")).returncode == 0
     segments = sorted((root / "store" / "commitlog").iterdir())

@@ -117,7 +117,7 @@ def new_leader_records(scratch: Path, kept: list[bytes], count: int) -> list[byt
 
 
 @pytest.mark.parametrize("point", ["dledger.after_repair_checkpoint", "index.after_create@1",
-                                   "consumequeue.after_rename@2"])
+                                   "consumequeue.after_header@2"])
 def test_kill_while_repairing_a_truncation(matrix, tmp_path, point):
     """The whole log followed, then a new leader cuts the last 120 entries and writes 150 others in term 1;
     the run that repairs it is killed (after the repair's checkpoint, or re-creating files after the cut):

@@ -17,7 +17,16 @@ from indexcore import _failpoints
 from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT_SIZE
 from indexcore.indexfile import INDEX_HEADER, IndexFile, index_file_size
 from indexcore.indexservice import IndexService
-from indexcore.mappedfile import TEMP_SUFFIX, create_file
+from indexcore.mappedfile import (
+    CREATE_CLOSED,
+    CREATE_EXISTED,
+    CREATE_KEEP_OPEN,
+    CREATE_MAKE_PARENT,
+    TEMP_SUFFIX,
+    create_file,
+    create_in_place,
+    create_in_place_many,
+)
 from indexcore.queuefiles import ConsumeQueue
 from indexcore.queuestore import ConsumeQueueStore
 from tests.conftest import DispatchRec, make_dispatch_batch
@@ -178,12 +187,14 @@ def _open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def _many(root: Path) -> list[tuple[str, str, bytes]]:
-    """Queue directories two levels deep, some with pre-blank units as their header, one existing already."""
+def _many(root: Path) -> list[tuple[str, str, bytes, int]]:
+    """Queue directories two levels deep, a topic's first with CREATE_MAKE_PARENT, some with pre-blank units as
+    their header, every other one kept open, one existing already."""
     files = []
     for i in range(40):
-        directory = root / "consumequeue" / f"%LMQ%room-{i}" / "0"
-        files.append((str(directory), str(directory / "00000000000000000000"), BLANK_UNIT * (i % 3)))
+        directory = root / "consumequeue" / f"%LMQ%room-{i // 2}" / str(i % 2)
+        flags = (CREATE_MAKE_PARENT if i % 2 == 0 else 0) | (CREATE_KEEP_OPEN if i % 4 < 2 else 0)
+        files.append((str(directory), str(directory / "00000000000000000000"), BLANK_UNIT * (i % 3), flags))
     existing = Path(files[7][1])
     existing.parent.mkdir(parents=True)
     existing.write_bytes(b"made by someone else")
@@ -191,68 +202,116 @@ def _many(root: Path) -> list[tuple[str, str, bytes]]:
 
 
 @pytest.mark.parametrize("watched", [False, True], ids=["kernel", "file by file"])
-def test_create_sparse_files_makes_what_create_file_makes(tmp_path, watched):
+def test_create_in_place_many_makes_what_create_in_place_makes(tmp_path, watched):
     """The kernel's batch (no fail point hook) and the file-by-file path (a hook installed, as in the crash
-    matrix) take the same steps: the same directories and files, the existing one left alone."""
-    from indexcore.mappedfile import create_sparse_files
-
+    matrix) take the same steps: the same directories and files, the existing one left alone, a descriptor
+    for those kept open and none left for the others."""
     files = _many(tmp_path)
     before = _open_descriptors()
     if watched:
         _failpoints.hook = lambda point: None
     try:
-        made = create_sparse_files(files, 4000, label="test")
+        made = create_in_place_many(files, 4000, label="test")
     finally:
         _failpoints.hook = None
-    assert made[7] is False
-    assert all(isinstance(fd, int) and fd is not False for i, fd in enumerate(made) if i != 7)
-    assert _open_descriptors() == before + len(files) - 1
-    for fd in made:
-        if fd is not False:
-            os.write(fd, b"")  # read-write
-            os.close(fd)
-    for i, (directory, path, header) in enumerate(files):
+    assert made[7] == CREATE_EXISTED
+    for i, fd in enumerate(made):
+        if i != 7:
+            assert fd >= 0 if files[i][3] & CREATE_KEEP_OPEN else fd == CREATE_CLOSED
+    kept = [fd for fd in made if fd >= 0]
+    assert _open_descriptors() == before + len(kept) == before + 20
+    for fd in kept:
+        os.write(fd, b"")  # read-write
+        os.close(fd)
+    for i, (directory, path, header, _) in enumerate(files):
         data = Path(path).read_bytes()
         assert data == (b"made by someone else" if i == 7 else header + bytes(4000 - len(header)))
-        assert os.listdir(directory) == ["00000000000000000000"]  # no temporary left
+        assert os.listdir(directory) == ["00000000000000000000"]  # no temporary
 
 
 @pytest.mark.parametrize("watched", [False, True], ids=["kernel", "file by file"])
-def test_create_sparse_files_error_names_the_path_and_closes_what_it_made(tmp_path, watched):
-    from indexcore.mappedfile import create_sparse_files
-
+def test_create_in_place_many_error_names_the_path_and_closes_what_it_made(tmp_path, watched):
     files = _many(tmp_path)
     blocked = tmp_path / "consumequeue" / "%LMQ%blocked"
     blocked.write_bytes(b"a file where a topic directory should be")
-    files.insert(20, (str(blocked / "0"), str(blocked / "0" / "00000000000000000000"), b""))
+    files.insert(20, (str(blocked / "0"), str(blocked / "0" / "00000000000000000000"), b"", CREATE_KEEP_OPEN))
     before = _open_descriptors()
     if watched:
         _failpoints.hook = lambda point: None
     try:
         with pytest.raises(NotADirectoryError) as e:
-            create_sparse_files(files, 4000, label="test")
+            create_in_place_many(files, 4000, label="test")
     finally:
         _failpoints.hook = None
     assert e.value.filename == str(blocked / "0")
     assert _open_descriptors() == before
-    for _, path, header in files[:20]:  # made before the error: complete, and they stay
+    for _, path, header, _ in files[:20]:  # made before the error: complete, and they stay
         if Path(path).read_bytes() != b"made by someone else":
             assert Path(path).read_bytes() == header + bytes(4000 - len(header))
-    assert not list(tmp_path.rglob("*" + TEMP_SUFFIX))
 
 
-def test_a_sparse_file_without_header_is_not_synced_one_with_is(tmp_path, monkeypatch):
-    """Only zeros and a size: a power loss leaves it absent or all zeros, which every load takes for a
-    creation cut short, so its creation does not wait for the disk."""
+def test_a_queue_file_made_in_place_is_never_synced_an_index_file_is(tmp_path, monkeypatch):
+    """A ConsumeQueue file's creation waits for no disk (the flusher syncs it and its directory before a
+    checkpoint covers it); an IndexFile, written through its mapping, is synced before its rename."""
     synced = []
     real = os.fdatasync
     monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
-    os.close(create_file(str(tmp_path / "a"), 4000, b"", allocate=False, keep_open=True))
+    os.close(create_in_place(str(tmp_path / "a"), 4000, b""))
+    assert create_in_place(str(tmp_path / "b"), 4000, BLANK_UNIT, keep_open=False) == CREATE_CLOSED
     assert synced == []
-    os.close(create_file(str(tmp_path / "b"), 4000, BLANK_UNIT, allocate=False, keep_open=True))
+    create_file(str(tmp_path / "c"), 4000, b"")
     assert len(synced) == 1
-    create_file(str(tmp_path / "c"), 4000, b"")  # allocated: written through a mapping later
-    assert len(synced) == 2
+
+
+def test_create_in_place_never_replaces_a_file_and_no_room_leaves_nothing(tmp_path, monkeypatch):
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(FileExistsError):
+        create_in_place(str(tmp_path / "f"), 4096, label="test")
+    assert (tmp_path / "f").read_bytes() == b"x"
+
+    def full(fd, data, position):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match="cannot write") as e:
+        create_in_place(str(tmp_path / "g"), 4096, BLANK_UNIT, label="test")
+    assert e.value.filename == str(tmp_path / "g")
+    assert sorted(os.listdir(tmp_path)) == ["f"]
+
+
+QUEUE_STEPS = ("before_create", "after_create", "after_allocate", "after_header")
+
+
+@pytest.mark.parametrize("blanks", [0, 300], ids=["no pre-blanks", "300 pre-blanks"])
+@pytest.mark.parametrize("step", [*QUEUE_STEPS, "torn_header"])
+def test_a_queue_file_cut_short_at_any_step_of_its_creation_ends_as_if_never_cut(tmp_path, kill_at, step, blanks):
+    """What a kill leaves of a ConsumeQueue file created in place (nothing, an empty file, a file of zeros,
+    its pre-blank units, or only the first page of them, as a kill between two pages of the write leaves it)
+    is taken by the next load for a creation cut short or a queue to complete: the same put then gives the
+    bytes of a creation never cut."""
+    size = 400 * CQ_UNIT_SIZE
+    directory = tmp_path / "consumequeue" / "T" / "0"
+    directory.mkdir(parents=True)
+    path = directory / f"{0:020d}"
+    if step == "torn_header":
+        with open(path, "wb") as f:
+            f.truncate(size)
+            f.write((BLANK_UNIT * blanks)[:4096])
+    else:
+        kill_at(f"consumequeue.{step}")
+        with pytest.raises(Killed):
+            ConsumeQueue(str(directory), "T", 0, size, new=True).put_units(
+                np.array([blanks]), np.array([500]), np.array([100], np.int32), np.array([7]))
+        _failpoints.hook = None
+    store = ConsumeQueueStore(str(tmp_path), size)
+    store.load()
+    store.queue("T", 0).put_units(np.array([blanks]), np.array([500]), np.array([100], np.int32), np.array([7]))
+    store.close()
+    clean = tmp_path / "clean"
+    ConsumeQueue(str(clean), "T", 0, size).put_units(np.array([blanks]), np.array([500]), np.array([100], np.int32),
+                                                    np.array([7]))
+    assert os.listdir(directory) == [f"{0:020d}"]
+    assert path.read_bytes() == (clean / f"{0:020d}").read_bytes()
 
 
 def test_deferred_writes_keep_their_order_and_are_made_before_a_descriptor_closes(tmp_path):
@@ -261,16 +320,44 @@ def test_deferred_writes_keep_their_order_and_are_made_before_a_descriptor_close
     paths = [str(tmp_path / name) for name in ("a", "b", "c")]
     for p in paths:
         Path(p).write_bytes(bytes(100))
-    files = OpenFiles(1)  # every new file evicts the one before
-    files.write_later(paths[0], np.frombuffer(b"AAAA", np.uint8), 0)
-    files.write_later(paths[1], b"BB", 10)  # evicts a: its pending write is made first
-    assert Path(paths[0]).read_bytes()[:4] == b"AAAA"
+    files = OpenFiles(1)
+    files.write_later(paths[0], np.frombuffer(b"AAAA", np.uint8), 0)  # a is opened and kept
+    files.write_later(paths[1], b"BB", 10)  # the set is full: b is opened for its write only, a stays
+    assert len(files) == 1
+    assert Path(paths[0]).read_bytes()[:4] == bytes(4)  # deferred
     files.write_later(paths[1], b"bb", 10)
-    files.write(paths[1], b"X", 11)  # a plain write comes after those deferred
+    files.write(paths[1], b"X", 11)  # a plain write comes after those deferred (and takes b's descriptor)
+    assert Path(paths[0]).read_bytes()[:4] == b"AAAA"
     assert Path(paths[1]).read_bytes()[10:12] == b"bX"
     files.write_later(paths[2], b"CC", 0)
-    files.close()
+    files.discard(paths[1])  # deferred writes are made before a descriptor closes
     assert Path(paths[2]).read_bytes()[:2] == b"CC"
+    files.write_later(paths[0], b"D", 50)
+    files.close()
+    assert Path(paths[0]).read_bytes()[50:51] == b"D"
+
+
+def test_a_write_to_a_file_no_descriptor_holds_opens_it_for_itself(tmp_path):
+    """The gathered appends of thousands of queues through a set of 4: each write past the set opens its file
+    and closes it again, in one call without the GIL; nothing is evicted, no descriptor is left."""
+    from indexcore.mappedfile import OpenFiles
+
+    before = len(os.listdir("/proc/self/fd"))
+    files = OpenFiles(4)
+    paths = [tmp_path / f"q{i}" for i in range(300)]
+    for i, p in enumerate(paths):
+        p.write_bytes(bytes(8))
+        files.write_later(str(p), i.to_bytes(8, "big"), 0)
+    assert len(os.listdir("/proc/self/fd")) == before + 4
+    files.flush_writes()
+    assert [int.from_bytes(p.read_bytes(), "big") for p in paths] == list(range(300))
+    paths[7].unlink()
+    files.write_later(str(paths[7]), b"x", 0)
+    with pytest.raises(FileNotFoundError) as e:
+        files.flush_writes()
+    assert e.value.filename == str(paths[7])
+    files.close()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_deferred_write_that_fails_names_its_file(tmp_path):

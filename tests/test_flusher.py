@@ -216,3 +216,27 @@ def test_sync_file_systems_syncs_each_file_system_once(tmp_path, monkeypatch):
     finally:
         other.unlink()
     assert sorted(synced) == sorted({tmp_path.stat().st_dev, shm.stat().st_dev})
+
+
+def test_a_whole_file_system_sync_stats_the_outputs_own_entries_not_every_file(tmp_path, monkeypatch):
+    """The last flush of a rebuild of 8,000 queues synced 8,000 files and 10,000 directories with one syncfs,
+    and stat'ed each of them to find its file system; it stats the output directory's own entries now."""
+    from daemon.engine import flusher
+
+    paths = []
+    for t in range(20):
+        for q in range(4):
+            path = tmp_path / "consumequeue" / f"T{t}" / str(q) / f"{0:020d}"
+            path.parent.mkdir(parents=True)
+            path.write_bytes(b"x")
+            paths.append(str(path))
+    (tmp_path / "index").mkdir()
+    paths.append(str(tmp_path / "index" / "20261129000000000"))
+    Path(paths[-1]).write_bytes(b"x")
+    stats, synced = [], []
+    real_stat = os.stat
+    monkeypatch.setattr(flusher.os, "stat", lambda p, *a, **k: (stats.append(str(p)), real_stat(p, *a, **k))[1])
+    monkeypatch.setattr(flusher._kernels, "syncfs", synced.append)
+    flusher.sync_file_systems({*paths, *flusher.new_entries(paths, str(tmp_path), set())}, str(tmp_path))
+    assert sorted(stats) == sorted([str(tmp_path), str(tmp_path / "consumequeue"), str(tmp_path / "index")])
+    assert len(synced) == 1

@@ -382,3 +382,27 @@ def test_files_the_brokers_user_could_not_write_are_refused_with_the_chown_to_ru
     assert not (store / "abort").exists()
     assert (store / "checkpoint").stat().st_uid == broker_uid
     assert StoreCheckpoint.decode((store / "checkpoint").read_bytes()).physic_msg_timestamp > 1
+
+
+def test_dry_run_plans_the_moves_the_real_run_prints_for_an_output_still_to_make(tmp_path):
+    """Issue 44 item 4, an output that does not exist yet: the dry run says it would create it and prints the
+    very plan the real run prints after completing it (the moves first, then the hand-off in the root), not only
+    the last step, which alone would re-stamp the broker's old files."""
+    make_store(tmp_path)
+    config = write_config(tmp_path)
+    store, out = tmp_path / "store", tmp_path / "out"
+    (store / "consumequeue").mkdir()  # the broker's own: set aside first
+    assert not out.exists()
+    dry = run("handoff", "--config", str(config), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert not out.exists()
+    assert f"would create the output directory {out} (it does not exist)" in dry.stdout.splitlines()
+    real = run("handoff", "--config", str(config))
+    assert real.returncode == 0, real.stderr
+    assert f"reputd: note: created the output directory {out} (it did not exist)" in real.stderr
+
+    def plan(stdout: str) -> list[str]:
+        return [line for line in stdout.splitlines() if line.startswith("  ")]
+
+    assert plan(dry.stdout) == plan(real.stdout)
+    assert [line.split()[0] for line in plan(real.stdout)][:3] == ["mv", "mv", "mv"]

@@ -412,7 +412,7 @@ def test_a_rebuild_killed_while_it_gathers_appends_then_run_again_writes_the_sam
                      "r.REBUILD_BATCH_BYTES = r.REBUILD_MAX_BATCH_BYTES = 3000; "
                      "from daemon.cli import main; sys.exit(main(sys.argv[1:]))")
     killed = subprocess.run([REPUTD[0], "-c", small_batches, "rebuild", "--config", str(config)],
-                            env=clean_env({"REPUTD_FAILPOINT": f"consumequeue.after_rename@{creations}"}),
+                            env=clean_env({"REPUTD_FAILPOINT": f"consumequeue.after_header@{creations}"}),
                             capture_output=True, text=True, timeout=120, check=False)
     assert killed.returncode == -9, killed.stderr[-800:]
     queues = tmp_path / "out" / "consumequeue"
@@ -534,7 +534,8 @@ def test_a_queue_file_is_read_up_to_its_written_data(tmp_path: Path) -> None:
 
 
 def test_few_descriptors_for_many_queues_write_the_same_files(tmp_path: Path) -> None:
-    """300 LMQ queues written through 2 descriptors (each queue reopened at every batch) or through many."""
+    """300 LMQ queues written through 2 descriptors (each queue reopened at every batch: appends not gathered)
+    or through many."""
     w = writer(tmp_path)
     for i in range(900):
         w.append(Message("im-chat", i % 4, b"x", {MD: ",".join(f"%LMQ%r{(i * 7 + j) % 300}" for j in range(3))}))
@@ -547,6 +548,7 @@ def test_few_descriptors_for_many_queues_write_the_same_files(tmp_path: Path) ->
 
         d = ConsumeQueueDispatcher(cfg.store, cfg.output.dir)
         d.queues.open_files.limit = limit
+        d.gather_appends(0)
         log = CommitLog(str(tmp_path / "store" / "commitlog"), SEGMENT)
         reader = CommitLogReader(log, batch_bytes=4000, multi_flags=multi_dispatch_flags(True, True))
         offset = 0
@@ -568,8 +570,9 @@ def test_few_descriptors_for_many_queues_write_the_same_files(tmp_path: Path) ->
 
 
 def test_thousands_of_new_queues_in_one_batch_under_a_small_descriptor_limit(tmp_path: Path) -> None:
-    """2,000 LMQs first met in the same batch, created in parallel, with RLIMIT_NOFILE at 256: the rebuild
-    keeps within it (the created files join the bounded set a chunk at a time) and writes every queue."""
+    """2,000 LMQs first met in the same batch, created by one call, with RLIMIT_NOFILE at 256: the rebuild
+    keeps within it (the created files' descriptors are closed at once, and written through the bounded set)
+    and writes every queue."""
     import resource
 
     w = writer(tmp_path)

@@ -55,6 +55,9 @@ MISTAKES = {
     "refused key": ("plain", {"enableConsumeQueueExt": True}, "store.enableConsumeQueueExt"),
     "config file missing": ("plain", None, "no-such.yaml"),
     "store root missing": ("plain", {"storePathRootDir": "{tmp}/nowhere/store"}, "{tmp}/nowhere/store"),
+    "store root left out": ("plain", {"storePathRootDir": None},
+                            "{tmp}/var/store: no such store root directory (store.storePathRootDir: built-in default, "
+                            "not in {tmp}/configs/"),
     "commitlog directory missing": ("plain", {"storePathCommitLog": "{tmp}/nowhere/commitlog"},
                                     "{tmp}/nowhere/commitlog"),
     "output directory a file": ("plain", {"output.dir": "{tmp}/a-file"}, "{tmp}/a-file: not a directory"),
@@ -66,7 +69,7 @@ MISTAKES = {
 # the store is; `produce` writes no output directory; `run` waits for a CommitLog directory that is not there
 # yet (a mount, a broker not started: tests/test_startup_contract.py).
 NOT_A_MISTAKE = {("inspect", m) for m in ("dledger store without the dledger keys", "plain store with the dledger keys",
-                                          "dLegerSelfId of another node", "store root missing",
+                                          "dLegerSelfId of another node", "store root missing", "store root left out",
                                           "commitlog directory missing", "output directory a file")}
 SKIPPED = {("produce", "output directory a file"), ("run", "commitlog directory missing")}  # (command, mistake)
 
@@ -92,6 +95,9 @@ def _commands(store: str, mistake: str, root: Path, msg_id: str) -> dict[str, li
         "query key": ["query", "key", TOPIC, KEY],
         "query queue": ["query", "queue", TOPIC, "0", "0"],
         "query msgid": ["query", "msgid", msg_id],
+        "query time": ["query", "time", TOPIC, "--begin", "0"],
+        "query offset": ["query", "offset", TOPIC, "0", "0"],
+        "query trace": ["query", "trace", msg_id],
         "inspect": ["inspect", _inspected(store, mistake, root), "--limit", "1"],
         "produce": ["produce", "--messages", "1"],
     }
@@ -201,10 +207,12 @@ def test_no_command_writes_anything_on_a_mistake(table):
 
 def test_the_same_mistake_reads_the_same_in_every_command(table):
     """Not only the exit code: the line that names the setting is one line, in `run` as in `verify` (`handoff`
-    adds that it changed nothing of the broker's, as all its refusals do)."""
+    adds that it changed nothing of the broker's, as all its refusals do); a store root that is not there is one
+    line in `run` and `produce` too, and says when it is the built-in default."""
     _, results, _, _ = table
     for mistake in ("commitlog size left out", "dledger commitlog size left out",
-                    "dledger store without the dledger keys", "plain store with the dledger keys"):
+                    "dledger store without the dledger keys", "plain store with the dledger keys",
+                    "index sizes left out", "store root missing", "store root left out"):
         answers = {_last_line(r["stderr"]).split(" (config: ")[0].removesuffix("; nothing was changed")
                    for (command, m), r in results.items() if m == mistake and command.split()[0] != "inspect"}
         assert len(answers) == 1, (mistake, answers)

@@ -205,3 +205,40 @@ def _human(ms: int) -> str:
     from daemon.commands.render import human_time
 
     return human_time(ms)
+
+
+def test_a_time_range_answer_says_what_it_lists_outside_the_range_and_leaves_out_inside(tmp_path):
+    """Issue 44 item 14, a non-empty answer (the real 4.9.3 store, as an operator found it): HOTKEY for
+    08:38:19,700-19,990 gets the broker's answer, two messages stored at 20,731 and 20,798 (after --end: their
+    index time is the whole second 19), while three stored inside the range (19,744-19,795) are timed before
+    --begin and left out. The answer stays the broker's; two notes on stderr say both, in every format, and
+    `--json` ends with a `{"type": "timeRange"}` object holding the same facts."""
+    from tests.conformance import discover
+
+    plain = {s.name: s for s in discover()}.get("visible")
+    if plain is None:
+        pytest.skip("the conformance store `visible` is not here")
+    settings = plain.store_settings()
+    config = tmp_path / "plain.yaml"
+    config.write_text(json.dumps({"store": {"storePathRootDir": str(plain.store), **{k: settings[k] for k in (
+        "mappedFileSizeCommitLog", "mappedFileSizeConsumeQueue", "maxHashSlotNum", "maxIndexNum")}}}))
+    begin, end = 1795250299700, 1795250299990
+    res = reputd("query", "key", "TopicTest", "HOTKEY", "--begin", str(begin), "--end", str(end), "--config",
+                 str(config), "--json")
+    assert res.returncode == 0, res.stderr
+    *messages, last = map(json.loads, res.stdout.splitlines())
+    assert [(m["commitLogOffset"], m["storeTimestamp"]) for m in messages] == [
+        (969977, 1795250300798), (944321, 1795250300731)]
+    assert last == {"type": "timeRange", "begin": begin, "end": end, "indexTimeUnitMs": 1000,
+                    "leftOut": [931388, 919003, 909450], "widerBegin": begin - 1000,
+                    "listedAfterEnd": [969977, 944321], "listedBeforeBegin": []}
+    assert res.stderr.splitlines() == [
+        f"reputd: note: 3 messages with this key stored inside the range (the first at {_human(1795250299744)}, "
+        "1795250299744) are left out: the index keeps store times in whole seconds, as the broker's IndexFile does, "
+        f"and times them before --begin; widen the range by a second: --begin {begin - 1000}",
+        f"reputd: note: 2 messages listed were stored after --end (the last at {_human(1795250300798)}, "
+        "1795250300798): the index keeps store times in whole seconds, as the broker's IndexFile does, and times "
+        "them inside the range; the broker's query lists them too"]
+    wider = reputd("query", "key", "TopicTest", "HOTKEY", "--begin", str(begin - 1000), "--end", str(end),
+                   "--config", str(config), "--json")
+    assert {931388, 919003, 909450} <= {json.loads(x).get("commitLogOffset") for x in wider.stdout.splitlines()}

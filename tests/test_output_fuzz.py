@@ -319,23 +319,23 @@ KINDS: dict[str, Kind] = {
                                                                "q") + 1),
         HEAD, ("phy_offset",), ("query key", "query msgid")),
     "unit_size_zero": Kind("queue", _set_unit(8, "i", lambda c, u: 0), UNIT_ENTRY, ("msg_size",),
-                           ("query queue", "inspect")),
+                           ("query queue", "inspect", "query time")),
     "unit_size_negative": Kind("queue", _set_unit(8, "i", lambda c, u: -u[1]), UNIT_ENTRY, ("msg_size",),
-                               ("query queue", "inspect")),
+                               ("query queue", "inspect", "query time")),
     "unit_size_huge": Kind("queue", _set_unit(8, "i", lambda c, u: INT32_MAX - 1), UNIT_ENTRY, ("msg_size",),
-                           ("query queue",)),
+                           ("query queue", "query time")),
     "unit_size_wrong": Kind("queue", _set_unit(8, "i", lambda c, u: u[1] + 1), UNIT_ENTRY, ("msg_size",),
-                            ("query queue",)),
+                            ("query queue", "query time")),
     "unit_offset_negative": Kind("queue", _set_unit(0, "q", lambda c, u: -1), UNIT_ENTRY, ("commit_log_offset",),
-                                 ("query queue", "inspect")),
+                                 ("query queue", "inspect", "query time")),
     "unit_offset_past_commitlog": Kind("queue", _set_unit(0, "q", lambda c, u: c.layout.commit_log_end + 64),
-                                       UNIT_ENTRY, ("commit_log_offset",), ("query queue",)),
+                                       UNIT_ENTRY, ("commit_log_offset",), ("query queue", "query time")),
     "unit_offset_off_record": Kind("queue", _set_unit(0, "q", lambda c, u: u[0] + 1), UNIT_ENTRY,
-                                   ("commit_log_offset",), ("query queue",)),
+                                   ("commit_log_offset",), ("query queue", "query time")),
 }
 
 # the reader commands, by name: argv for a case (the queue query reads TopicTest/0 from its first unit)
-QUERIES = ("query key", "query key --raw", "query msgid", "query queue")
+QUERIES = ("query key", "query key --raw", "query msgid", "query queue", "query time", "query offset")
 
 
 def argv(name: str, case: Case, target: Target, path: Path) -> tuple[str, ...]:
@@ -344,6 +344,8 @@ def argv(name: str, case: Case, target: Target, path: Path) -> tuple[str, ...]:
         "query key --raw": ("query", "key", TOPIC, target.key, "--raw"),
         "query msgid": ("query", "msgid", target.key, "--json"),
         "query queue": ("query", "queue", TOPIC, str(QUEUE), str(_first_offset(path, case)), "--json"),
+        "query time": ("query", "time", TOPIC, "--queue", str(QUEUE), "--begin", "0", "--count", "1000000", "--json"),
+        "query offset": ("query", "offset", TOPIC, str(QUEUE), "0", "--json"),
         "inspect": ("inspect", str(path)),
         "verify": ("verify",),
         "run": ("run", "--until-caught-up"),
@@ -392,7 +394,8 @@ def test_structured_damage_is_reported_and_bounded(pristine, tmp_path, name):
     target = _target(case.layout)
     path = case.index_path(target.name) if kind.part == "index" else case.queue_path(case.layout.queue_files[0])
     kind.damage(case, target)
-    commands = (*QUERIES, "inspect", *SLOW) if STRESS else (kind.reported_by or ("query key",))[:1]
+    commands = (*QUERIES, "inspect", *SLOW) if STRESS else (
+        *(kind.reported_by or ("query key",))[:1], *(("query time",) if kind.part == "queue" else ()))
     for command in commands:
         if command in ("run", "rebuild"):  # writers: each on a copy of its own
             run = case.copy(tmp_path / command).cli(*argv(command, case, target, path), limit=SLOW_LIMIT_S)
@@ -408,6 +411,10 @@ def test_structured_damage_is_reported_and_bounded(pristine, tmp_path, name):
             assert len(messages) == UNIT, (name, run.stdout[-500:])  # the units before it, then the result
             assert (result["nextBeginOffset"], result["damage"]) == (_first_offset(path, case) + UNIT,
                                                                      run.stderr.strip().removeprefix("reputd: error: "))
+        if command == "query time" and kind.part == "queue":  # the units before it at most (none when a search
+            found = [json.loads(ln)["queueOffset"] for ln in run.stdout.splitlines()]  # step met it)
+            assert found == list(range(len(found))), (name, found)
+            assert len(found) <= UNIT, (name, found)
     if STRESS:
         report(f"fuzz_output_kind {name}", **{c: {"exit": r[0], "seconds": round(r[2], 2), "said": r[1]}
                                               for c, r in TABLE[name].items()})
@@ -523,7 +530,7 @@ def test_random_byte_changes_are_bounded(pristine, tmp_path):
         tally.regions[region] += 1
         # fast: the query that reads the damaged file, and inspect; stress: every command
         reader = "query queue" if region == "queue units" else QUERIES[i % 3]
-        commands = every if STRESS else (reader, "inspect")
+        commands = every if STRESS else (reader, "inspect", *(("query time",) if region == "queue units" else ()))
         for command in commands:
             if command in ("run", "rebuild"):
                 run = case.copy(case_dir / command).cli(*argv(command, case, target, path), limit=SLOW_LIMIT_S)

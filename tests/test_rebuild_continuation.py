@@ -106,7 +106,7 @@ def test_rebuild_twice_is_one_rebuild(store):
     assert index_pairs(tmp / "out") == pairs
 
 
-@pytest.mark.parametrize("point", ["index.after_straddling_key", "index.after_allocate", "consumequeue.after_rename@3",
+@pytest.mark.parametrize("point", ["index.after_straddling_key", "index.after_allocate", "consumequeue.after_header@3",
                                    "consumequeue.before_create"])
 @pytest.mark.parametrize("earlier", ["empty output", "earlier rebuild"])
 def test_interrupted_rebuild_run_again_is_one_rebuild(store, point, earlier):

@@ -13,8 +13,8 @@ from daemon.config import load_config
 from daemon.engine.recovery import write_replay_marker
 from daemon.engine.session import open_session
 from daemon.ops.metrics import ReputMetrics
+from indexcore import _kernels
 from indexcore.consumequeue import CQ_UNIT_SIZE as UNIT_SIZE
-from indexcore.queuefiles import ConsumeQueue
 from tests.test_daemon import Store, assert_same_as_rebuild, events
 
 
@@ -87,16 +87,16 @@ def test_kill_in_the_middle_of_a_batch_before_the_first_checkpoint(store, monkey
     store.config.write_text(yaml.safe_dump(cfg, allow_unicode=True))
     store.append(800)
     session = open_session(config_of(store), ReputMetrics(lambda: None))
-    real_put = ConsumeQueue.put_packed
-    written = []
+    for d in session.dispatchers:
+        if d.name == "consumequeue":
+            d.gather_appends(0)  # each batch written at its end, queue after queue (a gathered one: none of it)
+    real_writes = _kernels.pwrite_many
 
-    def put_then_die(self, *args, **kwargs):
-        if len(written) == 5:
-            raise Killed
-        written.append((self.topic, self.queue_id))
-        return real_put(self, *args, **kwargs)
+    def write_five_then_die(writes):
+        real_writes(writes[:5])
+        raise Killed
 
-    monkeypatch.setattr(ConsumeQueue, "put_packed", put_then_die)
+    monkeypatch.setattr(_kernels, "pwrite_many", write_five_then_die)
     result = session.reader.read(session.dispatched_offset)
     def dispatch_batch():
         for d in session.dispatchers:

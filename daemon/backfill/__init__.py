@@ -9,6 +9,7 @@ the range size, partitions or executors; Spark only spreads the work:
     writers  job 2: ConsumeQueue, IndexFile and catalog writers reading the staged runs, staging their files
     catalog  the Parquet catalog's rows and files
     commit   staged files linked into place without clobbering (merge into blank units)
+    brokerwatch  the broker's `lock` in the output, watched for the whole job: a broker that takes it stops it
     job      `backfill()`: the driver's run from the config to the summary
     driver   Java detection, the Spark context, Spark's failures as one line
     phases   the two Spark jobs (decode, write) and the commit, the writers balanced over the tasks
@@ -25,6 +26,7 @@ _EXPORTS = {
     "BackfillError": "daemon.backfill.plan",
     "BackfillFailed": "daemon.backfill.plan",
     "BackfillSummary": "daemon.backfill.job",
+    "BrokerLockTaken": "daemon.backfill.brokerwatch",
     "Fault": "daemon.backfill.writers",
     "InjectedFault": "daemon.backfill.writers",
     "backfill": "daemon.backfill.job",
@@ -32,8 +34,8 @@ _EXPORTS = {
     "commit_log_dirs": "daemon.backfill.job",
     "create_context": "daemon.backfill.driver",
 }
-__all__ = ["BackfillError", "BackfillFailed", "BackfillSummary", "Fault", "InjectedFault", "backfill", "check_java",
-           "commit_log_dirs", "create_context"]
+__all__ = ["BackfillError", "BackfillFailed", "BackfillSummary", "BrokerLockTaken", "Fault", "InjectedFault",
+           "backfill", "check_java", "commit_log_dirs", "create_context"]
 
 
 def __getattr__(name: str):

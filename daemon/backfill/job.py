@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from daemon.backfill import dledger
+from daemon.backfill.brokerwatch import BrokerLockTaken, BrokerWatch
 from daemon.backfill.commit import remove_tree, staging_root
 from daemon.backfill.driver import DEFAULT_MASTER, archive_key, check_java, create_context, spark_error_line
 from daemon.backfill.interrupt import Interrupt, end_driver_jvm
@@ -100,6 +101,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
     archive = None
     check_output_below(out, start)
     catalog_covered = open_catalog(catalog, s3) if catalog is not None else ()
+    broker = BrokerWatch(out, log)  # from here a broker that takes `lock` in the output stops the backfill
     interrupt = Interrupt(own=owns_context)  # from here a signal ends the backfill as an interruption
     try:
         if spark is None:
@@ -119,14 +121,17 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
             summary.phases["startup"] = time.perf_counter() - started
     except BaseException:
         interrupt.disarm()
+        broker.close()
         raise
     sc = getattr(spark, "sparkContext", spark)  # a SparkSession's context
     job_id = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
     group = f"reputd-backfill-{job_id}"
     interrupt.arm(sc, group)
+    broker.arm(sc, group)
     job = None
     try:
         interrupt.check()
+        broker.check()
         summary.master = sc.master
         summary.partitions = partitions or max(1, sc.defaultParallelism)
         sc.setJobGroup(group, "reputd backfill")
@@ -142,11 +147,16 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
         job = Phases(config, sc, out, job_id, summary, settings, say, log, fault, s3)
         job.catalog_covered = catalog_covered
         job.before_commit = interrupt.committing
+        job.broker = broker
         if tasks:
             plan = job.decode(tasks, listing, start, to_offset, from_offset is not None)
             interrupt.check()
+            broker.check()
             job.write(plan, build_cq, build_index, catalog)
     except Exception as e:
+        if broker.holder is not None and not isinstance(e, BrokerLockTaken):  # the watch cancelled the jobs
+            broker.taken()
+            raise broker.error() from None
         if interrupt.signal is not None and not interrupt.commit_began():
             raise KeyboardInterrupt from None  # the jobs failed because the signal cancelled them
         if isinstance(e, StoreError | ValueError | OSError):
@@ -155,6 +165,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
             raise BackfillError(f"backfill failed in Spark: {spark_error_line(e)}") from None
         raise
     finally:
+        broker.close()
         interrupt.stopping()
         with contextlib.suppress(Exception):  # the context may be gone
             summary.spark_jobs = len(sc.statusTracker().getJobIdsForGroup(group))

@@ -54,6 +54,7 @@ from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.indexservice import INDEX_DIR
 
 if TYPE_CHECKING:
+    from daemon.backfill.brokerwatch import BrokerWatch
     from daemon.backfill.summary import BackfillSummary
 
 WRITE_GROUPS_PER_SLOT = 2
@@ -139,6 +140,7 @@ class Phases:
         self.log = log
         self.fault = fault
         self.before_commit: Callable[[], None] = lambda: None  # the last moment a signal still stops the backfill
+        self.broker: BrokerWatch | None = None  # the output's broker lock: asked before each file is put in place
         self.s3 = s3
         self.work_files = 0  # the work items of each job, in a file of the staging root
         self.catalog_covered: tuple[tuple[int, int], ...] = ()
@@ -251,6 +253,7 @@ class Phases:
             for kind, value in self._job(work, write_partition(settings, items, self.fault)):
                 results[kind].append(value)
         self._timed("write", t0)
+        self._broker_check()
         self.before_commit()
         t0 = time.perf_counter()
         self._commit(results, build_cq, build_index, catalog)
@@ -287,24 +290,29 @@ class Phases:
         # output, or merged into a daemon's queues that start after the range, every message is
         new_offsets = [] if self._output_has_any(queues, index_dir, names) else None
         counts = file_counts()
-        for q in queues:
+        for n, q in enumerate(queues):
+            self._broker_check()
             for k, v in commit_queue_dir(q.directory, os.path.join(self.out, CONSUME_QUEUE_DIR, q.topic,
                                                                    str(q.queue_id)), q.files,
                                          new_offsets).items():
                 counts[k] += v
+            self._put(n + 1, len(queues), 0, len(names))
         if build_cq:
             s.files["consumequeue"] = sum(counts.values())
             self.log.info("consumequeues_written", queues=stats.queues, units=stats.units, **counts)
         index_counts = file_counts()
-        for f, name in zip(staged_files, names, strict=True):
+        for n, (f, name) in enumerate(zip(staged_files, names, strict=True)):
+            self._broker_check()
             index_counts[commit_index_file(f.path, os.path.join(index_dir, name), new_offsets,
                                            store.max_hash_slot_num)] += 1
+            self._put(len(queues), len(queues), n + 1, len(names))
         if new_offsets is not None and counts[PRESENT] + index_counts[PRESENT]:  # a rerun: what it put is new
             s.new_messages = len(np.unique(np.concatenate(new_offsets))) if new_offsets else 0
         if build_index:
             s.files["index"] = len(names)
             self.log.info("index_files_written", files=len(names), keys=stats.keys, **index_counts)
         if catalog is not None:
+            self._broker_check()
             filesystem, base = catalog_filesystem(catalog, self.s3)
             rows = 0
             base = base.rstrip("/")
@@ -320,6 +328,14 @@ class Phases:
             write_marker(filesystem, base, s.start_offset, s.end_offset)
             s.files["catalog"] = sum(len(w) for w, _ in results[CATALOG_FILES])
             self.log.info("catalog_written", path=catalog, files=s.files["catalog"], rows=rows)
+
+    def _broker_check(self) -> None:
+        if self.broker is not None:
+            self.broker.check()
+
+    def _put(self, queues: int, of_queues: int, index_files: int, of_index_files: int) -> None:
+        if self.broker is not None:
+            self.broker.put(queues, of_queues, index_files, of_index_files)
 
     def _output_has_any(self, queues, index_dir: str, names: list[str]) -> bool:
         """Whether any file this commit puts is in the output already (a queue directory, an IndexFile)."""

@@ -17,6 +17,7 @@ startsignals.install()  # first of all, every command: the rest of the start-up 
 
 import argparse  # noqa: E402 - after the handlers above
 import os  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 
@@ -28,6 +29,7 @@ from daemon.cli.common import (  # noqa: E402
     EXIT_USAGE,
     OWN_PACKAGES,
     QUERY_KINDS,
+    QUERYTIME_KINDS,
     TIME_OPTIONS,
     SettingsMismatch,
     UsageError,
@@ -87,7 +89,11 @@ def _add_command(sub, name: str, kind: str | None) -> None:
     elif name == "query":
         from daemon.cli.query import _add_query
 
-        _add_query(sub, kind)
+        kinds = _add_query(sub, kind)
+        if kind is None or kind in QUERYTIME_KINDS:
+            from daemon.cli.querytime import add_kinds
+
+            add_kinds(kinds, kind)
         return
     elif name == "inspect":
         from daemon.cli.inspect import _add_inspect as add
@@ -97,17 +103,27 @@ def _add_command(sub, name: str, kind: str | None) -> None:
 
 
 def _joined_time_options(argv: list[str]) -> list[str]:
-    """`--begin -1h` as `--begin=-1h`: argparse would take a value starting with '-' for an option."""
+    """`--begin -1h` as `--begin=-1h`: argparse would take a value starting with '-' for an option. The same
+    for `query offset`'s TIME, its last positional: a relative time moves after `--`."""
     out: list[str] = []
+    relative = []
     i = 0
     while i < len(argv):
         if argv[i] in TIME_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
+            continue
+        if argv[:2] == ["query", "offset"] and _RELATIVE_TIME.fullmatch(argv[i]) and "--" not in argv[:i] \
+                and not (out and out[-1] in _VALUED_OPTIONS):
+            relative.append(argv[i])
         else:
             out.append(argv[i])
-            i += 1
-    return out
+        i += 1
+    return [*out, "--", *relative] if relative else out
+
+
+_RELATIVE_TIME = re.compile(r"-\d+(?:\.\d+)?(?:ms|s|m|h|d|w)")
+_VALUED_OPTIONS = ("--config", "--store", "--out", "--format")
 
 
 def _parser_for(argv: list[str]) -> argparse.ArgumentParser:

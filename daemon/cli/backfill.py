@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from daemon.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
+    EXIT_USAGE,
     OWN_PACKAGES,
     UsageError,
     _check_inputs,
@@ -156,9 +157,16 @@ def cmd_backfill(args, config: Config) -> int:
     def say(text: str) -> None:
         print(f"{start_of_line}{text}", file=sys.stderr, flush=True)
 
-    summary = backfill(config, master=args.master, segments=args.segments, from_offset=args.from_offset,
-                       to_offset=args.to_offset, partitions=args.partitions, catalog=args.catalog,
-                       spark_conf=dict(args.spark_conf), progress=say)
+    from daemon.backfill import BrokerLockTaken
+
+    try:
+        summary = backfill(config, master=args.master, segments=args.segments, from_offset=args.from_offset,
+                           to_offset=args.to_offset, partitions=args.partitions, catalog=args.catalog,
+                           spark_conf=dict(args.spark_conf), progress=say)
+    except BrokerLockTaken as e:  # as `run` and `rebuild` stop for it: exit 2, which systemd does not restart
+        command_finished()
+        print(f"reputd: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     command_finished()
     _print_summary(args, config, "backfilled", summary,
                    f" from {summary.segments} segments on {summary.master}")

@@ -83,7 +83,8 @@ CONFIG_HELP = ("YAML config file (default: $REPUTD_CONFIG, else ./config/reputd.
 
 COMMIT_LOG_DIR = "commitlog"  # under the store root, where storePathCommitLog points by default
 COMMANDS = ("run", "rebuild", "verify", "handoff", "backfill", "query", "inspect", "produce")
-QUERY_KINDS = ("key", "queue", "msgid")
+QUERY_KINDS = ("key", "queue", "msgid", "time", "offset", "trace")
+QUERYTIME_KINDS = ("time", "offset", "trace")  # the kinds daemon/cli/querytime.py defines
 OUT_HELP = "output directory for consumequeue/ and index/, overrides output.dir (default: the store root)"
 
 
@@ -111,7 +112,9 @@ def _config(args) -> Config:
         overrides["output.dir"] = overrides["store.storePathRootDir"]
     args.config_file, args.config_origin = config_path(args.config, os.environ, os.getcwd())
     # commands that import no plug-ins may take the file's parsed text from daemon/config/memo.py
-    return load_config(args.config_file, os.environ, overrides, memo=args.command in ("query", "inspect"))
+    config = load_config(args.config_file, os.environ, overrides, memo=args.command in ("query", "inspect"))
+    args.defaulted = config.defaulted  # for `_whence`: a path the config file left out is the built-in default
+    return config
 
 
 def _config_in_use(args) -> str:
@@ -126,7 +129,8 @@ def _output_flag(args) -> str:
 
 def _whence(args, option: str) -> str:
     """What gave a path, for an error about it: the command-line option, or the config key with the variable
-    that set it, or, when no config file was found, the built-in defaults (a path the operator never set)."""
+    that set it, or, when no config file was found, the built-in defaults (a path the operator never set); a
+    key the config file leaves out is its built-in default too, and the line says so."""
     if option.startswith("--"):
         return option
     from daemon.config.model import env_var_name
@@ -135,7 +139,20 @@ def _whence(args, option: str) -> str:
     variable = env_var_name(section, key)
     if variable in os.environ:
         return f"{option}, from {variable}"
-    return f"{option}; {_config_in_use(args)}" if args.config_file is None else option
+    if args.config_file is None:
+        return f"{option}; {_config_in_use(args)}"
+    if option in getattr(args, "defaulted", ()):
+        return f"{option}: built-in default, not in {os.path.abspath(args.config_file)}"
+    return option
+
+
+def _check_store_root(args, config: Config) -> None:
+    """The store root must exist, in every command that reads or writes it (`produce`, which may create a new
+    one, refuses only a path whose parent does not exist either): one line naming what chose it."""
+    root = config.store.store_path_root_dir
+    if not os.path.isdir(root):
+        option = "--store" if getattr(args, "store", None) else "store.storePathRootDir"
+        raise UsageError(f"{root}: no such store root directory ({_whence(args, option)})")
 
 
 def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool = False,
@@ -153,6 +170,7 @@ def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool
     store = config.store
     root = store.store_path_root_dir
     root_option = _whence(args, "--store" if getattr(args, "store", None) else "store.storePathRootDir")
+    _check_store_root(args, config)
     mismatch = store_mode_problem(store)
     if mismatch:
         raise SettingsMismatch(mismatch)
@@ -161,8 +179,6 @@ def _check_inputs(args, config: Config, *, commit_log: bool = True, output: bool
         if problem:
             raise UsageError(problem)
     else:
-        if not os.path.isdir(root):
-            raise UsageError(f"{root}: no such store root directory ({root_option})")
         for d in store.commit_log_dirs:
             if os.path.isdir(d):
                 continue
@@ -232,12 +248,12 @@ def runnable(*words: str) -> str:
 
 
 def _check_store_root_sizes(config: Config) -> None:
-    """With the output elsewhere, the store root's own ConsumeQueue files and IndexFiles held to the configured
-    sizes before anything is written (SizeMismatchError, exit 2: the files written would not be the broker's;
-    daemon/engine/sizes.py)."""
-    from daemon.engine.sizes import check_store_root_sizes
+    """The output's files and, with the output elsewhere, the store root's own ConsumeQueue files and IndexFiles
+    held to the configured sizes before anything is written (SizeMismatchError, exit 2: the files written would
+    not be the broker's; daemon/engine/sizes.py)."""
+    from daemon.engine.sizes import check_config_sizes
 
-    check_store_root_sizes(config)
+    check_config_sizes(config)
 
 
 def command_line(args, config: Config, *words: str, out: str | None = None) -> str:

@@ -96,7 +96,7 @@ def cmd_handoff(args, config: Config) -> int:
 
     from daemon.commands.brokerfiles import BrokerRunning, broker_lock_held, hold_broker_lock
     from daemon.commands.handoff import HandoffInterrupted, HandoffRefused, handoff
-    from daemon.engine.sizes import check_store_root_sizes
+    from daemon.engine.sizes import check_config_sizes
     from daemon.ops.logs import configure_logging
     from daemon.ops.outlock import LOCK_FILE
     from indexcore.errors import StoreLayoutError
@@ -115,7 +115,7 @@ def cmd_handoff(args, config: Config) -> int:
     if args.broker_files and os.path.realpath(config.output.dir) == os.path.realpath(root):
         raise UsageError("--broker-files goes with --out other than the store root (in the store root the "
                          "broker's files are always handled)")
-    check_store_root_sizes(config)  # before anything is locked or written
+    check_config_sizes(config)  # before anything is locked or written
     _check_store_root_writable(root)
     stop = None
     signals: list[str] = []

@@ -32,6 +32,8 @@ def _add_produce(sub) -> None:
     p.add_argument("--store", help="store root, overrides store.storePathRootDir (the CommitLog is written there)")
     p.add_argument("--messages", type=_positive, required=True, help="how many messages to append")
     p.add_argument("--topics", type=_csv, default=["TopicTest"], help="comma-separated topics (default TopicTest)")
+    p.add_argument("--topic-count", type=_positive, default=None, metavar="N",
+                   help="N topics per --topics name, NAME0 ... NAME{N-1} (a broker's thousands of topics)")
     p.add_argument("--queues", type=_positive, default=4, help="queues per topic (default 4)")
     p.add_argument("--body-size", type=_non_negative, default=256, help="body bytes (default 256)")
     p.add_argument("--keys", type=_non_negative, default=1, help="KEYS per message (default 1)")
@@ -60,9 +62,12 @@ def _check_new_store(args, config: Config) -> None:
               if os.path.dirname(os.path.abspath(d)) != root]
     for path, option in paths:
         parent = os.path.dirname(path)
-        if not os.path.exists(path) and not os.path.isdir(parent):
-            raise UsageError(f"{path}: no such directory, and no directory {parent} to create it in "
-                             f"({_whence(args, option)})")
+        if os.path.exists(path) or os.path.isdir(parent):
+            continue
+        if path == root:  # the words every command uses for a store root that is not there
+            raise UsageError(f"{store.store_path_root_dir}: no such store root directory ({_whence(args, option)})")
+        raise UsageError(f"{path}: no such directory, and no directory {parent} to create it in "
+                         f"({_whence(args, option)})")
 
 
 def cmd_produce(args, config: Config) -> int:
@@ -97,6 +102,8 @@ def cmd_produce(args, config: Config) -> int:
         from daemon.engine.rebuild import ProgressBar
 
         bar = ProgressBar(unit="messages")
+    topics = args.topics if args.topic_count is None else \
+        [f"{name}{i}" for name in args.topics for i in range(args.topic_count)]
     stop = threading.Event()
     signals: list[str] = []
 
@@ -107,7 +114,7 @@ def cmd_produce(args, config: Config) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        s = produce(config, args.messages, topics=args.topics, queues=args.queues, body_size=args.body_size,
+        s = produce(config, args.messages, topics=topics, queues=args.queues, body_size=args.body_size,
                     keys=args.keys, seed=args.seed, uniq_key=not args.no_uniq_key, lmq_queues=args.lmq_queues,
                     lmq_per_message=args.lmq_per_message if args.lmq_queues else 0,
                     progress=(lambda done, total: bar(done, total, done)) if bar is not None else None, stop=stop)

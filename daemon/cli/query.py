@@ -34,31 +34,27 @@ _QUERY_HELP = {
     "msgid": "The message of a msgId: an offset msgId (store host + CommitLog offset) or a client msgId (the "
              "UNIQ_KEY), as mqadmin queryMsgById takes them.",
 }
+TIME_HELP = ("epoch milliseconds, ISO 8601 (2026-11-21T10:00:00, local time unless it has an offset or Z) or "
+             "relative (-1h, -30m, -2d)")
 
 
-def _add_query(sub, kind: str | None) -> None:
-    q = sub.add_parser("query", formatter_class=_HelpFormatter, help="Query messages by key, queue offset or msgId.",
-                       description="Query messages by key, queue offset or msgId. On a terminal the answer is "
-                                   "laid out as mqadmin lays it out; piped, or with --json, it is one JSON object "
-                                   "per message.")
+def _add_query(sub, kind: str | None):
+    """The `query` command and its key, queue and msgid kinds (or `kind` alone); returns its subparsers, to
+    which daemon/cli/querytime.py adds the time, offset and trace kinds."""
+    q = sub.add_parser("query", formatter_class=_HelpFormatter,
+                       help="Query messages by key, queue offset, msgId or store time, and message traces.",
+                       description="Query messages by key, queue offset, msgId or store time, and message traces. "
+                                   "On a terminal the answer is laid out as mqadmin lays it out; piped, or with "
+                                   "--json, it is one JSON object per message.")
     qs = q.add_subparsers(dest="query", required=True, metavar="KIND", help="how to find the messages")
     for name in QUERY_KINDS:
-        if kind is not None and kind != name:
+        if (kind is not None and kind != name) or name not in _QUERY_HELP:
             continue
-        p = _subparser(qs, name, _QUERY_HELP[name])
-        p.add_argument("--config", help=CONFIG_HELP)
-        p.add_argument("--store", help="store root, overrides store.storePathRootDir")
-        p.add_argument("--out", help="directory holding consumequeue/ and index/, overrides output.dir")
-        p.add_argument("--format", choices=FORMATS,
-                       help="text: mqadmin's layout; json: one JSON object per message (default: text on a "
-                            "terminal, json otherwise)")
-        p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
+        p = kind_parser(qs, name, _QUERY_HELP[name])
         if name == "key":
             p.add_argument("topic", help="the topic the key was indexed under")
             p.add_argument("key", help="a KEYS token or a UNIQ_KEY")
-            p.add_argument("--begin", default="0",
-                           help="earliest store time: epoch milliseconds, ISO 8601 (2026-11-21T10:00:00, local "
-                                "time unless it has an offset or Z) or relative (-1h, -30m, -2d) (default 0)")
+            p.add_argument("--begin", default="0", help=f"earliest store time: {TIME_HELP} (default 0)")
             p.add_argument("--end", default=None, help="latest store time, written as --begin (default: no limit)")
             p.add_argument("--max", dest="max_num", type=_positive, default=64,
                            help="maximum number of candidates (clamped to maxMsgsNumBatch, as the broker does)")
@@ -83,6 +79,20 @@ def _add_query(sub, kind: str | None) -> None:
                        help="write each message's body to DIR/<offset msgId>, as mqadmin does (decompressed)")
         p.add_argument("--raw-body", action="store_true",
                        help="show (implies --body) and save a compressed body as stored, without decompressing it")
+    return qs
+
+
+def kind_parser(qs, name: str, help_text: str):
+    """A `query` kind's parser with the options every kind takes: --config, --store, --out, --format, --json."""
+    p = _subparser(qs, name, help_text)
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--store", help="store root, overrides store.storePathRootDir")
+    p.add_argument("--out", help="directory holding consumequeue/ and index/, overrides output.dir")
+    p.add_argument("--format", choices=FORMATS,
+                   help="text: mqadmin's layout; json: one JSON object per message (default: text on a "
+                        "terminal, json otherwise)")
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
+    return p
 
 
 def _format(args) -> str:
@@ -189,8 +199,8 @@ def cmd_query_key(args, config: Config) -> int:
     if not result.messages:
         _note(args, f"no message with key {args.key!r} in topic {args.topic!r}"
                     + (" in that time range" if (begin, end) != (0, LONG_MAX) else ""))
-        if result.damage is None:
-            _index_time_hint(args, config, begin, end)
+    if result.damage is None and (begin, end) != (0, LONG_MAX):
+        _index_time_hint(args, config, begin, end, result.messages)
     if result.cut:
         why = (f"--max {args.max_num}" if args.max_num < config.store.max_msgs_num_batch
                else f"maxMsgsNumBatch {config.store.max_msgs_num_batch}, the most one index query returns")
@@ -200,20 +210,32 @@ def cmd_query_key(args, config: Config) -> int:
     return _damaged(result.damage)
 
 
-def _index_time_hint(args, config: Config, begin: int, end: int) -> None:
-    """After an empty answer for a time range: the messages stored inside it that the index times before
-    --begin (whole seconds, as the broker's IndexFile), with the --begin that finds them. Stderr, every format."""
-    from daemon.commands.query import INDEX_TIME_UNIT_MS, stored_in_window
+def _index_time_hint(args, config: Config, begin: int, end: int, listed: list) -> None:
+    """After an answer for a time range: the messages stored inside it that the index times before --begin
+    (whole seconds, as the broker's IndexFile), with the --begin that finds them, and the listed ones stored
+    outside it. The answer stays the broker's; these notes go to stderr, every format."""
+    from daemon.commands.query import INDEX_TIME_UNIT_MS, window_facts
     from daemon.commands.render import human_time
 
-    missed = stored_in_window(config, args.topic, args.key, args.max_num, begin, end)
-    if missed:
-        first = min(rec.store_timestamp for rec in missed)
-        print(f"reputd: note: {len(missed)} message{'s' * (len(missed) > 1)} with this key stored inside the range "
-              f"(the first at {human_time(first)}, {first}) {'are' if len(missed) > 1 else 'is'} left out: the index "
-              "keeps store times in whole seconds, as the broker's IndexFile does, and times "
-              f"{'them' if len(missed) > 1 else 'it'} before --begin; widen the range by a second: --begin "
-              f"{begin - INDEX_TIME_UNIT_MS}", file=sys.stderr)
+    facts = window_facts(config, args.topic, args.key, args.max_num, begin, end, listed)
+    if facts.left_out:
+        first, n = min(rec.store_timestamp for rec in facts.left_out), len(facts.left_out)
+        print(f"reputd: note: {n} message{'s' * (n > 1)} with this key stored inside the range (the first at "
+              f"{human_time(first)}, {first}) {'are' if n > 1 else 'is'} left out: the index keeps store times in "
+              f"whole seconds, as the broker's IndexFile does, and times {'them' if n > 1 else 'it'} before --begin; "
+              f"widen the range by a second: --begin {begin - INDEX_TIME_UNIT_MS}", file=sys.stderr)
+    for outside, side, pick in ((facts.after_end, "after --end", max), (facts.before_begin, "before --begin", min)):
+        if outside:
+            at, n = pick(rec.store_timestamp for rec in outside), len(outside)
+            print(f"reputd: note: {n} message{'s' * (n > 1)} listed {'were' if n > 1 else 'was'} stored {side} ("
+                  f"{'the last' if pick is max else 'the first'} at {human_time(at)}, {at}): the index keeps store "
+                  "times in whole seconds, as the broker's IndexFile does, and times "
+                  f"{'them' if n > 1 else 'it'} inside the range; the broker's query lists "
+                  f"{'them' if n > 1 else 'it'} too", file=sys.stderr)
+    if _format(args) == "json" and (facts.left_out or facts.after_end or facts.before_begin):
+        import json  # the machine formats: the same facts in a last object, as `{"type": "removed"}` is
+
+        print(json.dumps(facts.as_json(begin, end)))
 
 
 def _damaged(damage: Exception | None) -> int:

@@ -11,6 +11,7 @@ from daemon.cli.common import (
     EXIT_USAGE,
     UsageError,
     _check_inputs,
+    _check_store_root,
     _check_store_root_sizes,
     _config_in_use,
     _lock_output,
@@ -48,6 +49,8 @@ def cmd_run(args, config: Config) -> int:
         config = dataclasses.replace(config, metrics=dataclasses.replace(config.metrics, enabled=False))
     if args.until_caught_up:  # the daemon waits for a CommitLog that is not there yet (a mount, a new broker)
         _check_inputs(args, config, data=False)  # a missing commitlog/ it logs (recovery_failed) and exits 1
+    else:  # but not for a store root: a path that does not exist is a mistake, as in every command
+        _check_store_root(args, config)
     _check_store_root_sizes(config)
     _lock_output(args, config)  # a directory it creates is said once the service has opened it
     _warn_abort(args, config)

@@ -106,6 +106,36 @@ def first_dispatched_record(config: Config, commit_log, start: int, end: int) ->
     return None
 
 
+def dispatched_kinds(config: Config, commit_log, start: int, end: int) -> set[str]:
+    """The output's subdirectories (consumequeue/, index/) that dispatching [start, end) with the configured
+    dispatchers would write into: what a dry run's plan names as moved, as the real run's does once it has
+    completed the output. Reads until each configured kind has a record (a batch, mostly)."""
+    names = {d.name for d in config.dispatchers}
+    wanted = {CONSUME_QUEUE_DIR} if "consumequeue" in names else set()
+    if "index" in names and config.store.message_index_enable:
+        wanted.add(INDEX_DIR)
+    found: set[str] = set()
+    reader = make_reader(config, commit_log)
+    try:
+        offset = start
+        while offset < end and found != wanted:
+            result = reader.read(offset)
+            batch = result.batch
+            if len(batch):
+                keyed = np.zeros(len(batch), dtype=bool)
+                keyed[batch.key_owner] = True
+                if batch.consume_queue_mask().any():
+                    found.add(CONSUME_QUEUE_DIR)
+                if (keyed & batch.index_mask()).any():
+                    found.add(INDEX_DIR)
+            if result.status is not ReadStatus.OK or result.next_offset <= offset:
+                break
+            offset = result.next_offset
+    finally:
+        reader.close()
+    return found & wanted
+
+
 def index_name_findings(config: Config, now_ms: int | None = None) -> list[str]:
     """Why the broker would load the IndexFiles in another order than they were written: it loads them in
     name order and names a new one by its wall clock, and the names are local times of the zone of the
@@ -148,13 +178,15 @@ def _signals_held(hold: bool):
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def move_commands(config: Config, handoff_command: str | None) -> list[str]:
+def move_commands(config: Config, handoff_command: str | None, to_come: set[str] | frozenset[str] = frozenset()
+                  ) -> list[str]:
     """The shell commands that put the output's consumequeue/ and index/ in the store root, the broker's
-    own set aside (never deleted), then the command that finishes the handoff there."""
+    own set aside (never deleted), then the command that finishes the handoff there. `to_come`: the
+    subdirectories the completion of the output would write (a dry run's), moved as if they were there."""
     root, out = config.store.store_path_root_dir, config.output.dir
     lines = []
     for sub in (CONSUME_QUEUE_DIR, INDEX_DIR):
-        if not os.path.isdir(os.path.join(out, sub)):
+        if not os.path.isdir(os.path.join(out, sub)) and sub not in to_come:
             continue  # nothing of that kind to hand over (an index switched off): the broker's stays
         target = os.path.join(root, sub)
         if os.path.lexists(target):
@@ -187,6 +219,7 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
     root, out = config.store.store_path_root_dir, config.output.dir
     in_root = _same_dir(out, root) if os.path.isdir(out) else os.path.realpath(out) == os.path.realpath(root)
     result = HandoffResult(dry_run=dry_run)
+    to_come: set[str] = set()  # what completing the output would write (a dry run's plan moves it too)
     reputd_checkpoint_before = os.path.exists(os.path.join(out, REPUTD_CHECKPOINT_FILE))
     check_store_root_sizes(config)  # the output's files are to replace the store root's: the same sizes
     commit_log = open_commit_log(config)
@@ -203,9 +236,12 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
         output_end = frontier.offset if frontier is not None else commit_log.min_offset
         complete = output_end >= end or first_dispatched_record(config, commit_log, output_end, end) is None
         if not complete:
+            if not os.path.lexists(out):  # the real run creates it (`reputd: note: created the output directory`)
+                say(f"would create the output directory {out} (it does not exist)")
             say(f"would complete the output {out}: dispatch CommitLog [{output_end}, {end}) ({end - output_end:,} "
                 "bytes), flush and sync it")
             say("would then check it as `reputd verify` does")
+            to_come = dispatched_kinds(config, commit_log, output_end, end)
     else:
         try:
             with passes() as bar:
@@ -288,7 +324,7 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
             + (f" and remove {os.path.join(root, ABORT_FILE)}" if os.path.exists(os.path.join(root, ABORT_FILE))
                else ""))
     if not in_root:
-        result.moves = move_commands(config, None if broker_files else handoff_command)
+        result.moves = move_commands(config, None if broker_files else handoff_command, to_come)
         say(f"to hand {out} to the broker, with the broker stopped, run:" if not broker_files else
             f"before the broker starts, move {out}'s files into {root}:")
         for line in result.moves:
@@ -304,5 +340,5 @@ def handoff(config: Config, *, dry_run: bool = False, broker_files: bool = False
     return result
 
 
-__all__ = ["HandoffInterrupted", "HandoffRefused", "HandoffResult", "first_dispatched_record", "handoff",
-           "index_name_findings", "move_commands"]
+__all__ = ["HandoffInterrupted", "HandoffRefused", "HandoffResult", "dispatched_kinds", "first_dispatched_record",
+           "handoff", "index_name_findings", "move_commands"]

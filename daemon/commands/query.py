@@ -193,6 +193,36 @@ def stored_in_window(config: Config, topic: str, key: str, max_num: int, begin: 
     return [rec for rec in wider.messages if begin <= rec.store_timestamp <= end]
 
 
+class WindowFacts(NamedTuple):
+    """What a --begin/--end answer does not say by itself, since index times are whole seconds (as the
+    broker's): `left_out`, messages stored inside [begin, end] that the answer leaves out (timed before
+    --begin); `after_end`/`before_begin`, messages it lists whose real store time is outside the range."""
+
+    left_out: list[MessageRecord]
+    after_end: list[MessageRecord]
+    before_begin: list[MessageRecord]
+
+    def as_json(self, begin: int, end: int) -> dict:
+        """The `--json` answer's last object: the messages by CommitLog offset, and the --begin that finds those
+        left out."""
+        return {"type": "timeRange", "begin": begin, "end": end, "indexTimeUnitMs": INDEX_TIME_UNIT_MS,
+                "leftOut": [rec.physical_offset for rec in self.left_out],
+                "widerBegin": begin - INDEX_TIME_UNIT_MS if self.left_out else None,
+                "listedAfterEnd": [rec.physical_offset for rec in self.after_end],
+                "listedBeforeBegin": [rec.physical_offset for rec in self.before_begin]}
+
+
+def window_facts(config: Config, topic: str, key: str, max_num: int, begin: int, end: int,
+                 listed: list[MessageRecord]) -> WindowFacts:
+    """The answer `listed` (the broker's, kept as it is) held against the real store times of its messages
+    and of those the index times just before `begin`."""
+    shown = {rec.physical_offset for rec in listed}
+    inside = stored_in_window(config, topic, key, max_num, begin, end)
+    left_out = [rec for rec in inside if rec.physical_offset not in shown]
+    return WindowFacts(left_out, [rec for rec in listed if rec.store_timestamp > end],
+                       [rec for rec in listed if rec.store_timestamp < begin])
+
+
 def query_key(config: Config, topic: str, key: str, max_num: int = 64, begin: int = 0,
               end: int = LONG_MAX) -> list[MessageRecord]:
     """Messages whose topic and key match exactly, newest first, each listed once."""
@@ -460,6 +490,6 @@ def query_msgid(config: Config, msg_id: str, topic: str | None = None) -> MsgIdR
                        len(removed), log.min_offset, damage)
 
 
-__all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "check_queue", "check_topic", "is_removed",
-           "matches_key", "message_json", "open_commit_log", "query_key", "query_key_result", "query_msgid",
-           "query_offsets", "query_queue", "split_removed", "topics"]
+__all__ = ["KeyQueryResult", "MsgIdResult", "QueueQueryResult", "WindowFacts", "check_queue", "check_topic",
+           "is_removed", "matches_key", "message_json", "open_commit_log", "query_key", "query_key_result",
+           "query_msgid", "query_offsets", "query_queue", "split_removed", "topics", "window_facts"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import unicodedata
 import zlib
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -137,27 +138,115 @@ def message_block(rec: MessageRecord, *, body: bool = False, body_path: str | No
     return lines
 
 
-def key_table(messages: Iterable[MessageRecord]) -> list[str]:
+def display_width(text: str) -> int:
+    """Terminal columns `text` takes: East Asian wide and full-width characters (CJK, most emoji) take two,
+    combining marks none, so a table's columns line up after tags such as 标签A or 😀tag."""
+    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+               for ch in text)
+
+
+def key_table(messages: Iterable[MessageRecord], *, tags: bool = False) -> list[str]:
     """mqadmin's `queryMsgByKey` table (`#Message ID  #QID  #Offset`), with the store time, the CommitLog
-    offset and the keys added. The message id is the UNIQ_KEY, or the offset msgId when there is none,
-    as the Java client's `MessageClientExt.getMsgId` gives it."""
-    header = ("#Message ID", "#QID", "#Offset", "#Store Time", "#CommitLog Offset", "#Keys")
+    offset, the tags (with `tags`) and the keys added. The message id is the UNIQ_KEY, or the offset msgId
+    when there is none, as the Java client's `MessageClientExt.getMsgId` gives it."""
+    header = ("#Message ID", "#QID", "#Offset", "#Store Time", "#CommitLog Offset", *("#Tags",) * tags, "#Keys")
     rows = []
     for rec in messages:
         props = rec.property_map()
         msg_id = props.get(PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX) or create_offset_msg_id(rec.store_host,
                                                                                            rec.physical_offset)
         rows.append((printable(msg_id), str(rec.queue_id), str(rec.queue_offset), human_time(rec.store_timestamp),
-                     str(rec.physical_offset), printable(props.get(PROPERTY_KEYS, ""))))
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+                     str(rec.physical_offset), *(printable(props.get(PROPERTY_TAGS, "")),) * tags,
+                     printable(props.get(PROPERTY_KEYS, ""))))
+    widths = [max(display_width(r[i]) for r in (header, *rows)) for i in range(len(header))]
     right = {1, 2, 4}  # numbers
 
     def line(row: tuple[str, ...]) -> str:
-        cells = [cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths,
-                                                                                                  strict=True))]
+        cells = []
+        for i, (cell, w) in enumerate(zip(row, widths, strict=True)):
+            pad = " " * (w - display_width(cell))
+            cells.append(pad + cell if i in right else cell + pad)
         return "  ".join(cells).rstrip()
 
     return [line(header), *(line(r) for r in rows)]
+
+
+TRACE_ROW = "{:<10} {:<20} {:<20} {:<20} {:<10} {:<10}"  # queryMsgTraceById's "%-10s %-20s %-20s %-20s %-10s %-10s"
+TRACE_TIME = "%Y-%m-%d %H:%M:%S"  # its DateFormatUtils pattern, local time
+
+
+def _trace_time(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    try:
+        return time.strftime(TRACE_TIME, time.localtime(ms // 1000))
+    except (OverflowError, OSError, ValueError):
+        return f"{ms} ms"
+
+
+def _trace_status(record) -> str:
+    return "success" if record.success else "failed"  # TraceView.status
+
+
+def trace_table(result) -> list[str]:
+    """`mqadmin queryMsgTraceById`'s layout for a `daemon.commands.trace.TraceResult`: the Pub rows, then
+    each consumer group's Sub rows (its SubAfter records), with a #RetryTimes column added from the matching
+    SubBefore, then the EndTransaction rows mqadmin leaves out."""
+    lines: list[str] = []
+
+    def row(*cells) -> None:
+        shown = [printable(str(c)) for c in cells]
+        lines.append((TRACE_ROW.format(*shown[:6]) + "".join(f" {c:<10}" for c in shown[6:])).rstrip())
+
+    for v in result.views:
+        if v.record.trace_type == "Pub":
+            r = v.record
+            row("#Type", "#ProducerGroup", "#ClientHost", "#SendTime", "#CostTimes", "#Status")
+            row("Pub", r.group_name, v.client_host, _trace_time(r.timestamp), f"{r.cost_time}ms", _trace_status(r))
+            lines.append("")
+    for views in result.consumer_groups().values():
+        row("#Type", "#ConsumerGroup", "#ClientHost", "#ConsumerTime", "#CostTimes", "#Status", "#RetryTimes")
+        for v in views:
+            r, retry = v.record, result.retry_times(v)
+            row("Sub", r.group_name, v.client_host, _trace_time(r.timestamp), f"{r.cost_time}ms", _trace_status(r),
+                "-" if retry is None else retry)
+        lines.append("")
+    for v in result.by_type("EndTransaction"):
+        r = v.record
+        row("#Type", "#ProducerGroup", "#ClientHost", "#EndTime", "#State", "#FromCheck", "#TransactionId")
+        row("EndTx", r.group_name, v.client_host, _trace_time(r.timestamp), r.transaction_state,
+            str(r.from_transaction_check).lower(), r.transaction_id)
+        lines.append("")
+    return lines[:-1] if lines and not lines[-1] else lines
+
+
+_TRACE_JSON_FIELDS = (("regionId", "region_id"), ("requestId", "request_id"), ("topic", "topic"), ("tags", "tags"),
+                      ("keys", "keys"), ("storeHost", "store_host"), ("bodyLength", "body_length"),
+                      ("costTime", "cost_time"), ("msgType", "msg_type"), ("offsetMsgId", "offset_msg_id"),
+                      ("retryTimes", "retry_times"), ("contextCode", "context_code"),
+                      ("transactionId", "transaction_id"), ("transactionState", "transaction_state"),
+                      ("fromTransactionCheck", "from_transaction_check"), ("recordedClientHost", "client_host"))
+
+
+def trace_json_line(view, retry_times: int | None = None) -> str:
+    """One trace record (a `daemon.commands.trace.TraceView`) as JSON: TraceView's fields (`type`, `msgId`,
+    `timestamp`, `groupName`, `clientHost`, `status`) and the record's others, named as the client names them,
+    and the trace message it came from."""
+    from daemon.commands.tracedata import consume_return_type  # noqa: PLC0415 - trace output only
+
+    r = view.record
+    out = {"type": r.trace_type, "msgId": r.msg_id, "timestamp": r.timestamp, "groupName": r.group_name,
+           "clientHost": view.client_host}
+    if r.success is not None:
+        out["status"] = _trace_status(r)
+    out.update({name: getattr(r, attr) for name, attr in _TRACE_JSON_FIELDS if getattr(r, attr) is not None})
+    if r.context_code is not None:
+        out["consumeReturnType"] = consume_return_type(r.context_code)
+    if retry_times is not None and r.trace_type == "SubAfter":
+        out["retryTimes"] = retry_times
+    out["traceMessage"] = {"commitLogOffset": view.trace_offset, "msgId": view.trace_msg_id,
+                           "storeTimestamp": view.trace_store_timestamp}
+    return json.dumps(out, ensure_ascii=False)
 
 
 def message_json_line(rec: MessageRecord, *, body: bool = False, body_path: str | None = None,
@@ -191,4 +280,4 @@ def save_body(rec: MessageRecord, directory: str, raw_body: bool = False) -> str
 
 
 __all__ = ["Body", "human_time", "key_table", "message_block", "message_json_line", "printable", "save_body",
-           "shown_body"]
+           "shown_body", "trace_json_line", "trace_table"]

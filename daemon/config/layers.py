@@ -178,7 +178,8 @@ class _Layers:
         built = {section: cls(**kwargs[section]) for section, cls in _SECTION_CLASSES.items()}
         self._check_index_size(built["store"])
         self._check_dledger(built["store"])
-        return Config(dispatchers=self.dispatchers, source=source, **built)
+        defaulted = frozenset(key.dotted for key, setting in self.settings.items() if not setting.origin)
+        return Config(dispatchers=self.dispatchers, source=source, defaulted=defaulted, **built)
 
     def _check_dledger(self, store: StoreConfig) -> None:
         """DLedger mode needs dLegerSelfId (it names the data directory, dledger-<selfId>), and the node must be

@@ -169,7 +169,8 @@ class LoggingConfig:
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """The complete, validated configuration; ``source`` is the file it was loaded from, if any."""
+    """The complete, validated configuration; ``source`` is the file it was loaded from, if any; ``defaulted``
+    the dotted keys (``store.storePathRootDir``) no layer set, left at their built-in defaults."""
 
     store: StoreConfig
     output: OutputConfig
@@ -180,6 +181,7 @@ class Config:
     source: str | None
     backfill: BackfillConfig = BackfillConfig()
     retention: RetentionConfig = RetentionConfig()
+    defaulted: frozenset[str] = frozenset()
 
 
 @functools.cache

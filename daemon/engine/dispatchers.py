@@ -12,22 +12,26 @@ from __future__ import annotations
 import importlib
 import mmap
 import os
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from daemon.config import Config, ConfigError, DispatcherSpec, StoreConfig
 from daemon.engine.dledgerfence import fence_for
 from daemon.ops.logs import get_logger
-from indexcore.consumequeue import CREATE_LABEL, PutStats
+from indexcore.consumequeue import PutStats
 from indexcore.dispatch import DispatchBatch
 from indexcore.indexfile import RELEASE_AFTER_KEYS
 from indexcore.indexservice import IndexResume, IndexService, IndexState, IndexStats
-from indexcore.mappedfile import create_sparse_files
-from indexcore.queuestore import ConsumeQueueStore, NewQueue, QueueUnits, consume_queue_units
+from indexcore.queuestore import ConsumeQueueStore, FlatUnits, consume_queue_units_flat
 
 PAGE_SIZE = mmap.PAGESIZE  # the unit of flushConsumeQueueLeastPages, as the broker's OS_PAGE_SIZE
+GATHER_BYTES = 32 * 1024  # a queue's appends gathered (`ConsumeQueueDispatcher.gather_appends`) are written from here
+MS_PER_SECOND = 1000
 
 
 @runtime_checkable
@@ -44,12 +48,9 @@ class Dispatcher(Protocol):
     def close(self) -> None: ...
 
 
-# Files synced (or queues created) at once: each fdatasync, mkdir or creat waits for a journal commit, and
-# concurrent ones share it, which matters with thousands of LMQ queues (1,064 files synced: 3.4 s one
-# after the other here, 0.5 s in parallel).
+# Files synced at once: each fdatasync waits for the disk, and concurrent ones share a journal commit, which
+# matters with thousands of LMQ queues (1,064 files synced: 3.4 s one after the other here, 0.5 s in parallel).
 SYNC_THREADS = 16
-PARALLEL_CREATE_MIN = 8  # new queues in a batch from which they are created in parallel
-CREATE_CHUNK = 1024  # created, then handed to the store, at a time
 
 
 def _fdatasync(path: str) -> None:
@@ -58,29 +59,6 @@ def _fdatasync(path: str) -> None:
         os.fdatasync(fd)
     finally:
         os.close(fd)
-
-
-def create_queues(new: list[NewQueue], file_size: int) -> list[tuple[NewQueue, int]]:
-    """Create the directories and first files of many new queues (`create_sparse_files`: a batch of an LMQ
-    store meets hundreds or thousands), SYNC_THREADS slices at once: each the kernel creates with the GIL
-    released, and a creat or mkdir that waits for the disk holds up one slice only. The queues made, each
-    with its read-write descriptor; queues found made by someone else are left out. On an error every
-    descriptor made is closed and the first error raised; the files made stay, complete."""
-    slices = [new[at::SYNC_THREADS] for at in range(min(SYNC_THREADS, len(new)))]
-
-    def create(queues: list[NewQueue]) -> list[int | bool]:
-        return create_sparse_files([(q.directory, q.path, q.header) for q in queues], file_size, label=CREATE_LABEL)
-
-    with ThreadPoolExecutor(max(1, len(slices)), thread_name_prefix="reputd-create") as pool:
-        futures = [pool.submit(create, queues) for queues in slices]
-    made = [(q, fd) for queues, f in zip(slices, futures, strict=True) if f.exception() is None
-            for q, fd in zip(queues, f.result(), strict=True) if fd is not False]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        for _, fd in made:
-            os.close(fd)
-        raise errors[0]
-    return made
 
 
 def sync_paths(paths: list[str]) -> None:
@@ -114,6 +92,9 @@ class ConsumeQueueDispatcher:
     def __init__(self, store: StoreConfig, output_dir: str):
         self.queues = ConsumeQueueStore(output_dir, store.mapped_file_size_consume_queue)
         self.queues.load()
+        # `run` writes a queue's appends once they come to GATHER_BYTES or are a flush interval old: over 10,000
+        # queues at 100,000 msgs/s a write per queue a batch cost more than the rest of the daemon
+        self.gather_appends(GATHER_BYTES, store.flush_interval_consume_queue / MS_PER_SECOND)
         # An output that holds queues already goes on from what it dispatched: a queue it meets now whose first
         # unit is past queue offset 0 lost its earlier units to a gap (retention deleted their records before
         # they were read), and its pre-blank units are blanked units like those of a gap inside a queue. In a
@@ -122,24 +103,21 @@ class ConsumeQueueDispatcher:
         self.stats = PutStats()
         self.spread = (0, 0)  # (queues, units) the last batch put units into
         self._log = get_logger(dispatcher=self.name)
-        self._flushed: dict[tuple[str, int], int] = {}  # write offset of each queue at its last sync
-        self._plan_synced: dict[tuple[str, int], int] = {}  # write offset each flush plan synced a queue to
-        self._unsynced: set[tuple[str, int]] = set()  # queues left with unsynced units by the last plan
-        self._prepared: dict[int, tuple[DispatchBatch, list[QueueUnits]]] = {}
+        # per queue (by its slot in the store's table): its write offset at its last sync, and at the sync of the
+        # last flush plan that synced it (-1: none); the queues the last plan left with unsynced units
+        self._flushed = np.zeros(0, dtype=np.int64)
+        self._plan_synced = np.zeros(0, dtype=np.int64)
+        self._unsynced = np.zeros(0, dtype=np.int64)
+        self._prepared: dict[int, tuple[DispatchBatch, FlatUnits]] = {}
         self.missing_queues = 0  # queues a checkpoint counted that the output no longer holds (`recover`)
 
     def prepare(self, batch: DispatchBatch) -> None:
         """Group the batch's units ahead of its dispatch (a rebuild's read-ahead thread calls this)."""
-        self._prepared[id(batch)] = (batch, list(consume_queue_units(batch)))
+        self._prepared[id(batch)] = (batch, consume_queue_units_flat(batch))
 
     def dispatch(self, batch: DispatchBatch) -> None:
         prepared = self._prepared.pop(id(batch), None)
-        units = prepared[1] if prepared is not None and prepared[0] is batch else list(consume_queue_units(batch))
-        new = self.queues.new_queues(units)
-        if len(new) >= PARALLEL_CREATE_MIN:
-            step = min(CREATE_CHUNK, max(1, self.queues.open_files.limit // 2))  # they join the bounded set
-            for at in range(0, len(new), step):
-                self.queues.made_queues(create_queues(new[at : at + step], self.queues.file_size))
+        units = prepared[1] if prepared is not None and prepared[0] is batch else consume_queue_units_flat(batch)
         stats = self.queues.dispatch(batch, units)
         self.spread = (len(units), stats.written + stats.already_built)
         blanks = stats.gap_blanks + (stats.pre_blanks if self._continues_output else 0)
@@ -152,51 +130,75 @@ class ConsumeQueueDispatcher:
                               topic=batch.topic_of(row))
         self.stats.add(stats)
 
-    def gather_appends(self, least: int) -> None:
-        """Gather each queue's appends until `least` bytes before writing them (`ConsumeQueueStore.hold_bytes`):
-        for a rebuild, whose files nobody reads before its end; the live loop writes every batch at once."""
+    def gather_appends(self, least: int, seconds: float | None = None) -> None:
+        """Gather each queue's appends until `least` bytes before writing them (`ConsumeQueueStore.hold_bytes`),
+        and, with `seconds`, for no longer than that (`hold_seconds`); without, until a thorough flush or the
+        store's budget (a rebuild, whose files nobody reads before its end)."""
         self.queues.hold_bytes = least
+        self.queues.hold_seconds = seconds
 
     def files(self) -> int:
         """Read by the metrics thread while the loop adds queues: iterate a copy."""
         return sum(cq.file_count for cq in list(self.queues.queues.values()))
 
+    def _rows(self) -> int:
+        """Grow the per-queue arrays to the store's table."""
+        n = len(self.queues.table)
+        if len(self._flushed) < n:
+            grow = max(n, 2 * len(self._flushed)) - len(self._flushed)  # doubling: queues come a few at a time
+            self._flushed = np.concatenate((self._flushed, np.zeros(grow, np.int64)))
+            self._plan_synced = np.concatenate((self._plan_synced, np.full(grow, -1, np.int64)))
+        return n
+
+    def _mark_flushed(self) -> None:
+        """Every queue as flushed where it ends now (after a load, a recovery or a whole flush)."""
+        n = self._rows()
+        self._flushed[:n] = self.queues.table.write_end(np.arange(n))
+        self._plan_synced[:n] = -1
+        self._unsynced = np.zeros(0, dtype=np.int64)
+        self.queues.take_touched()
+
     def flush(self) -> None:
         self.queues.flush(sync_paths)
-        self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
-        self._unsynced, self.queues.touched = set(), set()
+        self._mark_flushed()
 
     def prepare_flush(self, thorough: bool, least_pages: int) -> FlushPlan:
         """`ConsumeQueue.flush(flushLeastPages)` for every queue: sync a queue's writing file when it has
-        at least `least_pages` dirty pages, or whatever it has when `thorough`."""
-        self.queues.write_held()
-        flushed = self._flushed
-        plan = FlushPlan()
-        synced: dict[tuple[str, int], int] = {}
-        # only queues written since the last plan, or left unsynced by it: tens of thousands of LMQ
-        # queues are not walked every interval
-        candidates = self._unsynced | self.queues.touched
-        self.queues.touched = set()
-        unsynced = set()
-        for key in candidates:
-            cq = self.queues.queues[key]
-            end = cq.write_offset
-            start = flushed.get(key, 0)
-            if end == start:
-                continue
-            if thorough or least_pages <= 0 or end // PAGE_SIZE - start // PAGE_SIZE >= least_pages:
-                plan.paths.append(cq.writing_path)
-                synced[key] = end
-            else:
-                plan.complete = False
-                unsynced.add(key)
+        at least `least_pages` dirty pages, or whatever it has when `thorough`. Only the queues written since
+        the last plan, or left unsynced by it, are looked at: tens of thousands of idle queues cost nothing.
 
-        self._unsynced = unsynced | synced.keys()  # a sync that fails leaves them for the next plan
+        The appends a queue to be synced still gathers are written first (every queue's when `thorough`), and
+        so are those gathered longer than the store's `hold_seconds` (a pause in the dispatch)."""
+        store = self.queues
+        table = store.table
+        if thorough or store.hold_seconds is None:
+            store.write_held()
+        else:
+            table.release_older(time.monotonic() - store.hold_seconds)
+        self._rows()
+        candidates = np.union1d(self._unsynced, store.take_touched())
+        end = table.write_end(candidates)
+        start = self._flushed[candidates]
+        changed = end != start
+        if thorough or least_pages <= 0:
+            due = changed
+        else:
+            due = changed & (end // PAGE_SIZE - start // PAGE_SIZE >= least_pages)
+        plan = FlushPlan()
+        plan.complete = not (changed & ~due).any()
+        synced, synced_end = candidates[due], end[due]
+        held = synced[table.held[synced] > 0]
+        if len(held):
+            table.release(held)
+        store.open_files.flush_writes()
+        paths = [table.queues[slot].writing_path for slot in synced.tolist()]
+        plan.paths = [p for p in paths if p is not None]
+        self._unsynced = candidates[changed]  # a sync that fails leaves them for the next plan
 
         def done() -> None:
-            self._flushed.update(synced)
-            self._plan_synced.update(synced)
-            self._unsynced -= synced.keys()
+            self._flushed[synced] = synced_end
+            self._plan_synced[synced] = synced_end
+            self._unsynced = np.setdiff1d(self._unsynced, synced, assume_unique=True)
 
         plan.done = done
         return plan
@@ -211,9 +213,7 @@ class ConsumeQueueDispatcher:
         held = state.get("queues") if isinstance(state, dict) else None
         self.missing_queues = max(0, held - len(self.queues.queues)) if isinstance(held, int) else 0
         self.queues.truncate_to(reput_from_offset)
-        self._flushed = {key: cq.write_offset for key, cq in self.queues.queues.items()}
-        self._plan_synced = {}
-        self._unsynced, self.queues.touched = set(), set()
+        self._mark_flushed()
 
     def resume_offset(self) -> int | None:
         """Where the broker would restart its reput: the end of the last unit over all queues; None when
@@ -246,9 +246,10 @@ class ConsumeQueueDispatcher:
         """Close every queue; one that a flush plan synced and nothing was written to since is not synced
         again (after a rebuild's or a stopping `run`'s last flush, that is every queue: 100,000 of them
         took 5 s of fdatasync here)."""
-        for key, cq in self.queues.queues.items():
-            if cq.dirty and self._plan_synced.get(key) == cq.write_offset:
-                cq.mark_synced()
+        n = self._rows()
+        table = self.queues.table
+        slots = np.arange(n)
+        table.dirty[slots[table.dirty[:n] & (self._plan_synced[:n] == table.write_end(slots))]] = False
         self.queues.close()
 
 

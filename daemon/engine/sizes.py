@@ -83,6 +83,17 @@ def check_store_root_sizes(config: Config) -> None:
                                                          "output's files are to replace) ", 1)) from None
 
 
+def check_config_sizes(config: Config) -> None:
+    """What every writer checks before it writes: the output's files of the kinds its dispatchers write held to
+    the configured sizes (the same line `verify` and `query` give, `every IndexFile here is ...`, rather than
+    the loader's for the first file it opens), then the store root's (`check_store_root_sizes`)."""
+    names = {d.name for d in config.dispatchers}
+    if os.path.isdir(config.output.dir):
+        check_output_sizes(config.output.dir, config.store, queues="consumequeue" in names,
+                           index="index" in names and config.store.message_index_enable)
+    check_store_root_sizes(config)
+
+
 def size_setting(path: str) -> str:
     """The store setting that fixes the size of the file at `path`."""
     parts = os.path.normpath(path).split(os.sep)
@@ -107,4 +118,5 @@ def settings_or_damage(error: SizeMismatchError, out: str, store: StoreConfig) -
         check_output_sizes(out, store, queues=parts[0] == CONSUME_QUEUE_DIR, index=parts[0] == INDEX_DIR)
 
 
-__all__ = ["check_output_sizes", "check_store_root_sizes", "settings_or_damage", "size_advice", "size_setting"]
+__all__ = ["check_config_sizes", "check_output_sizes", "check_store_root_sizes", "settings_or_damage", "size_advice",
+           "size_setting"]

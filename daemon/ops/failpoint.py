@@ -3,7 +3,8 @@
 The crash matrix (tests/test_crash_matrix.py) sets REPUTD_FAILPOINT to `POINT` or `POINT@N` (the Nth time
 the point is reached), e.g. `index.after_allocate@2`; the process then dies by SIGKILL there, leaving the
 files exactly as a kill at that instant would. The points are named in `indexcore.mappedfile.create_file`
-(`{index|consumequeue}.{before_create|after_create|after_allocate|after_header|after_fsync|after_rename}`)
+(`index.{before_create|after_create|after_allocate|after_header|after_fsync|after_rename}`) and
+`create_in_place` (`consumequeue.{before_create|after_create|after_allocate|after_header}`),
 `indexcore.indexservice` (`index.after_straddling_key`), `daemon.engine.dledgerfence`
 (`dledger.after_repair_checkpoint`, a truncation repair's checkpoint written) and `indexcore.retention`
 (`retention.after_delete`, after each expired file deleted). Unset, nothing is installed and every point is

@@ -1,0 +1,216 @@
+"""`QueueTable`: where each of a store's ConsumeQueues writes next, in arrays with a row (slot) per queue, and
+the appends gathered for them until they are written.
+
+A batch of a store with 10,000 or 100,000 queues puts a few units into each of thousands of them. Placed
+queue by queue in Python that cost some 4 us a queue a batch, more than decoding the records; so a
+`ConsumeQueue` keeps its write position in its store's table (`indexcore.queuefiles`), and the store decides
+and places the common case, a queue's units that continue it inside its last file, for every queue of a
+batch with array operations (`ConsumeQueueStore.dispatch`). What a queue's units are and where they go is
+the queue's business as before (`consumequeue.place_units`): the table only holds its state.
+
+Columns, per slot: `last_start` (the start offset of the queue's last file, -1 without a file), `write_pos`
+(where its next unit goes in that file), `max_phy` (the CommitLog end of its last real unit, -1 before
+one), `dirty` (the last file holds writes not synced), `touched` (units put since the flusher last looked),
+`held` (bytes of appends gathered, not written yet: the last ones before `write_pos`) and `held_phy` (the
+CommitLog offset of the first of them). The appends are gathered as the batches' own arrays with, for each
+queue, the slice it takes (never copies: copying costs a fresh page per 4 KiB), one entry per queue and
+batch in the order gathered, and written queue by queue, each queue's pieces with one vectored write, by
+`release`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Protocol
+
+import numpy as np
+
+from indexcore.consumequeue import CQ_UNIT_SIZE
+
+
+class QueueWriter(Protocol):
+    """What the table needs of a queue (`ConsumeQueue`): a write of its gathered pieces to its last file."""
+
+    def write_later(self, data, position: int) -> None: ...
+
+NOT_HELD = np.iinfo(np.int64).max  # `held_phy` of a queue that holds nothing
+_COLUMNS = (("last_start", np.int64, -1), ("write_pos", np.int64, 0), ("max_phy", np.int64, -1),
+            ("dirty", np.bool_, False), ("touched", np.bool_, False), ("held", np.int64, 0),
+            ("held_phy", np.int64, NOT_HELD))
+# the gathered pieces, one entry per queue and batch: the queue's slot, its units [lo, hi) of the batch's
+# array, where they go in its last file, the batch (a key of `_arrays`) and when they were gathered
+_ENTRIES = (("_slot", np.int64), ("_lo", np.int64), ("_hi", np.int64), ("_at", np.int64), ("_batch", np.int64),
+            ("_time", np.float64))
+
+
+def _grown(a: np.ndarray, size: int, fill) -> np.ndarray:
+    new = np.full(max(size, 2 * len(a)), fill, dtype=a.dtype)
+    new[: len(a)] = a
+    return new
+
+
+class QueueTable:
+    """The rows of a store's queues (`add` gives each its slot) and the appends gathered for them."""
+
+    __slots__ = ("_arrays", "_at", "_batch", "_hi", "_lo", "_n", "_next_batch", "_slot", "_time", "dirty", "held",
+                 "held_phy", "last_start", "max_phy", "pinned", "queues", "touched", "write_pos")
+
+    def __init__(self, capacity: int = 1):
+        for name, dtype, fill in _COLUMNS:
+            setattr(self, name, np.full(max(1, capacity), fill, dtype=dtype))
+        for name, dtype in _ENTRIES:
+            setattr(self, name, np.zeros(16, dtype=dtype))
+        self.queues: list[QueueWriter] = []  # by slot
+        self._n = 0  # gathered entries
+        self._arrays: dict[int, np.ndarray] = {}  # the batches' arrays of units the entries take from
+        self._next_batch = 0
+        self.pinned = 0  # bytes of those arrays: what the gathered appends keep alive
+
+    def __len__(self) -> int:
+        return len(self.queues)
+
+    def add(self, queue: QueueWriter) -> int:
+        """A row for `queue`, in its initial state: no file, nothing written."""
+        slot = len(self.queues)
+        if slot == len(self.last_start):
+            for name, _, fill in _COLUMNS:
+                setattr(self, name, _grown(getattr(self, name), slot + 1, fill))
+        self.queues.append(queue)
+        return slot
+
+    def write_end(self, slots: np.ndarray) -> np.ndarray:
+        """The logical offset each queue's next unit goes to (0 for a queue without a file)."""
+        start = self.last_start[slots]
+        return np.where(start >= 0, start + self.write_pos[slots], 0)
+
+    # --- gathered appends -----------------------------------------------------------------------------
+
+    @property
+    def holding(self) -> bool:
+        return self._n > 0
+
+    def gather(self, units: np.ndarray, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray, at: np.ndarray,
+               now: float = 0.0) -> None:
+        """Hold `units[lo[i]:hi[i]]` for queue `slots[i]` (each slot once), to go at `at[i]` in its last file:
+        right after what it holds already, or at its write position when it holds nothing. `now` (any clock)
+        dates them for `release_older`."""
+        k = len(slots)
+        if not k:
+            return
+        n = self._n
+        if n + k > len(self._slot):
+            for name, _ in _ENTRIES:
+                setattr(self, name, _grown(getattr(self, name), n + k, 0))
+        batch = self._next_batch
+        self._next_batch += 1
+        self._arrays[batch] = units
+        self.pinned += units.nbytes
+        for name, values in (("_slot", slots), ("_lo", lo), ("_hi", hi), ("_at", at)):
+            getattr(self, name)[n : n + k] = values
+        self._batch[n : n + k] = batch
+        self._time[n : n + k] = now
+        self._n = n + k
+        first = self.held[slots] == 0
+        if first.any():
+            self.held_phy[slots[first]] = units["commit_log_offset"][lo[first]]
+        self.held[slots] += (hi - lo) * CQ_UNIT_SIZE
+
+    def oldest_held(self) -> int | None:
+        """The CommitLog offset of the first unit gathered and not written (None: none is): every unit of the
+        records below it is written."""
+        if not self._n:
+            return None
+        return int(self.held_phy[self._slot[: self._n]].min())
+
+    def release_older(self, before: float) -> None:
+        """`release` the queues whose first gathered piece was gathered before `before` (on `gather`'s clock)."""
+        old = int(np.searchsorted(self._time[: self._n], before, side="left"))
+        if old:
+            self.release(np.unique(self._slot[:old]))
+
+    def release(self, slots: np.ndarray | None = None) -> None:
+        """Hand the gathered appends of `slots` (of every queue when None) to their descriptor sets' deferred
+        writes (`ConsumeQueue.write_later`: a queue's pieces back to back, one vectored write), queue by queue
+        in slot order."""
+        n = self._n
+        if not n:
+            return
+        if slots is None:
+            taken = {name: getattr(self, name)[:n] for name, _ in _ENTRIES}  # written before anything is gathered
+            self._n = 0
+        else:
+            chosen = np.zeros(len(self.queues), dtype=np.bool_)
+            chosen[slots] = True
+            mask = chosen[self._slot[:n]]
+            if not mask.any():
+                return
+            keep = ~mask
+            taken = {}
+            for name, _ in _ENTRIES:
+                column = getattr(self, name)
+                taken[name] = column[:n][mask]
+                kept = column[:n][keep]
+                column[: len(kept)] = kept
+            self._n = int(np.count_nonzero(keep))
+        order = np.argsort(taken["_slot"], kind="stable")  # a queue's pieces stay in the order gathered
+        slot, lo, hi, at, batch = (taken[name][order] for name in ("_slot", "_lo", "_hi", "_at", "_batch"))
+        starts = np.flatnonzero(np.concatenate(([True], slot[1:] != slot[:-1])))
+        released = slot[starts]
+        self.held[released] = 0
+        self.held_phy[released] = NOT_HELD
+        arrays, queues = self._arrays, self.queues
+        slot_l, lo_l, hi_l, at_l, batch_l = slot.tolist(), lo.tolist(), hi.tolist(), at.tolist(), batch.tolist()
+        bounds = [*starts.tolist(), len(slot_l)]
+        for a, b in itertools.pairwise(bounds):
+            if b - a == 1:
+                data = arrays[batch_l[a]][lo_l[a] : hi_l[a]]
+            else:
+                data = [arrays[batch_l[i]][lo_l[i] : hi_l[i]] for i in range(a, b)]
+            queues[slot_l[a]].write_later(data, at_l[a])
+        # the batches no piece takes from any more are let go
+        remaining = set(np.unique(self._batch[: self._n]).tolist()) if self._n else set()
+        for key in [key for key in arrays if key not in remaining]:
+            self.pinned -= arrays.pop(key).nbytes
+
+
+class QueueRow:
+    """A queue's row of its `QueueTable` (`_table`, `_slot`), as the queue's own attributes."""
+
+    __slots__ = ()
+    _table: QueueTable
+    _slot: int
+
+    @property
+    def max_physic_offset(self) -> int:
+        """The CommitLog end of the last real unit (-1 before one): `maxPhysicOffset`."""
+        return self._table.max_phy.item(self._slot)
+
+    @max_physic_offset.setter
+    def max_physic_offset(self, value: int) -> None:
+        self._table.max_phy[self._slot] = value
+
+    @property
+    def _write_pos(self) -> int:
+        """Where in the last file the next unit goes."""
+        return self._table.write_pos.item(self._slot)
+
+    @_write_pos.setter
+    def _write_pos(self, value: int) -> None:
+        self._table.write_pos[self._slot] = value
+
+    @property
+    def _dirty(self) -> bool:
+        """The last file was written since it was last synced."""
+        return self._table.dirty.item(self._slot)
+
+    @_dirty.setter
+    def _dirty(self, value: bool) -> None:
+        self._table.dirty[self._slot] = value
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of appends gathered and not written yet (`put_packed`'s `hold`)."""
+        return self._table.held.item(self._slot)
+
+
+__all__ = ["NOT_HELD", "QueueRow", "QueueTable", "QueueWriter"]

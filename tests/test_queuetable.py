@@ -1,0 +1,190 @@
+"""A store places a batch's units for all its queues at once (`ConsumeQueueStore.dispatch` over the queues'
+`QueueTable`): the same files as each queue putting its own units, no Python put per queue that continues,
+appends gathered for a time at most, and a flush plan that looks at the queues written since the last one."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from daemon.config import load_config
+from daemon.engine.dispatchers import ConsumeQueueDispatcher
+from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE, PutStats
+from indexcore.errors import StoreLayoutError
+from indexcore.queuefiles import ConsumeQueue
+from indexcore.queuestore import ConsumeQueueStore, consume_queue_units
+from tests.conftest import DispatchRec, make_dispatch_batch
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def random_batches(rng: random.Random, queues: list[tuple[str, int]]) -> list[list[DispatchRec]]:
+    """Records over `queues` in random batches: most continue their queue, some skip queue offsets (a gap),
+    some queues start past offset 0 (pre-blanks), some batches come again (a replay)."""
+    next_qo = {q: (rng.choice([0, 0, 0, 7, 45]) if rng.random() < 0.3 else 0) for q in queues}
+    recs, phy = [], 0
+    for _ in range(rng.randint(200, 1500)):
+        q = rng.choice(queues)
+        if rng.random() < 0.02:
+            next_qo[q] += rng.randint(1, 30)
+        recs.append(DispatchRec(phy_offset=phy, msg_size=rng.randint(60, 400), topic=q[0], queue_id=q[1],
+                                queue_offset=next_qo[q], tags_code=rng.randint(-5, 5)))
+        next_qo[q] += 1
+        phy += recs[-1].msg_size
+    cuts = sorted(rng.sample(range(1, len(recs)), rng.randint(1, 15)))
+    batches = [recs[a:b] for a, b in zip([0, *cuts], [*cuts, len(recs)], strict=True)]
+    if rng.random() < 0.5:
+        at = rng.randrange(len(batches))
+        batches.insert(at + 1, batches[rng.randrange(at + 1)])
+    return batches
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_store_puts_a_batch_into_many_queues_as_each_queue_alone_would(tmp_path: Path, seed: int) -> None:
+    """Every queue of a batch placed at once (rolls, gaps, pre-blanks, replays, gathered or not) gives the
+    files and counts of each queue putting its own units with `ConsumeQueue.put_packed`."""
+    rng = random.Random(seed)
+    queues = [(f"T{t}", q) for t in range(rng.randint(1, 12)) for q in range(rng.randint(1, 5))]
+    file_size = rng.choice([5, 40, 300]) * CQ_UNIT_SIZE
+    store = ConsumeQueueStore(str(tmp_path / "store"), file_size, open_files_limit=rng.choice([2, 1000]))
+    store.hold_bytes = rng.choice([0, 100, 1 << 20])
+    alone: dict[tuple[str, int], ConsumeQueue] = {}
+    for batch in random_batches(rng, queues):
+        b = make_dispatch_batch(batch)
+        expected = PutStats()
+        for g in consume_queue_units(b):
+            cq = alone.get((g.topic, g.queue_id))
+            if cq is None:
+                cq = alone[(g.topic, g.queue_id)] = ConsumeQueue(
+                    str(tmp_path / "alone" / "consumequeue" / g.topic / str(g.queue_id)), g.topic, g.queue_id,
+                    file_size)
+            cq.put_packed(g.queue_offset, g.units, g.ends, g.one_streak, stats=expected)
+        assert store.dispatch(b) == expected, f"seed {seed}"
+        for key, cq in alone.items():
+            assert (store.queues[key].max_offset, store.queues[key].max_physic_offset) == \
+                (cq.max_offset, cq.max_physic_offset), f"seed {seed} {key}"
+    store.close()
+    for cq in alone.values():
+        cq.close()
+    assert tree(tmp_path / "store") == tree(tmp_path / "alone"), f"seed {seed}"
+
+
+def test_units_that_continue_their_queues_take_no_put_of_their_own(tmp_path: Path, monkeypatch) -> None:
+    """Once 500 queues exist, a batch continuing each of them is placed without a Python put per queue."""
+    store = ConsumeQueueStore(str(tmp_path), 1000 * CQ_UNIT_SIZE)
+    queues = [(f"T{t}", q) for t in range(125) for q in range(4)]
+
+    def batch(round_: int) -> list[DispatchRec]:
+        return [DispatchRec(phy_offset=(round_ * len(queues) + i) * 100, topic=t, queue_id=q, queue_offset=round_)
+                for i, (t, q) in enumerate(queues)]
+
+    store.dispatch(make_dispatch_batch(batch(0)))
+
+    def no_put(*args, **kwargs):
+        raise AssertionError("a queue put on its own")
+
+    monkeypatch.setattr(ConsumeQueue, "put_packed", no_put)
+    for round_ in range(1, 4):
+        assert store.dispatch(make_dispatch_batch(batch(round_))) == PutStats(written=len(queues))
+    monkeypatch.undo()
+    store.close()
+    data = (tmp_path / "consumequeue" / "T7" / "2" / f"{0:020d}").read_bytes()
+    i = queues.index(("T7", 2))
+    assert [CQ_UNIT.unpack_from(data, n * CQ_UNIT_SIZE) for n in range(4)] == \
+        [((r * len(queues) + i) * 100, 100, 0) for r in range(4)]
+
+
+def test_gathered_appends_are_written_once_a_hold_old(tmp_path: Path) -> None:
+    """With `hold_seconds` (`run`'s setting), a queue's few appends are gathered, and written once the first of
+    them is that old, all together, by the next batch's dispatch, whatever queue it puts to."""
+    store = ConsumeQueueStore(str(tmp_path), 1000 * CQ_UNIT_SIZE)
+    store.hold_bytes, store.hold_seconds = 1 << 20, 0.2
+    path = tmp_path / "consumequeue" / "A" / "0" / f"{0:020d}"
+    store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=0, topic="A", queue_offset=0)]))
+    assert not any(path.read_bytes())
+    store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=100, topic="B", queue_offset=0)]))
+    assert not any(path.read_bytes())  # young yet
+    time.sleep(0.25)
+    store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=200, topic="B", queue_offset=1)]))
+    assert CQ_UNIT.unpack_from(path.read_bytes()) == (0, 100, 0)
+    b = tmp_path / "consumequeue" / "B" / "0" / f"{0:020d}"
+    assert [CQ_UNIT.unpack_from(b.read_bytes(), n * CQ_UNIT_SIZE) for n in range(2)] == [(100, 100, 0), (200, 100, 0)]
+    store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=300, topic="A", queue_offset=1)]))
+    assert not any(path.read_bytes()[CQ_UNIT_SIZE:])  # young
+    store.close()
+    assert CQ_UNIT.unpack_from(path.read_bytes(), CQ_UNIT_SIZE) == (300, 100, 0)
+
+
+def _dispatcher(tmp_path: Path) -> ConsumeQueueDispatcher:
+    (tmp_path / "store" / "commitlog").mkdir(parents=True)
+    config = tmp_path / "reputd.yaml"
+    config.write_text(f"store: {{storePathRootDir: {tmp_path / 'store'}, mappedFileSizeConsumeQueue: 20000}}\n"
+                      f"output: {{dir: {tmp_path / 'out'}}}\n")
+    cfg = load_config(str(config), {})
+    return ConsumeQueueDispatcher(cfg.store, cfg.output.dir)
+
+
+def test_a_flush_plan_looks_only_at_the_queues_written_since_the_last_one(tmp_path: Path, monkeypatch) -> None:
+    """300 queues, 3 of them written since the last flush: the plan reads the state of those 3 and syncs
+    their files after writing what they gathered; the idle ones are not looked at."""
+    d = _dispatcher(tmp_path)
+    queues = [(f"T{t}", q) for t in range(75) for q in range(4)]
+    d.dispatch(make_dispatch_batch([DispatchRec(phy_offset=i * 100, topic=t, queue_id=q)
+                                    for i, (t, q) in enumerate(queues)]))
+    d.flush()
+    looked: list[str] = []
+    real = ConsumeQueue.writing_path.fget
+    monkeypatch.setattr(ConsumeQueue, "writing_path", property(lambda cq: looked.append(cq.topic) or real(cq)))
+    active = queues[10:13]
+    d.dispatch(make_dispatch_batch([DispatchRec(phy_offset=(len(queues) + i) * 100, topic=t, queue_id=q,
+                                                queue_offset=1) for i, (t, q) in enumerate(active)]))
+    looked.clear()
+    plan = d.prepare_flush(thorough=False, least_pages=0)
+    assert sorted(looked) == sorted(t for t, _ in active)
+    assert sorted(plan.paths) == sorted(str(tmp_path / "out" / "consumequeue" / t / str(q) / f"{0:020d}")
+                                        for t, q in active)
+    for path in plan.paths:  # gathered appends written before the plan: the sync covers them
+        assert CQ_UNIT.unpack_from(Path(path).read_bytes(), CQ_UNIT_SIZE)[1] == 100
+    plan.done()
+    looked.clear()
+    assert d.prepare_flush(thorough=False, least_pages=0).paths == []
+    assert looked == []
+    monkeypatch.undo()
+    d.close()
+
+
+def test_the_store_keeps_its_descriptors_within_its_bound(tmp_path: Path) -> None:
+    """2,000 queues written through a store bounded at 64 descriptors: never more open."""
+    store = ConsumeQueueStore(str(tmp_path), 1000 * CQ_UNIT_SIZE, open_files_limit=64)
+    recs = [DispatchRec(phy_offset=i * 100, topic=f"T{i % 500}", queue_id=i // 500 % 4, queue_offset=i // 2000)
+            for i in range(6000)]
+    for a in range(0, len(recs), 1500):
+        store.dispatch(make_dispatch_batch(recs[a : a + 1500]))
+        assert len(store.open_files) <= 64
+    store.close()
+    files = [p for p in (tmp_path / "consumequeue").rglob("*") if p.is_file()]
+    assert len(files) == 2000
+    assert all(np.frombuffer(p.read_bytes()[: 3 * CQ_UNIT_SIZE], np.uint8).any() for p in files)
+
+
+@pytest.mark.parametrize("topic", ["a/b", "..", ".", "", "/etc", "x/../.."])
+def test_a_topic_that_would_leave_consumequeue_is_a_layout_error(tmp_path: Path, topic: str) -> None:
+    store = ConsumeQueueStore(str(tmp_path))
+    with pytest.raises(StoreLayoutError, match="would leave the consumequeue directory"):
+        store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=0, topic=topic)]))
+    store.close()
+    assert not (tmp_path / "consumequeue").exists() or all(p.name != "0" for p in tmp_path.rglob("*"))
+
+
+def test_topic_names_with_dots_and_percent_signs_are_queues(tmp_path: Path) -> None:
+    store = ConsumeQueueStore(str(tmp_path))
+    for i, topic in enumerate(["a.b", "...", "%LMQ%x", "%RETRY%group"]):
+        store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=100 * i, topic=topic)]))
+    store.close()
+    assert sorted(p.name for p in (tmp_path / "consumequeue").iterdir()) == ["%LMQ%x", "%RETRY%group", "...", "a.b"]
