@@ -30,9 +30,7 @@ from indexcore.errors import CorruptEntryError, StoreError, StoreLayoutError
 from indexcore.indexservice import INDEX_DIR, IndexQueryDamaged, IndexService, QueryOffsetResult
 from indexcore.mappedfile import offset_to_file_name
 from indexcore.msgid import PORT_MAX, create_offset_msg_id, decode_offset_msg_id
-from indexcore.queuestore import ConsumeQueueStore
 from indexcore.reader import CommitLog
-from indexcore.retention import expired_queue_files
 
 LONG_MAX = 2**63 - 1
 MAX_FILTER_MESSAGE_UNITS = 16000 // 20  # getMessage looks at no more units than this (or maxMsgNums)
@@ -305,6 +303,10 @@ def query_queue(config: Config, topic: str, queue_id: int, offset: int, count: i
     CommitLog outgrows its memory ratio uses the smaller on-disk ones; that depends on its RAM). An LMQ is
     read as topic = its name, queue 0. A queue the output does not have is empty (NO_MESSAGE_IN_QUEUE), as
     the broker answers for it; `check_queue` tells it from a mistake."""
+    # numpy comes with these (the queue store's tables): query queue's start-up only, not every query's
+    from indexcore.queuestore import ConsumeQueueStore  # noqa: PLC0415
+    from indexcore.retention import expired_queue_files  # noqa: PLC0415
+
     _check_output(config)
     store = ConsumeQueueStore(config.output.dir, config.store.mapped_file_size_consume_queue, readonly=True)
     cq = store.queue(topic, queue_id)
