@@ -124,11 +124,12 @@ def test_gathered_appends_are_written_once_a_hold_old(tmp_path: Path) -> None:
 
 def test_appends_that_come_of_age_together_are_written_a_few_queues_a_batch(tmp_path: Path, monkeypatch) -> None:
     """10 queues gathered in one batch, all past `hold_seconds` at once: each later batch writes the appends of
-    the RELEASE_OLD_QUEUES (3 here) queues gathered first, not all 10 (`run` over 10,000 queues wrote thousands of
-    files in one batch every second), and the files end as if written at once."""
+    the RELEASE_OLD_QUEUES (3 here, and no share) queues gathered first, not all 10 (`run` over 10,000 queues
+    wrote thousands of files in one batch every second), and the files end as if written at once."""
     monkeypatch.setattr(queuestore, "RELEASE_OLD_QUEUES", 3, raising=False)
+    monkeypatch.setattr(queuestore, "RELEASE_CATCH_UP", 0.0, raising=False)  # the least only
     store = ConsumeQueueStore(str(tmp_path), 1000 * CQ_UNIT_SIZE)
-    store.hold_bytes, store.hold_seconds = 1 << 20, 0.0
+    store.hold_bytes, store.hold_seconds = 1 << 20, 1e-9
     queues = [f"T{i}" for i in range(10)]
     store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=i * 100, topic=t) for i, t in enumerate(queues)]))
     first = [tmp_path / "consumequeue" / t / "0" / f"{0:020d}" for t in queues]
