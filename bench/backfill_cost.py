@@ -13,6 +13,10 @@ CPU-seconds of the whole process tree (the reputd driver, the Spark JVM, the Pyt
                 process (driver, JVM, Python workers) and by task kind (decode and write task time)
     catalog     with --catalog: the same whole backfill again, writing a catalog too; its extra CPU per
                 message over the backfill without it, by process and by task kind
+    queues      with --many-queues DATA_SET: the fixed job and the whole backfill again on a data set of the
+                same messages over many more queues (2,000 topics x 8: 16,000 queues), their marginal cost
+                per message and its ratio to the 64 queues' (target <= 1.5x), by process and task kind; its
+                rebuild's cost, once
     serial      from Spark's event log of the whole backfill: over the jobs' window (first job submitted to
                 last job ended), the time when fewer tasks run than there are slots; the projected speedup at
                 16 and 64 slots is Amdahl's with the serial share of the one-slot work (the serial time
@@ -40,7 +44,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_suite import (  # noqa: E402
     COST_DATA_SET,
+    DATA_SET_TOPICS,
     DATA_SETS,
+    MANY_QUEUES_DATA_SET,
     REPUTD,
     TreeSampler,
     _prime_class_archive,
@@ -56,7 +62,9 @@ from bench.bench_suite import (  # noqa: E402
 FIXED_MESSAGES = 10_000
 DEFAULT_ROUNDS = 5
 KINDS = ("driver", "jvm", "python_workers")
-TARGETS = {"marginal_vs_rebuild": 2.0, "serial_fraction": 0.10, "fixed_cpu_s": 8.0, "catalog_extra_us": 1.0}
+TARGETS = {"marginal_vs_rebuild": 2.0, "serial_fraction": 0.10, "fixed_cpu_s": 8.0, "catalog_extra_us": 1.0,
+           "many_queues_ratio": 1.5}
+QUEUES_PER_TOPIC = 8  # every data set's (bench_suite.ensure_data_set)
 
 
 def kind_of(pid: int, root: int) -> str:
@@ -185,6 +193,9 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="of the data set's messages")
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--catalog", action="store_true", help="also measure what a catalog adds")
+    ap.add_argument("--many-queues", metavar="DATA_SET", choices=sorted(DATA_SETS),
+                    help=f"also measure the marginal cost on this data set of many queues ({MANY_QUEUES_DATA_SET}: "
+                         "16,000 queues, made once, ~8 min)")
     ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                     help=f"rounds of every run, interleaved; each figure is their median (default {DEFAULT_ROUNDS})")
     args = ap.parse_args()
@@ -192,13 +203,13 @@ def main() -> int:
         ap.error("--rounds must be at least 1")
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    result = measure(work, args.data_set, args.scale, args.master, args.catalog, args.rounds)
+    result = measure(work, args.data_set, args.scale, args.master, args.catalog, args.rounds, args.many_queues)
     print("\n".join(result["table"]))
     return 0 if result["identical"] else 1
 
 
 def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool,
-            rounds: int = DEFAULT_ROUNDS) -> dict:
+            rounds: int = DEFAULT_ROUNDS, many_queues: str | None = None) -> dict:
     """The cost table's figures (`table`: its Markdown lines), also written to WORK/backfill-cost.json.
 
     Every run is repeated `rounds` times, a round being the rebuild, the fixed job, the whole backfill and
@@ -209,26 +220,37 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool,
     while back to its host (`page_reporting` on the kernel's command line), and touching it again costs
     several times more (1 GiB written into page-cache pages: 1.06-1.20 s of system time after 10-30 s idle,
     against 0.23-0.27 right after the last GiB was freed), so a run's cost depends on what ran before it.
-    The median of five interleaved rounds is what a second `make bench` repeats."""
+    The median of five interleaved rounds is what a second `make bench` repeats. With `many_queues` (a data
+    set of the same messages over many queues) each round ends with its fixed job and whole backfill too."""
     slots = int(master.split("[")[1].split("]", maxsplit=1)[0].split(",", maxsplit=1)[0]) if "[" in master else 2
     store, messages = ensure_data_set(work, data_set, scale)
+    (work / "out").mkdir(exist_ok=True)  # the parent of every output here (a writing command makes only the last)
     reference = work / "out" / "cost-reference"
     config = write_config(work / "cost.yaml", store, reference)
     raw_read_seconds(store, commitlog_bytes(store)[1])
     _prime_class_archive(work, config)
     to = boundary_after(store, FIXED_MESSAGES)
+    many = prepare_many_queues(work, many_queues, scale) if many_queues else None
     runs = []
     for number in range(1, rounds + 1):
         r = one_round(work, config, reference, messages, master, slots, catalog, to)
+        if many is not None:
+            r["many"] = many_round(work, many, master, r["marginal_us"])
+            r["identical"] = r["identical"] and r["many"]["identical"]
         runs.append(r)
         extra = f", catalog +{r['with_catalog']['extra_us']:.3f} us" if catalog else ""
+        if many is not None:
+            extra += (f", at {many['queues']:,} queues marginal {r['many']['marginal_us']:.3f} us "
+                      f"({r['many']['ratio']:.2f}x)")
         print(f"round {number}/{rounds}: rebuild {r['rebuild_us']:.3f} us, fixed {r['fixed']['cpu']:.2f} CPU-s, "
               f"marginal {r['marginal_us']:.3f} us ({r['marginal_us'] / r['rebuild_us']:.2f}x), serial "
               f"{r['serial']['serial_fraction']:.1%}{extra}, identical {r['identical']}", flush=True)
     identical = all(r["identical"] for r in runs)
-    table = cost_table(runs, messages, master, slots, catalog)
+    table = cost_table(runs, messages, master, slots, catalog, many)
     result = {"scenario": "backfill-cost", "messages": messages, "master": master, "rounds": runs,
-              "median": medians(runs, catalog), "identical": identical, "catalog": catalog, "table": table}
+              "median": medians(runs, catalog), "identical": identical, "catalog": catalog, "table": table,
+              "many_queues": {k: v for k, v in many.items() if k in ("data_set", "messages", "queues", "rebuild_us",
+                                                                     "rebuild_cpu")} if many else None}
     (work / "backfill-cost.json").write_text(json.dumps(result, indent=2, default=str))
     return result
 
@@ -265,6 +287,42 @@ def one_round(work: Path, config: Path, reference: Path, messages: int, master: 
             "with_catalog": with_catalog}
 
 
+def prepare_many_queues(work: Path, data_set: str, scale: float) -> dict:
+    """The many-queue data set, its rebuild (the reference its backfills are compared with; its cost reported
+    once) and the boundary its fixed job stops at."""
+    store, messages = ensure_data_set(work, data_set, scale)
+    reference = work / "out" / "cost-reference-many"
+    config = write_config(work / "cost-many.yaml", store, reference)
+    raw_read_seconds(store, commitlog_bytes(store)[1])
+    shutil.rmtree(reference, ignore_errors=True)
+    _, _, sampler, cpu = run_sampled([*REPUTD, "rebuild", "--config", str(config), "--json"])
+    rebuild_cpu = max(cpu, sampler.cpu_seconds)
+    queues = DATA_SET_TOPICS.get(data_set, 8) * QUEUES_PER_TOPIC
+    print(f"rebuild at {queues:,} queues: {messages:,} messages, {rebuild_cpu:.2f} CPU-s, "
+          f"{1e6 * rebuild_cpu / messages:.3f} us/msg", flush=True)
+    return {"data_set": data_set, "store": store, "messages": messages, "config": config, "reference": reference,
+            "queues": queues, "to": boundary_after(store, FIXED_MESSAGES), "rebuild_cpu": rebuild_cpu,
+            "rebuild_us": 1e6 * rebuild_cpu / messages}
+
+
+def many_round(work: Path, many: dict, master: str, marginal_64: float) -> dict:
+    """The fixed job and the whole backfill of the many-queue data set (with event logs, as the others), their
+    marginal cost per message and its ratio to this round's 64-queue marginal; the output compared with its
+    rebuild."""
+    raw_read_seconds(many["store"], commitlog_bytes(many["store"])[1])  # from the page cache, as the others
+    fixed = backfill_run(many["config"], work / "out" / "cost-many-fixed", master, ["--to", str(many["to"])],
+                         work / "out" / "cost-events-many-fixed")
+    shutil.rmtree(work / "out" / "cost-many-fixed", ignore_errors=True)
+    full = backfill_run(many["config"], work / "out" / "cost-many-full", master, [], work / "out" / "cost-events-many")
+    identical = same_tree(many["reference"], work / "out" / "cost-many-full")
+    shutil.rmtree(work / "out" / "cost-many-full", ignore_errors=True)
+    marginal_us, parts, decode_us, write_us = per_message(full, fixed, many["messages"] - FIXED_MESSAGES)
+    print(f"at {many['queues']:,} queues: fixed {fixed['cpu']:.2f} CPU-s, full {full['cpu']:.2f} CPU-s, "
+          f"{full['wall']:.1f} s wall", flush=True)
+    return {"fixed": fixed, "full": full, "marginal_us": marginal_us, "marginal_parts_us": parts,
+            "decode_us": decode_us, "write_us": write_us, "ratio": marginal_us / marginal_64, "identical": identical}
+
+
 def _figures(runs: list[dict], catalog: bool) -> dict[str, list[float]]:
     """Each figure of the table, one value per round."""
     def each(f) -> list[float]:
@@ -294,6 +352,14 @@ def _figures(runs: list[dict], catalog: bool) -> dict[str, list[float]]:
         out[key] = each(lambda r, k=key: r["serial"][k])
     for place in ("start", "idle", "tails"):
         out[f"serial_{place}"] = each(lambda r, p=place: r["serial"]["serial_places_s"][p])
+    if all("many" in r for r in runs):
+        for key in ("marginal_us", "ratio", "decode_us", "write_us"):
+            out[f"many_{key}"] = each(lambda r, k=key: r["many"][k])
+        out["many_full_cpu"] = each(lambda r: r["many"]["full"]["cpu"])
+        out["many_full_wall"] = each(lambda r: r["many"]["full"]["wall"])
+        out["many_fixed_cpu"] = each(lambda r: r["many"]["fixed"]["cpu"])
+        for kind in KINDS:
+            out[f"many_{kind}"] = each(lambda r, k=kind: r["many"]["marginal_parts_us"][k])
     if catalog:
         out["catalog_extra_us"] = each(lambda r: r["with_catalog"]["extra_us"])
         out["catalog_cpu"] = each(lambda r: r["with_catalog"]["cpu"])
@@ -309,7 +375,8 @@ def medians(runs: list[dict], catalog: bool) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in _figures(runs, catalog).items()}
 
 
-def cost_table(runs: list[dict], messages: int, master: str, slots: int, catalog: bool) -> list[str]:
+def cost_table(runs: list[dict], messages: int, master: str, slots: int, catalog: bool,
+               many: dict | None = None) -> list[str]:
     """The Markdown table: each figure the median of the rounds; the targeted ones with every round's value
     and how many rounds met the target."""
     fig = _figures(runs, catalog)
@@ -360,6 +427,15 @@ def cost_table(runs: list[dict], messages: int, master: str, slots: int, catalog
             f"{peak['jvm']} (default driver memory), Python worker {peak['python_worker']}; by process: driver "
             f"{m['catalog_driver']:.3f}, JVM {m['catalog_jvm']:.3f}, Python workers {m['catalog_python_workers']:.3f}; "
             f"task time: decode {m['catalog_decode_us']:.3f}, write {m['catalog_write_us']:.3f}"))
+    if many is not None:
+        rows.append((
+            f"marginal at {many['queues']:,} queues (2,000 topics x 8, same messages)",
+            f"**{span('many_marginal_us', '.3f', ' us')}, {span('many_ratio', '.2f', 'x')} the 64 queues'**",
+            f"target <= {TARGETS['many_queues_ratio']}x, {rounds('many_ratio', '.2f', TARGETS['many_queues_ratio'])}; "
+            f"whole backfill {m['many_full_cpu']:.1f} CPU-s, {m['many_full_wall']:.1f} s wall; fixed job "
+            f"{m['many_fixed_cpu']:.2f} CPU-s; by process: driver {m['many_driver']:.3f}, JVM {m['many_jvm']:.3f}, "
+            f"Python workers {m['many_python_workers']:.3f}; task time: decode {m['many_decode_us']:.3f}, write "
+            f"{m['many_write_us']:.3f}; its rebuild {many['rebuild_us']:.3f} us (once)"))
     head = "median of 1 round" if n == 1 else f"median of {n} rounds (range)"
     return [f"| {messages:,} messages, `{master}` | CPU per message, {head} | note |",
             "|---|---:|---|", *(f"| {r[0]} | {r[1]} | {r[2]} |" for r in rows), "",

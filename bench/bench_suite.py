@@ -34,7 +34,8 @@ Scenarios (default store sizes unless said: 1 GiB CommitLog segments, 6,000,000-
                      messages, 7 segments of 1 GiB): CPU-seconds of the process tree for
                      the rebuild, a 10,000-message job and the whole data set on local[2], the marginal cost and
                      its parts, the serial fraction from Spark's event log and the projected speedup at 16/64,
-                     and what a catalog (`--catalog`) adds per message
+                     what a catalog (`--catalog`) adds per message, and the marginal cost again on the same
+                     messages over 2,000 topics x 8 queues (16,000 queues) against the 64 queues' (target 1.5x)
     retention-life   an accelerated life (bench/retention_life.py, 15 minutes): 4 MiB segments, 10,000 queues,
                      restarts across retention gaps; how long expired files wait, the output against what the
                      live window needs
@@ -90,6 +91,8 @@ DATA_SETS = {
     "256b-1key": (2_000_000, 256, 1, 0, 0),
     # issue 29's store: 7 segments of 1 GiB (the last part-filled), ~435-byte records (backfill-cost)
     "256b-1key-16m": (16_000_000, 256, 1, 0, 0),
+    # the same messages over 2,000 topics x 8 queues (16,000 queues: backfill-cost's many-queue variant)
+    "256b-1key-16m-16kq": (16_000_000, 256, 1, 0, 0),
     "256b-3keys": (2_000_000, 256, 3, 0, 0),
     "4k-1key": (500_000, 4096, 1, 0, 0),
     "256b-1key-lmq3": (2_000_000, 256, 1, 1_000, 3),
@@ -106,8 +109,10 @@ REBUILDS = {
     "rebuild-lmq100k": ("256b-1key-lmq100k", LMQ_ENV, 1),
 }
 COST_DATA_SET = "256b-1key-16m"  # backfill-cost runs on the 16M-message store of issue 29's figures
+MANY_QUEUES_DATA_SET = "256b-1key-16m-16kq"  # and its many-queue variant on the same messages over 16,000 queues
 LMQ_BASELINE = "rebuild"  # what rebuild-lmq3 is compared with (the same messages without LMQ)
 TOPICS = ",".join(f"BenchTopic{i}" for i in range(8))
+DATA_SET_TOPICS = {"256b-1key-16m-16kq": 2_000}  # topics (of 8 queues each) of a data set; 8 unless named here
 QUERY_MESSAGES = 10_000_000  # UNIQ_KEY + 1 KEY each: 20,000,000 keys, one full IndexFile
 CLI_QUERIES = 300  # `reputd query key` processes timed, process start to answer
 CLI_P50_MS, CLI_P99_MS = 80, 120  # the targets operators were promised (issue 12)
@@ -214,8 +219,9 @@ def ensure_data_set(work: Path, name: str, scale: float) -> tuple[Path, int]:
     config = write_config(work / f"produce-{name}.yaml", store, work / "unused")
     print(f"producing {name}: {messages:,} messages ...", flush=True)
     lmq = ["--lmq-queues", str(lmq_queues), "--lmq-per-message", str(lmq_per_message)] if lmq_queues else []
+    topics = ",".join(f"BenchTopic{i}" for i in range(DATA_SET_TOPICS[name])) if name in DATA_SET_TOPICS else TOPICS
     wall, _, _ = run_measured([*REPUTD, "produce", "--config", str(config), "--messages", str(messages),
-                               "--body-size", str(body), "--keys", str(keys), "--topics", TOPICS, "--queues", "8",
+                               "--body-size", str(body), "--keys", str(keys), "--topics", topics, "--queues", "8",
                                *lmq], LMQ_ENV if lmq_queues else None)
     marker.write_text(json.dumps({"messages": messages, "seconds": round(wall, 1)}))
     return store, messages
@@ -228,6 +234,7 @@ def bench_rebuild(work: Path, scenario: str, scale: float, repeat: int) -> dict:
     store, messages = ensure_data_set(work, data, scale)
     outs = work / "out" / scenario
     shutil.rmtree(outs, ignore_errors=True)
+    outs.mkdir(parents=True)  # a writing command creates its output directory only when its parent exists
     runs = []
     # Each run writes a directory of its own, all removed after the last: ext4 without a journal (this
     # machine's root) passes over inodes freed in the last minute when it allocates one, so the thousands of
@@ -740,7 +747,7 @@ def main() -> int:
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, _interrupted)  # so each scenario's `finally` stops its servers and cluster
     work = args.workdir.resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    (work / "out").mkdir(parents=True, exist_ok=True)  # the parent of every scenario's output
     scale = 0.1 if args.quick else 1.0
     wanted = args.only.split(",")
     results: list[dict] = []
@@ -786,7 +793,7 @@ def main() -> int:
         from bench.backfill_cost import DEFAULT_ROUNDS, measure  # noqa: PLC0415
 
         cost = measure(work, COST_DATA_SET, scale, "local[2]", catalog=True,
-                       rounds=1 if args.quick else DEFAULT_ROUNDS)
+                       rounds=1 if args.quick else DEFAULT_ROUNDS, many_queues=MANY_QUEUES_DATA_SET)
     if "retention-life" in wanted:
         from bench.retention_life import bench_retention_life  # noqa: PLC0415
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from indexcore import _kernels
 from indexcore.batchdecode import (
     CATALOG_FIELD_ROWS,
     CATALOG_FIELDS,
@@ -117,27 +118,27 @@ def decode_segment(buf, start: int, *, segment_offset: int, segment_size: int, m
             error = entry_error(w.error, *w.details)
         else:
             error = multi_dispatch_error(w.error, *w.details)
-    topics: list[str] = []
-    for at, length, first, role in w.topics[:, [T_AT, T_LEN, T_FIRST, T_ROLE]].tolist():  # first appearance
-        if first >= rec.shape[1]:  # met in a record the kernel did not take
-            topics.append("")
-            continue
+    found = w.topics[:, [T_AT, T_LEN, T_FIRST, T_ROLE]]  # each topic's first appearance
+    taken = rec.shape[1]
+    # the names checked in earlier windows, looked up in one call; the others are checked here
+    topics: list[str] = _kernels.known_names(buf, np.ascontiguousarray(found[:, 0]), np.ascontiguousarray(found[:, 1]),
+                                             names) if names is not None else [None] * len(found)
+    for i in np.flatnonzero(found[:, 2] >= taken).tolist():  # met in a record the kernel did not take
+        topics[i] = ""
+    for i in [i for i, known in enumerate(topics) if known is None]:
+        at, length, first, role = found[i].tolist()
         raw = bytes(buf[at : at + length])
-        known = names.get(raw) if names is not None else None
-        if known is not None:
-            topics.append(known)
-            continue
         magic = RECORD_PREFIX.unpack_from(buf, int(rec[R_PHY, first]) - base)[1]
         try:
-            topics.append(check_queue_name(raw) if role == ROLE_MULTI_DISPATCH else check_topic(raw, magic))
+            topics[i] = check_queue_name(raw) if role == ROLE_MULTI_DISPATCH else check_topic(raw, magic)
             if names is not None and len(raw) <= MAX_TOPIC_LENGTH_V1:  # safe as a v1 topic and as a name
                 if len(names) >= MAX_KNOWN_NAMES:
                     names.clear()
-                names[raw] = topics[-1]
+                names[raw] = topics[i]
         except CorruptRecordError as e:
             if first < n:
                 n, stop, error = first, STOP_ERROR, e
-            topics.append("")
+            topics[i] = ""
     tags_code = rec[R_TAGS_CODE, :n].copy()
     if SCHEDULE_TOPIC in topics:
         delay_table = delay_table or DelayLevelTable()

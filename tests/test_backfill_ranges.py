@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 
 from daemon.backfill import ranges as ranges_module
+from daemon.backfill import stage as stage_module
 from daemon.backfill.plan import BackfillFailed, Reread, walk_ranges
 from daemon.backfill.ranges import DecodeSettings, decode_range, plan_ranges
 from daemon.backfill.source import LOCAL, S3Options, SegmentDir, SegmentListing, open_image
-from daemon.backfill.stage import QUEUE_BUCKETS, StagedRange
+from daemon.backfill.stage import StagedRange
 from daemon.backfill.tasks import reread as _reread
 from daemon.config import ON_CORRUPTION_SKIP_SEGMENT, ON_CORRUPTION_STOP
 from indexcore.dispatch import DEFAULT_MESSAGE_DELAY_LEVEL
 from indexcore.errors import StoreLayoutError
-from indexcore.queuestore import consume_queue_units
+from indexcore.queuestore import consume_queue_units, consume_queue_units_flat
 from indexcore.reader import CommitLog, CommitLogReader, ReadStatus
 from tests.backfill_stores import corrupt_record, tear_tail, write_forged_store
 
@@ -55,10 +56,8 @@ def staged_rows(outcome) -> tuple[dict, list]:
     """A range's staged units (by queue: (queue offset, unit)) and keys (hash, phy, store time)."""
     staged = StagedRange(outcome.stage_dir)
     queues = {}
-    for q in staged.queues(range(QUEUE_BUCKETS)):
-        for _, first_qo, units, _ in staged.unit_runs(q):
-            queues.setdefault(q, []).extend(zip(range(first_qo, first_qo + len(units)),
-                                                units.astype(">i8,>i4,>i8").tolist(), strict=True))
+    for q, units, queue_offset in staged.queue_units():
+        queues.setdefault(q, []).extend(zip(queue_offset.tolist(), units.astype(">i8,>i4,>i8").tolist(), strict=True))
     k = staged.keys(0, outcome.keys)
     keys = list(zip(k["hash"].tolist(), k["phy"].tolist(), k["ts"].tolist(), strict=True))
     staged.close()
@@ -282,8 +281,8 @@ def test_the_search_step_does_not_change_the_ranges(forged, monkeypatch, step):
 
 
 def test_a_decoded_range_keeps_none_of_its_unit_arrays(forged, monkeypatch):
-    """A worker decodes range after range: once a range's batches are gone, so is every unit array its
-    windows grouped. pyarrow holds on to buffer-protocol objects handed to `pa.array`; the rows' unit slices
+    """A worker decodes range after range: once a range's batches are gone, so is every unit array it
+    grouped. pyarrow holds on to buffer-protocol objects handed to `pa.array`; the rows' unit slices
     went that way, and a worker grew by a window's units with every range (175 MiB after 16 ranges)."""
     import gc
     import weakref
@@ -292,11 +291,11 @@ def test_a_decoded_range_keeps_none_of_its_unit_arrays(forged, monkeypatch):
     grouped = []
 
     def watched(batch):
-        for q in consume_queue_units(batch):
-            grouped.append(weakref.ref(q.units.base if q.units.base is not None else q.units))
-            yield q
+        flat = consume_queue_units_flat(batch)
+        grouped.append(weakref.ref(flat.units))
+        return flat
 
-    monkeypatch.setattr(ranges_module, "consume_queue_units", watched)
+    monkeypatch.setattr(stage_module, "consume_queue_units_flat", watched)
     listing = SegmentListing([SegmentDir(LOCAL, str(commitlog))], SEGMENT)
     units = 0
     for task in plan_ranges(listing.segments, SEGMENT, 0, None, 30_000)[:20]:

@@ -243,6 +243,33 @@ def test_batch_stops_before_the_first_record_of_an_unsafe_topic() -> None:
     assert len(result.batch.key_hash) == 1
 
 
+def test_names_checked_once_are_looked_up_in_one_call_and_unsafe_ones_never_kept(monkeypatch) -> None:
+    """With a reader's `names`, a window's topics checked in an earlier window come from one `known_names`
+    call (not checked again); an unsafe name is never kept, so it stops the batch in every window."""
+    from indexcore import reader
+
+    records, pos = [], 0
+    for topic in ["ok", "other", "ok", "../x"]:
+        records.append(_record(topic, pos, {}))
+        pos += records[-1].total_size
+    image = _segment(records, pos + 4096)
+    checked = []
+    real = reader.check_topic
+    monkeypatch.setattr(reader, "check_topic", lambda raw, magic: checked.append(raw) or real(raw, magic))
+    names: dict[bytes, str] = {}
+    for _ in range(2):
+        checked.clear()
+        result = decode_segment(image, 0, segment_offset=0, segment_size=len(image), max_bytes=len(image),
+                                names=names)
+        assert [result.batch.topic_of(i) for i in range(len(result.batch))] == ["ok", "other", "ok"]
+        assert result.error.field == "topic"
+    assert checked == [b"../x"]  # the second window checked only the name it could not keep
+    assert names == {b"ok": "ok", b"other": "other"}
+    assert _kernels.known_names(b"okay", np.array([0, 2]), np.array([2, 2]), {b"ok": 1}) == [1, None]
+    with pytest.raises(ValueError, match="outside the image"):
+        _kernels.known_names(b"ok", np.array([1]), np.array([2]), {})
+
+
 @pytest.mark.parametrize(("change", "message"), [
     (dict(entries_at=41), "do not fit"),
     (dict(index_count=0), "do not fit"),

@@ -883,7 +883,8 @@ def test_consume_queue_units_orders_each_queue_as_the_broker_puts(tmp_path: Path
 @pytest.mark.parametrize("seed", range(12))
 def test_grouping_by_counting_equals_grouping_by_sorting(tmp_path: Path, seed: int, monkeypatch) -> None:
     """consume_queue_units' two ways, the C counting sort and the numpy stable sort (for batches with too
-    many queue keys), give the same groups, units and streak flags."""
+    many queue keys), give the same groups, units and streak flags; each way's flat arrays
+    (consume_queue_units_flat) hold every unit once, group after group in the order of their queue keys."""
     import indexcore.queuestore as cq
 
     rng = random.Random(seed)
@@ -897,12 +898,21 @@ def test_grouping_by_counting_equals_grouping_by_sorting(tmp_path: Path, seed: i
         return [(g.topic, g.queue_id, g.queue_offset.tolist(), g.units.tobytes(), g.ends.tolist(), g.one_streak)
                 for g in sorted(groups, key=lambda g: (g.topic, g.queue_id))]
 
+    def whole(f):
+        assert f.bounds[0] == 0
+        assert f.bounds[-1] == len(f.units) == len(f.queue_offset) == len(f.ends)
+        assert (np.diff(f.bounds) > 0).all()
+        keys = list(zip(f.topic_index.tolist(), f.queue_id.tolist(), strict=True))
+        assert keys == sorted(set(keys))
+
     while True:
         res = reader.read(offset)
         counted = flat(consume_queue_units(res.batch))
+        whole(cq.consume_queue_units_flat(res.batch))
         with monkeypatch.context() as m:
             m.setattr(cq, "MAX_QUEUE_KEYS", 0)
             assert flat(consume_queue_units(res.batch)) == counted
+            whole(cq.consume_queue_units_flat(res.batch))
         offset = res.next_offset
         if res.status is not ReadStatus.OK:
             break

@@ -6,9 +6,10 @@ written all of them does it link each into place. A failed, retried or speculati
 leaves nothing partial in the output: its staging directory is removed, and the job removes the whole
 staging tree when it ends.
 
-A file is put in place with `link(2)`, which fails instead of replacing a file that exists; the file
-that exists is never replaced, since someone may have it mapped (a live daemon writing the same
-ConsumeQueue). Then:
+A queue the output does not hold yet is put in place whole, its directory renamed (`rename(2)` of a
+directory fails when one with entries is there). Any other file is put in place with `link(2)`, which fails
+instead of replacing a file that exists; the file that exists is never replaced, since someone may have it
+mapped (a live daemon writing the same ConsumeQueue). Then:
 * a ConsumeQueue file is *merged*: every real unit of the staged file must land on a pre-blank unit
   (0, 0x7FFFFFFF, 0) or on the same unit, and is written in place. This is how a backfill fills the
   blank head of the first file of a daemon that started later in the same queue; a zero (unwritten)
@@ -84,6 +85,24 @@ def _link(staged: str, final: str) -> bool:
     return True
 
 
+def _rename_dir(staged: str, final: str) -> bool:
+    """Put the directory `staged` at `final` unless a directory with entries (or anything else) is there."""
+    for attempt in (0, 1):
+        try:
+            os.rename(staged, final)
+            return True
+        except FileNotFoundError:
+            if attempt or not os.path.isdir(staged):
+                raise
+            os.makedirs(os.path.dirname(final), exist_ok=True)  # the topic's first queue in the output
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.EXDEV, errno.EPERM,
+                           errno.EACCES, errno.EBUSY, errno.EINVAL):
+                return False
+            raise
+    return False
+
+
 def _units(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).reshape(-1, CQ_UNIT_SIZE)
 
@@ -139,9 +158,22 @@ def commit_queue_file(staged: str, final: str, new_offsets: list | None = None) 
     return MERGED
 
 
-def commit_queue_dir(staged_dir: str, final_dir: str, new_offsets: list | None = None) -> dict[str, int]:
-    """Commit every file of one staged queue; counts by outcome (`new_offsets`: as commit_queue_file)."""
+def commit_queue_dir(staged_dir: str, final_dir: str, files: int | None = None,
+                     new_offsets: list | None = None) -> dict[str, int]:
+    """Commit one staged queue (`files`: how many files it has, when known); counts by outcome. A queue the
+    output does not hold yet is renamed into place whole: rename(2) of a directory fails when a directory
+    with entries is there (and replaces only an empty one), so no file is replaced, and one call does what a
+    directory made, a link and an unlink per file did (16,000 queues: 18,000 mkdir at ~100 us each here).
+    A queue the output holds has each file linked or merged (`commit_queue_file`). `new_offsets`: as
+    commit_queue_file's (a queue renamed into place puts every unit of its files)."""
     counts = file_counts()
+    if _rename_dir(staged_dir, final_dir):
+        if new_offsets is not None:
+            for _, path in list_queue_files(final_dir):
+                with open(path, "rb") as f:
+                    new_offsets.append(_real_offsets(_units(f.read())))
+        counts[LINKED] += len(list_queue_files(final_dir)) if files is None else files
+        return counts
     for _, path in list_queue_files(staged_dir):
         counts[commit_queue_file(path, os.path.join(final_dir, os.path.basename(path)), new_offsets)] += 1
     return counts

@@ -27,8 +27,10 @@ from daemon.backfill.plan import (
     plan_index_files,
     walk_ranges,
 )
+from daemon.backfill.queuewriter import QueueWork
 from daemon.backfill.ranges import DecodeSettings, RangeOutcome, RangeTask
 from daemon.backfill.source import S3Options, SegmentListing
+from daemon.backfill.stage import QUEUE_BUCKETS
 from daemon.backfill.tasks import (
     CATALOG_FILES,
     INDEX_FILES,
@@ -42,7 +44,6 @@ from daemon.backfill.writers import (
     CatalogWork,
     Fault,
     IndexWork,
-    QueueWork,
     StagedIndexChunk,
     WriteStats,
     assemble_index_file,
@@ -71,12 +72,20 @@ def balanced(weights: Mapping, parts: int) -> list[list]:
 
 
 def queue_work(ranges: Sequence[RangeOutcome], dirs: tuple[str, ...], parts: int) -> list[QueueWork]:
-    """Whole queues in `parts` groups of queue buckets balanced by units."""
-    units: dict[int, int] = {}
+    """Whole queues in at most `parts` spans of queue buckets balanced by units: a span is one slice of each
+    range's staged units (`stage.py` stages them in bucket order), so each task reads only its own."""
+    units = np.zeros(QUEUE_BUCKETS, dtype=np.int64)
     for o in ranges:
         for b, n in o.bucket_units.items():
-            units[b] = units.get(b, 0) + n
-    return [QueueWork(dirs, frozenset(g)) for g in balanced(units, parts)]
+            units[b] += n
+    total = int(units.sum())
+    if total == 0:
+        return []
+    before = np.concatenate(([0], np.cumsum(units)))
+    # cut where the units before a bucket pass each part's share; a bucket heavier than a share is a span alone
+    cuts = np.searchsorted(before, total * np.arange(1, parts) / parts, side="left")
+    edges = sorted({0, QUEUE_BUCKETS, *cuts.tolist()})
+    return [QueueWork(dirs, (a, b)) for a, b in itertools.pairwise(edges) if before[b] > before[a]]
 
 
 # keys of an IndexFile one task puts: a full file (20,000,000 keys by default) is cut into chunks that run in
@@ -284,7 +293,8 @@ class Phases:
         for n, q in enumerate(queues):
             self._broker_check()
             for k, v in commit_queue_dir(q.directory, os.path.join(self.out, CONSUME_QUEUE_DIR, q.topic,
-                                                                   str(q.queue_id)), new_offsets).items():
+                                                                   str(q.queue_id)), q.files,
+                                         new_offsets).items():
                 counts[k] += v
             self._put(n + 1, len(queues), 0, len(names))
         if build_cq:

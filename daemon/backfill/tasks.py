@@ -20,16 +20,15 @@ from pyspark import TaskContext
 
 from daemon.backfill.commit import attempt_dir, remove_tree
 from daemon.backfill.plan import Reread
+from daemon.backfill.queuewriter import QueueWork, write_queues
 from daemon.backfill.ranges import LIMIT, DecodeSettings, decode_range
 from daemon.backfill.writers import (
     Attempt,
     CatalogWork,
     Fault,
-    QueueWork,
     write_catalog,
     write_index_chunk,
     write_index_files,
-    write_queues,
 )
 
 QUEUES, INDEX_FILES, CATALOG_FILES = "queues", "index", "catalog"  # the kinds of result rows

@@ -4,11 +4,8 @@ Every decode task staged its range's output as files (`stage.py`); a writer task
 the work by the driver and reads those files range after range in CommitLog order, so nothing is
 shuffled, sorted or spilled, and the JVM never sees the bytes.
 
-* ConsumeQueue (`QueueWork`): the whole queues of a group of buckets, balanced by units over the tasks.
-  Each queue's runs are read range after range (in a range they are in put order: a name repeated in one record starts a
-  second run at the same offset, staged after the first) and handed to `ConsumeQueue.put_packed`, the
-  broker's rules (pre-blank, repeats, out-of-order appends, offset-0 appends of multi-dispatch units)
-  included. LMQ queues (`%LMQ%name`, queue 0) are queues like any other.
+* ConsumeQueue (`queuewriter.QueueWork`): the whole queues of a span of buckets, balanced by units over the
+  tasks (`queuewriter.py`).
 * IndexFile (`IndexWork`): one file. It reads its seed (the end values of the one before: physical offset
   and store time of the previous key) and the store time of the record that creates it from the previous
   key, then puts its own keys with `IndexFile.put_keys`. The file is staged under its number; the driver
@@ -46,7 +43,6 @@ from indexcore.indexfile import (
 )
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import pwrite_all
-from indexcore.queuestore import ConsumeQueueStore
 
 
 class InjectedFault(RuntimeError):
@@ -102,14 +98,6 @@ class WriteStats:
             self.files[k] = self.files.get(k, 0) + v
 
 
-# --- ConsumeQueue ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class QueueWork:
-    ranges: tuple[str, ...]  # the dispatched ranges' staging directories, in CommitLog order
-    buckets: frozenset[int]  # the queue buckets (stage.queue_bucket) whose queues this task writes
-
-
 @dataclass(frozen=True, slots=True)
 class IndexWork:
     plan: IndexFilePlan
@@ -126,57 +114,6 @@ class CatalogWork:
     covered: tuple[tuple[int, int], ...] = ()  # CommitLog ranges the catalog holds already: rows there are left out
 
 
-@dataclass(slots=True)
-class StagedQueue:
-    topic: str
-    queue_id: int
-    directory: str
-    first_phy: int  # CommitLog offset of the queue's first unit in this backfill
-
-
-def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: Attempt,
-                 fault: Fault | None = None) -> tuple[WriteStats, list[StagedQueue]]:
-    """Build the queues of `work` in `stage_dir`, each from its runs range after range."""
-    stats = WriteStats()
-    store = ConsumeQueueStore(stage_dir, file_size)
-    staged: list[StagedQueue] = []
-    started = time.perf_counter()
-    ranges = [StagedRange(d) for d in work.ranges]
-    try:
-        queues = sorted({q for r in ranges for q in r.queues(work.buckets)})
-        for topic, queue_id in queues:
-            cq = None
-            for r in ranges:
-                for phy, first_qo, units, streak in r.unit_runs((topic, queue_id)):
-                    if cq is None:
-                        cq = store.queue(topic, queue_id)
-                        staged.append(StagedQueue(topic, queue_id, cq.directory, phy))
-                    count = len(units)
-                    ends = units["commit_log_offset"].astype(np.int64) + units["msg_size"]
-                    put = cq.put_packed(np.arange(first_qo, first_qo + count, dtype=np.int64), units, ends, streak)
-                    stats.units += put.written
-                    stats.already_built += put.already_built
-                    stats.gap_blanks += put.gap_blanks
-            if cq is not None:
-                _done_with(store, cq)
-        store.close()
-    finally:
-        for r in ranges:
-            r.close()
-    stats.queues = len(staged)
-    stats.seconds = time.perf_counter() - started
-    if fault is not None:
-        fault.check("consumequeue", "staged", attempt.attempt_number)
-    return stats, staged
-
-
-def _done_with(store: ConsumeQueueStore, cq) -> None:
-    """A queue is built whole before the next: once done it is closed and forgotten, so a task holds one
-    queue's descriptors and state at a time, however many (LMQ) queues its group has."""
-    cq.close()
-    del store.queues[(cq.topic, cq.queue_id)]
-
-
 # --- IndexFile ---------------------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -188,11 +125,14 @@ class StagedIndexFile:
 
 
 def _keys(work: IndexWork, lo: int, hi: int, ranges: dict[str, StagedRange]) -> Iterator[np.ndarray]:
-    """Global keys [lo, hi) from the ranges that hold them, range by range (KEY_DTYPE)."""
+    """Global keys [lo, hi) from the ranges that hold them, range by range (KEY_DTYPE): views of the staged
+    files, whose pages are unmapped once the caller asks for the next range's (`StagedRange.release`: a task
+    putting an IndexFile's 20,000,000 keys otherwise ends with 560 MB of them in its RSS)."""
     for directory, base, count in work.sources:
         a, b = max(lo, base), min(hi, base + count)
         if a < b:
             yield ranges[directory].keys(a - base, b - base)
+            ranges[directory].release()
 
 
 def write_index_files(work: IndexWork, *, stage_dir: str, hash_slot_num: int, index_num: int,
