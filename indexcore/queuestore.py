@@ -49,6 +49,15 @@ OPEN_QUEUE_FILES = 512
 # Appends a store gathers (`ConsumeQueueStore.hold_bytes`) are all written once the batches' arrays of units
 # they keep alive come to this many bytes (a piece is a slice of its batch's array, never a copy).
 HELD_BYTES_BUDGET = 64 * 1024 * 1024
+# A dispatch writes the gathered appends of the queues that came of age (`hold_seconds`), those gathered first, at
+# most the share of the holding queues that come of age in the time since the last batch, times RELEASE_CATCH_UP,
+# and at least RELEASE_OLD_QUEUES; the others wait for the next batches. `run` over 10,000 queues, each written
+# every second, gathers the first append of nearly every queue in the same batch after a release: they all came of
+# age together, and one batch (or the flusher, under the dispatch lock) wrote 5,000-10,000 files at once, an open,
+# a pwritev and a close each outside the descriptor set: 50 ms to 5.9 s, the p99 append-to-dispatch latency of
+# about 1 s. Spread over the batches they stay spread.
+RELEASE_OLD_QUEUES = 64
+RELEASE_CATCH_UP = 2.0
 
 
 class QueueUnits(NamedTuple):
@@ -260,6 +269,7 @@ class ConsumeQueueStore:
         # in that time, and its file lags its dispatch by no more)
         self.hold_seconds: float | None = None
         self._topic_dirs: set[str] = set()  # topics whose directory this store has seen or made
+        self.last_put = float("-inf")  # when `dispatch` last put units (time.monotonic)
 
     def load(self) -> None:
         """Open and recover every queue directory that exists (`DefaultMessageStore.loadConsumeQueue`)."""
@@ -411,14 +421,19 @@ class ConsumeQueueStore:
         t.max_phy[fs] = g.ends[fhi - 1]
         t.dirty[fs] = True
         stats.written += int(count.sum())
-        now = time.monotonic()
+        now, since = time.monotonic(), self.last_put
+        self.last_put = now
         t.gather(g.units, fs, flo, fhi, fat, now)
         if self.hold_bytes:
             full = fs[t.held[fs] >= self.hold_bytes]
             if len(full):
                 t.release(full)
             if self.hold_seconds is not None:
-                t.release_older(now - self.hold_seconds)
+                elapsed = now - since  # inf for the first batch
+                finite = self.hold_seconds > 0 and elapsed < float("inf")
+                share = RELEASE_CATCH_UP * elapsed / self.hold_seconds if finite else 1.0
+                most = None if share >= 1 else max(RELEASE_OLD_QUEUES, int(share * np.count_nonzero(t.held[: len(t)])))
+                t.release_older(now - self.hold_seconds, most)
 
     @property
     def touched(self) -> np.ndarray:

@@ -122,11 +122,16 @@ class QueueTable:
             return None
         return int(self.held_phy[self._slot[: self._n]].min())
 
-    def release_older(self, before: float) -> None:
-        """`release` the queues whose first gathered piece was gathered before `before` (on `gather`'s clock)."""
+    def release_older(self, before: float, most: int | None = None) -> None:
+        """`release` the queues whose first gathered piece was gathered before `before` (on `gather`'s clock);
+        with `most`, only the `most` of them whose first pieces are the oldest: the others wait for the next call."""
         old = int(np.searchsorted(self._time[: self._n], before, side="left"))
-        if old:
-            self.release(np.unique(self._slot[:old]))
+        if not old:
+            return
+        slots, first = np.unique(self._slot[:old], return_index=True)
+        if most is not None and len(slots) > most:
+            slots = slots[np.sort(np.argsort(first, kind="stable")[:most])]
+        self.release(slots)
 
     def release(self, slots: np.ndarray | None = None) -> None:
         """Hand the gathered appends of `slots` (of every queue when None) to their descriptor sets' deferred

@@ -13,6 +13,7 @@ import pytest
 
 from daemon.config import load_config
 from daemon.engine.dispatchers import ConsumeQueueDispatcher
+from indexcore import queuestore
 from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE, PutStats
 from indexcore.errors import StoreLayoutError
 from indexcore.queuefiles import ConsumeQueue
@@ -119,6 +120,54 @@ def test_gathered_appends_are_written_once_a_hold_old(tmp_path: Path) -> None:
     assert not any(path.read_bytes()[CQ_UNIT_SIZE:])  # young
     store.close()
     assert CQ_UNIT.unpack_from(path.read_bytes(), CQ_UNIT_SIZE) == (300, 100, 0)
+
+
+def test_appends_that_come_of_age_together_are_written_a_few_queues_a_batch(tmp_path: Path, monkeypatch) -> None:
+    """10 queues gathered in one batch, all past `hold_seconds` at once: each later batch writes the appends of
+    the RELEASE_OLD_QUEUES (3 here, and no share) queues gathered first, not all 10 (`run` over 10,000 queues
+    wrote thousands of files in one batch every second), and the files end as if written at once."""
+    monkeypatch.setattr(queuestore, "RELEASE_OLD_QUEUES", 3, raising=False)
+    monkeypatch.setattr(queuestore, "RELEASE_CATCH_UP", 0.0, raising=False)  # the least only
+    store = ConsumeQueueStore(str(tmp_path), 1000 * CQ_UNIT_SIZE)
+    store.hold_bytes, store.hold_seconds = 1 << 20, 1e-9
+    queues = [f"T{i}" for i in range(10)]
+    store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=i * 100, topic=t) for i, t in enumerate(queues)]))
+    first = [tmp_path / "consumequeue" / t / "0" / f"{0:020d}" for t in queues]
+
+    def written() -> list[bool]:
+        return [CQ_UNIT.unpack_from(p.read_bytes()) == (i * 100, 100, 0) for i, p in enumerate(first)]
+
+    seen = [written()]
+    for n in range(4):  # a batch to another queue each time
+        store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=(10 + n) * 100, topic="Z", queue_offset=n)]))
+        seen.append(written())
+    assert [sum(w) for w in seen] == [0, 3, 6, 9, 10]  # gathered, then 3 a batch
+    assert seen[1] == [True] * 3 + [False] * 7  # the oldest first
+    store.close()
+    assert all(written())
+
+
+def test_a_flush_plan_writes_aged_appends_only_when_the_dispatch_pauses(tmp_path: Path) -> None:
+    """While batches come, the flusher's plan (under the dispatch lock) leaves the aged appends of queues it does
+    not sync to the batches; once none came for `hold_seconds`, it writes them itself."""
+    d = _dispatcher(tmp_path)
+    queues = [f"T{i}" for i in range(5)]
+    d.dispatch(make_dispatch_batch([DispatchRec(phy_offset=i * 100, topic=t) for i, t in enumerate(queues)]))
+    d.flush()
+    d.queues.hold_seconds = 3600.0
+    d.dispatch(make_dispatch_batch([DispatchRec(phy_offset=(5 + i) * 100, topic=t, queue_offset=1)
+                                    for i, t in enumerate(queues)]))
+    paths = [tmp_path / "out" / "consumequeue" / t / "0" / f"{0:020d}" for t in queues]
+    d.queues.hold_seconds = 0.0  # all of them aged: as if the batch came a hold ago ...
+    d.queues.last_put = time.monotonic() + 3600  # ... and the dispatch went on since
+    plan = d.prepare_flush(thorough=False, least_pages=2)  # no queue has 2 dirty pages: none synced
+    assert plan.paths == []
+    assert not plan.complete
+    assert not any(any(p.read_bytes()[CQ_UNIT_SIZE:]) for p in paths)
+    d.queues.last_put = time.monotonic() - 1  # the dispatch paused
+    d.prepare_flush(thorough=False, least_pages=2)
+    assert all(CQ_UNIT.unpack_from(p.read_bytes(), CQ_UNIT_SIZE)[0] == (5 + i) * 100 for i, p in enumerate(paths))
+    d.close()
 
 
 def _dispatcher(tmp_path: Path) -> ConsumeQueueDispatcher:
