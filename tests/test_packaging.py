@@ -633,8 +633,10 @@ def test_docker_healthcheck_command_without_a_server(stages):
 
 
 def test_docker_healthcheck_against_a_daemon_waiting_for_its_commitlog(stages, tmp_path):
-    """The real daemon with no CommitLog directory is down (503): the check exits 1 printing the daemon's
-    own reason, which names the missing directory."""
+    """The real daemon with no CommitLog directory (in a store root that exists: a missing root is a
+    configuration mistake, exit 2) is down (503): the check exits 1 printing the daemon's own reason, which
+    names the missing directory."""
+    (tmp_path / "store").mkdir()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
