@@ -206,16 +206,27 @@ def _same_files(a: Path, b: Path) -> bool:
     return names_a == names_b and all(filecmp.cmp(a / n, b / n, shallow=False) for n in names_a)
 
 
+PRODUCED = "produced.json"  # a data set's marker: {"messages": N, ...} once `reputd produce` made it whole
+
+
+def produced_already(store: Path, messages: int) -> bool:
+    """Whether `store` holds the `messages` a produce made whole (its marker says so); if not, it is emptied for
+    a new produce, which writes the marker last."""
+    marker = store / PRODUCED
+    if marker.exists() and json.loads(marker.read_text()).get("messages") == messages:
+        return True
+    shutil.rmtree(store, ignore_errors=True)
+    store.mkdir(parents=True)
+    return False
+
+
 def ensure_data_set(work: Path, name: str, scale: float) -> tuple[Path, int]:
     """The store of a data set, produced once; (store root, messages)."""
     messages, body, keys, lmq_queues, lmq_per_message = DATA_SETS[name]
     messages = max(1000, int(messages * scale))
     store = work / "data" / name
-    marker = store / "produced.json"
-    if marker.exists() and json.loads(marker.read_text()).get("messages") == messages:
+    if produced_already(store, messages):
         return store, messages
-    shutil.rmtree(store, ignore_errors=True)
-    store.mkdir(parents=True)
     config = write_config(work / f"produce-{name}.yaml", store, work / "unused")
     print(f"producing {name}: {messages:,} messages ...", flush=True)
     lmq = ["--lmq-queues", str(lmq_queues), "--lmq-per-message", str(lmq_per_message)] if lmq_queues else []
@@ -223,7 +234,7 @@ def ensure_data_set(work: Path, name: str, scale: float) -> tuple[Path, int]:
     wall, _, _ = run_measured([*REPUTD, "produce", "--config", str(config), "--messages", str(messages),
                                "--body-size", str(body), "--keys", str(keys), "--topics", topics, "--queues", "8",
                                *lmq], LMQ_ENV if lmq_queues else None)
-    marker.write_text(json.dumps({"messages": messages, "seconds": round(wall, 1)}))
+    (store / PRODUCED).write_text(json.dumps({"messages": messages, "seconds": round(wall, 1)}))
     return store, messages
 
 
@@ -296,6 +307,19 @@ def _health(port: int) -> dict:
         return json.loads(r.read())
 
 
+def _wait_up(proc: subprocess.Popen, port: int, timeout: float = 60) -> None:
+    """Until the daemon `proc` answers /healthz on `port`; its error once it has exited or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _health(port)
+            return
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise
+            time.sleep(0.05)
+
+
 def _proc_cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
@@ -323,15 +347,7 @@ def bench_live(work: Path, seconds: float, idle_seconds: float, rate: int = LIVE
     proc = subprocess.Popen([*REPUTD, "run", "--config", str(tmp / "reputd.yaml")], cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _health(port)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.05)
+        _wait_up(proc, port)
         cpu0, t0 = _proc_cpu(proc.pid), time.monotonic()
         wrote = writer.run(rate, seconds)
         writer.flush()

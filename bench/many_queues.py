@@ -49,14 +49,17 @@ if str(ROOT) not in sys.path:
 
 from bench.bench_suite import (  # noqa: E402
     GIB,
+    PRODUCED,
     REPUTD,
     Handles,
     _health,
     _proc_cpu,
     _proc_rss,
+    _wait_up,
     commitlog_bytes,
     ensure_data_set,
     last_json,
+    produced_already,
     raw_read_seconds,
     write_config,
 )
@@ -123,16 +126,13 @@ def ensure_store(work: Path, name: str, scale: float) -> tuple[Path, int]:
     messages = max(1_000, int(messages * scale))
     topics = max(8, int(topics * scale))  # --quick: a tenth of the topics too
     store = work / "data" / f"256b-1key-{topics * queues}q"
-    marker = store / "produced.json"
-    if marker.exists() and json.loads(marker.read_text()).get("messages") == messages:
+    if produced_already(store, messages):
         return store, messages
-    shutil.rmtree(store, ignore_errors=True)
-    store.mkdir(parents=True)
     config = write_config(work / f"produce-{name}q.yaml", store, work / "unused")
     print(f"producing {name} queues: {messages:,} messages over {topics:,} topics x {queues} ...", flush=True)
     run_process([*REPUTD, "produce", "--config", str(config), "--messages", str(messages), "--body-size", "256",
                  "--keys", "1", "--topics", "BenchTopic", "--topic-count", str(topics), "--queues", str(queues)])
-    marker.write_text(json.dumps({"messages": messages}))
+    (store / PRODUCED).write_text(json.dumps({"messages": messages}))
     return store, messages
 
 
@@ -480,15 +480,7 @@ def bench_live(work: Path, shape: str, seconds: float, rate: int = LIVE_RATE, sc
     handles = Handles(proc.pid)
     handles.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                _health(port)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.05)
+        _wait_up(proc, port)
         writer.write(topics * queues)  # every queue once: created before the measured part
         writer.flush()
         while _health(port)["reputFromOffset"] < writer.max_offset:

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_suite import REPUTD, REPUTD_SCRIPT, ensure_data_set, run_measured, write_config  # noqa: E402
+from bench.bench_suite import PRODUCED, REPUTD, REPUTD_SCRIPT, ensure_data_set, run_measured, write_config  # noqa: E402
 
 DATA_SET = "256b-1key-16m"
 TOPIC = "BenchTopic0"
@@ -54,7 +54,7 @@ def ensure_output(work: Path, scale: float, store: Path | None = None) -> tuple[
     if store is None:
         store, messages = ensure_data_set(work, DATA_SET, scale)
     else:
-        messages = json.loads((store / "produced.json").read_text())["messages"]
+        messages = json.loads((store / PRODUCED).read_text())["messages"]
     out = work / "out" / "timequery-16m"
     config = write_config(work / "timequery.yaml", store, out)
     marker = out / "built.json"

@@ -178,6 +178,18 @@ class QueueTable:
             self.pinned -= arrays.pop(key).nbytes
 
 
+def _column(name: str, doc: str, *, writable: bool = True) -> property:
+    """A queue's cell of the table's column `name`, read and set as an attribute of the queue."""
+
+    def get(row: QueueRow) -> int:
+        return getattr(row._table, name).item(row._slot)
+
+    def put(row: QueueRow, value: int) -> None:
+        getattr(row._table, name)[row._slot] = value
+
+    return property(get, put if writable else None, doc=doc)
+
+
 class QueueRow:
     """A queue's row of its `QueueTable` (`_table`, `_slot`), as the queue's own attributes."""
 
@@ -185,37 +197,12 @@ class QueueRow:
     _table: QueueTable
     _slot: int
 
-    @property
-    def max_physic_offset(self) -> int:
-        """The CommitLog end of the last real unit (-1 before one): `maxPhysicOffset`."""
-        return self._table.max_phy.item(self._slot)
-
-    @max_physic_offset.setter
-    def max_physic_offset(self, value: int) -> None:
-        self._table.max_phy[self._slot] = value
-
-    @property
-    def _write_pos(self) -> int:
-        """Where in the last file the next unit goes."""
-        return self._table.write_pos.item(self._slot)
-
-    @_write_pos.setter
-    def _write_pos(self, value: int) -> None:
-        self._table.write_pos[self._slot] = value
-
-    @property
-    def _dirty(self) -> bool:
-        """The last file was written since it was last synced."""
-        return self._table.dirty.item(self._slot)
-
-    @_dirty.setter
-    def _dirty(self, value: bool) -> None:
-        self._table.dirty[self._slot] = value
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of appends gathered and not written yet (`put_packed`'s `hold`)."""
-        return self._table.held.item(self._slot)
+    max_physic_offset = _column("max_phy", "The CommitLog end of the last real unit (-1 before one): "
+                                           "`maxPhysicOffset`.")
+    _write_pos = _column("write_pos", "Where in the last file the next unit goes.")
+    _dirty = _column("dirty", "The last file was written since it was last synced.")
+    held_bytes = _column("held", "Bytes of appends gathered and not written yet (`put_packed`'s `hold`).",
+                         writable=False)
 
 
 __all__ = ["NOT_HELD", "QueueRow", "QueueTable", "QueueWriter"]

@@ -32,7 +32,8 @@ from indexcore.queuestore import ConsumeQueueStore
 from indexcore.writer import CommitLogWriter, Message
 from tests.test_cli_papercuts import hold_broker_lock
 from tests.test_daemon import output_files
-from tests.test_retention import model_kept_queue_files, write_queue
+from tests.test_retention import close, model_kept_queue_files, write_queue
+from tests.test_retention import dispatch_all as dispatch
 
 UNIT = struct.Struct(">qiq")
 UNIT_SIZE = 20
@@ -160,23 +161,6 @@ def write_store(tmp_path: Path, messages: int, idle: range = range(0)) -> tuple[
     path = tmp_path / "reputd.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return load_config(str(path), env={}), offsets
-
-
-def dispatch(session, until: int | None = None) -> None:
-    while until is None or session.dispatched_offset < until:
-        result = session.reader.read(session.dispatched_offset, verify_end=True)
-        if len(result.batch):
-            for d in session.dispatchers:
-                d.dispatch(result.batch)
-        session.dispatched_offset = result.next_offset
-        if result.status.name != "OK":
-            return
-
-
-def close(session) -> None:
-    for d in session.dispatchers:
-        d.close()
-    session.reader.close()
 
 
 def finish(config) -> None:

@@ -469,6 +469,17 @@ def test_shutdown_timeout_exits_1_and_the_next_start_recovers(store):
     assert_same_as_rebuild(store)
 
 
+def retention_gap(store, read_up_to: int) -> int:
+    """Delete every segment up to the one after the one holding `read_up_to`, as the broker's retention does
+    while reputd is away; the first unread segment's offset."""
+    log_dir = store.tmp / "store" / "commitlog"
+    first_unread = read_up_to - read_up_to % SEGMENT
+    for name in sorted(os.listdir(log_dir)):
+        if int(name) <= first_unread + SEGMENT:
+            os.unlink(log_dir / name)
+    return first_unread
+
+
 def test_segments_deleted_by_retention(store):
     """Segments deleted below the read offset change nothing; segments deleted before they were read are
     skipped with a warning and counted, and dispatch goes on from the oldest segment left."""
@@ -477,11 +488,7 @@ def test_segments_deleted_by_retention(store):
     read_up_to = store.end
     while store.end // SEGMENT < read_up_to // SEGMENT + 3:
         store.append(500)
-    log_dir = store.tmp / "store" / "commitlog"
-    first_unread = read_up_to - read_up_to % SEGMENT
-    for name in sorted(os.listdir(log_dir)):
-        if int(name) <= first_unread + SEGMENT:
-            os.unlink(log_dir / name)
+    first_unread = retention_gap(store, read_up_to)
     res = store.run("--until-caught-up")
     assert res.returncode == 0, res.stderr
     skipped = [e for e in events(res.stdout) if e["event"] == "offset_below_oldest_segment"]
@@ -507,11 +514,7 @@ def test_blanked_units_are_counted_as_the_files_hold_them(tmp_path):
             for _ in range(20):
                 store.writer.append(Message("LateTopic", 1, bytes(300), {"KEYS": f"late-{late}"}))
                 late += 1
-        log_dir = store.tmp / "store" / "commitlog"
-        first_unread = read_up_to - read_up_to % SEGMENT
-        for name in sorted(os.listdir(log_dir)):
-            if int(name) <= first_unread + SEGMENT:
-                os.unlink(log_dir / name)
+        retention_gap(store, read_up_to)
         res = store.run("--until-caught-up")
         assert res.returncode == 0, res.stderr
     finally:

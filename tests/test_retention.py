@@ -243,8 +243,9 @@ def session_store(tmp_path: Path, messages: int):
     return load_config(str(path), env={})
 
 
-def dispatch_all(session) -> None:
-    while True:
+def dispatch_all(session, until: int | None = None) -> None:
+    """Dispatch what the session's reader reads, to the end of the CommitLog or to `until`."""
+    while until is None or session.dispatched_offset < until:
         result = session.reader.read(session.dispatched_offset, verify_end=True)
         if len(result.batch):
             for d in session.dispatchers:
