@@ -29,7 +29,7 @@ import numpy as np
 
 from daemon.backfill.stage import StagedRange, StagedUnits, queue_numbers, regroup
 from daemon.backfill.writers import Attempt, Fault, WriteStats
-from daemon.engine.flusher import SYNCFS_MIN_FILES, sync_file, sync_file_systems
+from indexcore import _kernels
 from indexcore.consumequeue import (
     BLANK_UNIT,
     CONSUME_QUEUE_DIR,
@@ -47,9 +47,9 @@ from indexcore.queuestore import open_queue_files_limit
 # that its memory does not grow with the CommitLog; a bucket holding more is read a few ranges at a time.
 WRITE_PIECE_UNITS = 1 << 18
 # From this many files written, a task syncs them by syncing their file system once (syncfs), as a rebuild's
-# last flush does: each fdatasync of a new file cost ~130 us of CPU and waited ~6 ms for the disk here, 16,000
-# queues one after the other.
-SYNC_WHOLE_FS_FILES = SYNCFS_MIN_FILES
+# last flush does (daemon.engine.flusher.SYNCFS_MIN_FILES): each fdatasync of a new file cost ~130 us of CPU
+# and waited ~6 ms for the disk here, 16,000 queues one after the other.
+SYNC_WHOLE_FS_FILES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,13 +250,12 @@ class QueueWriter:
             _sync_file_system(self.root)
         else:
             for path in self.unsynced:
-                sync_file(path)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
         return self.staged
-
-
-def _sync_file_system(path: str) -> None:
-    """syncfs of the file system holding `path` (the task's staging root): every file it wrote, at once."""
-    sync_file_systems([path])
 
 
 def _write_pieces(fd: int, pieces: list[tuple[int, object]], path: str) -> None:
@@ -273,6 +272,14 @@ def _write_pieces(fd: int, pieces: list[tuple[int, object]], path: str) -> None:
         written = os.pwritev(fd, run, position)
         if written < end - position:  # cut short (no room): the rest as one write, which raises naming the file
             pwrite_all(fd, b"".join(run)[written:], position + written, path)
+
+
+def _sync_file_system(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _kernels.syncfs(fd)
+    finally:
+        os.close(fd)
 
 
 def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: Attempt,
