@@ -11,12 +11,17 @@
   rounds interleaved; the fdatasync a file with pre-blank units paid before its rename; and the C kernel
   (`_kernels.create_files`) creating them on 1, 2 and 4 threads (CPU-seconds and wall), whether creating in
   parallel pays here. Every directory made is kept until the scenario ends: this file system skips the
-  inodes freed in the last minutes when it allocates one, so a creation right after a deletion pays for it.
+  inodes freed in the last minutes when it allocates one, so a creation right after a deletion pays for it
+  (ext4's `recently_deleted()` scan: 3-7x the cost of creating on a fresh tree, measured on this VM).
 * **rebuild**: `reputd rebuild` of three stores of 256-byte messages (UNIQ_KEY + 1 KEY), into empty outputs,
   rounds interleaved: 2,000,000 messages over 8 topics x 8 queues (the suite's `rebuild` data set), 2,000,000
   over 2,000 topics x 4 queues (8,000 queues) and 1,000,000 over 25,000 topics x 4 (100,000 queues). CPU-seconds
   of the process (user + system, from wait4), wall, peak RSS, and the most descriptors and mappings it held
   (/proc sampled every 20 ms); medians and ranges, and the ratios of the 8,000-queue store to the 64-queue one.
+  Every round writes into a directory of its own that no earlier round used and keeps its queue files until
+  the scenario ends (a 100,000-queue output holds about 0.9 GB of blocks besides its IndexFile); what earlier
+  invocations left is deleted only after the measuring, so no round creates its inodes right after a deletion
+  of many (`--stores` picks the stores).
 * **java**: the real RocketMQ 4.9.3 store's own rebuild (`JavaRebuild`, ../shared/realbroker) of the 64- and
   8,000-queue CommitLogs, once each, its ConsumeQueue files compared byte for byte and its IndexFiles in
   name order with the output of reputd's last rebuild of the same CommitLog.
@@ -141,6 +146,26 @@ def warm(store: Path) -> None:
     raw_read_seconds(store, commitlog_bytes(store)[1])
 
 
+def fresh_dir(parent: Path, name: str) -> tuple[Path, list[Path]]:
+    """A directory under `parent` that no earlier invocation used (`name`-<time>), and the ones earlier
+    invocations left there (`name`-*): delete those with `drop_later` after measuring, never before, since a
+    file system that has just freed many inodes makes the next creations pay for scanning past them."""
+    parent.mkdir(parents=True, exist_ok=True)
+    left = sorted(parent.glob(f"{name}-*"))
+    fresh = parent / f"{name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    fresh.mkdir()
+    return fresh, left
+
+
+def drop_later(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+OUTPUTS_KEPT = ("every round's output in a directory of its own, kept until the scenario ends; "
+                "earlier invocations' outputs deleted only after measuring")
+
+
 # --- steps: what creating a ConsumeQueue file costs ------------------------------------------------------
 
 class StepClock:
@@ -225,9 +250,9 @@ def create_kernel(root: Path, topics: int, queues: int, threads: int) -> tuple[f
 
 
 def bench_steps(work: Path, rounds: int, topics: int = 2_000, queues: int = 4, headers: int = 500) -> dict:
-    """Per-step microseconds per file, before and after, rounds interleaved; the kernel on 1, 2, 4 threads."""
-    base = work / "steps"
-    shutil.rmtree(base, ignore_errors=True)
+    """Per-step microseconds per file, before and after, rounds interleaved; the kernel on 1, 2, 4 threads. What
+    it made stays until the scenario ends (`measure`), so the rebuilds after it do not create past its deletion."""
+    base, left = fresh_dir(work / "out", "steps")
     files = topics * queues
     per_round: dict[str, list[dict[str, float]]] = {"before": [], "after": [], "before, pre-blanks": [],
                                                      "after, pre-blanks": []}
@@ -246,19 +271,19 @@ def bench_steps(work: Path, rounds: int, topics: int = 2_000, queues: int = 4, h
             per_round[f"{name}, pre-blanks"].append({k: v / 1000 / headers for k, v in clock.ns.items()})
         for threads, runs in kernel.items():
             runs.append(create_kernel(base / f"kernel-{threads}-{r}", topics, queues, threads))
-    shutil.rmtree(base, ignore_errors=True)
     steps = {name: {k: median_range([row[k] for row in rows], 1) for k in rows[0]} for name, rows in per_round.items()}
     par = {threads: {"wall_us": median_range([w * 1e6 / files for w, _ in runs], 1),
                      "cpu_us": median_range([c * 1e6 / files for _, c in runs], 1)} for threads, runs in kernel.items()}
     return {"scenario": "many-queues steps", "files": files, "topics": topics, "rounds": rounds, "steps": steps,
-            "kernel_threads": par, "load": os.getloadavg()[0]}
+            "kernel_threads": par, "load": os.getloadavg()[0], "outputs": OUTPUTS_KEPT, "directory": str(base),
+            "left_before": [str(p) for p in left]}
 
 
 def steps_table(r: dict) -> list[str]:
     before, after = r["steps"]["before"], r["steps"]["after"]
     names = [k for k in before if not k.startswith("all")] + [k for k in after if k not in before]
     lines = [f"\ncreating a ConsumeQueue file, us per file ({r['files']:,} files in {r['topics']:,} topic directories, "
-             f"median (range) of {r['rounds']} interleaved rounds, load {r['load']:.1f}):",
+             f"median (range) of {r['rounds']} interleaved rounds, load {r['load']:.1f}; {r['outputs']}):",
              "| step | before (341713d to aa0e540) | after |", "|---|---:|---:|"]
     for k in [*names, "all (wall)", "all (CPU)"]:
         b = fmt(before[k], digits=1) if k in before else "-"
@@ -280,11 +305,10 @@ def steps_table(r: dict) -> list[str]:
 # --- rebuild: 64, 8,000 and 100,000 queues ------------------------------------------------------------
 
 def bench_rebuilds(work: Path, scale: float, rounds: int, names: tuple[str, ...] = ("64", "8k", "100k")) -> dict:
-    """Every store rebuilt `rounds` times into empty outputs, round by round; outputs removed at the end."""
+    """Every store rebuilt `rounds` times into empty outputs of their own, round by round; the queue files kept
+    until the scenario ends (`measure` removes them, and what earlier invocations left)."""
     stores = {name: ensure_store(work, name, scale) for name in names}
-    outs = work / "out" / "many-queues"
-    shutil.rmtree(outs, ignore_errors=True)
-    outs.mkdir(parents=True)  # a writing command creates its output directory, not the path to it
+    outs, left = fresh_dir(work / "out", "many-queues")  # a writing command creates its output, not its parent
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -303,7 +327,8 @@ def bench_rebuilds(work: Path, scale: float, rounds: int, names: tuple[str, ...]
                   f"({m['user']:.2f} user + {m['sys']:.2f} sys), {m['rss_mb']:.0f} MB, {m['fds']} fds, "
                   f"{m['maps']} maps", flush=True)
     last = {name: outs / f"{name}-{rounds - 1}" for name in names}
-    result = {"scenario": "many-queues rebuild", "rounds": rounds, "load": os.getloadavg()[0], "stores": {}}
+    result = {"scenario": "many-queues rebuild", "rounds": rounds, "load": os.getloadavg()[0], "stores": {},
+              "outputs": OUTPUTS_KEPT, "directory": str(outs), "left_before": [str(p) for p in left]}
     for name in names:
         messages = stores[name][1]
         rows = runs[name]
@@ -331,7 +356,8 @@ def bench_rebuilds(work: Path, scale: float, rounds: int, names: tuple[str, ...]
 
 
 def rebuild_table(r: dict) -> list[str]:
-    lines = [f"\nrebuild, median (range) of {r['rounds']} interleaved rounds, load {r['load']:.1f} at the end:",
+    lines = [f"\nrebuild, median (range) of {r['rounds']} interleaved rounds, load {r['load']:.1f} at the end; "
+             f"{r['outputs']}:",
              "| store | queues | CPU us/msg | CPU-s (user + sys) | wall s | x 64 queues, per message: CPU, wall | "
              "peak RSS MB | peak fds | peak maps |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in r["stores"].items():
@@ -531,28 +557,36 @@ PARTS = ("steps", "rebuild", "java", "live")
 
 
 def measure(work: Path, scale: float = 1.0, rounds: int = 3, only: tuple[str, ...] = PARTS,
-            live_seconds: float = 20.0) -> dict:
+            live_seconds: float = 20.0, stores: tuple[str, ...] = tuple(STORES)) -> dict:
     """Every part `only` names; the figures and a `table` of printable lines."""
     out: dict = {"scenario": "many-queues", "parts": {}}
     table: list[str] = []
+    try:
+        _measure(out, table, work, scale, rounds, only, live_seconds, stores)
+    finally:  # every part's outputs, and what earlier invocations left, once nothing is measured any more
+        drop_later([Path(p) for part in out["parts"].values() if isinstance(part, dict) and "directory" in part
+                    for p in (part["directory"], *part["left_before"])])
+    out["table"] = table
+    return out
+
+
+def _measure(out: dict, table: list[str], work: Path, scale: float, rounds: int, only: tuple[str, ...],
+             live_seconds: float, stores: tuple[str, ...]) -> None:
     if "steps" in only:
         out["parts"]["steps"] = r = bench_steps(work, rounds, topics=max(20, int(2_000 * scale)))
         table += steps_table(r)
     rebuilds = None
     if "rebuild" in only:
-        out["parts"]["rebuild"] = rebuilds = bench_rebuilds(work, scale, rounds)
+        out["parts"]["rebuild"] = rebuilds = bench_rebuilds(work, scale, rounds, stores)
         table += rebuild_table(rebuilds)
     if "java" in only:
-        out["parts"]["java"] = rows = bench_java(work, scale, rebuilds["outputs"] if rebuilds else {})
+        out["parts"]["java"] = rows = bench_java(work, scale, rebuilds["outputs"] if rebuilds else {},
+                                                 tuple(n for n in ("64", "8k") if n in stores))
         if rows:
             table += java_table(rows, rebuilds)
-    if rebuilds is not None:
-        shutil.rmtree(work / "out" / "many-queues", ignore_errors=True)
     if "live" in only:
         out["parts"]["live"] = rows = [bench_live(work, shape, live_seconds, scale=scale) for shape in LIVE_SHAPES]
         table += live_table(rows)
-    out["table"] = table
-    return out
 
 
 def main() -> int:
@@ -562,11 +596,13 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a tenth of every store, one round, short live runs")
     ap.add_argument("--only", default="steps,rebuild,java,live")
     ap.add_argument("--live-seconds", type=float, default=20.0)
+    ap.add_argument("--stores", default=",".join(STORES), help="the rebuild's stores (and java's): 64,8k,100k")
     args = ap.parse_args()
     work = args.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     result = measure(work, 0.1 if args.quick else 1.0, 1 if args.quick else args.rounds,
-                     tuple(args.only.split(",")), 5.0 if args.quick else args.live_seconds)
+                     tuple(args.only.split(",")), 5.0 if args.quick else args.live_seconds,
+                     tuple(args.stores.split(",")))
     print("\n".join(result.pop("table")))
     (work / "many-queues.json").write_text(json.dumps(result, indent=2))
     print(f"\nfigures: {work / 'many-queues.json'}")
