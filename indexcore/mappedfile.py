@@ -255,6 +255,17 @@ def pwrite_all(fd: int, data, position: int, path: str | None = None) -> None:
         raise OSError(e.errno, f"cannot write {len(view)} bytes at {position} ({e.strerror})", path) from None
 
 
+def _pwrite_many(pending: list[tuple], paths: list[str]) -> None:
+    """`_kernels.pwrite_many`; a failure is an OSError naming the file."""
+    failed = _kernels.pwrite_many(pending)
+    if failed is not None:
+        at, left, position, err = failed
+        raise OSError(err, f"cannot write {left} bytes at {position} ({os.strerror(err)})", paths[at])
+
+
+MAKE_OPEN_AT_ONCE = 128  # files `OpenFiles.flush_writes` creates (`create_later`) and writes, at most, at once
+
+
 class OpenFiles:
     """Read-write descriptors of at most `limit` files, the least recently used closed first.
 
@@ -263,7 +274,7 @@ class OpenFiles:
     A descriptor with deferred writes (`write_later`) is closed only after they are made.
     """
 
-    __slots__ = ("_fds", "_pending", "_pending_fds", "_pending_paths", "limit")
+    __slots__ = ("_fds", "_pending", "_pending_fds", "_pending_paths", "_unmade", "limit")
 
     def __init__(self, limit: int):
         if limit < 1:
@@ -273,6 +284,29 @@ class OpenFiles:
         self._pending: list[tuple] = []  # write_later's (fd, data, position) or (-1, data, position, path), in order
         self._pending_paths: list[str] = []
         self._pending_fds: set[int] = set()
+        self._unmade: dict[str, tuple[str, bytes, int, int, str]] = {}  # create_later's: path -> how to create it
+
+    def create_later(self, files: list[tuple[str, str, bytes, int]], size: int, *, label: str = "file") -> None:
+        """`create_in_place_many(files, size)`, each file made when first written, opened, synced or discarded
+        here, or at `close`, its creation and first write sharing one open (a rebuild writes a queue once, at its
+        end). A file existing by then is a FileExistsError naming it (another writer: the output lock's job)."""
+        for directory, path, header, flags in files:
+            self._unmade[path] = (directory, header, flags & CREATE_MAKE_PARENT, size, label)
+
+    def _make(self, paths: list[str], keep_open: bool) -> list[int]:
+        """Create these files of `create_later` now, in one call; their descriptors (`keep_open`) or CREATE_CLOSED."""
+        unmade = self._unmade
+        items = [unmade.pop(path) for path in paths]
+        made = create_in_place_many(
+            [(d, path, header, flags | (CREATE_KEEP_OPEN if keep_open else 0))
+             for path, (d, header, flags, _, _) in zip(paths, items, strict=True)], items[0][3], label=items[0][4])
+        existed = [path for path, fd in zip(paths, made, strict=True) if fd == CREATE_EXISTED]
+        if existed:
+            for fd in made:
+                if fd >= 0:
+                    os.close(fd)
+            raise FileExistsError(errno.EEXIST, "store file made by someone else", existed[0])
+        return made
 
     def __len__(self) -> int:
         return len(self._fds)
@@ -286,6 +320,8 @@ class OpenFiles:
             return fd
         if create_size is not None:
             fd = create_in_place(path, create_size, header, label=label)
+        elif path in self._unmade:
+            fd = self._make([path], True)[0]
         else:
             fd = os.open(path, os.O_RDWR)
         self._make_room()
@@ -327,10 +363,34 @@ class OpenFiles:
         pending, paths = self._pending, self._pending_paths
         self._pending, self._pending_paths = [], []
         self._pending_fds.clear()
-        failed = _kernels.pwrite_many(pending)
-        if failed is not None:
-            at, left, position, err = failed
-            raise OSError(err, f"cannot write {left} bytes at {position} ({os.strerror(err)})", paths[at])
+        if not self._unmade:
+            return _pwrite_many(pending, paths)
+        # files of create_later written first now are made a piece at a time, their descriptors kept for the writes
+        unmade, at = self._unmade, 0
+        piece = self._room_for(MAKE_OPEN_AT_ONCE, {w[0] for w in pending if w[0] >= 0})
+        while at < len(pending):
+            end, make = at, {}
+            while end < len(pending) and len(make) < piece:
+                if pending[end][0] == -1 and pending[end][3] in unmade:
+                    make.setdefault(pending[end][3], len(make))
+                end += 1
+            fds = self._make(list(make), True) if make else []
+            try:
+                _pwrite_many([(fds[make[w[3]]], w[1], w[2]) if w[0] == -1 and w[3] in make else w
+                              for w in pending[at:end]], paths[at:end])
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            at = end
+
+    def _room_for(self, wanted: int, busy: set[int]) -> int:
+        """Close the least recently used descriptors, but those in `busy`, until `wanted` more fit in `limit`
+        (or none is left to close); how many fit, at least one."""
+        fds = self._fds
+        if len(fds) + wanted > self.limit:
+            for path in [p for p, fd in fds.items() if fd not in busy][: len(fds) + wanted - self.limit]:
+                os.close(fds.pop(path))
+        return max(1, min(wanted, self.limit - len(fds)))
 
     def write(self, path: str, data: bytes, position: int) -> None:
         """pwrite all of `data`; no room (or any other failure) is an OSError naming `path`."""
@@ -350,13 +410,21 @@ class OpenFiles:
 
     def discard(self, path: str) -> None:
         self.flush_writes()
+        if path in self._unmade:
+            self._make([path], False)
         fd = self._fds.pop(path, None)
         if fd is not None:
             os.close(fd)
 
+    def make_all(self) -> None:
+        """Every deferred write made and every file of `create_later` created (in one call)."""
+        self.flush_writes()
+        if self._unmade:
+            self._make(list(self._unmade), False)
+
     def close(self) -> None:
         try:
-            self.flush_writes()
+            self.make_all()
         finally:
             while self._fds:
                 os.close(self._fds.popitem()[1])

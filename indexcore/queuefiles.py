@@ -62,7 +62,7 @@ class ConsumeQueue(QueueRecovery, QueueRow):
     def made(cls, directory: str, topic: str, queue_id: int, file_size: int, open_files: OpenFiles, first_file: int,
              blanks: int, table: QueueTable | None = None, path: str | None = None) -> ConsumeQueue:
         """A new queue whose first file (`path`) the caller has just created (sparse, full size, its `blanks`
-        pre-blank units written: `ConsumeQueueStore.create_queues`); its first unit goes after them."""
+        pre-blank units written: `ConsumeQueueStore._create`); its first unit goes after them."""
         cq = cls(directory, topic, queue_id, file_size, open_files=open_files, new=True, table=table)
         cq._files.append(first_file)
         cq._writing = path or cq._path(first_file)

@@ -28,6 +28,7 @@ from indexcore.consumequeue import (
 from indexcore.dispatch import DispatchBatch
 from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import (
+    CREATE_CLOSED,
     CREATE_EXISTED,
     CREATE_KEEP_OPEN,
     CREATE_MAKE_PARENT,
@@ -268,6 +269,8 @@ class ConsumeQueueStore:
         # ... and, when set, for at most this many seconds (`run`: so that each active queue is written about once
         # in that time, and its file lags its dispatch by no more)
         self.hold_seconds: float | None = None
+        # a new queue's first file created by its first write (`OpenFiles.create_later`): a rebuild's, read by none
+        self.create_on_write = False
         self._topic_dirs: set[str] = set()  # topics whose directory this store has seen or made
         self.last_put = float("-inf")  # when `dispatch` last put units (time.monotonic)
 
@@ -301,35 +304,26 @@ class ConsumeQueueStore:
             raise StoreLayoutError(directory, "topic would leave the consumequeue directory")
         return directory
 
-    def new_queues(self, groups: Iterable[QueueUnits]) -> list[NewQueue]:
-        """The queues of `groups` this store does not hold yet, each with the file its first unit creates. A
-        caller may create their directories and files itself (`create_queue_files`) and hand them over with
-        `made_queues`, as `create_queues` does; `dispatch` creates any it did not."""
-        return self._new_queues(((g.topic, g.queue_id), int(g.queue_offset[0])) for g in groups)
-
     def _new_queues(self, firsts: Iterable[tuple[tuple[str, int], int]]) -> list[NewQueue]:
-        """`new_queues` of (queue, its first unit's queue offset)."""
+        """The queues of (queue, its first unit's queue offset) this store does not hold yet, each with the file its
+        first unit creates: `create_queue_files` creates them, `made_queues` takes them in (as `_create` does)."""
         out = []
         queues, topic_dirs, size = self.queues, self._topic_dirs, self.file_size
-        parents: set[str] = set()  # new topics whose directory a queue before in `out` makes
+        parents: set[str] = set()  # a new topic's directory is made by its first queue only (not a mkdir each)
         for key, first in firsts:
             if key not in queues:
                 expect = first * CQ_UNIT_SIZE
                 first_file = expect - expect % size
-                topic = key[0]
-                # only the first of a new topic's queues makes its directory: a mkdir per queue failed with
-                # EEXIST for all the others (6,000 of 16,000 mkdirs at 8,000 queues in 2,000 topics)
-                make_parent = topic not in topic_dirs and topic not in parents
-                if make_parent:
-                    parents.add(topic)
+                make_parent = key[0] not in topic_dirs and key[0] not in parents
+                parents.add(key[0])
                 out.append(NewQueue(key, self._queue_dir(*key), first_file, (expect - first_file) // CQ_UNIT_SIZE,
                                     make_parent))
         return out
 
     def create_queue_files(self, new: list[NewQueue], keep_open: int = 0) -> list[int]:
         """Create the directory and first file of each of `new` (`create_in_place_many`: in place, in one call
-        without the GIL), each topic's directory first where it is not known to exist; the first `keep_open` of
-        them keep their descriptor. What `create_in_place_many` gives for each: hand them to `made_queues`."""
+        without the GIL), a new topic's directory first; the first `keep_open` keep their descriptor: hand what
+        it gives for each to `made_queues`."""
         return create_in_place_many(
             [(q.directory, q.path, q.header, (CREATE_MAKE_PARENT if q.make_parent else 0) |
               (CREATE_KEEP_OPEN if i < keep_open else 0)) for i, q in enumerate(new)],
@@ -337,9 +331,8 @@ class ConsumeQueueStore:
 
     def made_queues(self, made: Iterable[tuple[NewQueue, int]]) -> None:
         """Queues whose directory and first file (sparse, full size, its pre-blank units as the header:
-        `create_queue_files`) the caller has just created, each with what `create_in_place_many` gave for it: a
-        read-write descriptor of the file, CREATE_CLOSED, or CREATE_EXISTED (made by someone else since the
-        load: left to `queue` to load)."""
+        `create_queue_files`) the caller created, each with what `create_in_place_many` gave for it: a descriptor,
+        CREATE_CLOSED, or CREATE_EXISTED (made by someone else since the load: left to `queue` to load)."""
         queues, size, files = self.queues, self.file_size, self.open_files
         for q, fd in made:
             self._topic_dirs.add(q.key[0])
@@ -351,18 +344,17 @@ class ConsumeQueueStore:
             if fd >= 0:
                 files.adopt(path, fd)
 
-    def create_queues(self, groups: Iterable[QueueUnits]) -> int:
-        """Create the first file of every queue of `groups` that the store does not hold yet, all in one call
-        (`create_queue_files`), their descriptors closed (their units are gathered, and written later through
-        the bounded set); how many were made."""
-        return self._create(((g.topic, g.queue_id), int(g.queue_offset[0])) for g in groups)
-
     def _create(self, firsts: Iterable[tuple[tuple[str, int], int]], stats: PutStats | None = None) -> int:
-        """`create_queues` of (queue, its first unit's queue offset); the pre-blank units the new first files
-        were created with are counted in `stats` (`PutStats.pre_blanks`, as `place_units` counts them)."""
+        """Add the queues of (queue, its first unit's queue offset) the store does not hold yet, their first files
+        created in one call (`create_queue_files`) or by their first writes (`create_on_write`); how many. The
+        pre-blank units the files are created with are counted in `stats` (`PutStats.pre_blanks`)."""
         new = self._new_queues(firsts)
+        if new and self.create_on_write:
+            self.open_files.create_later([(q.directory, q.path, q.header, CREATE_MAKE_PARENT if q.make_parent else 0)
+                                          for q in new], self.file_size, label=CREATE_LABEL)
         if new:
-            self.made_queues(zip(new, self.create_queue_files(new), strict=True))
+            made = [CREATE_CLOSED] * len(new) if self.create_on_write else self.create_queue_files(new)
+            self.made_queues(zip(new, made, strict=True))
             if stats is not None:
                 stats.pre_blanks += sum(q.blanks for q in new)
         return len(new)
@@ -384,7 +376,7 @@ class ConsumeQueueStore:
 
     def dispatch(self, batch: DispatchBatch, units: FlatUnits | None = None) -> PutStats:
         """Put the units of the batch (`consume_queue_units_flat`, or `units` grouped already) into every queue, the
-        queues it meets first created together (`create_queues`). The units that continue their queue inside its
+        queues it meets first created together (`_create`). The units that continue their queue inside its
         last file, the common case, are placed for all queues at once and gathered (`hold_bytes`) or written at
         the end, in one call (`OpenFiles.write_later`); the others queue by queue (`ConsumeQueue.put_packed`)."""
         stats = PutStats()

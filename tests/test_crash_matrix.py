@@ -135,7 +135,7 @@ def test_kill_at_every_step_of_a_creation(matrix, point, what, checkpoint):
 # --- LMQ: a batch's new queues created in parallel --------------------------------------------------------
 
 LMQ_PHASE_1, LMQ_PHASE_2 = 60, 140  # records
-OLD_ROOMS, NEW_ROOMS = 4, 16  # the new rooms are made together, by one call (`ConsumeQueueStore.create_queues`)
+OLD_ROOMS, NEW_ROOMS = 4, 16  # the new rooms are made together, by one call (`ConsumeQueueStore._create`)
 NEW_ROOM_FIRST_OFFSET = 3  # every other new room starts here: its first file is created with pre-blanks
 LMQ_CASES = [f"consumequeue.{step}@{n}" for step in QUEUE_CREATE_STEPS for n in (1, 9)]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexcore import _failpoints
-from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT_SIZE
+from indexcore import _failpoints, mappedfile
+from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.indexfile import INDEX_HEADER, IndexFile, index_file_size
 from indexcore.indexservice import IndexService
 from indexcore.mappedfile import (
@@ -407,3 +407,57 @@ def test_a_new_topic_directory_is_made_by_its_first_new_queue_only(tmp_path):
     for q in new:
         assert os.listdir(q.directory) == ["00000000000000000000"]
     store.close()
+
+
+def _two_batches(topics: int) -> list:
+    """Two batches putting units into `topics` x 2 queues, one new queue (Late/0) in the second, its first unit
+    past offset 0 (its file starts with pre-blank units)."""
+    recs = [[DispatchRec(phy_offset=(b * topics * 2 + i) * 100, topic=f"T{i // 2}", queue_id=i % 2, queue_offset=b)
+             for i in range(topics * 2)] for b in range(2)]
+    recs[1].append(DispatchRec(phy_offset=topics * 400, topic="Late", queue_offset=3))
+    return [make_dispatch_batch(r) for r in recs]
+
+
+def test_a_rebuild_creates_each_new_queue_file_with_its_first_write(tmp_path, monkeypatch):
+    """`create_on_write` (a rebuild): a new queue's file is made when its gathered units are first written, with
+    the descriptor its creation opened (never opened a second time: 8,000 queues cost 16,553 opens, twice each),
+    at most MAKE_OPEN_AT_ONCE of them at once beside the bounded set; the files end as without it."""
+    writes: list[tuple] = []
+    made_at_once: list[int] = []
+    real_write, real_make = mappedfile._kernels.pwrite_many, mappedfile.OpenFiles._make
+
+    def pwrite_many(pending):
+        writes.extend(pending)
+        return real_write(pending)
+
+    def make(files, paths, keep_open):
+        made_at_once.append(len(paths))
+        return real_make(files, paths, keep_open)
+
+    monkeypatch.setattr(mappedfile._kernels, "pwrite_many", pwrite_many)
+    monkeypatch.setattr(mappedfile.OpenFiles, "_make", make)
+    monkeypatch.setattr(mappedfile, "MAKE_OPEN_AT_ONCE", 16)
+    outs = {}
+    for on_write in (False, True):
+        writes.clear()
+        store = ConsumeQueueStore(str(tmp_path / str(on_write)), 1000 * CQ_UNIT_SIZE, open_files_limit=8)
+        store.hold_bytes, store.create_on_write = 1 << 20, on_write
+        before = _open_descriptors()
+        for batch in _two_batches(150):
+            store.dispatch(batch)
+        queue_dir = tmp_path / str(on_write) / "consumequeue" / "T7" / "1"
+        assert queue_dir.exists() != on_write  # made by its first write: at the end, for a rebuild
+        store.close()
+        assert _open_descriptors() == before
+        reopened = [w for w in writes if w[0] == -1]
+        if on_write:
+            assert not reopened
+            assert max(made_at_once) <= 16
+        else:
+            assert len(reopened) > 250  # beyond the 8 descriptors kept, each file opened again to be written
+        outs[on_write] = {str(p.relative_to(tmp_path / str(on_write))): p.read_bytes()
+                          for p in (tmp_path / str(on_write)).rglob("*") if p.is_file()}
+    assert outs[True] == outs[False]
+    assert len(outs[True]) == 301
+    late = outs[True]["consumequeue/Late/0/00000000000000000000"]
+    assert late[: 4 * CQ_UNIT_SIZE] == BLANK_UNIT * 3 + CQ_UNIT.pack(600 * 100, 100, 0)

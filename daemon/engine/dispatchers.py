@@ -136,6 +136,8 @@ class ConsumeQueueDispatcher:
         store's budget (a rebuild, whose files nobody reads before its end)."""
         self.queues.hold_bytes = least
         self.queues.hold_seconds = seconds
+        # a rebuild: each new queue's file is created by its first write (`ConsumeQueueStore.create_on_write`)
+        self.queues.create_on_write = seconds is None
 
     def files(self) -> int:
         """Read by the metrics thread while the loop adds queues: iterate a copy."""
