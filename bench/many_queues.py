@@ -275,7 +275,7 @@ def bench_steps(work: Path, rounds: int, topics: int = 2_000, queues: int = 4, h
     par = {threads: {"wall_us": median_range([w * 1e6 / files for w, _ in runs], 1),
                      "cpu_us": median_range([c * 1e6 / files for _, c in runs], 1)} for threads, runs in kernel.items()}
     return {"scenario": "many-queues steps", "files": files, "topics": topics, "rounds": rounds, "steps": steps,
-            "kernel_threads": par, "load": os.getloadavg()[0], "outputs": OUTPUTS_KEPT, "directory": str(base),
+            "kernel_threads": par, "load": os.getloadavg()[0], "kept": OUTPUTS_KEPT, "directory": str(base),
             "left_before": [str(p) for p in left]}
 
 
@@ -283,7 +283,7 @@ def steps_table(r: dict) -> list[str]:
     before, after = r["steps"]["before"], r["steps"]["after"]
     names = [k for k in before if not k.startswith("all")] + [k for k in after if k not in before]
     lines = [f"\ncreating a ConsumeQueue file, us per file ({r['files']:,} files in {r['topics']:,} topic directories, "
-             f"median (range) of {r['rounds']} interleaved rounds, load {r['load']:.1f}; {r['outputs']}):",
+             f"median (range) of {r['rounds']} interleaved rounds, load {r['load']:.1f}; {r['kept']}):",
              "| step | before (341713d to aa0e540) | after |", "|---|---:|---:|"]
     for k in [*names, "all (wall)", "all (CPU)"]:
         b = fmt(before[k], digits=1) if k in before else "-"
@@ -328,7 +328,7 @@ def bench_rebuilds(work: Path, scale: float, rounds: int, names: tuple[str, ...]
                   f"{m['maps']} maps", flush=True)
     last = {name: outs / f"{name}-{rounds - 1}" for name in names}
     result = {"scenario": "many-queues rebuild", "rounds": rounds, "load": os.getloadavg()[0], "stores": {},
-              "outputs": OUTPUTS_KEPT, "directory": str(outs), "left_before": [str(p) for p in left]}
+              "kept": OUTPUTS_KEPT, "directory": str(outs), "left_before": [str(p) for p in left]}
     for name in names:
         messages = stores[name][1]
         rows = runs[name]
@@ -357,7 +357,7 @@ def bench_rebuilds(work: Path, scale: float, rounds: int, names: tuple[str, ...]
 
 def rebuild_table(r: dict) -> list[str]:
     lines = [f"\nrebuild, median (range) of {r['rounds']} interleaved rounds, load {r['load']:.1f} at the end; "
-             f"{r['outputs']}:",
+             f"{r['kept']}:",
              "| store | queues | CPU us/msg | CPU-s (user + sys) | wall s | x 64 queues, per message: CPU, wall | "
              "peak RSS MB | peak fds | peak maps |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in r["stores"].items():
