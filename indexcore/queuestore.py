@@ -84,10 +84,7 @@ class NewQueue(NamedTuple):
     first_file: int
     blanks: int
     make_parent: bool = False
-
-    @property
-    def path(self) -> str:
-        return f"{self.directory}{os.sep}{offset_to_file_name(self.first_file)}"
+    path: str = ""  # its first file's: made once (`_new_queues`), read three times
 
     @property
     def header(self) -> bytes:
@@ -310,14 +307,17 @@ class ConsumeQueueStore:
         out = []
         queues, topic_dirs, size = self.queues, self._topic_dirs, self.file_size
         parents: set[str] = set()  # a new topic's directory is made by its first queue only (not a mkdir each)
+        names: dict[int, str] = {}  # first files' names: most are 00000000000000000000
         for key, first in firsts:
             if key not in queues:
                 expect = first * CQ_UNIT_SIZE
                 first_file = expect - expect % size
                 make_parent = key[0] not in topic_dirs and key[0] not in parents
                 parents.add(key[0])
-                out.append(NewQueue(key, self._queue_dir(*key), first_file, (expect - first_file) // CQ_UNIT_SIZE,
-                                    make_parent))
+                name = names.get(first_file) or names.setdefault(first_file, offset_to_file_name(first_file))
+                directory = self._queue_dir(*key)
+                out.append(NewQueue(key, directory, first_file, (expect - first_file) // CQ_UNIT_SIZE, make_parent,
+                                    f"{directory}{os.sep}{name}"))
         return out
 
     def create_queue_files(self, new: list[NewQueue], keep_open: int = 0) -> list[int]:
