@@ -304,8 +304,7 @@ class ConsumeQueueStore:
     def _new_queues(self, firsts: Iterable[tuple[tuple[str, int], int]]) -> list[NewQueue]:
         """The queues of (queue, its first unit's queue offset) this store does not hold yet, each with the file its
         first unit creates: `create_queue_files` creates them, `made_queues` takes them in (as `_create` does)."""
-        out = []
-        queues, topic_dirs, size = self.queues, self._topic_dirs, self.file_size
+        out, queues, topic_dirs, size = [], self.queues, self._topic_dirs, self.file_size
         parents: set[str] = set()  # a new topic's directory is made by its first queue only (not a mkdir each)
         names: dict[int, str] = {}  # first files' names: most are 00000000000000000000
         for key, first in firsts:
