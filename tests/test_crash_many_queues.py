@@ -121,3 +121,26 @@ def test_kills_while_many_queues_are_created_end_as_a_clean_rebuild(many):
     stress.report("many_queue_kills", trials=TRIALS, identical=TRIALS - len(failures), queues=TOPICS * QUEUES,
                   killed_while_creating=killed_creating, seconds=round(time.monotonic() - started, 1), seed=SEED)
     assert not failures, failures
+
+
+def test_rebuilds_killed_while_they_create_many_queues_at_their_end_are_rerun_as_one(many):
+    """A rebuild creates each new queue's file with its first write, most of them at its end (1,200 in pieces of
+    MAKE_OPEN_AT_ONCE): killed at a random step of a random file of those, then run again, from a checkpoint and
+    from a replay marker, it ends in the files of a clean rebuild."""
+    root, config, phase1, reference = many
+    rng = random.Random(SEED + 1)
+    for trial in range(TRIALS):
+        checkpoint = ("with", "without")[trial % 2]
+        out = root / f"rebuild-trial-{trial}"
+        shutil.copytree(phase1[checkpoint], out)
+        point = f"consumequeue.{rng.choice(QUEUE_STEPS)}@{rng.randint(1, TOPICS * QUEUES)}"
+        killed = reputd("rebuild", config, "--out", str(out), env={"REPUTD_FAILPOINT": point})
+        assert killed.returncode == -9, f"{point} was never reached: {killed.returncode} {killed.stderr[-500:]}"
+        made = sum(1 for _ in (out / "consumequeue").glob("Many*/*/*"))
+        assert made < TOPICS * QUEUES, f"{point}: {made} files made before the kill"
+        again = reputd("rebuild", config, "--out", str(out))
+        assert again.returncode == 0, f"trial {trial} ({checkpoint}, {point}): {again.stderr[-800:]}"
+        actual = output_files(out)
+        differ = sorted(n for n in set(actual) | set(reference) if actual.get(n) != reference.get(n))
+        assert not differ, f"trial {trial} ({checkpoint}, {point}): {differ[:5]}"
+        shutil.rmtree(out)
