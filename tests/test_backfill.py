@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 import yaml
 
 from daemon.backfill import (
@@ -1018,7 +1019,13 @@ def test_cli_backfill_interrupted_during_the_commit_exits_130_saying_what_the_ou
         raise CommitInterrupted(config.output.dir, (3, 7, 0, 1), catalog=True)
 
     monkeypatch.setattr(job, "backfill", interrupted)
-    assert main(["backfill", "--config", str(config)]) == 130
+    sigterm = signal.getsignal(signal.SIGTERM)
+    logging = structlog.get_config()  # the command points the log at this test's captured stderr
+    try:
+        assert main(["backfill", "--config", str(config)]) == 130
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        structlog.configure(**logging)
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (
         f"reputd: interrupted: the backfill's commit stopped after putting the files of 3 of 7 queues and 0 of 1 "
