@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -173,6 +174,7 @@ def test_a_signal_during_the_commit_stops_it_between_two_queues(many_queues, tmp
     stops before the next queue, every queue it put is whole and the rest absent, the merged files are synced,
     and CommitInterrupted says how far it got; the same backfill committed again puts the rest, and the output
     is the rebuild's. The commit used to run on to its end, however long."""
+    from daemon.backfill import phases
     from daemon.backfill.interrupt import CommitInterrupted, Interrupt
     from daemon.backfill.phases import CommitSteps
 
@@ -196,6 +198,7 @@ def test_a_signal_during_the_commit_stops_it_between_two_queues(many_queues, tmp
         return counts
 
     monkeypatch.setattr(commit, "commit_queue_dir", then_a_signal)
+    monkeypatch.setattr(phases, "COMMIT_PROGRESS_S", 0.0)
     try:
         interrupt.arm(None, "g")
         interrupt.committing()
@@ -211,6 +214,9 @@ def test_a_signal_during_the_commit_stops_it_between_two_queues(many_queues, tmp
     assert isinstance(caught.value, KeyboardInterrupt)  # exit 130
     assert logged == ["backfill_commit_started", ("backfill_interrupted", where)]
     assert said[0].startswith(f"committing: putting the files of {len(staged):,} queues and 1 IndexFiles in place")
+    assert len(said) > 1  # a line every COMMIT_PROGRESS_S
+    assert all(re.fullmatch(rf"committed [\d,]+ of {len(staged):,} queues in \d+ s, about \d+ s left for the rest",
+                            line) for line in said[1:]), said
     reference_files = files_under(reference)
     held = files_under(out)
     assert {str(Path(p).parent) for p in held} == {str(Path(d).relative_to(out)) for d in put}
@@ -221,3 +227,17 @@ def test_a_signal_during_the_commit_stops_it_between_two_queues(many_queues, tmp
     assert again[PRESENT] == len(held)
     assert again[MERGED] == 0
     assert files_under(out) == {k: v for k, v in reference_files.items() if k.startswith("consumequeue/")}
+
+
+def test_the_messages_a_commit_put_are_counted_once_each():
+    """newMessages of a rerun: the distinct CommitLog offsets of the units and keys the commit put (a message has
+    a unit in each of its queues and an entry per key), counted as np.unique counts them, at every size."""
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 2, 1000):
+        offsets = np.sort(rng.choice(1 << 40, n, replace=False)).astype(np.int64)
+        queue = rng.integers(0, 5, n)
+        queues = [offsets[queue == q] for q in range(5)]
+        keys = [np.repeat(offsets[::3], 2)]
+        arrays = [a for a in queues + keys if len(a)]
+        expected = len(np.unique(np.concatenate(arrays))) if arrays else 0
+        assert commit.distinct_count(arrays) == expected == n

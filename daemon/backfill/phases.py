@@ -16,7 +16,14 @@ import numpy as np
 from pyarrow import fs
 
 from daemon.backfill.catalog import catalog_filesystem, file_name, write_marker
-from daemon.backfill.commit import PRESENT, commit_index_file, commit_queues, file_counts, staging_root
+from daemon.backfill.commit import (
+    PRESENT,
+    commit_index_file,
+    commit_queues,
+    distinct_count,
+    file_counts,
+    staging_root,
+)
 from daemon.backfill.interrupt import CommitInterrupted, commit_where
 from daemon.backfill.outputs import first_real_unit
 from daemon.backfill.plan import (
@@ -306,7 +313,7 @@ class Phases:
                                            store.max_hash_slot_num)] += 1
         steps.put(len(queues), len(names))
         if new_offsets is not None and counts[PRESENT] + index_counts[PRESENT]:  # a rerun: what it put is new
-            s.new_messages = len(np.unique(np.concatenate(new_offsets))) if new_offsets else 0
+            s.new_messages = distinct_count(new_offsets)
         if build_index:
             s.files["index"] = len(names)
             self.log.info("index_files_written", files=len(names), keys=stats.keys, **index_counts)
