@@ -109,7 +109,11 @@ def prepare_flush(dispatchers: list[Dispatcher], thorough: bool, least_pages: in
 
 def sync_plans(plans: list[FlushPlan], output_dir: str, synced_paths: set[str], *, whole_fs: bool = False) -> None:
     """Sync the planned files and the directories that gained entries, then tell each dispatcher. With
-    `whole_fs`, a flush of at least SYNCFS_MIN_FILES files syncs their file systems whole."""
+    `whole_fs`, a flush of at least SYNCFS_MIN_FILES files syncs their file systems whole. The writes the syncs
+    must cover are waited for first (`FlushPlan.ready`: `run`'s writer thread makes them)."""
+    for plan in plans:
+        if plan.ready is not None:
+            plan.ready()
     paths = [path for plan in plans for path in plan.paths]
     if whole_fs and len(paths) >= SYNCFS_MIN_FILES:
         sync_file_systems({*paths, *new_entries(paths, output_dir, synced_paths)}, output_dir)
