@@ -149,6 +149,16 @@ class ConsumeQueueDispatcher:
         self.queues.hold_bytes = least
         self.queues.hold_seconds = seconds
 
+    def held_queues(self) -> np.ndarray:
+        """The slots of the queues holding gathered appends (`daemon.engine.flusher.release_ahead`)."""
+        table = self.queues.table
+        return np.flatnonzero(table.held[: len(table)])
+
+    def release_queues(self, slots: np.ndarray) -> None:
+        """Hand the gathered appends of `slots` to their writes now (those that hold none any more are skipped)."""
+        self.queues.table.release(slots)
+        self.queues.open_files.submit_writes()
+
     def files(self) -> int:
         """Read by the metrics thread while the loop adds queues: iterate a copy."""
         return sum(cq.file_count for cq in list(self.queues.queues.values()))
