@@ -18,7 +18,7 @@ import collections
 import os
 import threading
 
-from indexcore import _kernels
+from indexcore import _failpoints, _kernels
 
 # Batches of writes handed over and not made yet before `submit` waits for the writer: memory stays bounded
 # (each holds its batch's arrays of units) when the disk is slower than the dispatch.
@@ -98,6 +98,8 @@ class WriteBehind:
                     return
                 writes, paths = self._queue[0]
                 dropped = self._error is not None
+            if not dropped:
+                _failpoints.reached("consumequeue.write_behind")  # the crash matrix: a kill with writes in flight
             error = None if dropped else self._write(writes, paths)
             with self._cond:
                 self._queue.popleft()
