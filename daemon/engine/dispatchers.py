@@ -309,7 +309,7 @@ class IndexDispatcher:
         self.stats.files_created += stats.files_created
         self._keys_since_release += stats.keys_put
         if self._keys_since_release >= RELEASE_AFTER_KEYS and self.service.last_file is not None:
-            self.service.last_file.release()
+            self.service.last_file.release_entries()
             self._keys_since_release = 0
 
     def files(self) -> int:
@@ -324,7 +324,9 @@ class IndexDispatcher:
         state = self.service.state()
         if state is None or state == self._flushed:
             return FlushPlan()
-        self.service.last_file.release()  # written pages leave the RSS; the page cache keeps them
+        # written entries leave the RSS (the page cache keeps them); the slot table, at most 4 bytes a hash slot,
+        # stays mapped: the next batch's keys would fault its pages back in under the dispatch lock
+        self.service.last_file.release_entries()
         self._keys_since_release = 0
 
         def done() -> None:
