@@ -232,19 +232,12 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool,
     to = boundary_after(store, FIXED_MESSAGES)
     many = prepare_many_queues(work, many_queues, scale) if many_queues else None
     runs = []
-    for number in range(1, rounds + 1):
-        r = one_round(work, config, reference, messages, master, slots, catalog, to)
-        if many is not None:
-            r["many"] = many_round(work, many, master, r["marginal_us"])
-            r["identical"] = r["identical"] and r["many"]["identical"]
-        runs.append(r)
-        extra = f", catalog +{r['with_catalog']['extra_us']:.3f} us" if catalog else ""
-        if many is not None:
-            extra += (f", at {many['queues']:,} queues marginal {r['many']['marginal_us']:.3f} us "
-                      f"({r['many']['ratio']:.2f}x)")
-        print(f"round {number}/{rounds}: rebuild {r['rebuild_us']:.3f} us, fixed {r['fixed']['cpu']:.2f} CPU-s, "
-              f"marginal {r['marginal_us']:.3f} us ({r['marginal_us'] / r['rebuild_us']:.2f}x), serial "
-              f"{r['serial']['serial_fraction']:.1%}{extra}, identical {r['identical']}", flush=True)
+    shutil.rmtree(many_outputs(work), ignore_errors=True)  # an earlier scenario's (a run that was stopped)
+    try:
+        for number in range(1, rounds + 1):
+            runs.append(_round(work, config, reference, messages, master, slots, catalog, to, many, number, rounds))
+    finally:
+        shutil.rmtree(many_outputs(work), ignore_errors=True)
     identical = all(r["identical"] for r in runs)
     table = cost_table(runs, messages, master, slots, catalog, many)
     result = {"scenario": "backfill-cost", "messages": messages, "master": master, "rounds": runs,
@@ -253,6 +246,23 @@ def measure(work: Path, data_set: str, scale: float, master: str, catalog: bool,
                                                                      "rebuild_cpu")} if many else None}
     (work / "backfill-cost.json").write_text(json.dumps(result, indent=2, default=str))
     return result
+
+
+def _round(work: Path, config: Path, reference: Path, messages: int, master: str, slots: int, catalog: bool,
+           to: int, many: dict | None, number: int, rounds: int) -> dict:
+    """One round (`one_round`, then the many-queue runs), its line printed."""
+    r = one_round(work, config, reference, messages, master, slots, catalog, to)
+    if many is not None:
+        r["many"] = many_round(work, many, master, r["marginal_us"], number)
+        r["identical"] = r["identical"] and r["many"]["identical"]
+    extra = f", catalog +{r['with_catalog']['extra_us']:.3f} us" if catalog else ""
+    if many is not None:
+        extra += (f", at {many['queues']:,} queues marginal {r['many']['marginal_us']:.3f} us "
+                  f"({r['many']['ratio']:.2f}x)")
+    print(f"round {number}/{rounds}: rebuild {r['rebuild_us']:.3f} us, fixed {r['fixed']['cpu']:.2f} CPU-s, "
+          f"marginal {r['marginal_us']:.3f} us ({r['marginal_us'] / r['rebuild_us']:.2f}x), serial "
+          f"{r['serial']['serial_fraction']:.1%}{extra}, identical {r['identical']}", flush=True)
+    return r
 
 
 def one_round(work: Path, config: Path, reference: Path, messages: int, master: str, slots: int, catalog: bool,
@@ -305,22 +315,28 @@ def prepare_many_queues(work: Path, data_set: str, scale: float) -> dict:
             "rebuild_us": 1e6 * rebuild_cpu / messages}
 
 
-def many_round(work: Path, many: dict, master: str, marginal_64: float) -> dict:
+def many_round(work: Path, many: dict, master: str, marginal_64: float, number: int) -> dict:
     """The fixed job and the whole backfill of the many-queue data set (with event logs, as the others), their
     marginal cost per message and its ratio to this round's 64-queue marginal; the output compared with its
-    rebuild."""
+    rebuild. The outputs are kept until the scenario ends (`many_outputs`, removed by `measure`): ext4 makes
+    inodes created within minutes of as many being deleted several times dearer (it scans for recently freed
+    ones, `recently_deleted()`), so deleting the last output and backfilling at once measured that scan."""
     raw_read_seconds(many["store"], commitlog_bytes(many["store"])[1])  # from the page cache, as the others
-    fixed = backfill_run(many["config"], work / "out" / "cost-many-fixed", master, ["--to", str(many["to"])],
+    fixed_out, full_out = (many_outputs(work) / f"{kind}-{number}" for kind in ("fixed", "full"))
+    fixed = backfill_run(many["config"], fixed_out, master, ["--to", str(many["to"])],
                          work / "out" / "cost-events-many-fixed")
-    shutil.rmtree(work / "out" / "cost-many-fixed", ignore_errors=True)
-    full = backfill_run(many["config"], work / "out" / "cost-many-full", master, [], work / "out" / "cost-events-many")
-    identical = same_tree(many["reference"], work / "out" / "cost-many-full")
-    shutil.rmtree(work / "out" / "cost-many-full", ignore_errors=True)
+    full = backfill_run(many["config"], full_out, master, [], work / "out" / "cost-events-many")
+    identical = same_tree(many["reference"], full_out)
     marginal_us, parts, decode_us, write_us = per_message(full, fixed, many["messages"] - FIXED_MESSAGES)
     print(f"at {many['queues']:,} queues: fixed {fixed['cpu']:.2f} CPU-s, full {full['cpu']:.2f} CPU-s, "
           f"{full['wall']:.1f} s wall", flush=True)
     return {"fixed": fixed, "full": full, "marginal_us": marginal_us, "marginal_parts_us": parts,
             "decode_us": decode_us, "write_us": write_us, "ratio": marginal_us / marginal_64, "identical": identical}
+
+
+def many_outputs(work: Path) -> Path:
+    """Where the many-queue backfills' outputs stay until the scenario ends (one per run)."""
+    return work / "out" / "cost-many"
 
 
 def _figures(runs: list[dict], catalog: bool) -> dict[str, list[float]]:

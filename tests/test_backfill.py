@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog
 import yaml
 
 from daemon.backfill import (
@@ -1002,6 +1003,36 @@ def test_cli_backfill_interrupted_mid_job_exits_130_cleanly(generated, tmp_path,
     assert not (out / "index").exists()
 
 
+def test_cli_backfill_interrupted_during_the_commit_exits_130_saying_what_the_output_holds(generated, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """A signal during the commit stops it between two files (CommitInterrupted): the command exits 130 with the
+    one line that says how far the commit got and how to complete it."""
+    from daemon.backfill import job
+    from daemon.backfill.interrupt import CommitInterrupted
+    from daemon.cli import main
+
+    tmp, _, _ = generated
+    config = config_file(tmp_path, "out", tmp / "store")
+    out = tmp_path / "out"
+
+    def interrupted(config, **_kwargs):
+        raise CommitInterrupted(config.output.dir, (3, 7, 0, 1), catalog=True)
+
+    monkeypatch.setattr(job, "backfill", interrupted)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    logging = structlog.get_config()  # the command points the log at this test's captured stderr
+    try:
+        assert main(["backfill", "--config", str(config)]) == 130
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        structlog.configure(**logging)
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"reputd: interrupted: the backfill's commit stopped after putting the files of 3 of 7 queues and 0 of 1 "
+        f"IndexFiles in place (each whole) and put nothing more in {out}, and the catalog was not extended; the "
+        "same backfill run again puts the rest (what is in place is checked and kept)")
+
+
 def _marked_processes(marker: str) -> list[int]:
     """Processes whose environment holds `marker` (everything a command started inherits it)."""
     found = []
@@ -1181,11 +1212,12 @@ class _CancelRecorder:
         self.cancelled.append(group)
 
 
-def test_a_signal_during_the_write_job_stops_the_commit_and_one_during_the_commit_lets_it_end():
+def test_a_signal_during_the_write_job_stops_the_commit_and_one_during_the_commit_is_kept_for_it():
     """The cancel can reach Spark before the write job starts, which then runs whole: the signal is checked
     again as the commit begins (it had linked the files into place, then said "reputd: interrupted" with
-    exit 130). A signal once the commit began lets it and the backfill end as done (no half-committed
-    output)."""
+    exit 130). A signal once the commit began raises nothing there: it is kept (`signal`) for the commit to
+    stop between two files (tests/test_backfill_queuewriter.py's
+    test_a_signal_during_the_commit_stops_it_between_two_queues)."""
     from daemon.backfill.interrupt import Interrupt
 
     context = _CancelRecorder()

@@ -256,7 +256,7 @@ def test_a_backfill_into_the_root_puts_nothing_more_in_place_once_a_broker_takes
     `broker_lock_taken` once, leaves no staging behind, and ends with the line `reputd backfill` prints."""
     from structlog.testing import capture_logs
 
-    from daemon.backfill import BrokerLockTaken, backfill, phases
+    from daemon.backfill import BrokerLockTaken, backfill, commit
     from daemon.backfill.commit import STAGING_DIR
     from daemon.config import load_config
 
@@ -265,7 +265,7 @@ def test_a_backfill_into_the_root_puts_nothing_more_in_place_once_a_broker_takes
     (root / "lock").write_bytes(b"lock")
     config = load_config(_root_config(tmp_path), env={})
     holders = []
-    commit_queue_dir = phases.commit_queue_dir
+    commit_queue_dir = commit.commit_queue_dir
 
     def then_a_broker_starts(*args, **kwargs):
         counts = commit_queue_dir(*args, **kwargs)
@@ -273,7 +273,7 @@ def test_a_backfill_into_the_root_puts_nothing_more_in_place_once_a_broker_takes
             holders.append(hold_broker_lock(root / "lock"))
         return counts
 
-    monkeypatch.setattr(phases, "commit_queue_dir", then_a_broker_starts)
+    monkeypatch.setattr(commit, "commit_queue_dir", then_a_broker_starts)
     try:
         with capture_logs() as logs, pytest.raises(BrokerLockTaken) as caught:
             backfill(config, spark=spark, partitions=2)

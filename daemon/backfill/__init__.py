@@ -14,7 +14,7 @@ the range size, partitions or executors; Spark only spreads the work:
     driver   Java detection, the Spark context, Spark's failures as one line
     phases   the two Spark jobs (decode, write) and the commit, the writers balanced over the tasks
     outputs  the checks of the output and the catalog before Spark starts, the catalog's staging removed
-    interrupt  SIGINT/SIGTERM: one line, exit 130, nothing left running
+    interrupt  SIGINT/SIGTERM: one line, exit 130, nothing left running (in the commit: between two files)
     tasks    what the Python workers run (the decode, the writers), importing no more than they need
 """
 
@@ -27,6 +27,7 @@ _EXPORTS = {
     "BackfillFailed": "daemon.backfill.plan",
     "BackfillSummary": "daemon.backfill.job",
     "BrokerLockTaken": "daemon.backfill.brokerwatch",
+    "CommitInterrupted": "daemon.backfill.interrupt",
     "Fault": "daemon.backfill.writers",
     "InjectedFault": "daemon.backfill.writers",
     "backfill": "daemon.backfill.job",
@@ -34,8 +35,8 @@ _EXPORTS = {
     "commit_log_dirs": "daemon.backfill.job",
     "create_context": "daemon.backfill.driver",
 }
-__all__ = ["BackfillError", "BackfillFailed", "BackfillSummary", "BrokerLockTaken", "Fault", "InjectedFault",
-           "backfill", "check_java", "commit_log_dirs", "create_context"]
+__all__ = ["BackfillError", "BackfillFailed", "BackfillSummary", "BrokerLockTaken", "CommitInterrupted", "Fault",
+           "InjectedFault", "backfill", "check_java", "commit_log_dirs", "create_context"]
 
 
 def __getattr__(name: str):

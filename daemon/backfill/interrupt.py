@@ -64,8 +64,9 @@ class Interrupt:
       into the JVM from the thread the signal interrupts, which is inside a call to the JVM: py4j then printed
       three tracebacks); a second signal kills Spark's processes at once;
     * once the commit begins (`committing`, which first raises a signal that came during the write job, in
-      case the job ended before a cancel reached it): the commit and the stop go on
-      and the backfill ends as done (a signal then had made it say "interrupted" over a committed output);
+      case the job ended before a cancel reached it): the commit stops before its next queue or IndexFile
+      (`Phases` asks `signal`), no file half put, and ends with CommitInterrupted, which says what the output
+      holds (the commit of a rerun over 16,000 queues took many minutes and could not be stopped);
     * while the context stops (`stopping`): the stop goes on.
 
     For a caller's context, and off the main thread (where no handler can be set), it does nothing."""
@@ -152,6 +153,27 @@ class Interrupt:
         """Raise the interruption if a signal came while the driver was not waiting for a job."""
         if self.signal is not None:
             raise KeyboardInterrupt
+
+
+def commit_where(queues: int, of_queues: int, index_files: int, of_index_files: int) -> str:
+    return (f"after putting the files of {queues:,} of {of_queues:,} queues and {index_files:,} of "
+            f"{of_index_files:,} IndexFiles in place")
+
+
+class CommitInterrupted(KeyboardInterrupt):
+    """A signal during the commit stopped it between two files (no queue or IndexFile half put); str() says
+    what the output holds. The command's exit is 130, as for any interruption."""
+
+    def __init__(self, out: str, counts: tuple[int, int, int, int], catalog: bool = False):
+        self.out = out
+        self.counts = counts
+        rest = ", and the catalog was not extended" if catalog else ""
+        super().__init__(f"the backfill's commit stopped {commit_where(*counts)} (each whole) and put nothing "
+                         f"more in {out}{rest}; the same backfill run again puts the rest (what is in place is "
+                         f"checked and kept)")
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class _SignalsKept:

@@ -147,6 +147,7 @@ def backfill(config: Config, *, spark=None, master: str | None = None, segments:
         job = Phases(config, sc, out, job_id, summary, settings, say, log, fault, s3)
         job.catalog_covered = catalog_covered
         job.before_commit = interrupt.committing
+        job.stop_requested = lambda: interrupt.signal is not None
         job.broker = broker
         if tasks:
             plan = job.decode(tasks, listing, start, to_offset, from_offset is not None)

@@ -17,21 +17,28 @@ from indexcore.indexfile import FIRST_INDEX, INDEX_HEADER_SIZE, IndexHeader
 from indexcore.indexservice import INDEX_DIR
 from indexcore.mappedfile import list_queue_files
 
-_SCAN_UNITS = 4096  # units read at a time looking for a queue's first real one
+_SCAN_UNITS = (16, 4096)  # units read at a time looking for a queue's first real one: from the first, growing
 
 
 def first_real_unit(directory: str) -> tuple[str, int] | None:
-    """The file and CommitLog offset of a queue's first unit that is neither pre-blank nor unwritten (read a
-    few units at a time: a daemon's first file may hold a long blank head, or be all real units)."""
+    """The file and CommitLog offset of a queue's first unit that is neither pre-blank nor unwritten: a few units
+    read, then more at a time (a daemon's first file may hold a long blank head; a backfill's or rebuild's from
+    offset 0 begins with a real unit, and 16,000 queues read 80 KB each when a read was 4,096 units)."""
     for _, path in list_queue_files(directory):
-        with open(path, "rb") as f:
-            while chunk := f.read(_SCAN_UNITS * CQ_UNIT_SIZE):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            at, units_at_a_time = 0, _SCAN_UNITS[0]
+            while chunk := os.pread(fd, units_at_a_time * CQ_UNIT_SIZE, at):
                 units = np.frombuffer(chunk, dtype=CQ_UNIT_DTYPE, count=len(chunk) // CQ_UNIT_SIZE)
                 blank = ((units["commit_log_offset"] == 0) & (units["msg_size"] == BLANK_UNIT_MSG_SIZE)
                          & (units["tags_code"] == 0))
                 real = np.flatnonzero(~blank & (units["msg_size"] > 0))
                 if len(real):
                     return path, int(units["commit_log_offset"][real[0]])
+                at += len(chunk)
+                units_at_a_time = min(units_at_a_time * 4, _SCAN_UNITS[1])
+        finally:
+            os.close(fd)
     return None
 
 

@@ -16,7 +16,15 @@ import numpy as np
 from pyarrow import fs
 
 from daemon.backfill.catalog import catalog_filesystem, file_name, write_marker
-from daemon.backfill.commit import PRESENT, commit_index_file, commit_queue_dir, file_counts, staging_root
+from daemon.backfill.commit import (
+    PRESENT,
+    commit_index_file,
+    commit_queues,
+    distinct_count,
+    file_counts,
+    staging_root,
+)
+from daemon.backfill.interrupt import CommitInterrupted, commit_where
 from daemon.backfill.outputs import first_real_unit
 from daemon.backfill.plan import (
     BackfillError,
@@ -58,6 +66,7 @@ if TYPE_CHECKING:
     from daemon.backfill.summary import BackfillSummary
 
 WRITE_GROUPS_PER_SLOT = 2
+COMMIT_PROGRESS_S = 5.0  # a commit says how far it got this often
 
 
 def balanced(weights: Mapping, parts: int) -> list[list]:
@@ -139,7 +148,8 @@ class Phases:
         self.say = say
         self.log = log
         self.fault = fault
-        self.before_commit: Callable[[], None] = lambda: None  # the last moment a signal still stops the backfill
+        self.before_commit: Callable[[], None] = lambda: None  # from here a signal stops the commit between files
+        self.stop_requested: Callable[[], bool] = lambda: False  # a signal came: stop the commit between two files
         self.broker: BrokerWatch | None = None  # the output's broker lock: asked before each file is put in place
         self.s3 = s3
         self.work_files = 0  # the work items of each job, in a file of the staging root
@@ -288,31 +298,27 @@ class Phases:
         # an output that has some of these files already (a rerun): the messages new to it are those whose units
         # or keys this commit puts (newMessages, 0 when it held them all, as `rebuild` counts); into an empty
         # output, or merged into a daemon's queues that start after the range, every message is
-        new_offsets = [] if self._output_has_any(queues, index_dir, names) else None
-        counts = file_counts()
-        for n, q in enumerate(queues):
-            self._broker_check()
-            for k, v in commit_queue_dir(q.directory, os.path.join(self.out, CONSUME_QUEUE_DIR, q.topic,
-                                                                   str(q.queue_id)), q.files,
-                                         new_offsets).items():
-                counts[k] += v
-            self._put(n + 1, len(queues), 0, len(names))
+        merging = self._output_has_any(queues, index_dir, names)
+        new_offsets = [] if merging else None
+        steps = CommitSteps(self, len(queues), len(names), merging, catalog is not None)
+        counts = commit_queues(queues, os.path.join(self.out, CONSUME_QUEUE_DIR), new_offsets,
+                               lambda n: steps.between(n, 0))
         if build_cq:
             s.files["consumequeue"] = sum(counts.values())
             self.log.info("consumequeues_written", queues=stats.queues, units=stats.units, **counts)
         index_counts = file_counts()
         for n, (f, name) in enumerate(zip(staged_files, names, strict=True)):
-            self._broker_check()
+            steps.between(len(queues), n)
             index_counts[commit_index_file(f.path, os.path.join(index_dir, name), new_offsets,
                                            store.max_hash_slot_num)] += 1
-            self._put(len(queues), len(queues), n + 1, len(names))
+        steps.put(len(queues), len(names))
         if new_offsets is not None and counts[PRESENT] + index_counts[PRESENT]:  # a rerun: what it put is new
-            s.new_messages = len(np.unique(np.concatenate(new_offsets))) if new_offsets else 0
+            s.new_messages = distinct_count(new_offsets)
         if build_index:
             s.files["index"] = len(names)
             self.log.info("index_files_written", files=len(names), keys=stats.keys, **index_counts)
         if catalog is not None:
-            self._broker_check()
+            steps.between(len(queues), len(names))
             filesystem, base = catalog_filesystem(catalog, self.s3)
             rows = 0
             base = base.rstrip("/")
@@ -332,10 +338,6 @@ class Phases:
     def _broker_check(self) -> None:
         if self.broker is not None:
             self.broker.check()
-
-    def _put(self, queues: int, of_queues: int, index_files: int, of_index_files: int) -> None:
-        if self.broker is not None:
-            self.broker.put(queues, of_queues, index_files, of_index_files)
 
     def _output_has_any(self, queues, index_dir: str, names: list[str]) -> bool:
         """Whether any file this commit puts is in the output already (a queue directory, an IndexFile)."""
@@ -361,3 +363,40 @@ class Phases:
                                     f"below the backfilled range [{self.summary.start_offset}, {end}); backfill "
                                     f"into an empty output, or below the files of a daemon that started at or "
                                     f"after --to")
+
+
+class CommitSteps:
+    """How far a commit got, asked between two of its files (`between`): a broker that took the output's lock
+    or a signal stops it there, where no queue or IndexFile is half put; it says what it does as it starts, and
+    every COMMIT_PROGRESS_S how far it got and the time left at its pace."""
+
+    def __init__(self, job: Phases, queues: int, index_files: int, merging: bool, catalog: bool):
+        self.job = job
+        self.of = (queues, index_files)
+        self.catalog = catalog
+        job.log.info("backfill_commit_started", queues=queues, index_files=index_files, output=job.out,
+                     merging=merging)
+        what = (", checking them against the files there and filling those files' blank units (only the bytes "
+                "this backfill wrote are read)" if merging else "")
+        job.say(f"committing: putting the files of {queues:,} queues and {index_files:,} IndexFiles in place in "
+                f"{job.out}{what}; a signal now stops it between two queues")
+        self.started = self.said = time.monotonic()
+
+    def put(self, queues: int, index_files: int) -> None:
+        if self.job.broker is not None:
+            self.job.broker.put(queues, self.of[0], index_files, self.of[1])
+
+    def between(self, queues: int, index_files: int) -> None:
+        """`queues` and `index_files` are in place; raise to stop before the next."""
+        self.put(queues, index_files)
+        self.job._broker_check()
+        counts = (queues, self.of[0], index_files, self.of[1])
+        if self.job.stop_requested():
+            self.job.log.warning("backfill_interrupted", stopped=commit_where(*counts), output=self.job.out)
+            raise CommitInterrupted(self.job.out, counts, self.catalog)
+        now = time.monotonic()
+        if now - self.said >= COMMIT_PROGRESS_S and 0 < queues < self.of[0]:
+            self.said = now
+            left = (now - self.started) * (self.of[0] - queues) / queues
+            self.job.say(f"committed {queues:,} of {self.of[0]:,} queues in {now - self.started:.0f} s, about "
+                         f"{left:.0f} s left for the rest")

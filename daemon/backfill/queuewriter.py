@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from daemon.backfill.commit import SYNC_WHOLE_FS_FILES
 from daemon.backfill.stage import StagedRange, StagedUnits, queue_numbers, regroup
 from daemon.backfill.writers import Attempt, Fault, WriteStats
 from indexcore import _kernels
@@ -46,10 +47,6 @@ from indexcore.queuestore import open_queue_files_limit
 # Units a task gathers from the ranges at a time (~110 bytes of arrays each while they are regrouped: ~30 MB), so
 # that its memory does not grow with the CommitLog; a bucket holding more is read a few ranges at a time.
 WRITE_PIECE_UNITS = 1 << 18
-# From this many files written, a task syncs them by syncing their file system once (syncfs), as a rebuild's
-# last flush does (daemon.engine.flusher.SYNCFS_MIN_FILES): each fdatasync of a new file cost ~130 us of CPU
-# and waited ~6 ms for the disk here, 16,000 queues one after the other.
-SYNC_WHOLE_FS_FILES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +61,15 @@ class StagedQueue(NamedTuple):
     directory: str
     first_phy: int  # CommitLog offset of the queue's first unit in this backfill
     files: int
+    span: tuple[int, int] | None  # [first, end) queue bytes its units were put in; None: not recorded (read all)
 
 
 @dataclass(slots=True)
 class StagedQueues:
     """The queues one task staged, as lists (what crosses to the driver is one of these per task, not an
-    object per queue): queue i is (topics[topic[i]], queue_id[i]), staged in root/i/."""
+    object per queue): queue i is (topics[topic[i]], queue_id[i]), staged in root/i/; its units were put in
+    the queue's bytes [lo[i], hi[i]) (its files hold nothing else but pre-blanks: what a commit into an output
+    that has the queue reads and compares), lo[i] -1 when not recorded."""
 
     root: str
     topics: list[str] = field(default_factory=list)
@@ -77,14 +77,17 @@ class StagedQueues:
     queue_id: list[int] = field(default_factory=list)
     first_phy: list[int] = field(default_factory=list)
     files: list[int] = field(default_factory=list)
+    lo: list[int] = field(default_factory=list)
+    hi: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.topic)
 
     def __iter__(self) -> Iterator[StagedQueue]:
-        for n, (t, q, phy, files) in enumerate(zip(self.topic, self.queue_id, self.first_phy, self.files,
-                                                   strict=True)):
-            yield StagedQueue(self.topics[t], q, os.path.join(self.root, str(n)), phy, files)
+        for n, (t, q, phy, files, lo, hi) in enumerate(zip(self.topic, self.queue_id, self.first_phy, self.files,
+                                                           self.lo, self.hi, strict=True)):
+            yield StagedQueue(self.topics[t], q, os.path.join(self.root, str(n)), phy, files,
+                              None if lo < 0 else (lo, hi))
 
 
 class Gathered(NamedTuple):
@@ -183,8 +186,9 @@ class QueueWriter:
         for i, (t, q) in enumerate(zip(topic, queue_id, strict=True)):
             lo, hi = start[i], start[i + 1]
             if close and (t, q) not in self._open:
-                files = self._write_whole(self._directory(), g.qo[lo:hi], g.units[lo:hi], g.ends[lo:hi], streak[i])
-                self._staged(t, q, phy[i], files)
+                files, span = self._write_whole(self._directory(), g.qo[lo:hi], g.units[lo:hi], g.ends[lo:hi],
+                                                streak[i])
+                self._staged(t, q, phy[i], files, span)
                 continue
             if (t, q) not in self._open:
                 if self._open_files is None:
@@ -192,25 +196,30 @@ class QueueWriter:
                 cq = ConsumeQueue(self._directory(), names[t], q, self.file_size, open_files=self._open_files,
                                   new=True)
                 self._open[(t, q)] = (cq, phy[i])
-                self._staged(t, q, phy[i], 0)  # its files counted when it is closed (`close_all`)
+                self._staged(t, q, phy[i], 0, (-1, -1))  # its files counted when it is closed (`close_all`)
             cq = self._open[(t, q)][0]
             cq.put_packed(g.qo[lo:hi], g.units[lo:hi], g.ends[lo:hi], streak[i], stats=self.stats)
 
     def _directory(self) -> str:
         return os.path.join(self.root, str(len(self.staged)))
 
-    def _staged(self, topic: int, queue_id: int, first_phy: int, files: int) -> None:
+    def _staged(self, topic: int, queue_id: int, first_phy: int, files: int, span: tuple[int, int]) -> None:
         s = self.staged
         s.topic.append(topic)
         s.queue_id.append(queue_id)
         s.first_phy.append(first_phy)
         s.files.append(files)
+        s.lo.append(span[0])
+        s.hi.append(span[1])
 
-    def _write_whole(self, directory: str, qo: np.ndarray, units: np.ndarray, ends: np.ndarray, streak: bool) -> int:
+    def _write_whole(self, directory: str, qo: np.ndarray, units: np.ndarray, ends: np.ndarray,
+                     streak: bool) -> tuple[int, tuple[int, int]]:
         """Write a new queue's units in its directory, where `place_units` (the broker's put rules, from an empty
-        queue) places them: each file created, sized and written in one call; the files made."""
+        queue) places them: each file created, sized and written in one call; the files made and the queue
+        bytes [first, end) the units were put in."""
         os.mkdir(directory)
         files: list[tuple[str, list[tuple[int, object]]]] = []  # each file's pieces: (position, bytes)
+        first, end = -1, -1
         for p in place_units(QueueCursor(), qo, ends, self.file_size, self.stats, streak):
             if p.created:
                 files.append((os.path.join(directory, offset_to_file_name(p.file_start)), []))
@@ -220,6 +229,8 @@ class QueueWriter:
                 pieces.append((at - p.blanks * CQ_UNIT_SIZE, BLANK_UNIT * p.blanks))
             if p.last > p.first:
                 pieces.append((at, units[p.first : p.last]))
+                first = p.logical if first < 0 else min(first, p.logical)
+                end = max(end, p.logical + (p.last - p.first) * CQ_UNIT_SIZE)
         for path, pieces in files:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
@@ -228,7 +239,7 @@ class QueueWriter:
             finally:
                 os.close(fd)
             self.unsynced.append(path)
-        return len(files)
+        return len(files), (first, end) if first >= 0 else (0, 0)
 
     def close_all(self) -> None:
         """Close the queues read in pieces, their last files' syncs left to `finish`."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from daemon.cli.common import (
     EXIT_FAILURE,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     OWN_PACKAGES,
@@ -157,7 +158,7 @@ def cmd_backfill(args, config: Config) -> int:
     def say(text: str) -> None:
         print(f"{start_of_line}{text}", file=sys.stderr, flush=True)
 
-    from daemon.backfill import BrokerLockTaken
+    from daemon.backfill import BrokerLockTaken, CommitInterrupted
 
     try:
         summary = backfill(config, master=args.master, segments=args.segments, from_offset=args.from_offset,
@@ -167,6 +168,10 @@ def cmd_backfill(args, config: Config) -> int:
         command_finished()
         print(f"reputd: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except CommitInterrupted as e:  # a signal stopped the commit between two files: what the output holds
+        command_finished()
+        print(f"reputd: interrupted: {e}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     command_finished()
     _print_summary(args, config, "backfilled", summary,
                    f" from {summary.segments} segments on {summary.master}")
