@@ -22,6 +22,8 @@ import mmap
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
 
 from indexcore import _failpoints, _kernels
 from indexcore.errors import SizeMismatchError, StoreLayoutError
@@ -255,15 +257,27 @@ def pwrite_all(fd: int, data, position: int, path: str | None = None) -> None:
         raise OSError(e.errno, f"cannot write {len(view)} bytes at {position} ({e.strerror})", path) from None
 
 
+class WriteBehind(Protocol):
+    """What makes an `OpenFiles`' deferred writes elsewhere (`daemon.engine.writebehind`): in the order handed over."""
+
+    def submit(self, writes: list[tuple], paths: list[str]) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def barrier(self) -> Callable[[], None]: ...
+
+
 class OpenFiles:
     """Read-write descriptors of at most `limit` files, the least recently used closed first.
 
     Writers that append through `pwrite` take their descriptor here, so a store of 100,000 queue files
     stays within the process's descriptor limit (and, unlike a mapping per file, within vm.max_map_count).
-    A descriptor with deferred writes (`write_later`) is closed only after they are made.
+    A descriptor with deferred writes (`write_later`) is closed only after they are made. With a write-behind
+    (`write_behind`: `run`'s writer thread), `submit_writes` hands the deferred writes over instead of making
+    them, and everything else done here first waits for what was handed over (`WriteBehind.drain`).
     """
 
-    __slots__ = ("_fds", "_pending", "_pending_fds", "_pending_paths", "limit")
+    __slots__ = ("_behind", "_fds", "_inflight_fds", "_pending", "_pending_fds", "_pending_paths", "limit")
 
     def __init__(self, limit: int):
         if limit < 1:
@@ -273,6 +287,8 @@ class OpenFiles:
         self._pending: list[tuple] = []  # write_later's (fd, data, position) or (-1, data, position, path), in order
         self._pending_paths: list[str] = []
         self._pending_fds: set[int] = set()
+        self._behind: WriteBehind | None = None
+        self._inflight_fds: set[int] = set()  # descriptors of writes handed to the write-behind, until a drain
 
     def __len__(self) -> int:
         return len(self._fds)
@@ -295,7 +311,8 @@ class OpenFiles:
     def _make_room(self) -> None:
         fds = self._fds
         while len(fds) >= self.limit:
-            if next(iter(fds.values())) in self._pending_fds:
+            oldest = next(iter(fds.values()))
+            if oldest in self._pending_fds or oldest in self._inflight_fds:
                 self.flush_writes()
             os.close(fds.popitem(last=False)[1])
 
@@ -319,9 +336,43 @@ class OpenFiles:
             self._pending_fds.add(fd)
         self._pending_paths.append(path)
 
+    def write_behind(self, writer: WriteBehind | None) -> None:
+        """Hand deferred writes to `writer` at `submit_writes` from now on (None: make them here again)."""
+        self.flush_writes()
+        self._behind = writer
+
+    def submit_writes(self) -> None:
+        """`flush_writes`, or, with a write-behind, hand the deferred writes over to it and return: they are made
+        in order after those handed over before, and before anything else is done here."""
+        if self._behind is None:
+            self.flush_writes()
+            return
+        if not self._pending:
+            return
+        pending, paths = self._pending, self._pending_paths
+        self._pending, self._pending_paths = [], []
+        self._inflight_fds |= self._pending_fds
+        self._pending_fds.clear()
+        self._behind.submit(pending, paths)
+
+    def barrier(self) -> Callable[[], None] | None:
+        """With a write-behind: hand the deferred writes over and return a wait for every write handed over until
+        now, which raises if any write failed (`WriteBehind.barrier`); without, make them now and return None."""
+        self.submit_writes()
+        return self._behind.barrier() if self._behind is not None else None
+
     def flush_writes(self) -> None:
         """Make the deferred writes, in order; no room (or any other failure) is an OSError naming the file,
         and the writes after it are dropped, as if the failure had stopped the writer there."""
+        if self._behind is not None:
+            try:
+                self._behind.drain()
+            except OSError:
+                self._pending, self._pending_paths = [], []  # after the failure: dropped
+                self._pending_fds.clear()
+                raise
+            finally:
+                self._inflight_fds.clear()
         if not self._pending:
             return
         pending, paths = self._pending, self._pending_paths

@@ -389,7 +389,7 @@ class ConsumeQueueStore:
         finally:
             if self.table.holding and (not self.hold_bytes or self.table.pinned > HELD_BYTES_BUDGET):
                 self.table.release()
-            self.open_files.flush_writes()
+            self.open_files.submit_writes()  # made now, or by `run`'s writer thread (`OpenFiles.write_behind`)
         return stats
 
     def _put_grouped(self, g: FlatUnits, stats: PutStats) -> None:
