@@ -17,7 +17,7 @@ commit_log_offset < 0 or msg_size <= 0 (blank units count as valid). A crash can
 checkpoint does not cover; `truncate_to` removes them, and zeroes what it removes, so that a queue
 recovered after a crash is byte-identical to one built in a single run.
 
-Units are appended with `pwrite` through a bounded set of descriptors (`mappedfile.OpenFiles`), not a
+Units are appended with `pwrite` through a bounded set of descriptors (`openfiles.OpenFiles`), not a
 mapping per queue: an LMQ broker has tens of thousands of queues, more than a process may map
 (vm.max_map_count) or keep open, and a write into a fresh mapped page costs a page fault that a
 `pwrite` does not. Files are created sparse, as the broker's are (100,000 queues of 6,000,000-byte

@@ -20,7 +20,8 @@ from indexcore.consumequeue import (
     pack_units,
     place_units,
 )
-from indexcore.mappedfile import OpenFiles, offset_to_file_name
+from indexcore.mappedfile import offset_to_file_name
+from indexcore.openfiles import OpenFiles
 from indexcore.queuerecovery import QueueRecovery
 from indexcore.queuetable import QueueRow, QueueTable
 

@@ -32,10 +32,10 @@ from indexcore.mappedfile import (
     CREATE_EXISTED,
     CREATE_KEEP_OPEN,
     CREATE_MAKE_PARENT,
-    OpenFiles,
     create_in_place_many,
     offset_to_file_name,
 )
+from indexcore.openfiles import OpenFiles
 from indexcore.queuefiles import ConsumeQueue
 from indexcore.queuetable import QueueTable
 
@@ -387,7 +387,7 @@ class ConsumeQueueStore:
         finally:
             if self.table.holding and (not self.hold_bytes or self.table.pinned > HELD_BYTES_BUDGET):
                 self.table.release()
-            self.open_files.flush_writes()
+            self.open_files.submit_writes()  # made now, or by `run`'s writer thread (`OpenFiles.write_behind`)
         return stats
 
     def _put_grouped(self, g: FlatUnits, stats: PutStats) -> None:

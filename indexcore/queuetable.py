@@ -52,8 +52,8 @@ def _grown(a: np.ndarray, size: int, fill) -> np.ndarray:
 class QueueTable:
     """The rows of a store's queues (`add` gives each its slot) and the appends gathered for them."""
 
-    __slots__ = ("_arrays", "_at", "_batch", "_hi", "_lo", "_n", "_next_batch", "_slot", "_time", "dirty", "held",
-                 "held_phy", "last_start", "max_phy", "pinned", "queues", "touched", "write_pos")
+    __slots__ = ("_arrays", "_at", "_batch", "_hi", "_left", "_live", "_lo", "_n", "_next_batch", "_slot", "_time",
+                 "dirty", "held", "held_phy", "last_start", "max_phy", "pinned", "queues", "touched", "write_pos")
 
     def __init__(self, capacity: int = 1):
         for name, dtype, fill in _COLUMNS:
@@ -61,8 +61,13 @@ class QueueTable:
         for name, dtype in _ENTRIES:
             setattr(self, name, np.zeros(16, dtype=dtype))
         self.queues: list[QueueWriter] = []  # by slot
-        self._n = 0  # gathered entries
+        # gathered entries: the first `_n` rows of the entry columns, `_live` of them not released yet (a released
+        # entry's `_slot` is -1 until the rows are compacted, once most of them are released: a release touches
+        # the entries of the queues it writes, not every entry held)
+        self._n = 0
+        self._live = 0
         self._arrays: dict[int, np.ndarray] = {}  # the batches' arrays of units the entries take from
+        self._left: dict[int, int] = {}  # per batch (a key of `_arrays`): its entries not released yet
         self._next_batch = 0
         self.pinned = 0  # bytes of those arrays: what the gathered appends keep alive
 
@@ -87,7 +92,7 @@ class QueueTable:
 
     @property
     def holding(self) -> bool:
-        return self._n > 0
+        return self._live > 0
 
     def gather(self, units: np.ndarray, slots: np.ndarray, lo: np.ndarray, hi: np.ndarray, at: np.ndarray,
                now: float = 0.0) -> None:
@@ -104,12 +109,14 @@ class QueueTable:
         batch = self._next_batch
         self._next_batch += 1
         self._arrays[batch] = units
+        self._left[batch] = k
         self.pinned += units.nbytes
         for name, values in (("_slot", slots), ("_lo", lo), ("_hi", hi), ("_at", at)):
             getattr(self, name)[n : n + k] = values
         self._batch[n : n + k] = batch
         self._time[n : n + k] = now
         self._n = n + k
+        self._live += k
         first = self.held[slots] == 0
         if first.any():
             self.held_phy[slots[first]] = units["commit_log_offset"][lo[first]]
@@ -118,9 +125,10 @@ class QueueTable:
     def oldest_held(self) -> int | None:
         """The CommitLog offset of the first unit gathered and not written (None: none is): every unit of the
         records below it is written."""
-        if not self._n:
+        if not self._live:
             return None
-        return int(self.held_phy[self._slot[: self._n]].min())
+        slots = self._slot[: self._n]
+        return int(self.held_phy[slots[slots >= 0]].min())
 
     def release_older(self, before: float, most: int | None = None) -> None:
         """`release` the queues whose first gathered piece was gathered before `before` (on `gather`'s clock);
@@ -129,6 +137,8 @@ class QueueTable:
         if not old:
             return
         slots, first = np.unique(self._slot[:old], return_index=True)
+        if len(slots) and slots[0] < 0:  # released already
+            slots, first = slots[1:], first[1:]
         if most is not None and len(slots) > most:
             slots = slots[np.sort(np.argsort(first, kind="stable")[:most])]
         self.release(slots)
@@ -138,25 +148,30 @@ class QueueTable:
         writes (`ConsumeQueue.write_later`: a queue's pieces back to back, one vectored write), queue by queue
         in slot order."""
         n = self._n
-        if not n:
+        if not self._live:
             return
         if slots is None:
-            taken = {name: getattr(self, name)[:n] for name, _ in _ENTRIES}  # written before anything is gathered
-            self._n = 0
+            live = self._slot[:n] >= 0 if self._live < n else slice(None)
+            taken = {name: getattr(self, name)[:n][live] for name, _ in _ENTRIES}  # written before anything is gathered
+            self._n = self._live = 0
         else:
-            chosen = np.zeros(len(self.queues), dtype=np.bool_)
+            chosen = np.zeros(len(self.queues) + 1, dtype=np.bool_)  # the last: released entries' slot -1
             chosen[slots] = True
-            mask = chosen[self._slot[:n]]
-            if not mask.any():
+            at = np.flatnonzero(chosen[self._slot[:n]])
+            if not len(at):
                 return
-            keep = ~mask
-            taken = {}
-            for name, _ in _ENTRIES:
-                column = getattr(self, name)
-                taken[name] = column[:n][mask]
-                kept = column[:n][keep]
-                column[: len(kept)] = kept
-            self._n = int(np.count_nonzero(keep))
+            taken = {name: getattr(self, name)[at] for name, _ in _ENTRIES}
+            self._slot[at] = -1
+            self._live -= len(at)
+            if not self._live:
+                self._n = 0
+            elif n > 2 * self._live:  # mostly released: compact, keeping the order gathered
+                keep = self._slot[:n] >= 0
+                for name, _ in _ENTRIES:
+                    column = getattr(self, name)
+                    kept = column[:n][keep]
+                    column[: len(kept)] = kept
+                self._n = self._live
         order = np.argsort(taken["_slot"], kind="stable")  # a queue's pieces stay in the order gathered
         slot, lo, hi, at, batch = (taken[name][order] for name in ("_slot", "_lo", "_hi", "_at", "_batch"))
         starts = np.flatnonzero(np.concatenate(([True], slot[1:] != slot[:-1])))
@@ -173,9 +188,14 @@ class QueueTable:
                 data = [arrays[batch_l[i]][lo_l[i] : hi_l[i]] for i in range(a, b)]
             queues[slot_l[a]].write_later(data, at_l[a])
         # the batches no piece takes from any more are let go
-        remaining = set(np.unique(self._batch[: self._n]).tolist()) if self._n else set()
-        for key in [key for key in arrays if key not in remaining]:
-            self.pinned -= arrays.pop(key).nbytes
+        keys, counts = np.unique(batch, return_counts=True)
+        left = self._left
+        for key, count in zip(keys.tolist(), counts.tolist(), strict=True):
+            if left[key] > count:
+                left[key] -= count
+            else:
+                del left[key]
+                self.pinned -= arrays.pop(key).nbytes
 
 
 def _column(name: str, doc: str, *, writable: bool = True) -> property:

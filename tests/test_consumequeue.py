@@ -23,7 +23,8 @@ from indexcore.consumequeue import (
     pack_units,
 )
 from indexcore.errors import StoreLayoutError
-from indexcore.mappedfile import OpenFiles, offset_to_file_name
+from indexcore.mappedfile import offset_to_file_name
+from indexcore.openfiles import OpenFiles
 from indexcore.queuefiles import ConsumeQueue
 from indexcore.queuestore import ConsumeQueueStore
 from tests.conftest import DispatchRec, make_dispatch_batch

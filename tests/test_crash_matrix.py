@@ -132,6 +132,15 @@ def test_kill_at_every_step_of_a_creation(matrix, point, what, checkpoint):
     kill_and_restart(matrix, point, what, checkpoint, unexpected=("output_file_quarantined",))
 
 
+@pytest.mark.parametrize("checkpoint", ["with", "without"])
+def test_kill_while_the_writer_thread_holds_writes_in_flight(matrix, checkpoint):
+    """`run`'s ConsumeQueue writer thread (daemon/engine/writebehind.py) killed as it takes the writes phase 2
+    hands over, before it makes them: what the dispatch counted as written is not in the files, and the restart
+    ends as a clean rebuild from the checkpoint (or the replay marker) it had."""
+    kill_and_restart(matrix, "consumequeue.write_behind", "writes handed over, not made", checkpoint,
+                     unexpected=("output_file_quarantined",))
+
+
 # --- LMQ: a batch's new queues created in parallel --------------------------------------------------------
 
 LMQ_PHASE_1, LMQ_PHASE_2 = 60, 140  # records

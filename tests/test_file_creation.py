@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexcore import _failpoints, mappedfile
+from indexcore import _failpoints, openfiles
 from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.indexfile import INDEX_HEADER, IndexFile, index_file_size
 from indexcore.indexservice import IndexService
@@ -315,7 +315,7 @@ def test_a_queue_file_cut_short_at_any_step_of_its_creation_ends_as_if_never_cut
 
 
 def test_deferred_writes_keep_their_order_and_are_made_before_a_descriptor_closes(tmp_path):
-    from indexcore.mappedfile import OpenFiles
+    from indexcore.openfiles import OpenFiles
 
     paths = [str(tmp_path / name) for name in ("a", "b", "c")]
     for p in paths:
@@ -340,7 +340,7 @@ def test_deferred_writes_keep_their_order_and_are_made_before_a_descriptor_close
 def test_a_write_to_a_file_no_descriptor_holds_opens_it_for_itself(tmp_path):
     """The gathered appends of thousands of queues through a set of 4: each write past the set opens its file
     and closes it again, in one call without the GIL; nothing is evicted, no descriptor is left."""
-    from indexcore.mappedfile import OpenFiles
+    from indexcore.openfiles import OpenFiles
 
     before = len(os.listdir("/proc/self/fd"))
     files = OpenFiles(4)
@@ -361,7 +361,7 @@ def test_a_write_to_a_file_no_descriptor_holds_opens_it_for_itself(tmp_path):
 
 
 def test_a_deferred_write_that_fails_names_its_file(tmp_path):
-    from indexcore.mappedfile import OpenFiles
+    from indexcore.openfiles import OpenFiles
 
     path = str(tmp_path / "a")
     Path(path).write_bytes(bytes(100))
@@ -424,7 +424,7 @@ def test_a_rebuild_creates_each_new_queue_file_with_its_first_write(tmp_path, mo
     at most MAKE_OPEN_AT_ONCE of them at once beside the bounded set; the files end as without it."""
     writes: list[tuple] = []
     made_at_once: list[int] = []
-    real_write, real_make = mappedfile._kernels.pwrite_many, mappedfile.OpenFiles._make
+    real_write, real_make = openfiles._kernels.pwrite_many, openfiles.OpenFiles._make
 
     def pwrite_many(pending):
         writes.extend(pending)
@@ -434,9 +434,9 @@ def test_a_rebuild_creates_each_new_queue_file_with_its_first_write(tmp_path, mo
         made_at_once.append(len(paths))
         return real_make(files, paths, keep_open)
 
-    monkeypatch.setattr(mappedfile._kernels, "pwrite_many", pwrite_many)
-    monkeypatch.setattr(mappedfile.OpenFiles, "_make", make)
-    monkeypatch.setattr(mappedfile, "MAKE_OPEN_AT_ONCE", 16)
+    monkeypatch.setattr(openfiles._kernels, "pwrite_many", pwrite_many)
+    monkeypatch.setattr(openfiles.OpenFiles, "_make", make)
+    monkeypatch.setattr(openfiles, "MAKE_OPEN_AT_ONCE", 16)
     outs = {}
     for on_write in (False, True):
         writes.clear()

@@ -237,3 +237,74 @@ def test_topic_names_with_dots_and_percent_signs_are_queues(tmp_path: Path) -> N
         store.dispatch(make_dispatch_batch([DispatchRec(phy_offset=100 * i, topic=topic)]))
     store.close()
     assert sorted(p.name for p in (tmp_path / "consumequeue").iterdir()) == ["%LMQ%x", "%RETRY%group", "...", "a.b"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_gathered_appends_released_in_any_order_are_written_in_each_queues_order(seed: int) -> None:
+    """Random gathers, releases of some queues, of the oldest and of all, against a model: each queue gets its
+    pieces in the order gathered, exactly once; the arrays a batch pinned are let go with its last piece; the
+    oldest unit held is the model's. (A release marks what it takes and compacts the rows only once most are
+    taken, so that it costs what it writes, not every entry held.)"""
+    from indexcore.queuetable import QueueTable
+
+    rng = np.random.default_rng(seed)
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.got: list[int] = []
+
+        def write_later(self, data, position: int) -> None:
+            for piece in data if isinstance(data, list) else [data]:
+                self.got.extend(piece["commit_log_offset"].tolist())
+
+    table = QueueTable(4)
+    queues = [Recorder() for _ in range(40)]
+    for q in queues:
+        table.add(q)
+    held: dict[int, list[int]] = {i: [] for i in range(40)}
+    expect: dict[int, list[int]] = {i: [] for i in range(40)}
+    arrays: dict[int, tuple[np.ndarray, set[int]]] = {}
+    phy = 0
+    for step in range(400):
+        action = rng.integers(10)
+        if action < 6:
+            slots = np.sort(rng.choice(40, size=int(rng.integers(1, 12)), replace=False))
+            counts = rng.integers(1, 4, len(slots))
+            units = np.zeros(int(counts.sum()), dtype=[("commit_log_offset", "<i8"), ("size", "<i4"), ("tags", "<i8")])
+            units["commit_log_offset"] = np.arange(phy, phy + len(units))
+            phy += len(units)
+            hi = np.cumsum(counts)
+            lo = hi - counts
+            table.gather(units, slots, lo, hi, np.zeros(len(slots), np.int64), float(step))
+            for s, a, b in zip(slots.tolist(), lo.tolist(), hi.tolist(), strict=True):
+                held[s].extend(units["commit_log_offset"][a:b].tolist())
+            arrays[id(units)] = (units, set(slots.tolist()))
+        elif action < 8:
+            chosen = np.sort(rng.choice(40, size=int(rng.integers(1, 6)), replace=False))
+            table.release(chosen)
+            for s in chosen.tolist():
+                expect[s] += held[s]
+                held[s] = []
+        elif action < 9:
+            before = float(step - rng.integers(0, 20))
+            table.release_older(before, int(rng.integers(1, 5)))
+            for s, q in enumerate(queues):  # what the table wrote, the model takes as released
+                if len(q.got) > len(expect[s]):
+                    assert q.got[len(expect[s]):] == held[s]
+                    expect[s] += held[s]
+                    held[s] = []
+        else:
+            table.release()
+            for s in range(40):
+                expect[s] += held[s]
+                held[s] = []
+        assert [q.got for q in queues] == [expect[s] for s in range(40)]
+        live = [v for v in held.values() if v]
+        assert table.holding == bool(live)
+        assert table.oldest_held() == (min(v[0] for v in live) if live else None)
+        for _, waiting in arrays.values():  # a batch's pieces of the queues released are written
+            waiting.intersection_update(s for s in range(40) if held[s])
+        assert table.pinned == sum(u.nbytes for u, waiting in arrays.values() if waiting)
+    table.release()
+    assert table.pinned == 0
+    assert not table._arrays

@@ -13,7 +13,8 @@ import pytest
 from daemon.backfill.commit import MERGED, commit_queue_file
 from daemon.backfill.writers import read_chain_ends, write_chain_ends
 from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT, CQ_UNIT_SIZE
-from indexcore.mappedfile import OpenFiles, pwrite_all
+from indexcore.mappedfile import pwrite_all
+from indexcore.openfiles import OpenFiles
 
 SHORT = 7  # bytes the patched kernel writes per call: not a multiple of any unit or column
 

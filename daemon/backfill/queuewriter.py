@@ -40,7 +40,8 @@ from indexcore.consumequeue import (
     QueueCursor,
     place_units,
 )
-from indexcore.mappedfile import OpenFiles, offset_to_file_name, pwrite_all
+from indexcore.mappedfile import offset_to_file_name, pwrite_all
+from indexcore.openfiles import OpenFiles
 from indexcore.queuefiles import ConsumeQueue
 from indexcore.queuestore import open_queue_files_limit
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from daemon.config import Config, ConfigError, DispatcherSpec, StoreConfig
 from daemon.engine.dledgerfence import fence_for
+from daemon.engine.writebehind import WriteBehind
 from daemon.ops.logs import get_logger
 from indexcore.consumequeue import PutStats
 from indexcore.dispatch import DispatchBatch
@@ -82,6 +83,9 @@ class FlushPlan:
     paths: list[str] = field(default_factory=list)
     complete: bool = True
     done: Callable[[], None] | None = None
+    # waits, outside the dispatch lock, until the writes the files' sync must cover are made (`run`'s writer
+    # thread: `OpenFiles.barrier`); it raises if one failed
+    ready: Callable[[], None] | None = None
 
 
 class ConsumeQueueDispatcher:
@@ -110,6 +114,14 @@ class ConsumeQueueDispatcher:
         self._unsynced = np.zeros(0, dtype=np.int64)
         self._prepared: dict[int, tuple[DispatchBatch, FlatUnits]] = {}
         self.missing_queues = 0  # queues a checkpoint counted that the output no longer holds (`recover`)
+        self._writer: WriteBehind | None = None
+
+    def write_behind(self) -> None:
+        """Make the queues' writes on a writer thread of their own from now on (`daemon.engine.writebehind`):
+        `run`, whose dispatching thread they delayed. `close` ends it."""
+        if self._writer is None:
+            self._writer = WriteBehind()
+            self.queues.open_files.write_behind(self._writer)
 
     def prepare(self, batch: DispatchBatch) -> None:
         """Group the batch's units ahead of its dispatch (a rebuild's read-ahead thread calls this)."""
@@ -138,6 +150,16 @@ class ConsumeQueueDispatcher:
         self.queues.hold_seconds = seconds
         # a rebuild: each new queue's file is created by its first write (`ConsumeQueueStore.create_on_write`)
         self.queues.create_on_write = seconds is None
+
+    def held_queues(self) -> np.ndarray:
+        """The slots of the queues holding gathered appends (`daemon.engine.flusher.release_ahead`)."""
+        table = self.queues.table
+        return np.flatnonzero(table.held[: len(table)])
+
+    def release_queues(self, slots: np.ndarray) -> None:
+        """Hand the gathered appends of `slots` to their writes now (those that hold none any more are skipped)."""
+        self.queues.table.release(slots)
+        self.queues.open_files.submit_writes()
 
     def files(self) -> int:
         """Read by the metrics thread while the loop adds queues: iterate a copy."""
@@ -177,7 +199,7 @@ class ConsumeQueueDispatcher:
         table = store.table
         now = time.monotonic()
         if thorough or store.hold_seconds is None:
-            store.write_held()
+            store.release_held()  # written below (`barrier`)
         elif now - store.last_put >= store.hold_seconds:
             table.release_older(now - store.hold_seconds)
         self._rows()
@@ -195,7 +217,9 @@ class ConsumeQueueDispatcher:
         held = synced[table.held[synced] > 0]
         if len(held):
             table.release(held)
-        store.open_files.flush_writes()
+        # made here, or handed to `run`'s writer thread and waited for by `sync_plans` with the lock released: the
+        # writes of a thorough flush over 10,000 queues held it for all of them
+        plan.ready = store.open_files.barrier()
         paths = [table.queues[slot].writing_path for slot in synced.tolist()]
         plan.paths = [p for p in paths if p is not None]
         self._unsynced = candidates[changed]  # a sync that fails leaves them for the next plan
@@ -255,7 +279,12 @@ class ConsumeQueueDispatcher:
         table = self.queues.table
         slots = np.arange(n)
         table.dirty[slots[table.dirty[:n] & (self._plan_synced[:n] == table.write_end(slots))]] = False
-        self.queues.close()
+        try:
+            self.queues.close()
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
 
 
 class IndexDispatcher:
@@ -282,7 +311,7 @@ class IndexDispatcher:
         self.stats.files_created += stats.files_created
         self._keys_since_release += stats.keys_put
         if self._keys_since_release >= RELEASE_AFTER_KEYS and self.service.last_file is not None:
-            self.service.last_file.release()
+            self.service.last_file.release_entries()
             self._keys_since_release = 0
 
     def files(self) -> int:
@@ -297,7 +326,9 @@ class IndexDispatcher:
         state = self.service.state()
         if state is None or state == self._flushed:
             return FlushPlan()
-        self.service.last_file.release()  # written pages leave the RSS; the page cache keeps them
+        # written entries leave the RSS (the page cache keeps them); the slot table, at most 4 bytes a hash slot,
+        # stays mapped: the next batch's keys would fault its pages back in under the dispatch lock
+        self.service.last_file.release_entries()
         self._keys_since_release = 0
 
         def done() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.config import Config
-from daemon.engine.dispatchers import Dispatcher
+from daemon.engine.dispatchers import ConsumeQueueDispatcher, Dispatcher
 from daemon.engine.dledgermode import open_commit_log
 from daemon.engine.reading import make_reader
 from daemon.engine.recovery import recover_output
@@ -62,6 +62,9 @@ def open_session(config: Config, metrics: ReputMetrics) -> Session:
     """Recover the output (`daemon.engine.recovery`) and open a session of the live loop reading from there."""
     commit_log = open_commit_log(config.store, follow=True)
     r = recover_output(config, commit_log, metrics=metrics)
+    for d in r.dispatchers:  # the live loop's ConsumeQueue writes are made off its thread
+        if isinstance(d, ConsumeQueueDispatcher):
+            d.write_behind()
     session = Session(config, config.output.dir, commit_log, make_reader(config, commit_log), r.dispatchers, metrics,
                       dispatched_offset=r.start, flushed_offset=r.start)
     session.checkpoint_offset = r.checkpoint.reput_from_offset

@@ -7,8 +7,9 @@ files exactly as a kill at that instant would. The points are named in `indexcor
 `create_in_place` (`consumequeue.{before_create|after_create|after_allocate|after_header}`),
 `indexcore.indexservice` (`index.after_straddling_key`), `daemon.engine.dledgerfence`
 (`dledger.after_repair_checkpoint`, a truncation repair's checkpoint written) and `indexcore.retention`
-(`retention.after_delete`, after each expired file deleted). Unset, nothing is installed and every point is
-a no-op. Not for production use.
+(`retention.after_delete`, after each expired file deleted) and `daemon.engine.writebehind`
+(`consumequeue.write_behind`, on `run`'s writer thread before it writes a batch handed over). Unset, nothing
+is installed and every point is a no-op. Not for production use.
 """
 
 from __future__ import annotations
