@@ -322,3 +322,33 @@ class MappedFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# From this many files to make durable, syncing their file system once (syncfs) beats an fdatasync each: each of
+# a new file cost ~130 us of CPU and waited ~6 ms for the disk here (16,000 queues one after the other: the
+# backfill's tasks and commit); the 1,064 files and 2,128 directories of an LMQ rebuild 0.38 s instead of 0.68 s.
+# It writes whatever else the file system holds too, so `run`'s periodic flushes beside a live broker keep to
+# their own files.
+SYNCFS_MIN_FILES = 256
+
+
+def sync_file(path: str, *, data_only: bool = True) -> None:
+    """fdatasync (fsync: `data_only=False`) through a descriptor of our own: safe while another thread closes
+    or unmaps the file."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if data_only:
+            os.fdatasync(fd)
+        else:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_file_system(path: str) -> None:
+    """syncfs of the file system holding `path`: every file and directory on it durable at once."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _kernels.syncfs(fd)
+    finally:
+        os.close(fd)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 import numpy as np
 
 from daemon.backfill.plan import BackfillError
-from indexcore import _kernels
 from indexcore.consumequeue import BLANK_UNIT, CQ_UNIT_SIZE
 from indexcore.indexfile import (
     FIRST_INDEX,
@@ -38,14 +37,12 @@ from indexcore.indexfile import (
     INDEX_HEADER_SIZE,
     IndexHeader,
 )
-from indexcore.mappedfile import list_queue_files, pwrite_all
+from indexcore.mappedfile import SYNCFS_MIN_FILES, list_queue_files, pwrite_all, sync_file, sync_file_system
 
 STAGING_DIR = ".reputd-backfill"
 _COMPARE_BYTES = 1 << 22
-# From this many files written, they are synced by syncing their file system once (syncfs), as a rebuild's last
-# flush does (daemon.engine.flusher.SYNCFS_MIN_FILES): each fdatasync of a new file cost ~130 us of CPU and
-# waited ~6 ms for the disk here, 16,000 queues one after the other (the queue writer's tasks, the commit's merges)
-SYNC_WHOLE_FS_FILES = 256
+# From this many files written (the queue writer's tasks, the commit's merges), their file system is synced once
+SYNC_WHOLE_FS_FILES = SYNCFS_MIN_FILES
 
 LINKED, MERGED, PRESENT = "linked", "merged", "present"
 
@@ -244,18 +241,10 @@ def sync_files(paths: list[str]) -> None:
     """Sync the files merged into place: their file system once (syncfs) from SYNC_WHOLE_FS_FILES of them, as
     the queue writer syncs what it staged, each one otherwise."""
     if len(paths) >= SYNC_WHOLE_FS_FILES:
-        fd = os.open(paths[0], os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _kernels.syncfs(fd)
-        finally:
-            os.close(fd)
+        sync_file_system(paths[0])
         return
     for path in paths:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        sync_file(path, data_only=False)
 
 
 def _same_contents(a: str, b: str) -> bool:

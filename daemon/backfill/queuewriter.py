@@ -30,7 +30,6 @@ import numpy as np
 from daemon.backfill.commit import SYNC_WHOLE_FS_FILES
 from daemon.backfill.stage import StagedRange, StagedUnits, queue_numbers, regroup
 from daemon.backfill.writers import Attempt, Fault, WriteStats
-from indexcore import _kernels
 from indexcore.consumequeue import (
     BLANK_UNIT,
     CONSUME_QUEUE_DIR,
@@ -40,7 +39,8 @@ from indexcore.consumequeue import (
     QueueCursor,
     place_units,
 )
-from indexcore.mappedfile import offset_to_file_name, pwrite_all
+from indexcore.mappedfile import offset_to_file_name, pwrite_all, sync_file
+from indexcore.mappedfile import sync_file_system as _sync_file_system
 from indexcore.openfiles import OpenFiles
 from indexcore.queuefiles import ConsumeQueue
 from indexcore.queuestore import open_queue_files_limit
@@ -262,11 +262,7 @@ class QueueWriter:
             _sync_file_system(self.root)
         else:
             for path in self.unsynced:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
+                sync_file(path)
         return self.staged
 
 
@@ -284,14 +280,6 @@ def _write_pieces(fd: int, pieces: list[tuple[int, object]], path: str) -> None:
         written = os.pwritev(fd, run, position)
         if written < end - position:  # cut short (no room): the rest as one write, which raises naming the file
             pwrite_all(fd, b"".join(run)[written:], position + written, path)
-
-
-def _sync_file_system(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _kernels.syncfs(fd)
-    finally:
-        os.close(fd)
 
 
 def write_queues(work: QueueWork, *, stage_dir: str, file_size: int, attempt: Attempt,

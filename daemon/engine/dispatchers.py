@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import mmap
-import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +27,7 @@ from indexcore.consumequeue import PutStats
 from indexcore.dispatch import DispatchBatch
 from indexcore.indexfile import RELEASE_AFTER_KEYS
 from indexcore.indexservice import IndexResume, IndexService, IndexState, IndexStats
+from indexcore.mappedfile import sync_file
 from indexcore.queuestore import ConsumeQueueStore, FlatUnits, consume_queue_units_flat
 
 PAGE_SIZE = mmap.PAGESIZE  # the unit of flushConsumeQueueLeastPages, as the broker's OS_PAGE_SIZE
@@ -54,23 +54,15 @@ class Dispatcher(Protocol):
 SYNC_THREADS = 16
 
 
-def _fdatasync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-
-
 def sync_paths(paths: list[str]) -> None:
     """fdatasync every file, SYNC_THREADS at a time, through descriptors of our own; the first error
     is raised once all are done."""
     if len(paths) <= 1:
         for path in paths:
-            _fdatasync(path)
+            sync_file(path)
         return
     with ThreadPoolExecutor(min(SYNC_THREADS, len(paths)), thread_name_prefix="reputd-sync") as pool:
-        for _ in pool.map(_fdatasync, paths):
+        for _ in pool.map(sync_file, paths):
             pass
 
 

@@ -20,35 +20,18 @@ from daemon.engine.checkpoint import Checkpoint, write_checkpoint
 from daemon.engine.dispatchers import FlushPlan, sync_paths
 from daemon.ops.logs import get_logger
 from daemon.ops.periodic import Periodic
-from indexcore import _kernels
+from indexcore import _kernels  # noqa: F401 (the syncfs the tests count: flusher._kernels.syncfs)
+from indexcore.mappedfile import SYNCFS_MIN_FILES, sync_file, sync_file_system
 
 if TYPE_CHECKING:
     from daemon.engine.dispatchers import Dispatcher
     from daemon.engine.session import Session
 
 MS_PER_SECOND = 1000
-# From this many files to sync, the last flush of a rebuild, and of `run` as it stops, syncs their file system
-# whole (syncfs): one call where each fdatasync would wait for the disk on its own (the 1,064 files and 2,128
-# directories of a rebuild of an LMQ store: 0.38 s instead of 0.68 s here; `run` stopping while it caught up
-# on 100,000 LMQ queues spent 20-29 s in its last flush). It writes whatever else the file system holds too,
-# so the periodic flushes of `run`, beside a live broker, keep to their own files.
-SYNCFS_MIN_FILES = 256
 # Before a thorough flush plans (under the dispatch lock), the appends its dispatchers still gather are handed to
 # their writes this many queues at a time, the lock released between two slices (`release_ahead`): all of them in
 # the plan held the lock 90 ms over 10,000 queues here, every thorough interval; a slice holds it about 5 ms.
 RELEASE_SLICE = 512
-
-
-def sync_file(path: str, *, data_only: bool = True) -> None:
-    """fdatasync through a descriptor of our own: safe while the dispatching thread closes its map."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if data_only:
-            os.fdatasync(fd)
-        else:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def new_entries(paths: list[str], root: str, known: set[str]) -> set[str]:
@@ -89,11 +72,7 @@ def sync_file_systems(paths: list[str] | set[str], root: str | None = None) -> N
     for path in paths:
         devices.setdefault(os.stat(path).st_dev, path)
     for path in devices.values():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            _kernels.syncfs(fd)
-        finally:
-            os.close(fd)
+        sync_file_system(path)
 
 
 def prepare_flush(dispatchers: list[Dispatcher], thorough: bool, least_pages: int) -> tuple[list[FlushPlan], dict]:
