@@ -21,8 +21,8 @@ from indexcore.mappedfile import (
 )
 
 
-def _pwrite_many(pending: list[tuple], paths: list[str]) -> None:
-    """`_kernels.pwrite_many`; a failure is an OSError naming the file."""
+def pwrite_many(pending: list[tuple], paths: list[str]) -> None:
+    """`_kernels.pwrite_many`; a failure is an OSError naming the file (here and on `run`'s writer thread)."""
     failed = _kernels.pwrite_many(pending)
     if failed is not None:
         at, left, position, err = failed
@@ -180,7 +180,7 @@ class OpenFiles:
         self._pending, self._pending_paths = [], []
         self._pending_fds.clear()
         if not self._unmade:
-            return _pwrite_many(pending, paths)
+            return pwrite_many(pending, paths)
         # files of create_later written first now are made a piece at a time, their descriptors kept for the writes
         unmade, at = self._unmade, 0
         piece = self._room_for(MAKE_OPEN_AT_ONCE, {w[0] for w in pending if w[0] >= 0})
@@ -192,7 +192,7 @@ class OpenFiles:
                 end += 1
             fds = self._make(list(make), True) if make else []
             try:
-                _pwrite_many([(fds[make[w[3]]], w[1], w[2]) if w[0] == -1 and w[3] in make else w
+                pwrite_many([(fds[make[w[3]]], w[1], w[2]) if w[0] == -1 and w[3] in make else w
                               for w in pending[at:end]], paths[at:end])
             finally:
                 for fd in fds:

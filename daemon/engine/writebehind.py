@@ -15,10 +15,10 @@ write failed no later barrier passes, so nothing after the failure is ever check
 from __future__ import annotations
 
 import collections
-import os
 import threading
 
-from indexcore import _failpoints, _kernels
+from indexcore import _failpoints
+from indexcore.openfiles import pwrite_many
 
 # Batches of writes handed over and not made yet before `submit` waits for the writer: memory stays bounded
 # (each holds its batch's arrays of units) when the disk is slower than the dispatch.
@@ -111,10 +111,9 @@ class WriteBehind:
     @staticmethod
     def _write(writes: list[tuple], paths: list[str]) -> OSError | None:
         try:
-            failed = _kernels.pwrite_many(writes)
+            pwrite_many(writes, paths)
+        except OSError as e:
+            return e
         except Exception as e:  # any failure stops the writes, to be raised on the dispatching side
             return OSError(0, f"cannot write: {e}", paths[0] if paths else None)
-        if failed is None:
-            return None
-        at, left, position, err = failed
-        return OSError(err, f"cannot write {left} bytes at {position} ({os.strerror(err)})", paths[at])
+        return None
