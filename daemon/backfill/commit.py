@@ -125,11 +125,13 @@ def _read(path: str, start: int, end: int) -> bytes:
         os.close(fd)
 
 
-def file_span(path: str, span: tuple[int, int] | None) -> tuple[int, int]:
+def file_span(path: str, span: tuple[int, int] | None, size: int | None = None) -> tuple[int, int]:
     """The bytes [start, end) of a staged ConsumeQueue file that can hold real units: those of the queue's `span`
     (the queue bytes its units were put in, `StagedQueue.span`) that fall in this file; None: all of it.
-    Outside them it holds pre-blank units or nothing, which a commit neither checks nor writes."""
-    size = os.stat(path).st_size
+    Outside them it holds pre-blank units or nothing, which a commit neither checks nor writes. `size`: the
+    file's, when the caller has it."""
+    if size is None:
+        size = os.stat(path).st_size
     if span is None:
         return 0, size
     file_start = int(os.path.basename(path))
@@ -144,8 +146,8 @@ def commit_queue_file(staged: str, final: str, new_offsets: list | None = None,
     staged queue's (`file_span`): only those bytes are read, of both files (a rerun over 16,000 queues read
     every 6 MB file whole, twice). `unsynced`: a merged file's path is appended to it for the caller to sync
     (`sync_files`), instead of syncing it here."""
-    start, end = file_span(staged, span)
     size = os.stat(staged).st_size
+    start, end = file_span(staged, span, size)
     ours = _units(_read(staged, start, end)) if new_offsets is not None else None
     if _link(staged, final):
         if new_offsets is not None:
