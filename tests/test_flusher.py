@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from daemon.config import load_config
 from daemon.engine.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
@@ -240,3 +242,36 @@ def test_a_whole_file_system_sync_stats_the_outputs_own_entries_not_every_file(t
     flusher.sync_file_systems({*paths, *flusher.new_entries(paths, str(tmp_path), set())}, str(tmp_path))
     assert sorted(stats) == sorted([str(tmp_path), str(tmp_path / "consumequeue"), str(tmp_path / "index")])
     assert len(synced) == 1
+
+
+def _new_entries_walk(paths, root, known):
+    """new_entries as it was, a walk up from each file: the reference the level-by-level one must equal."""
+    dirs = set()
+    for path in paths:
+        if path in known:
+            continue
+        known.add(path)
+        d = os.path.dirname(path)
+        while True:
+            dirs.add(d)
+            if d in known or os.path.abspath(d) == os.path.abspath(root) or d == os.path.dirname(d):
+                break
+            known.add(d)
+            d = os.path.dirname(d)
+    return dirs
+
+
+_segment = st.sampled_from(["consumequeue", "index", "T0", "T1", "%RETRY%g", "0", "1", "00000000000000000000"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(files=st.lists(st.lists(_segment, min_size=1, max_size=4), max_size=12),
+       seen=st.lists(st.integers(0, 11), max_size=6), root=st.sampled_from(["/out", "out", "out/", "/out/x/.."]))
+def test_new_entries_level_by_level_equal_a_walk_from_each_file(files, seen, root):
+    from daemon.engine import flusher
+
+    paths = [os.path.join(root, *parts) for parts in files]
+    known = {os.path.dirname(paths[i]) for i in seen if i < len(paths)} | {paths[i] for i in seen[:2] if i < len(paths)}
+    theirs, ours = set(known), set(known)
+    assert flusher.new_entries(paths, root, ours) == _new_entries_walk(paths, root, theirs)
+    assert ours == theirs
