@@ -5,6 +5,7 @@ a rebuild makes with their first write (`create_later`)."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -124,11 +125,13 @@ class OpenFiles:
         back) must not change until then. A file not held open is opened while the set has room; once it is
         full, the write opens the file for itself and closes it (`_kernels.pwrite_many`), evicting nothing:
         the gathered appends of 100,000 queues, written once each, would otherwise close and open a
-        descriptor of the set for every one of them."""
+        descriptor of the set for every one of them. A file of `create_later` is made by `flush_writes`,
+        MAKE_OPEN_AT_ONCE in one call: taking its descriptor here filled the set with descriptors that had
+        writes pending, and every later file was made and written alone (100,000 calls of each)."""
         fd = self._fds.get(path)
         if fd is not None:
             self._fds.move_to_end(path)
-        elif len(self._fds) < self.limit:
+        elif len(self._fds) < self.limit and path not in self._unmade:  # those are made a piece at a time
             fd = self.fd(path)
         if fd is None:
             self._pending.append((-1, data, position, path))
@@ -231,6 +234,14 @@ class OpenFiles:
         fd = self._fds.pop(path, None)
         if fd is not None:
             os.close(fd)
+
+    def make_ahead(self, most: int) -> int:
+        """Create up to `most` files of `create_later` now, closed (their first writes open them again): work for
+        a thread that would otherwise wait, as a rebuild's dispatching thread does for its read-ahead. How many."""
+        paths = list(itertools.islice(self._unmade, most))
+        if paths:
+            self._make(paths, False)
+        return len(paths)
 
     def make_all(self) -> None:
         """Every deferred write made and every file of `create_later` created (in one call)."""

@@ -421,7 +421,7 @@ def _two_batches(topics: int) -> list:
 def test_a_rebuild_creates_each_new_queue_file_with_its_first_write(tmp_path, monkeypatch):
     """`create_on_write` (a rebuild): a new queue's file is made when its gathered units are first written, with
     the descriptor its creation opened (never opened a second time: 8,000 queues cost 16,553 opens, twice each),
-    at most MAKE_OPEN_AT_ONCE of them at once beside the bounded set; the files end as without it."""
+    MAKE_OPEN_AT_ONCE of them at once beside the bounded set; the files end as without it."""
     writes: list[tuple] = []
     made_at_once: list[int] = []
     real_write, real_make = openfiles._kernels.pwrite_many, openfiles.OpenFiles._make
@@ -453,6 +453,9 @@ def test_a_rebuild_creates_each_new_queue_file_with_its_first_write(tmp_path, mo
         if on_write:
             assert not reopened
             assert max(made_at_once) <= 16
+            # in pieces as large as the set allows (8), not one by one once it is full of descriptors with
+            # writes pending (301 calls)
+            assert len(made_at_once) <= -(-301 // 8) + 1
         else:
             assert len(reopened) > 250  # beyond the 8 descriptors kept, each file opened again to be written
         outs[on_write] = {str(p.relative_to(tmp_path / str(on_write))): p.read_bytes()
@@ -461,3 +464,30 @@ def test_a_rebuild_creates_each_new_queue_file_with_its_first_write(tmp_path, mo
     assert len(outs[True]) == 301
     late = outs[True]["consumequeue/Late/0/00000000000000000000"]
     assert late[: 4 * CQ_UNIT_SIZE] == BLANK_UNIT * 3 + CQ_UNIT.pack(600 * 100, 100, 0)
+
+
+def test_files_made_ahead_while_waiting_end_as_files_made_by_their_first_write(tmp_path):
+    """`OpenFiles.make_ahead` (a rebuild's dispatching thread, while it waits for its read-ahead) creates files of
+    `create_later` closed, a piece at a time; their first writes open them again and the files end the same."""
+    outs = {}
+    for ahead in (False, True):
+        store = ConsumeQueueStore(str(tmp_path / str(ahead)), 1000 * CQ_UNIT_SIZE, open_files_limit=8)
+        store.hold_bytes, store.create_on_write = 1 << 20, True
+        before = _open_descriptors()
+        pieces = []
+        for batch in _two_batches(150):
+            store.dispatch(batch)
+            while ahead and (made := store.open_files.make_ahead(32)):
+                pieces.append(made)
+                assert _open_descriptors() == before  # made closed: the set's room is the writes'
+        queue_dir = tmp_path / str(ahead) / "consumequeue" / "T7" / "1"
+        assert queue_dir.exists() == ahead
+        store.close()
+        assert _open_descriptors() == before
+        if ahead:
+            assert sum(pieces) == 301
+            assert max(pieces) == 32
+        outs[ahead] = {str(p.relative_to(tmp_path / str(ahead))): p.read_bytes()
+                       for p in (tmp_path / str(ahead)).rglob("*") if p.is_file()}
+    assert outs[True] == outs[False]
+    assert len(outs[True]) == 301
