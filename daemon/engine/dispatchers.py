@@ -33,6 +33,9 @@ from indexcore.queuestore import ConsumeQueueStore, FlatUnits, consume_queue_uni
 PAGE_SIZE = mmap.PAGESIZE  # the unit of flushConsumeQueueLeastPages, as the broker's OS_PAGE_SIZE
 GATHER_BYTES = 32 * 1024  # a queue's appends gathered (`ConsumeQueueDispatcher.gather_appends`) are written from here
 MS_PER_SECOND = 1000
+# files made in one go while a rebuild's dispatching thread would wait for its read-ahead (`idle`): a batch that
+# comes meanwhile waits for the piece, 2-15 ms here (60-400 us a file, with the file system's state)
+MAKE_AHEAD_FILES = 32
 
 
 @runtime_checkable
@@ -133,6 +136,12 @@ class ConsumeQueueDispatcher:
             self._log.warning("multi_dispatch_count_mismatch", commit_log_offset=int(batch.phy_offset[row]),
                               topic=batch.topic_of(row))
         self.stats.add(stats)
+
+    def idle(self) -> bool:
+        """Create some of the files the queues' first writes are to create (`OpenFiles.make_ahead`), while the
+        dispatching thread would wait for the next batch; True while more are left. Each made here is opened
+        once more for its write, so only waiting time is spent on them."""
+        return bool(self.queues.open_files.make_ahead(MAKE_AHEAD_FILES))
 
     def gather_appends(self, least: int, seconds: float | None = None) -> None:
         """Gather each queue's appends until `least` bytes before writing them (`ConsumeQueueStore.hold_bytes`),

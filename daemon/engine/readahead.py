@@ -6,7 +6,9 @@ after the first read that is not OK (end of data or corruption), exactly where a
 `prepare` callables run on that thread too, on each batch before it is handed over: work a dispatcher can
 do ahead (the ConsumeQueue grouping of a batch), off the dispatching thread. Only while the dispatching
 thread is busy, though: when it is waiting for the batch, the batch goes to it as it is (its dispatch
-prepares it) and this thread decodes the next, so whichever thread has time does that work.
+prepares it) and this thread decodes the next, so whichever thread has time does that work. And `idle`, when
+given, is what the dispatching thread does rather than wait for a batch (a rebuild creates its new queues'
+files then).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ class ReadAhead:
     """Iterates the ReadResults of `reader` from `offset` on, read by a background thread."""
 
     def __init__(self, reader: CommitLogReader, offset: int, depth: int = DEFAULT_DEPTH,
-                 prepare: Sequence[Callable[[DispatchBatch], None]] = ()):
+                 prepare: Sequence[Callable[[DispatchBatch], None]] = (), idle: Callable[[], bool] | None = None):
         self._reader = reader
         self._offset = offset
         self._prepare = tuple(prepare)
+        self._idle = idle
         self._results: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -62,15 +65,29 @@ class ReadAhead:
     def __iter__(self):
         """The results, once: iterating again after the last one (or after `close`) yields nothing."""
         while not self._done:
-            self._consumer_waiting = True
-            item = self._results.get()
-            self._consumer_waiting = False
+            item = self._next()
             if isinstance(item, BaseException):
                 self._done = True
                 raise item
             yield item
             if item.status is not ReadStatus.OK:
                 self._done = True
+
+    def _next(self):
+        """The next result; while none is ready, `idle` (a small piece of work, True while there is more) is
+        called first, and only then does this thread wait."""
+        if self._idle is not None:
+            while True:
+                try:
+                    return self._results.get_nowait()
+                except queue.Empty:
+                    if not self._idle():
+                        break
+        self._consumer_waiting = True
+        try:
+            return self._results.get()
+        finally:
+            self._consumer_waiting = False
 
     def close(self) -> None:
         """Stop the thread and wait for it: the reader may be closed afterwards."""

@@ -204,7 +204,9 @@ def rebuild(config: Config, *, from_offset: int | None = None,
     failure: RebuildFailed | None = None
     alongside = ThreadPoolExecutor(1, thread_name_prefix="reputd-alongside")
     try:
-        ahead = ReadAhead(reader, offset, prepare=[d.prepare for d in dispatchers if hasattr(d, "prepare")])
+        idle = [d.idle for d in dispatchers if hasattr(d, "idle")]
+        ahead = ReadAhead(reader, offset, prepare=[d.prepare for d in dispatchers if hasattr(d, "prepare")],
+                          idle=(lambda: any([f() for f in idle])) if idle else None)
         for result in ahead:
             written = sum(d.stats.written for d in queues)
             dispatch_batch(dispatchers, result, alongside)
