@@ -379,6 +379,37 @@ def rebuild_table(r: dict) -> list[str]:
     return lines + [f"targets: {t}" for t in targets]
 
 
+def file_system_floor(steps: dict, rebuilds: dict) -> dict:
+    """What the file system alone asks of each many-queue store in this run: its queues' files created as a rebuild
+    creates them (`_kernels.create_files` on one thread: mkdir, open, ftruncate, close; CPU a file, median), per
+    message, and that added to the 64-queue rebuild's CPU a message, as a ratio to it: a rebuild of that store
+    cannot cost less here (its writes and its sync not counted)."""
+    per_file = steps["kernel_threads"][1]["cpu_us"]["median"]
+    base = rebuilds["stores"].get("64")
+    out = {"cpu_us_per_file": per_file, "files": steps["files"], "stores": {}}
+    for name, s in rebuilds["stores"].items():
+        if name == "64":
+            continue
+        floor = per_file * s["queues"] / s["messages"]
+        row = {"queues": s["queues"], "create_us_per_msg": round(floor, 3)}
+        if base is not None:
+            b = base["cpu_us_per_msg"]["median"]
+            row["ratio_with_64q"] = round((b + floor) / b, 2)
+        out["stores"][name] = row
+    return out
+
+
+def floor_lines(floor: dict) -> list[str]:
+    lines = [f"\nthe file system's share: creating the files alone (`_kernels.create_files`, one thread), "
+             f"{floor['cpu_us_per_file']} us CPU a file over {floor['files']:,} files (the same a file assumed for "
+             f"every store):"]
+    for row in floor["stores"].values():
+        ratio = (f"; with the 64-queue rebuild's CPU a message: {row['ratio_with_64q']}x it"
+                 if "ratio_with_64q" in row else "")
+        lines.append(f"- {row['queues']:,} queues: {row['create_us_per_msg']} us a message{ratio}")
+    return lines
+
+
 # --- java: the 4.9.3 store's own rebuild ---------------------------------------------------------------
 
 def java_command() -> list[str] | None:
@@ -579,6 +610,9 @@ def _measure(out: dict, table: list[str], work: Path, scale: float, rounds: int,
     if "rebuild" in only:
         out["parts"]["rebuild"] = rebuilds = bench_rebuilds(work, scale, rounds, stores)
         table += rebuild_table(rebuilds)
+    if "steps" in only and rebuilds is not None:
+        out["parts"]["floor"] = floor = file_system_floor(out["parts"]["steps"], rebuilds)
+        table += floor_lines(floor)
     if "java" in only:
         out["parts"]["java"] = rows = bench_java(work, scale, rebuilds["outputs"] if rebuilds else {},
                                                  tuple(n for n in ("64", "8k") if n in stores))
