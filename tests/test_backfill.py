@@ -1029,7 +1029,7 @@ def test_cli_backfill_interrupted_during_the_commit_exits_130_saying_what_the_ou
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (
         f"reputd: interrupted: the backfill's commit stopped after putting the files of 3 of 7 queues and 0 of 1 "
-        f"IndexFiles in place (each whole) and put nothing more in {out}, and the catalog was not extended; the "
+        f"IndexFile in place (each whole) and put nothing more in {out}, and the catalog was not extended; the "
         "same backfill run again puts the rest (what is in place is checked and kept)")
 
 

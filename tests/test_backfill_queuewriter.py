@@ -208,12 +208,12 @@ def test_a_signal_during_the_commit_stops_it_between_two_queues(many_queues, tmp
     finally:
         interrupt.stopping()
         interrupt.disarm()
-    where = f"after putting the files of 600 of {len(staged):,} queues and 0 of 1 IndexFiles in place"
+    where = f"after putting the files of 600 of {len(staged):,} queues and 0 of 1 IndexFile in place"
     assert str(caught.value) == (f"the backfill's commit stopped {where} (each whole) and put nothing more in {out}; "
                                  "the same backfill run again puts the rest (what is in place is checked and kept)")
     assert isinstance(caught.value, KeyboardInterrupt)  # exit 130
     assert logged == ["backfill_commit_started", ("backfill_interrupted", where)]
-    assert said[0].startswith(f"committing: putting the files of {len(staged):,} queues and 1 IndexFiles in place")
+    assert said[0].startswith(f"committing: putting the files of {len(staged):,} queues and 1 IndexFile in place")
     assert len(said) > 1  # a line every COMMIT_PROGRESS_S
     assert all(re.fullmatch(rf"committed [\d,]+ of {len(staged):,} queues in \d+ s, about \d+ s left for the rest",
                             line) for line in said[1:]), said

@@ -66,7 +66,7 @@ class BrokerWatch:
     def put(self, queues: int, of_queues: int, index_files: int, of_index_files: int) -> None:
         """How far the commit got, for the line and the event."""
         self.where = (f"after putting the files of {queues:,} of {of_queues:,} queues and {index_files:,} of "
-                      f"{of_index_files:,} IndexFiles in place, and put nothing more")
+                      f"{of_index_files:,} IndexFile{'s' * (of_index_files != 1)} in place, and put nothing more")
 
     def taken(self) -> bool:
         """Whether a broker holds the lock now (asked of the kernel at once); the first time, the event."""

@@ -157,7 +157,7 @@ class Interrupt:
 
 def commit_where(queues: int, of_queues: int, index_files: int, of_index_files: int) -> str:
     return (f"after putting the files of {queues:,} of {of_queues:,} queues and {index_files:,} of "
-            f"{of_index_files:,} IndexFiles in place")
+            f"{of_index_files:,} IndexFile{'s' * (of_index_files != 1)} in place")
 
 
 class CommitInterrupted(KeyboardInterrupt):

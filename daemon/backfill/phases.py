@@ -378,8 +378,9 @@ class CommitSteps:
                      merging=merging)
         what = (", checking them against the files there and filling those files' blank units (only the bytes "
                 "this backfill wrote are read)" if merging else "")
-        job.say(f"committing: putting the files of {queues:,} queues and {index_files:,} IndexFiles in place in "
-                f"{job.out}{what}; a signal now stops it between two queues")
+        job.say(f"committing: putting the files of {queues:,} queues and {index_files:,} "
+                f"IndexFile{'s' * (index_files != 1)} in place in {job.out}{what}; a signal now stops it between two "
+                "queues")
         self.started = self.said = time.monotonic()
 
     def put(self, queues: int, index_files: int) -> None:
