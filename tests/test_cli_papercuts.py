@@ -531,3 +531,13 @@ def test_make_test_and_ci_install_the_tools_first():
     assert commands.index(".ci/system-tools --install") < next(
         i for i, c in enumerate(commands) if "-m pytest" in c)
     assert 'export CI="${CI:-true}"' in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_the_closing_line_says_one_file_and_one_segment_in_the_singular(tmp_path):
+    """`1 index file`, `from 1 segment`: the counts of the closing line agree with their nouns (`1 index files` was
+    printed by every rebuild of a store with one IndexFile)."""
+    make_store(tmp_path, topics=("TopicA",), n=3)
+    config = write_config(tmp_path, maxIndexNum=5000)
+    res = run("rebuild", "--config", str(config))
+    assert res.returncode == 0, res.stderr
+    assert "; 3 consumequeue files, 1 index file; output " in res.stdout, res.stdout

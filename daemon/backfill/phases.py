@@ -191,7 +191,7 @@ class Phases:
         """Job 1: decode every range in parallel; re-read where the chain breaks; the read plan."""
         t0 = time.perf_counter()
         segments = len({t.segment for t in tasks})
-        self.say(f"decoding {len(tasks)} ranges of {segments} segments")
+        self.say(f"decoding {len(tasks)} range{'s' * (len(tasks) != 1)} of {segments} segment{'s' * (segments != 1)}")
         self._decode_job(tasks)
         self._timed("decode", t0)
         t0 = time.perf_counter()
@@ -225,7 +225,8 @@ class Phases:
             if outcome.count_mismatch_omitted:
                 self.log.warning("multi_dispatch_count_mismatch", range_begin=outcome.seg_start + outcome.begin,
                                  range_end=outcome.seg_start + outcome.end, omitted=outcome.count_mismatch_omitted)
-        self.say(f"decoded {s.messages:,} messages in {s.segments} segments, [{s.start_offset}, {s.end_offset})")
+        self.say(f"decoded {s.messages:,} messages in {s.segments} segment{'s' * (s.segments != 1)}, "
+                 f"[{s.start_offset}, {s.end_offset})")
         self._timed("plan", t0)
         return plan
 

@@ -174,5 +174,5 @@ def cmd_backfill(args, config: Config) -> int:
         return EXIT_INTERRUPTED
     command_finished()
     _print_summary(args, config, "backfilled", summary,
-                   f" from {summary.segments} segments on {summary.master}")
+                   f" from {summary.segments} segment{'s' * (summary.segments != 1)} on {summary.master}")
     return EXIT_OK

@@ -391,7 +391,7 @@ def _print_summary(args, config: Config, verb: str, summary: RebuildSummary, whe
     if args.json:
         print(json.dumps(summary.as_dict() | ({"failed": True, "error": str(error)} if error is not None else {})))
         return
-    files = ", ".join(f"{n} {k} files" for k, n in summary.files.items())
+    files = ", ".join(f"{n} {k} file{'s' * (n != 1)}" for k, n in summary.files.items())
     restored = getattr(summary, "restored_units", 0)
     if error is not None:
         print(f"failed: {verb} {summary.messages:,} messages, {summary.bytes:,} bytes [{summary.start_offset}, "
