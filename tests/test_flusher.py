@@ -7,15 +7,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from daemon.config import load_config
 from daemon.engine.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
-from daemon.engine.dispatchers import _union
 from daemon.engine.flusher import Flusher
 from daemon.engine.session import open_session
 from daemon.ops.metrics import ReputMetrics
@@ -244,15 +240,3 @@ def test_a_whole_file_system_sync_stats_the_outputs_own_entries_not_every_file(t
     flusher.sync_file_systems({*paths, *flusher.new_entries(paths, str(tmp_path), set())}, str(tmp_path))
     assert sorted(stats) == sorted([str(tmp_path), str(tmp_path / "consumequeue"), str(tmp_path / "index")])
     assert len(synced) == 1
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 40), max_size=30), st.lists(st.integers(0, 40), max_size=30))
-def test_a_plans_candidates_are_the_union_of_the_unsynced_and_the_touched(unsynced, touched):
-    """The flush plan's candidates (`dispatchers._union`, not `np.union1d`, whose `np.unique` imports numpy.ma):
-    sorted, each slot once, as `np.union1d` gives them, empty inputs included."""
-    a = np.unique(np.array(unsynced, dtype=np.int64))  # the plan's `_unsynced`: sorted, distinct
-    b = np.unique(np.array(touched, dtype=np.int64))  # `take_touched`: sorted, distinct
-    got = _union(a, b)
-    assert got.dtype == np.int64
-    assert got.tolist() == np.union1d(a, b).tolist()
