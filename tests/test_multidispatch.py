@@ -1018,3 +1018,15 @@ def test_hostile_lmq_name_in_a_prepared_record_is_never_dispatched(tmp_path: Pat
 def test_multi_dispatch_fields_are_declared_corruption_reasons():
     """Metrics label corruption by declared field names only: a hostile LMQ name must count, not crash."""
     assert {MULTI_DISPATCH_FIELD, MULTI_QUEUE_OFFSET_FIELD} <= set(CORRUPT_RECORD_FIELDS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=30), st.lists(st.integers(0, 40), max_size=30))
+def test_a_flush_plans_candidates_are_the_union_of_the_unsynced_and_the_touched(unsynced, touched):
+    """The ConsumeQueue flush plan's candidates (`dispatchers._union`, not `np.union1d`, whose `np.unique` imports
+    numpy.ma): sorted, each slot once, as `np.union1d` gives them, empty inputs included."""
+    a = np.unique(np.array(unsynced, dtype=np.int64))  # the plan's `_unsynced`: sorted, distinct
+    b = np.unique(np.array(touched, dtype=np.int64))  # `take_touched`: sorted, distinct
+    got = daemon.engine.dispatchers._union(a, b)
+    assert got.dtype == np.int64
+    assert got.tolist() == np.union1d(a, b).tolist()

@@ -357,11 +357,11 @@ def _handoff_command(args, config: Config) -> str:
 def _warn_abort(args, config: Config) -> None:
     """Writing into a store root whose broker did not exit cleanly: unless `reputd handoff` runs before the
     broker starts, 4.9.3's recovery discards these IndexFiles and re-dispatches over these ConsumeQueues."""
-    from daemon.commands.verify import ABORT_FILE
     from daemon.ops.logs import get_logger
+    from daemon.ops.outlock import BROKER_ABORT_FILE  # not daemon.commands.verify: a rebuild needs none of it
 
     root, out = config.store.store_path_root_dir, config.output.dir
-    abort = os.path.join(root, ABORT_FILE)
+    abort = os.path.join(root, BROKER_ABORT_FILE)
     if not os.path.exists(abort) or os.path.realpath(out) != os.path.realpath(root):
         return
     command = _handoff_command(args, config)

@@ -42,7 +42,7 @@ from daemon.engine.readahead import ReadAhead
 from daemon.engine.reading import make_reader
 from daemon.engine.rebuild import REBUILD_BATCH_BYTES, widen_thin_batches, written_end_of
 from daemon.engine.sizes import check_output_sizes, check_store_root_sizes
-from daemon.ops.outlock import lock_held, writer_holding
+from daemon.ops.outlock import BROKER_ABORT_FILE, lock_held, writer_holding
 from indexcore.commitlog import PROPERTY_KEYS, PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.dispatch import index_keys_of
@@ -73,7 +73,7 @@ from indexcore.verify import (
     RecordLocator,
 )
 
-ABORT_FILE = "abort"
+ABORT_FILE = BROKER_ABORT_FILE
 LOCK_FILE = "lock"
 _CQ_KINDS = {CQ_UNIT_MISSING, CQ_UNIT_WRONG, CQ_UNIT_DANGLING, CQ_UNIT_EXTRA, CQ_FILE_MISSING, CQ_FILE_EXTRA,
              CQ_FILE_SIZE, CQ_QUEUE_MISSING}

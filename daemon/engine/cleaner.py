@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 from daemon.engine.cleanplan import GROUP_MAX_FILES, Expired, FileFacts, Pace, QueueFiles, expired_queue_plan
 from daemon.engine.dispatchers import ConsumeQueueDispatcher, IndexDispatcher
 from daemon.ops.logs import get_logger
-from daemon.ops.metrics import ErrorKind, FileKind, RetentionBehind
+from daemon.ops.metriclabels import ErrorKind, FileKind, RetentionBehind
 from daemon.ops.periodic import Periodic
 from indexcore.errors import StoreLayoutError
 from indexcore.mappedfile import list_queue_files

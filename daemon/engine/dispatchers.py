@@ -83,6 +83,14 @@ class FlushPlan:
     ready: Callable[[], None] | None = None
 
 
+def _union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`np.union1d` of two arrays of slots, without `np.unique`, whose check for a masked array imports numpy.ma
+    (8 ms of a rebuild's CPU, at its final flush)."""
+    both = np.concatenate((a, b))
+    both.sort()
+    return both[np.concatenate(([True], both[1:] != both[:-1]))] if len(both) else both
+
+
 class ConsumeQueueDispatcher:
     """`CommitLogDispatcherBuildConsumeQueue`: one unit per NOT_TYPE/COMMIT_TYPE record."""
 
@@ -204,7 +212,7 @@ class ConsumeQueueDispatcher:
         elif now - store.last_put >= store.hold_seconds:
             table.release_older(now - store.hold_seconds)
         self._rows()
-        candidates = np.union1d(self._unsynced, store.take_touched())
+        candidates = _union(self._unsynced, store.take_touched())
         end = table.write_end(candidates)
         start = self._flushed[candidates]
         changed = end != start

@@ -56,7 +56,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daemon.config import Config
 from daemon.engine.checkpoint import Checkpoint, CheckpointError, read_checkpoint, write_checkpoint
@@ -65,11 +65,14 @@ from daemon.engine.dledgermode import reput_offset
 from daemon.engine.dledgeroutput import cut_after_quarantine, plugins_not_cut, repair_at_start
 from daemon.engine.sizes import settings_or_damage
 from daemon.ops.logs import get_logger
-from daemon.ops.metrics import ErrorKind, RecoveryDecision, ReputMetrics, SkipReason
+from daemon.ops.metriclabels import ErrorKind, RecoveryDecision, SkipReason
 from indexcore.consumequeue import CONSUME_QUEUE_DIR
 from indexcore.errors import SizeMismatchError, StoreError, StoreLayoutError
 from indexcore.indexservice import INDEX_DIR
 from indexcore.reader import CommitLog
+
+if TYPE_CHECKING:
+    from daemon.ops.metrics import ReputMetrics
 
 MS_PER_SECOND = 1000
 QUARANTINE_DIR = "quarantine"

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
@@ -35,6 +34,14 @@ from prometheus_client.core import GaugeMetricFamily
 from daemon import __version__
 from daemon.config import ConfigError, env_var_name
 from daemon.ops.logs import get_logger
+from daemon.ops.metriclabels import (
+    ErrorKind,
+    FileKind,
+    OutputStage,
+    RecoveryDecision,
+    RetentionBehind,
+    SkipReason,
+)
 from indexcore.errors import CORRUPT_RECORD_FIELDS
 
 HEALTHY, DEGRADED, DOWN = "healthy", "degraded", "down"
@@ -47,68 +54,12 @@ FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 BATCH_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
 
-# The label values of the labelled counters. Code that increments one passes a member (never a string of
-# its own), and every member's series exists from the start at 0, so `increase(...) > 0` sees the first
-# event: a series born at 1 has no earlier sample to increase from.
-class ErrorKind(StrEnum):
-    DISPATCH = "dispatch"
-    FLUSH = "flush"
-    CHECKPOINT = "checkpoint"
-    COMMITLOG = "commitlog"
-    RECOVERY = "recovery"
-    LOOP = "loop"
-    RETENTION = "retention"  # a clean-up pass of expired output files failed (`daemon.engine.cleaner`)
-
-
-class OutputStage(StrEnum):
-    """Where a write to the output met a full disk or quota."""
-
-    DISPATCH = "dispatch"
-    FLUSH = "flush"
-    RECOVERY = "recovery"
-
-
-class SkipReason(StrEnum):
-    CORRUPTION = "corruption"  # onCorruption: skip-segment
-    RETENTION = "retention"  # segments deleted before they were dispatched
-
-
-class FileKind(StrEnum):
-    """The output's file kinds, as `reputd_files` and the deletion counters label them."""
-
-    CONSUME_QUEUE = "consumequeue"
-    INDEX = "index"
-
-
-class RecoveryDecision(StrEnum):
-    """How recovery chose where to resume, as logged (`recovered`) and counted (recoveries by decision)."""
-
-    CHECKPOINT = "checkpoint"  # cut back to a checkpoint with every dispatcher's state
-    REPLAY = "replay"  # a replay marker: from its offset, dispatchers skipping what they hold
-    DERIVED = "derived"  # no checkpoint to trust: from where the files end
-
-
 # A client that went away before its answer was written (a scrape that timed out while the daemon was stopped or
 # slow, a `curl` interrupted): nothing to report, the next scrape asks again.
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 LAYOUT_REASON = "layout"  # a CommitLog directory the broker would refuse (StoreLayoutError), not one record
 CORRUPT_REASONS = (*CORRUPT_RECORD_FIELDS, LAYOUT_REASON)
-
-
-@dataclass(frozen=True, slots=True)
-class RetentionBehind:
-    """Expired output still on disk, as the clean-up's last look found it (`daemon.engine.cleaner`): files the
-    CommitLog no longer needs that are not deleted yet (a pass under way, or IndexFiles the checkpoint needs)."""
-
-    files: int = 0  # ConsumeQueue files
-    bytes: int = 0  # their allocated bytes
-    index_files: int = 0
-    index_bytes: int = 0
-    oldest_since: float | None = None  # time.monotonic() when a look first found the longest-waiting one expired
-
-    def seconds(self, now: float) -> float:
-        return 0.0 if self.oldest_since is None else max(0.0, now - self.oldest_since)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ import time
 
 LOCK_FILE = "reputd.lock"
 BROKER_LOCK_FILE = "lock"  # DefaultMessageStore's `lock` in the store root
+BROKER_ABORT_FILE = "abort"  # the store root's `abort`: left by a broker that did not exit cleanly
 CHECKPOINT_FILE = "reputd.checkpoint"  # daemon.engine.checkpoint's; a failed command may have written only it
 _HOLDER_MAX_BYTES = 256
 _FLOCK = struct.Struct("@hhqqi")  # struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid
