@@ -22,9 +22,10 @@ from indexcore.mappedfile import (
 )
 
 
-def pwrite_many(pending: list[tuple], paths: list[str]) -> None:
-    """`_kernels.pwrite_many`; a failure is an OSError naming the file (here and on `run`'s writer thread)."""
-    failed = _kernels.pwrite_many(pending)
+def pwrite_many(pending: list[tuple], paths: list[str], under: tuple[int, bytes] | None = None) -> None:
+    """`_kernels.pwrite_many`; a failure is an OSError naming the file (here and on `run`'s writer thread). With
+    `under` (a directory's descriptor and path), the files under it that a write opens are opened relative to it."""
+    failed = _kernels.pwrite_many(pending, *under) if under is not None else _kernels.pwrite_many(pending)
     if failed is not None:
         at, left, position, err = failed
         raise OSError(err, f"cannot write {left} bytes at {position} ({os.strerror(err)})", paths[at])

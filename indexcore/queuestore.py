@@ -37,7 +37,7 @@ from indexcore.mappedfile import (
 )
 from indexcore.openfiles import OpenFiles
 from indexcore.queuefiles import ConsumeQueue
-from indexcore.queuetable import QueueTable
+from indexcore.queuetable import QueueTable, SlotIndex
 
 _RADIX_KEYS = 1 << 16
 MAX_QUEUE_KEYS = 1 << 22  # queue keys (topics x span of queue ids) of a batch counted in C
@@ -50,15 +50,6 @@ OPEN_QUEUE_FILES = 512
 # Appends a store gathers (`ConsumeQueueStore.hold_bytes`) are all written once the batches' arrays of units
 # they keep alive come to this many bytes (a piece is a slice of its batch's array, never a copy).
 HELD_BYTES_BUDGET = 64 * 1024 * 1024
-# A dispatch writes the gathered appends of the queues that came of age (`hold_seconds`), those gathered first, at
-# most the share of the holding queues that come of age in the time since the last batch, times RELEASE_CATCH_UP,
-# and at least RELEASE_OLD_QUEUES; the others wait for the next batches. `run` over 10,000 queues, each written
-# every second, gathers the first append of nearly every queue in the same batch after a release: they all came of
-# age together, and one batch (or the flusher, under the dispatch lock) wrote 5,000-10,000 files at once, an open,
-# a pwritev and a close each outside the descriptor set: 50 ms to 5.9 s, the p99 append-to-dispatch latency of
-# about 1 s. Spread over the batches they stay spread.
-RELEASE_OLD_QUEUES = 64
-RELEASE_CATCH_UP = 2.0
 
 
 class QueueUnits(NamedTuple):
@@ -269,6 +260,7 @@ class ConsumeQueueStore:
         # a new queue's first file created by its first write (`OpenFiles.create_later`): a rebuild's, read by none
         self.create_on_write = False
         self._topic_dirs: set[str] = set()  # topics whose directory this store has seen or made
+        self.slot_index = SlotIndex()  # the slots of the queues batches met, by topic and queue id
         self.last_put = float("-inf")  # when `dispatch` last put units (time.monotonic)
 
     def load(self) -> None:
@@ -391,15 +383,18 @@ class ConsumeQueueStore:
         return stats
 
     def _put_grouped(self, g: FlatUnits, stats: PutStats) -> None:
-        get, topics = self.queues.get, g.topics
-        keys = [(topics[t], q) for t, q in zip(g.topic_index.tolist(), g.queue_id.tolist(), strict=True)]
-        cqs = [get(key) for key in keys]
-        if None in cqs:
-            first = g.queue_offset[g.bounds[:-1]].tolist()
-            self._create([(keys[i], first[i]) for i, cq in enumerate(cqs) if cq is None], stats)
-            cqs = [cq or self.queue(*key) for cq, key in zip(cqs, keys, strict=True)]
+        slots = self.slot_index.lookup(g.topics, g.topic_index, g.queue_id)
+        missing = np.flatnonzero(slots < 0)
+        if len(missing):  # queues the index has not met: by key, created first if the store does not hold them
+            get, ti, qi = self.queues.get, g.topic_index[missing].tolist(), g.queue_id[missing].tolist()
+            keys = [(g.topics[t], q) for t, q in zip(ti, qi, strict=True)]
+            cqs = [get(key) for key in keys]
+            if None in cqs:
+                first = g.queue_offset[g.bounds[:-1][missing]].tolist()
+                self._create([(keys[i], first[i]) for i, cq in enumerate(cqs) if cq is None], stats)
+                cqs = [cq or self.queue(*key) for cq, key in zip(cqs, keys, strict=True)]
+            slots[missing] = [self.slot_index.add(*key, cq._slot) for key, cq in zip(keys, cqs, strict=True)]
         t, size = self.table, self.file_size
-        slots = np.fromiter((cq._slot for cq in cqs), dtype=np.int64, count=len(cqs))
         lo, hi = g.bounds[:-1], g.bounds[1:]
         start, at = t.last_start[slots], t.write_pos[slots]
         # the one placement place_units gives a streak that continues its queue inside its last file
@@ -411,27 +406,20 @@ class ConsumeQueueStore:
             if t.held[slots[slow]].any():  # what these queues gathered goes first
                 t.release()
             qo, units, ends, streak = g.queue_offset, g.units, g.ends, g.one_streak
+            queues = t.queues
             for i, a, b in zip(slow, lo[slow].tolist(), hi[slow].tolist(), strict=True):
-                cqs[i].put_packed(qo[a:b], units[a:b], ends[a:b], bool(streak[i]), later=True, stats=stats)
-        fs, flo, fhi, fat = slots[fast], lo[fast], hi[fast], at[fast]
-        count = fhi - flo
-        t.write_pos[fs] = fat + count * CQ_UNIT_SIZE
-        t.max_phy[fs] = g.ends[fhi - 1]
-        t.dirty[fs] = True
-        stats.written += int(count.sum())
+                queues[slots.item(i)].put_packed(qo[a:b], units[a:b], ends[a:b], bool(streak[i]), later=True,
+                                                 stats=stats)
+        fs = slots[fast]
         now, since = time.monotonic(), self.last_put
         self.last_put = now
-        t.gather(g.units, fs, flo, fhi, fat, now)
+        stats.written += t.append(g.units, g.ends, fs, lo[fast], hi[fast], at[fast], now)
         if self.hold_bytes:
             full = fs[t.held[fs] >= self.hold_bytes]
             if len(full):
                 t.release(full)
             if self.hold_seconds is not None:
-                elapsed = now - since  # inf for the first batch
-                finite = self.hold_seconds > 0 and elapsed < float("inf")
-                share = RELEASE_CATCH_UP * elapsed / self.hold_seconds if finite else 1.0
-                most = None if share >= 1 else max(RELEASE_OLD_QUEUES, int(share * np.count_nonzero(t.held[: len(t)])))
-                t.release_older(now - self.hold_seconds, most)
+                t.release_due(now, since, self.hold_seconds)
 
     @property
     def touched(self) -> np.ndarray:

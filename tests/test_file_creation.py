@@ -426,9 +426,9 @@ def test_a_rebuild_creates_each_new_queue_file_with_its_first_write(tmp_path, mo
     made_at_once: list[int] = []
     real_write, real_make = openfiles._kernels.pwrite_many, openfiles.OpenFiles._make
 
-    def pwrite_many(pending):
+    def pwrite_many(pending, *under):
         writes.extend(pending)
-        return real_write(pending)
+        return real_write(pending, *under)
 
     def make(files, paths, keep_open):
         made_at_once.append(len(paths))

@@ -13,12 +13,14 @@ import pytest
 
 from daemon.config import load_config
 from daemon.engine.dispatchers import ConsumeQueueDispatcher
-from indexcore import queuestore
+from indexcore import queuetable
 from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE, PutStats
 from indexcore.errors import StoreLayoutError
 from indexcore.queuefiles import ConsumeQueue
 from indexcore.queuestore import ConsumeQueueStore, consume_queue_units
 from tests.conftest import DispatchRec, make_dispatch_batch
+
+UNITS = np.dtype([("commit_log_offset", "<i8"), ("size", "<i4"), ("tags", "<i8")])  # CQ_UNIT_SIZE bytes
 
 
 def tree(root: Path) -> dict[str, bytes]:
@@ -126,8 +128,8 @@ def test_appends_that_come_of_age_together_are_written_a_few_queues_a_batch(tmp_
     """10 queues gathered in one batch, all past `hold_seconds` at once: each later batch writes the appends of
     the RELEASE_OLD_QUEUES (3 here, and no share) queues gathered first, not all 10 (`run` over 10,000 queues
     wrote thousands of files in one batch every second), and the files end as if written at once."""
-    monkeypatch.setattr(queuestore, "RELEASE_OLD_QUEUES", 3, raising=False)
-    monkeypatch.setattr(queuestore, "RELEASE_CATCH_UP", 0.0, raising=False)  # the least only
+    monkeypatch.setattr(queuetable, "RELEASE_OLD_QUEUES", 3)
+    monkeypatch.setattr(queuetable, "RELEASE_CATCH_UP", 0.0)  # the least only
     store = ConsumeQueueStore(str(tmp_path), 1000 * CQ_UNIT_SIZE)
     store.hold_bytes, store.hold_seconds = 1 << 20, 1e-9
     queues = [f"T{i}" for i in range(10)]
@@ -254,8 +256,8 @@ def test_the_gathered_appends_released_in_any_order_are_written_in_each_queues_o
             self.got: list[int] = []
 
         def write_later(self, data, position: int) -> None:
-            for piece in data if isinstance(data, list) else [data]:
-                self.got.extend(piece["commit_log_offset"].tolist())
+            for piece in data if isinstance(data, list) else [data]:  # views of the batches' arrays, or a copy
+                self.got.extend(np.frombuffer(piece, dtype=UNITS)["commit_log_offset"].tolist())
 
     table = QueueTable(4)
     queues = [Recorder() for _ in range(40)]
@@ -270,7 +272,7 @@ def test_the_gathered_appends_released_in_any_order_are_written_in_each_queues_o
         if action < 6:
             slots = np.sort(rng.choice(40, size=int(rng.integers(1, 12)), replace=False))
             counts = rng.integers(1, 4, len(slots))
-            units = np.zeros(int(counts.sum()), dtype=[("commit_log_offset", "<i8"), ("size", "<i4"), ("tags", "<i8")])
+            units = np.zeros(int(counts.sum()), dtype=UNITS)
             units["commit_log_offset"] = np.arange(phy, phy + len(units))
             phy += len(units)
             hi = np.cumsum(counts)
@@ -308,3 +310,73 @@ def test_the_gathered_appends_released_in_any_order_are_written_in_each_queues_o
     table.release()
     assert table.pinned == 0
     assert not table._arrays
+
+
+def test_many_small_pieces_of_a_queue_are_handed_over_as_one_buffer() -> None:
+    """A queue's appends gathered a unit at a time from many batches (`run` over 10,000 queues) are released as one
+    contiguous buffer per queue, its pieces copied back to back in the order gathered, not a view per piece; large
+    pieces are still written from the batches' own arrays."""
+    from indexcore.queuetable import SMALL_PIECES, QueueTable
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.writes: list[tuple[object, int]] = []
+
+        def write_later(self, data, position: int) -> None:
+            self.writes.append((data, position))
+
+    table = QueueTable(4)
+    queues = [Recorder() for _ in range(3)]
+    for q in queues:
+        table.add(q)
+    phy = 0
+    for _ in range(5):  # five batches, one unit for each queue in each
+        units = np.zeros(3, dtype=UNITS)
+        units["commit_log_offset"] = np.arange(phy, phy + 3)
+        phy += 3
+        table.gather(units, np.arange(3), np.arange(3), np.arange(1, 4), np.full(3, 40), 0.0)
+    table.release(np.array([0, 2]))
+    for s, q in ((0, queues[0]), (2, queues[2])):
+        [(data, position)] = q.writes
+        assert not isinstance(data, list)
+        assert position == 40
+        assert np.frombuffer(data, dtype=UNITS)["commit_log_offset"].tolist() == list(range(s, 15, 3))
+    assert queues[1].writes == []
+    assert table.pinned == 5 * 3 * UNITS.itemsize
+
+    big = np.zeros(8 * SMALL_PIECES // UNITS.itemsize, dtype=UNITS)
+    table.gather(big, np.array([1]), np.array([0]), np.array([len(big)]), np.array([140]), 0.0)
+    table.release()
+    [(data, position)] = queues[1].writes  # five one-unit pieces and a large one: views of the batches' arrays
+    assert isinstance(data, list)
+    assert len(data) == 6
+    assert data[-1].base is big
+    assert table.pinned == 0
+
+
+def test_the_slot_index_answers_as_a_dict_of_the_queues_entered() -> None:
+    """Random topics and queue ids entered into `SlotIndex`es (rows and columns growing) and looked up a batch at
+    once: each answer is the slot entered, as a dict of (topic, queue id) says, or -1 for a queue not entered; a
+    small index leaves out what does not fit in its cells (its caller looks those up by key) and never answers
+    another queue's slot."""
+    from indexcore.queuetable import SlotIndex
+
+    rng = random.Random(43)
+    roomy, small, model = SlotIndex(), SlotIndex(max_cells=300 * 40), {}
+    topics = [f"T{i}" for i in range(300)]
+    for step in range(3000):
+        topic, qid = rng.choice(topics), rng.choice([0, 1, 3, 7, rng.randrange(64), rng.randrange(2000)])
+        if (topic, qid) not in model:
+            model[(topic, qid)] = step
+            assert roomy.add(topic, qid, step) == step
+            assert small.add(topic, qid, step) == step
+        if step % 100 == 99:
+            batch_topics = rng.sample(topics, 20)
+            ti = np.array([rng.randrange(20) for _ in range(50)], dtype=np.int64)
+            qi = np.array([rng.choice([0, 1, 3, rng.randrange(2000)]) for _ in range(50)], dtype=np.int64)
+            expect = [model.get((batch_topics[t], q), -1) for t, q in zip(ti.tolist(), qi.tolist(), strict=True)]
+            assert roomy.lookup(tuple(batch_topics), ti, qi).tolist() == expect
+            got = small.lookup(tuple(batch_topics), ti, qi).tolist()
+            assert all(g in (e, -1) for g, e in zip(got, expect, strict=True))
+    assert small._rows.size <= small.max_cells
+    assert 0 < np.count_nonzero(small._rows >= 0) < len(model)

@@ -92,8 +92,8 @@ def test_kill_in_the_middle_of_a_batch_before_the_first_checkpoint(store, monkey
             d.gather_appends(0)  # each batch written at its end, queue after queue (a gathered one: none of it)
     real_writes = _kernels.pwrite_many
 
-    def write_five_then_die(writes):
-        real_writes(writes[:5])
+    def write_five_then_die(writes, *under):
+        real_writes(writes[:5], *under)
         raise Killed
 
     monkeypatch.setattr(_kernels, "pwrite_many", write_five_then_die)

@@ -14,6 +14,7 @@ import pytest
 
 from daemon.engine.flusher import Flusher, sync_plans
 from daemon.engine.writebehind import WriteBehind
+from indexcore import _kernels as openfiles_kernels
 from indexcore.consumequeue import CQ_UNIT, CQ_UNIT_SIZE
 from indexcore.openfiles import OpenFiles
 from tests.conftest import DispatchRec, make_dispatch_batch
@@ -29,10 +30,10 @@ class GatedWriteBehind(WriteBehind):
         self.made: list[int] = []
         super().__init__(**kw)
 
-    def _write(self, writes, paths):
+    def _write(self, writes, paths, under=None):
         self.gate.wait()
         self.made.append(len(writes))
-        return super()._write(writes, paths)
+        return super()._write(writes, paths, under)
 
 
 def _open_later(gate: threading.Event, after: float = 0.2) -> None:
@@ -253,3 +254,40 @@ def test_a_flush_drops_the_index_entries_from_the_rss_and_keeps_the_slot_table(t
     rss = _mapping_rss(path)
     assert 150_000 <= rss <= 4 * slots + 8192  # the slot table's pages (most touched), no entry's
     d.close()
+
+
+def test_the_writer_opens_files_under_its_directory_relative_to_it(tmp_path: Path, monkeypatch) -> None:
+    """A writer given the store's directory opens the files its writes open (those outside the descriptor set)
+    relative to a descriptor of that directory: the kernel walks the last names only. Files elsewhere are opened by
+    their whole paths, and before the directory exists every write is."""
+    import os
+
+    calls: list[tuple] = []
+    real = openfiles_kernels.pwrite_many
+
+    def pwrite_many(pending, *under):
+        calls.append(under)
+        return real(pending, *under)
+
+    monkeypatch.setattr(openfiles_kernels, "pwrite_many", pwrite_many)
+    root = tmp_path / "consumequeue"
+    writer = WriteBehind(under=str(root))
+    elsewhere = tmp_path / "other"
+    elsewhere.write_bytes(bytes(40))
+    writer.submit([(-1, b"early", 0, str(elsewhere))], [str(elsewhere)])  # no directory yet: whole paths
+    writer.drain()
+    (root / "T" / "0").mkdir(parents=True)
+    inside = root / "T" / "0" / "00000000000000000000"
+    inside.write_bytes(bytes(40))
+    writer.submit([(-1, b"relative", 8, str(inside)), (-1, b"whole", 20, str(elsewhere))],
+                  [str(inside), str(elsewhere)])
+    writer.drain()
+    os.rename(root, tmp_path / "moved")  # the descriptor follows the directory: proof the write went through it
+    writer.submit([(-1, b"moved", 30, str(inside))], [str(inside)])
+    writer.drain()
+    writer.close()
+    assert calls[0] == ()
+    assert [len(c) for c in calls[1:]] == [2, 2]
+    assert (tmp_path / "moved" / "T" / "0" / "00000000000000000000").read_bytes() == \
+        bytes(8) + b"relative" + bytes(14) + b"moved" + bytes(5)
+    assert elsewhere.read_bytes() == b"early" + bytes(15) + b"whole" + bytes(15)

@@ -123,7 +123,7 @@ class ConsumeQueueDispatcher:
         """Make the queues' writes on a writer thread of their own from now on (`daemon.engine.writebehind`):
         `run`, whose dispatching thread they delayed. `close` ends it."""
         if self._writer is None:
-            self._writer = WriteBehind()
+            self._writer = WriteBehind(under=self.queues.root)
             self.queues.open_files.write_behind(self._writer)
 
     def prepare(self, batch: DispatchBatch) -> None:

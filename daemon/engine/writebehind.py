@@ -15,6 +15,8 @@ write failed no later barrier passes, so nothing after the failure is ever check
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import threading
 
 from indexcore import _failpoints
@@ -28,7 +30,11 @@ MAX_BEHIND = 8
 class WriteBehind:
     """One writer thread making handed-over batches of writes (`_kernels.pwrite_many` lists) in order."""
 
-    def __init__(self, name: str = "reputd-cq-writer", max_behind: int = MAX_BEHIND):
+    def __init__(self, name: str = "reputd-cq-writer", max_behind: int = MAX_BEHIND, under: str | None = None):
+        """`under`: the directory the files written lie under (the store's `consumequeue/`): a file a write opens
+        is opened relative to a descriptor of it (`pwrite_many`), once it exists."""
+        self._under = under
+        self._dir: tuple[int, bytes] | None = None  # (descriptor, path) of `under`, opened by the first write
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self._submitted = 0  # batches handed over
@@ -84,6 +90,9 @@ class WriteBehind:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+        if self._dir is not None:
+            os.close(self._dir[0])
+            self._dir = None
 
     @property
     def behind(self) -> int:
@@ -100,7 +109,9 @@ class WriteBehind:
                 dropped = self._error is not None
             if not dropped:
                 _failpoints.reached("consumequeue.write_behind")  # the crash matrix: a kill with writes in flight
-            error = None if dropped else self._write(writes, paths)
+            if not dropped and self._dir is None and self._under is not None:
+                self._open_under()
+            error = None if dropped else self._write(writes, paths, self._dir)
             with self._cond:
                 self._queue.popleft()
                 if error is not None and self._error is None:
@@ -108,10 +119,14 @@ class WriteBehind:
                 self._done += 1
                 self._cond.notify_all()
 
+    def _open_under(self) -> None:
+        with contextlib.suppress(OSError):  # not made yet: the writes open their files by their whole paths
+            self._dir = (os.open(self._under, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC), os.fsencode(self._under))
+
     @staticmethod
-    def _write(writes: list[tuple], paths: list[str]) -> OSError | None:
+    def _write(writes: list[tuple], paths: list[str], under: tuple[int, bytes] | None = None) -> OSError | None:
         try:
-            pwrite_many(writes, paths)
+            pwrite_many(writes, paths, under)
         except OSError as e:
             return e
         except Exception as e:  # any failure stops the writes, to be raised on the dispatching side
