@@ -319,9 +319,37 @@ def _freeze_start_up() -> None:
 
     gc.freeze()
     gc.set_threshold(PASS_GC_YOUNG, *gc.get_threshold()[1:])
+    _keep_freed_memory()
 
 
 PASS_GC_YOUNG = 50_000
+# glibc's mallopt(3) parameters, and what a pass sets them to: memory freed by one batch is kept for the next
+# (up to PASS_TRIM_THRESHOLD at the top of the heap), and arrays up to PASS_MMAP_THRESHOLD (glibc's most) come
+# from the heap, instead of fresh pages from the kernel, zeroed, for every batch. Batches widened over thousands
+# of queues allocate hundreds of MB each: the kernel's page zeroing was a tenth of an 8,000-queue rebuild's CPU
+# (perf), and 6 interleaved pairs with these values took 1.48 against 1.58 CPU-s (0.86 against 0.97 s of system
+# time). The memory stays with the process until it exits, which a pass does when it ends.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+PASS_TRIM_THRESHOLD = 1 << 30
+PASS_MMAP_THRESHOLD = 32 << 20
+
+
+PASS_STATE: dict[str, bool] = {}  # what `_keep_freed_memory` did in this process ("memory_kept")
+
+
+def _keep_freed_memory(libc=None) -> bool:
+    """mallopt the pass's thresholds; False where there is no glibc mallopt (another C library: nothing done)."""
+    import ctypes
+
+    try:
+        mallopt = (libc if libc is not None else ctypes.CDLL(None)).mallopt
+    except (AttributeError, OSError):
+        kept = False
+    else:
+        kept = bool(mallopt(M_TRIM_THRESHOLD, PASS_TRIM_THRESHOLD)) & bool(
+            mallopt(M_MMAP_THRESHOLD, PASS_MMAP_THRESHOLD))
+    PASS_STATE["memory_kept"] = kept
+    return kept
 
 
 # What a process may raise its descriptor limit to when the hard limit is unlimited: Linux refuses more than
