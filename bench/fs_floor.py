@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from indexcore import _kernels
+from indexcore.mappedfile import sync_file_system
 
 QUEUE_FILE_SIZE = 300_000 * 20  # mappedFileSizeConsumeQueue's default
 PIECE = 128
@@ -56,11 +57,7 @@ def main() -> int:
         if failed is not None:
             raise OSError(failed[3], f"write {failed[0]} of piece at {at} failed")
     c1, s1 = cpu()
-    fd = os.open(cq, os.O_RDONLY)
-    try:
-        _kernels.syncfs(fd)
-    finally:
-        os.close(fd)
+    sync_file_system(str(cq))
     c2, _ = cpu()
     wall = time.perf_counter() - t0
     n = len(items)

@@ -24,6 +24,7 @@ from indexcore.consumequeue import CONSUME_QUEUE_DIR, last_written_unit
 from indexcore.errors import StoreError
 from indexcore.indexfile import INDEX_HEADER, INDEX_HEADER_SIZE, IndexHeader
 from indexcore.indexservice import INDEX_DIR
+from indexcore.mappedfile import sync_file
 from indexcore.reader import ReadStatus
 
 # the three StoreCheckpoint fields a 4.9.3 broker reads, by their Java names
@@ -156,14 +157,6 @@ def read_broker_checkpoint(root: str) -> tuple[bytes | None, StoreCheckpoint | N
         return data, None, str(e)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_broker_checkpoint(root: str, checkpoint: StoreCheckpoint) -> None:
     """Write `checkpoint` and sync it. An existing one is written in place, one page as the broker writes it,
     so it keeps its owner and mode (a new file made by a reputd running as root would be one the broker's
@@ -186,7 +179,7 @@ def write_broker_checkpoint(root: str, checkpoint: StoreCheckpoint) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(root)
+        sync_file(root, data_only=False)
         return
     try:
         os.pwrite(fd, page, 0)
@@ -214,7 +207,7 @@ def foreign_owned(config: Config) -> tuple[int, int, list[str]]:
 def remove_file(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    sync_file(os.path.dirname(path) or ".", data_only=False)
 
 
 def _when(ms: int) -> str:
